@@ -1,0 +1,37 @@
+"""memfit: train and fine-tune causal language models within the GPU memory you have.
+
+Public API (each is what one CLI subcommand calls):
+
+- ``estimate(model, run)``: analytic memory breakdown of one training step (``memory.estimate``).
+- ``trace(model, run)``: the same breakdown from the model's real code on fake tensors (``memory.trace``).
+- ``plan(model, budget, ...)``: ranked configurations that fit a memory budget (``plan.search``).
+- ``train(config)``: train on Accelerate and report measured against predicted memory (``train.loop``).
+
+Imports are lazy so that ``import memfit`` and ``memfit --help`` stay fast (torch is not loaded).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "estimate", "trace", "plan", "train"]
+
+
+def __getattr__(name: str):
+    if name == "estimate":
+        from memfit.memory.estimate import estimate
+
+        return estimate
+    if name == "trace":
+        from memfit.memory.trace import trace
+
+        return trace
+    if name == "plan":
+        from memfit.plan.search import plan
+
+        return plan
+    if name == "train":
+        from memfit.train.loop import train
+
+        return train
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""The ``memfit`` command line: thin subcommands over the library API.
+
+Subcommands are imported lazily so ``memfit --help`` does not load torch. A ``UserError`` raised
+anywhere below becomes one line on stderr (``error: ...``) and exit code 1, without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from memfit import __version__
+from memfit.errors import UserError
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("memfit.cli.train", "Train or fine-tune a causal LM on Accelerate and measure its memory."),
+    "estimate": ("memfit.cli.estimate", "Where every byte of a training step goes (analytic or --exact)."),
+    "plan": ("memfit.cli.plan", "The fastest configuration that fits a memory budget."),
+    "presets": ("memfit.cli.presets", "List the architecture presets and the GPU table."),
+}
+
+
+class UserFacingError(click.ClickException):
+    """A ``UserError`` as click shows it: one sentence, exit 1."""
+
+    exit_code = 1
+
+    def show(self, file=None) -> None:  # noqa: ARG002 - click's signature
+        click.echo(f"error: {self.message}", err=True)
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name, (module, _) in SUBCOMMANDS.items() if importlib.util.find_spec(module)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str):
+        if cmd_name not in SUBCOMMANDS:
+            return None
+        module = importlib.import_module(SUBCOMMANDS[cmd_name][0])
+        return module.command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as err:
+            raise UserFacingError(str(err)) from None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="memfit")
+def cli() -> None:
+    """memfit: train causal language models within the GPU memory you have.
+
+    \b
+    Examples:
+      memfit train                                  # the demo: tiny model, shipped corpus
+      memfit estimate llama-2-7b --mixed-precision no
+      memfit estimate llama-3-8b --compare
+      memfit plan qwen2.5-0.5b --budget 8GiB --seq-len 1024 --batch 32
+      memfit train --model ./my-ckpt --data notes.jsonl --lora-r 16 --budget 24GiB
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="memfit")
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        click.echo("interrupted", err=True)
+        sys.exit(130)

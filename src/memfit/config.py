@@ -1,0 +1,243 @@
+"""Typed configuration: what changes memory (``RunConfig``) and how to train (``TrainConfig``).
+
+One vocabulary everywhere: precision uses Accelerate's names (``no``, ``fp16``, ``bf16``); the keys of
+``RunConfig.to_flat()`` are the names of ``memfit train``'s flags with ``-`` replaced by ``_``, so a
+plan written as YAML is read back by ``memfit train --config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from memfit.errors import UserError
+
+
+class StrEnum(str, Enum):
+    def __str__(self) -> str:  # so f-strings and YAML show "bf16", not "Precision.BF16"
+        return self.value
+
+
+class Precision(StrEnum):
+    """Accelerate's ``mixed_precision``: autocast compute dtype; weights stay in ``RunConfig.dtype``."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class DType(StrEnum):
+    """The dtype the model's weights are stored in."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Optimizer(StrEnum):
+    """Optimizer variants; they differ in state bytes and in step-time temporaries.
+
+    ``adamw`` is torch's default implementation choice: ``foreach`` on CUDA, single-tensor on CPU.
+    """
+
+    ADAMW = "adamw"
+    ADAMW_FUSED = "adamw-fused"
+    ADAMW_FOREACH = "adamw-foreach"
+    ADAMW_8BIT = "adamw-8bit"
+    SGD = "sgd"
+    ADAFACTOR = "adafactor"
+
+
+class Quantize(StrEnum):
+    """Quantized frozen base for QLoRA (bitsandbytes, CUDA only)."""
+
+    NONE = "none"
+    Q4 = "4bit"
+    Q8 = "8bit"
+
+
+class Sharding(StrEnum):
+    """How model states are split across ``num_processes`` ranks."""
+
+    DDP = "ddp"  # replicated
+    FSDP = "fsdp"  # FULL_SHARD: params, grads and optimizer state sharded
+    ZERO2 = "zero2"  # grads and optimizer state sharded
+    ZERO3 = "zero3"  # like FSDP full shard
+
+
+class Offload(StrEnum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"  # optimizer state (and step) on CPU
+    PARAMS = "params"  # parameters and optimizer state on CPU
+
+
+class Attention(StrEnum):
+    SDPA = "sdpa"
+    EAGER = "eager"
+    FLASH = "flash_attention_2"
+
+
+DEFAULT_LORA_TARGETS: tuple[str, ...] = ("all-linear",)
+
+
+def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        choices = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        raise UserError(f"Unknown {flag} {value!r}; choose one of: {choices}.") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything about a training run that changes its memory and speed (what estimate and plan see)."""
+
+    seq_len: int = 256
+    """Tokens per sequence."""
+    micro_batch: int = 8
+    """Sequences per forward/backward pass on one process."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    num_processes: int = 1
+    """Data-parallel ranks; memory numbers are per rank."""
+    mixed_precision: Precision = Precision.NO
+    """Accelerate's autocast precision."""
+    dtype: DType = DType.FP32
+    """Stored weight dtype (``bf16`` with ``mixed_precision=no`` is pure bf16 training)."""
+    grad_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of keeping its activations."""
+    lora_r: int = 0
+    """LoRA rank; 0 is a full fine-tune."""
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
+    quantize: Quantize = Quantize.NONE
+    """QLoRA: frozen base in 4 or 8 bit (needs ``lora_r > 0``)."""
+    optimizer: Optimizer = Optimizer.ADAMW
+    offload: Offload = Offload.NONE
+    sharding: Sharding = Sharding.DDP
+    attn_implementation: Attention = Attention.SDPA
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "mixed_precision", _enum(Precision, self.mixed_precision, "--mixed-precision"))
+        set_(self, "dtype", _enum(DType, self.dtype, "--dtype"))
+        set_(self, "optimizer", _enum(Optimizer, self.optimizer, "--optimizer"))
+        set_(self, "quantize", _enum(Quantize, self.quantize, "--quantize"))
+        set_(self, "offload", _enum(Offload, self.offload, "--offload"))
+        set_(self, "sharding", _enum(Sharding, self.sharding, "--sharding"))
+        set_(self, "attn_implementation", _enum(Attention, self.attn_implementation, "--attn-implementation"))
+        if isinstance(self.lora_targets, str):
+            set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
+        else:
+            set_(self, "lora_targets", tuple(self.lora_targets))
+        for name in ("seq_len", "micro_batch", "grad_accum", "num_processes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}.")
+        if self.lora_r < 0:
+            raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
+        if self.quantize is not Quantize.NONE and self.lora_r == 0:
+            raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
+
+    # derived numbers -------------------------------------------------------------------------
+    def effective_batch(self) -> int:
+        """Sequences per optimizer step across all processes."""
+        return self.micro_batch * self.grad_accum * self.num_processes
+
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step across all processes (padding included)."""
+        return self.effective_batch() * self.seq_len
+
+    def is_lora(self) -> bool:
+        return self.lora_r > 0
+
+    def compute_dtype(self) -> str:
+        """The dtype matmuls run in: the autocast dtype if mixed precision is on, else the weight dtype."""
+        return str(self.dtype) if self.mixed_precision is Precision.NO else str(self.mixed_precision)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Plain dict with train-flag keys and YAML-friendly values."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Enum):
+                value = value.value
+            elif isinstance(value, tuple):
+                value = ",".join(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_flat(cls, data: dict[str, Any]) -> RunConfig:
+        """Build from a flat dict, ignoring keys that are not memory settings."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names and v is not None})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs."""
+
+    model: str = "tiny"
+    """Architecture preset name or local Hugging Face checkpoint directory."""
+    data: str | None = None
+    """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
+    run: RunConfig = field(default_factory=RunConfig)
+    optimizer_lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_steps: int | None = 300
+    epochs: int | None = None
+    seed: int = 0
+    packing: bool = True
+    eval_every: int = 50
+    eval_fraction: float = 0.05
+    save_every: int | None = None
+    log_every: int = 10
+    max_grad_norm: float = 1.0
+    output: str = "runs/memfit-run"
+    resume: bool = False
+    overwrite: bool = False
+    merge: bool = False
+    trust_remote_code: bool = False
+    samples: int = 3
+    """Generated samples printed at the end of the run."""
+    budget: str | None = None
+    """Memory budget (``24GiB``); when set, ``memfit plan`` picks the run settings first."""
+    tracker: str | None = None
+    """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
+    check_equivalence: bool = False
+    json: bool = False
+
+    def to_flat(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
+        out["lr"] = out.pop("optimizer_lr")
+        out.update(self.run.to_flat())
+        return out
+
+    @classmethod
+    def from_flat(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from flat train-flag keys (a YAML config, or the CLI's merged flags)."""
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        names = {f.name for f in fields(cls)} - {"run", "optimizer_lr"}
+        run_names = {f.name for f in fields(RunConfig)}
+        unknown = set(data) - names - run_names - {"lr"}
+        if unknown:
+            raise UserError(f"Unknown setting(s) in config: {', '.join(sorted(unknown))}.")
+        kwargs = {k: v for k, v in data.items() if k in names and v is not None}
+        if data.get("lr") is not None:
+            kwargs["optimizer_lr"] = float(data["lr"])
+        return cls(run=RunConfig.from_flat(data), **kwargs)

@@ -1,0 +1,1 @@
+"""Memory: one ``MemoryBreakdown`` type, obtained three ways (analytic, exact trace, measured)."""

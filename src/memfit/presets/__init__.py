@@ -1,0 +1,1 @@
+"""Shipped data: architecture presets and the GPU table."""

@@ -1,0 +1,120 @@
+"""Units: bytes, GB versus GiB, dtype sizes, and parsing/formatting of memory sizes.
+
+GPU memory is sold in GiB ("24 GB" cards have 24 GiB = 25.77 GB), while model sizes are usually
+quoted in GB (1e9 bytes). memfit parses both spellings exactly and always labels what it prints.
+This is the only module that divides by 1e9 or 2**30.
+"""
+
+from __future__ import annotations
+
+import re
+
+from memfit.errors import UserError
+
+KB, MB, GB = 10**3, 10**6, 10**9
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+#: Bytes per element for the dtypes memfit talks about (the names are torch's and memfit's flags').
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "int8": 1,
+    "8bit": 1,
+    "4bit": 0.5,  # NF4/FP4 payload only; bitsandbytes' absmax/quant-state overhead is added separately
+    "bool": 1,
+    "int64": 8,
+}
+
+_UNITS = {
+    "b": 1,
+    "kb": KB,
+    "mb": MB,
+    "gb": GB,
+    "tb": 10**12,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def dtype_bytes(name: str) -> float:
+    """Bytes per element of a dtype given by memfit's or torch's name (``"bf16"``, ``"float32"``)."""
+    key = str(name).removeprefix("torch.").lower()
+    if key not in DTYPE_BYTES:
+        raise UserError(f"Unknown dtype {name!r}; expected one of fp32, bf16, fp16.")
+    return DTYPE_BYTES[key]
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse ``"24GiB"``, ``"24 GB"``, ``"80gib"``, ``"1.5e9"`` or a plain number of bytes into bytes.
+
+    A bare ``"24G"`` is ambiguous; memfit reads it as GiB because that is what GPU makers mean.
+    """
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise UserError(f"Memory size must be positive, got {text}.")
+        return int(text)
+    raw = str(text)
+    match = _SIZE_RE.match(raw)
+    if not match:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise UserError(f"Cannot read memory size {raw!r}; write it like 24GiB, 24GB or 8000MiB.") from None
+        return parse_size(value)
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit in ("g", "gi"):
+        unit = "gib"
+    elif unit in ("m", "mi"):
+        unit = "mib"
+    elif unit in ("t", "ti"):
+        unit = "tib"
+    elif unit == "":
+        unit = "b"
+    if unit not in _UNITS:
+        raise UserError(f"Unknown memory unit {match.group(2)!r} in {raw!r}; use GiB, GB, MiB or MB.")
+    if number <= 0:
+        raise UserError(f"Memory size must be positive, got {raw!r}.")
+    return int(round(number * _UNITS[unit]))
+
+
+def to_gib(n_bytes: float) -> float:
+    return n_bytes / GiB
+
+
+def to_gb(n_bytes: float) -> float:
+    return n_bytes / GB
+
+
+def fmt_gib(n_bytes: float, digits: int = 2) -> str:
+    """``"24.00 GiB"``: the unit GPU memory is sold in."""
+    return f"{n_bytes / GiB:.{digits}f} GiB"
+
+
+def fmt_gb(n_bytes: float, digits: int = 2) -> str:
+    """``"25.77 GB"`` (decimal, 1e9 bytes)."""
+    return f"{n_bytes / GB:.{digits}f} GB"
+
+
+def fmt_bytes(n_bytes: float) -> str:
+    """Human size with a binary unit chosen to fit: ``"512.0 MiB"``, ``"1.25 GiB"``."""
+    n = float(n_bytes)
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    """``"6.74 B"``, ``"124.4 M"``: parameter or token counts."""
+    n = float(n)
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {suffix}" if suffix == "B" else f"{n / size:.1f} {suffix}"
+    return f"{int(n)}"

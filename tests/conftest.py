@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny models built from a transformers config (never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run on CPU, offline, deterministic, with few threads so the 2-core CI is not oversubscribed.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+@pytest.fixture
+def tiny_llama_config():
+    """A 2-layer, hidden-64 Llama config with GQA (the test-size model)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
