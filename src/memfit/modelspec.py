@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -90,3 +91,241 @@ def check_causal_lm(config, name: str) -> None:
         raise UserError(
             f"{name!r} is a {config.model_type!r} model, which transformers cannot build as a causal language model."
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# ModelSpec: the architecture numbers the estimator needs, counted exactly from a meta-device build.
+# --------------------------------------------------------------------------------------------------
+
+#: Families whose decoder layer the analytic estimator models op by op (see memory/estimate.py).
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+    "gpt2": "gpt2",
+}
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear projection of the model, grouped by module name (``q_proj``) over all layers.
+
+    ``in_features``/``out_features`` are the mathematical shape (for GPT-2's ``Conv1D`` the weight is
+    stored transposed, the shape here is the same as an ``nn.Linear`` would have).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    count: int
+    """How many modules carry this name (usually one per decoder layer)."""
+
+    @property
+    def weight_params(self) -> int:
+        return self.in_features * self.out_features * self.count
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture numbers of a causal LM, no weights. Built by ``spec_from_config``."""
+
+    name: str
+    model_type: str
+    params: int
+    """Exact total parameter count (a tied embedding matrix counted once, as checkpoints do)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    family: str = "llama"
+    """Decoder-layer family the estimator models: llama, gemma, gemma2, phi3, gpt2 (else ``generic``)."""
+    embedding_params: int = 0
+    """Token embedding (and learned position embedding) parameters."""
+    lm_head_params: int = 0
+    """Output projection parameters when not tied to the embedding (0 when tied)."""
+    linears: tuple[LinearShape, ...] = ()
+    """Every linear/Conv1D projection inside the decoder layers (the LoRA / quantization targets)."""
+    buffer_bytes: int = 0
+    """Bytes of buffers (rotary ``inv_freq`` ...), at the dtype the model builds them in (fp32)."""
+    gated_mlp: bool = True
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    final_logit_softcapping: float | None = None
+    hf_config: Any = field(default=None, compare=False, repr=False)
+
+    # derived --------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def linear_params(self) -> int:
+        """Weights (no biases) of the decoder-layer projections: what 4/8-bit quantization packs."""
+        return sum(lin.weight_params for lin in self.linears)
+
+    @property
+    def linear_bias_params(self) -> int:
+        return sum(lin.out_features * lin.count for lin in self.linears if lin.bias)
+
+    def lora_linears(self, targets: tuple[str, ...]) -> list[LinearShape]:
+        """The projections PEFT wraps for ``target_modules=targets``.
+
+        ``all-linear`` is every Linear/Conv1D but the output head (PEFT's
+        ``_maybe_include_all_linear_layers``); otherwise a module matches when its last name component
+        equals a target (PEFT's suffix match for a list of names).
+        """
+        if any(t.lower() == "all-linear" for t in targets):
+            return list(self.linears)
+        wanted = {t.split(".")[-1] for t in targets}
+        return [lin for lin in self.linears if lin.name in wanted]
+
+    def lora_params(self, run) -> int:
+        """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r)."""
+        if not run.lora_r:
+            return 0
+        return sum(run.lora_r * (lin.in_features + lin.out_features) * lin.count
+                   for lin in self.lora_linears(run.lora_targets))
+
+    def trainable_params(self, run) -> int:
+        """All parameters for a full fine-tune, the adapters only for LoRA/QLoRA."""
+        return self.lora_params(run) if run.lora_r else self.params
+
+    def check_lora_targets(self, run) -> None:
+        """Raise ``UserError`` when LoRA targets match no projection (PEFT would raise too)."""
+        if run.lora_r and not self.lora_linears(run.lora_targets):
+            names = ", ".join(sorted({lin.name for lin in self.linears}))
+            raise UserError(f"--lora-targets {','.join(run.lora_targets)} matches no layer of {self.name}; "
+                            f"its projections are: {names}.")
+
+
+def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any]:
+    """Group every Linear/Conv1D but the output head by its last name component."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    groups: dict[str, list] = {}
+    for name, module in model.named_modules():
+        if module is head:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.in_features, module.out_features, module.bias is not None)
+        elif isinstance(module, Conv1D):
+            shape = (module.weight.shape[0], module.weight.shape[1], module.bias is not None)
+        else:
+            continue
+        groups.setdefault(name.split(".")[-1], []).append(shape)
+    out = []
+    for name, shapes in groups.items():
+        for shape in sorted(set(shapes)):
+            out.append(LinearShape(name, shape[0], shape[1], shape[2], shapes.count(shape)))
+    return tuple(out), head
+
+
+def _config_int(config, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return default
+
+
+def spec_from_config(config, name: str) -> ModelSpec:
+    """Count a config's parameters exactly by building its model on the meta device (no memory).
+
+    transformers builds the real module tree, so every architecture it knows is counted right
+    (biases, norms, tied heads); ``model.parameters()`` yields a tied matrix once.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears, head = _linear_shapes(model)
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings()
+    embedding_params = embed.weight.numel()
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+    if wpe is not None:
+        embedding_params += wpe.weight.numel()
+    tied = head is not None and head.weight is embed.weight
+    head_params = 0 if tied or head is None else head.weight.numel()
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    num_heads = _config_int(config, "num_attention_heads", "n_head")
+    hidden = _config_int(config, "hidden_size", "n_embd")
+    head_dim = _config_int(config, "head_dim", default=hidden // max(num_heads, 1))
+    act = str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+              or getattr(config, "activation_function", "gelu"))
+    names = {lin.name for lin in linears}
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return ModelSpec(
+        name=name,
+        model_type=config.model_type,
+        params=params,
+        vocab_size=_config_int(config, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_config_int(config, "intermediate_size", "n_inner", default=4 * hidden),
+        num_layers=_config_int(config, "num_hidden_layers", "n_layer"),
+        num_heads=num_heads,
+        num_kv_heads=_config_int(config, "num_key_value_heads", default=num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=_config_int(config, "max_position_embeddings", "n_positions"),
+        tie_word_embeddings=tied,
+        family=FAMILIES.get(config.model_type, "generic"),
+        embedding_params=embedding_params,
+        lm_head_params=head_params,
+        linears=linears,
+        buffer_bytes=buffer_bytes,
+        gated_mlp=bool(names & {"gate_proj", "gate_up_proj", "w1"}),
+        hidden_act=act,
+        sliding_window=int(window) if window else None,
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        hf_config=config,
+    )
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """``org/name`` that is not a local path: worth asking the Hub for its config."""
+    parts = str(model).split("/")
+    return len(parts) == 2 and all(parts) and not Path(model).expanduser().exists() and not model.startswith(".")
+
+
+def hub_config(model: str, trust_remote_code: bool = False):
+    """Fetch only ``config.json`` of a Hub model; one-sentence ``UserError`` when offline or unknown."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - offline, 404, gated: all mean "cannot read it"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"Could not fetch the config of Hub model {model!r} ({first[:160]}).") from None
+    check_causal_lm(config, model)
+    return config
+
+
+@lru_cache(maxsize=64)
+def load_spec(model: str, trust_remote_code: bool = False) -> ModelSpec:
+    """Preset name, local folder, config.json or (online) Hub id -> ``ModelSpec`` (cached)."""
+    model = str(model)
+    if not is_preset(model) and looks_like_hub_id(model):
+        config = hub_config(model, trust_remote_code)
+    else:
+        config = resolve_config(model, trust_remote_code)
+    name = model.lower() if is_preset(model) else model
+    return spec_from_config(config, name)

@@ -1,0 +1,113 @@
+"""``memfit estimate``: where every byte of a training step goes (thin over ``memfit.memory.estimate``)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from memfit.cli.options import memory_options, run_config_from
+from memfit.errors import UserError
+
+
+@click.command("estimate", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.argument("model")
+@memory_options
+@click.option("--compare", is_flag=True, help="Show fp32, AMP fp16/bf16, pure bf16, LoRA and QLoRA side by side.")
+@click.option("--exact", is_flag=True, help="Trace the real model code on fake tensors (slower, exact).")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False),
+              help="With --exact: plot memory over the step to this .png.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Stacked bar chart to this .png.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu drops the CUDA context/allocator terms and models CPU kernels.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from a local folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (MemoryBreakdown schema) instead of a table.")
+def command(model, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json, **kwargs):
+    """Where every byte of one training step of MODEL goes, per GPU.
+
+    MODEL is a preset (`memfit presets`), a local model folder or config.json, or (online) a Hub id
+    whose config.json alone is fetched. Numbers are per rank, at the step's peak.
+
+    \b
+    Examples:
+      memfit estimate llama-2-7b --mixed-precision no      # the textbook 16 bytes/param
+      memfit estimate llama-3-8b --compare --seq-len 2048 --micro-batch 1
+      memfit estimate qwen2.5-0.5b --mixed-precision bf16 --grad-checkpointing --json
+      memfit estimate llama-2-7b --lora-r 16 --quantize 4bit --dtype bf16 --plot qlora.png
+      memfit estimate tiny --exact --timeline step.png
+      memfit estimate ./my-checkpoint --seq-len 1024 --micro-batch 4
+    """
+    from memfit.memory.estimate import compare as compare_regimes
+    from memfit.memory.estimate import estimate
+    from memfit.modelspec import load_spec
+
+    run = run_config_from(kwargs)
+    if timeline_path and not exact:
+        raise UserError("--timeline plots the exact trace; add --exact.")
+    if exact and compare:
+        raise UserError("--exact and --compare cannot be combined; the comparison is analytic.")
+    spec = load_spec(model, trust_remote_code)
+    if compare:
+        rows = compare_regimes(spec, run, device=device)
+    elif exact:
+        rows = [("exact", _exact(model, spec, run, device, timeline_path))]
+    else:
+        rows = [("analytic", estimate(spec, run, device=device))]
+    if plot_path:
+        from memfit.report.plots import plot_breakdowns
+
+        plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
+    _render(spec, run, rows, compare, as_json, plot_path)
+
+
+def _exact(model, spec, run, device, timeline_path):
+    try:
+        from memfit.memory.trace import trace
+    except ImportError:
+        raise UserError("--exact needs memfit.memory.trace, which this install lacks.") from None
+    config = spec.hf_config
+    if not timeline_path:
+        return trace(config, run, device=device)
+    try:
+        from memfit.report.timeline import plot_timeline
+    except ImportError:
+        raise UserError("--timeline needs memfit.report.timeline, which this install lacks.") from None
+    breakdown, line = trace(config, run, device=device, timeline=True)
+    plot_timeline(line, timeline_path)
+    return breakdown
+
+
+def _render(spec, run, rows, compare, as_json, plot_path) -> None:
+    if as_json:
+        payload = {"model": spec.name, "config": run.to_flat()}
+        if compare:
+            payload["regimes"] = [{"name": name, "config": _regime_config(run, name), **b.to_dict()}
+                                  for name, b in rows]
+        else:
+            payload.update(rows[0][1].to_dict())
+        click.echo(json.dumps(payload, indent=2))
+        return
+    from rich.console import Console
+
+    from memfit.report.tables import breakdown_table, compare_table
+    from memfit.units import fmt_count
+
+    console = Console(width=max(Console().width, 132 if compare else 90))
+    head = (f"{spec.name}: {fmt_count(spec.params)} params, seq {run.seq_len} x micro-batch {run.micro_batch} "
+            f"= {run.seq_len * run.micro_batch:,} tokens per micro-batch")
+    if compare:
+        console.print(compare_table(rows, head + " (per rank, peak of one step)"))
+        console.print("[dim]GiB = 2^30 bytes (how GPU memory is sold); 'yes' = peak fits that much device memory.[/]")
+    else:
+        name, b = rows[0]
+        console.print(breakdown_table(b, f"{head} ({name})"))
+        for line in b.notes:
+            console.print(f"  [dim]- {line}[/]")
+    if plot_path:
+        console.print(f"plot written to {plot_path}")
+
+
+def _regime_config(run, name):
+    from memfit.memory.estimate import classic_regimes
+
+    return dict(classic_regimes(run))[name].to_flat()

@@ -1,0 +1,184 @@
+"""The analytic estimator: golden numbers by hand, the textbook 7B case, monotonicity, CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from memfit.cli import cli
+from memfit.config import RunConfig
+from memfit.memory.activations import Precisions
+from memfit.memory.estimate import autocast_weight_copies, estimate
+from memfit.modelspec import load_spec, spec_from_config
+from memfit.units import MiB
+
+RUN = dict(seq_len=16, micro_batch=2)
+
+
+@pytest.fixture
+def tiny(tiny_llama_config):
+    return spec_from_config(tiny_llama_config, "tiny-test")
+
+
+def test_golden_fp32_full(tiny):
+    """tiny_llama_config (H 64, I 128, 4 heads, 2 kv heads, head_dim 16, V 384, 2 layers), B=2, T=16, fp32."""
+    b = estimate(tiny, RunConfig(**RUN), device="cpu")
+    p = tiny.params
+    assert p == 123_200  # 2 layers x 36,864 projection weights + embedding and head 2 x 24,576 + 5 norms x 64
+    # weights: p x 4 + rotary inv_freq and original_inv_freq buffers (2 x 8 fp32) = 459,776 + 64
+    # Per layer, bytes per token (fp32: every saved tensor 4 bytes):
+    #   x, x2 (residual inputs of the two RMSNorms)       2 x 64 x 4   = 512
+    #   two norms: rsqrt (1) + normalised h (64)          2 x 65 x 4   = 520
+    #   q/k/v input (one shared tensor)                   64 x 4       = 256
+    #   SDPA: q (64) + k (32) + v (32) + out (64) + lse 4 heads  = 192 x 4 + 16 = 784
+    #   gate/up input (shared)                            64 x 4       = 256
+    #   gate out, silu out, up out                        3 x 128 x 4  = 1536
+    #   down input (gate*up)                              128 x 4      = 512
+    #   total 4,376 bytes/token x 32 tokens = 140,032 bytes per layer
+    assert b.activations_per_layer == 140_032
+    # logits: N = 32 x 384 = 12,288; backward start holds log_softmax out + its grad + logits grad, fp32: 12 N
+    # optimizer step (foreach AdamW): weights + grads + 2 moments + one param-sized temporary (the sqrt)
+    assert b.phase_peaks["optimizer"] == (4 * p + 64) + 4 * p + 8 * p + 4 * p
+    # backward start: weights + moments + 2 layers + outside (ids 256 + targets 256 + cos/sin 2x16x16x4=2048
+    #   + final norm x, rsqrt, h 32 x 516 + head input 32 x 256 = 16,512 + 8,192) + logits 12 N
+    outside = 256 + 256 + 2048 + 16_512 + 8_192
+    start = (4 * p + 64) + 8 * p + 2 * 140_032 + outside + 12 * 12_288
+    # backward end: every gradient exists (4 p) while only the outside-layer tensors are left
+    end = (4 * p + 64) + 8 * p + 4 * p + outside
+    assert b.phase_peaks["backward"] == max(start, end) == end == 1_998_528
+    assert b.peak_bytes == max(b.phase_peaks.values())
+    assert b.other == 0  # device="cpu": no CUDA context/reserve
+
+
+def test_golden_amp_bf16(tiny):
+    """Same model under AMP bf16: half-precision saves, one bf16 copy of the input per projection."""
+    b = estimate(tiny, RunConfig(mixed_precision="bf16", **RUN), device="cpu")
+    # per token: x, x2 fp32 512 + norms 520 + q/k/v inputs 3 x 64 x 2 = 384 + SDPA 192 x 2 + 16 = 400
+    #   + gate/up inputs 2 x 64 x 2 = 256 + 3 x 128 x 2 = 768 + down input 128 x 2 = 256 -> 3,096 x 32
+    assert b.activations_per_layer == 3_096 * 32
+    # autocast's bf16 weight copies of every projection + the head (saved for backward): 2 x (2 x 36,864 + 24,576)
+    assert autocast_weight_copies(tiny, RunConfig(mixed_precision="bf16"), Precisions.of(
+        RunConfig(mixed_precision="bf16"))) == 2 * (2 * 36_864 + 24_576)
+    # the peak is the optimizer step, where the temporary is foreach AdamW's fp32 sqrt(v): 4 x params
+    assert b.phase == "optimizer" and b.temporary == 4 * tiny.params
+
+
+def test_textbook_llama2_7b_to_the_byte():
+    spec = load_spec("llama-2-7b")
+    b = estimate(spec, RunConfig(mixed_precision="no", seq_len=512, micro_batch=1))
+    assert b.weights - spec.buffer_bytes == 6_738_415_616 * 4 == 26_953_662_464  # 26.95 GB
+    assert b.gradients == 6_738_415_616 * 4
+    assert b.optimizer == 6_738_415_616 * 8
+    assert (b.model_states - spec.buffer_bytes) / spec.params == 16
+    assert any("AMP" in n and "16 B/param" in n for n in b.notes)
+
+
+@pytest.mark.parametrize("field,values", [("micro_batch", (1, 2, 4, 8)), ("seq_len", (64, 128, 256, 512)),
+                                          ("lora_r", (4, 8, 16, 64))])
+def test_monotonic(tiny, field, values):
+    base = RunConfig(mixed_precision="bf16", seq_len=128, micro_batch=2)
+    peaks = [estimate(tiny, base.replace(**{field: v})).peak_bytes for v in values]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+
+
+@pytest.mark.parametrize("kw", [{}, {"mixed_precision": "bf16"}, {"dtype": "bf16"}, {"lora_r": 8},
+                                {"lora_r": 8, "quantize": "4bit", "dtype": "bf16"}])
+def test_checkpointing_never_raises_activations(kw):
+    spec = load_spec("llama-3.2-1b")
+    run = RunConfig(seq_len=1024, micro_batch=2, **kw)
+    off, on = estimate(spec, run), estimate(spec, run.replace(grad_checkpointing=True))
+    assert on.activations_per_layer < off.activations_per_layer
+    assert on.peak_bytes <= off.peak_bytes
+
+
+def test_sharding_divides_model_states():
+    spec = load_spec("llama-2-7b")
+    one = estimate(spec, RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16"))
+    fsdp = estimate(spec, RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16", num_processes=8,
+                                    sharding="fsdp"))
+    assert fsdp.optimizer == one.optimizer // 8
+    assert fsdp.peak_bytes < one.peak_bytes
+
+
+def test_qlora_weights_are_nf4():
+    spec = load_spec("llama-2-7b")
+    b = estimate(spec, RunConfig(lora_r=16, quantize="4bit", dtype="bf16"))
+    # projections at 0.516 B/param, embeddings/norms/head bf16, adapters fp32
+    assert 3.5 * 2**30 < b.weights < 4.0 * 2**30
+
+
+def test_speed_under_5ms():
+    spec = load_spec("llama-3-8b")
+    run = RunConfig(mixed_precision="bf16", lora_r=16)
+    start = time.perf_counter()
+    for _ in range(200):
+        estimate(spec, run)
+    assert (time.perf_counter() - start) / 200 < 5e-3
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _run(*args):
+    return CliRunner().invoke(cli, ["estimate", *args])
+
+
+def test_cli_json_schema():
+    res = _run("tiny", "--json", "--seq-len", "64", "--micro-batch", "2")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert {"model", "config", "params", "trainable_params", "peak_bytes", "phase", "breakdown", "method"} <= set(data)
+    assert set(data["breakdown"]) == {"weights", "gradients", "optimizer", "activations", "logits", "temporary", "other"}
+    assert data["method"] == "analytic" and data["peak_bytes"] == sum(data["breakdown"].values())
+
+
+def test_cli_table_textbook():
+    res = _run("llama-2-7b", "--mixed-precision", "no", "--seq-len", "512", "--micro-batch", "1")
+    assert res.exit_code == 0, res.output
+    assert "26,953,662,976" in res.output and "26.95" in res.output and "16.0 bytes/param" in res.output
+
+
+def test_cli_compare_and_plot(tmp_path):
+    png = tmp_path / "cmp.png"
+    res = _run("smollm2-135m", "--compare", "--plot", str(png), "--seq-len", "512", "--micro-batch", "2")
+    assert res.exit_code == 0, res.output
+    for regime in ("fp32", "AMP fp16", "AMP bf16", "pure bf16", "LoRA", "QLoRA", "ckpt", "24 GiB"):
+        assert regime in res.output
+    assert png.stat().st_size > 1000
+    data = json.loads(_run("smollm2-135m", "--compare", "--json").output)
+    assert len(data["regimes"]) == 12 and all(r["peak_bytes"] > 0 for r in data["regimes"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["llama-2-7"], "Did you mean llama-2-7b"),
+    (["tiny", "--micro-batch", "0"], "must be a positive whole number"),
+    (["tiny", "--seq-len", "-5"], "must be a positive whole number"),
+    (["tiny", "--lora-r", "8", "--lora-targets", "nope"], "matches no layer"),
+    (["tiny", "--timeline", "x.png"], "add --exact"),
+])
+def test_cli_bad_input(args, message):
+    res = _run(*args)
+    assert res.exit_code == 1 and message in res.output and "Traceback" not in res.output
+
+
+def test_cli_unknown_optimizer_is_usage_error():
+    res = _run("tiny", "--optimizer", "adam")
+    assert res.exit_code == 2 and "adamw" in res.output
+
+
+def test_cli_not_a_causal_lm(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "intermediate_size": 128}))
+    res = _run(str(cfg))
+    # BERT has a causal-LM head in transformers (BertLMHeadModel); a vision config has none.
+    cfg = tmp_path / "vit.json"
+    cfg.write_text(json.dumps({"model_type": "vit"}))
+    res = _run(str(cfg))
+    assert res.exit_code == 1 and "causal language model" in res.output
+
+
+def test_breakdown_units_are_mib_scale_for_tiny():
+    b = estimate("tiny", RunConfig())
+    assert b.other > 500 * MiB  # CUDA context on top by default
