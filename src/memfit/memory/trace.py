@@ -1,0 +1,510 @@
+"""Exact memory of one training step: the model's real code on fake tensors, every byte attributed.
+
+``trace(model, run)`` builds the model from its config under ``FakeTensorMode`` (shapes, dtypes and
+storage sizes, no data: a 7 B model costs no RAM), applies what ``memfit train`` would apply (dtype,
+LoRA via PEFT, gradient checkpointing, the optimizer with the ``foreach``/``fused`` choice torch makes
+on CUDA), and runs two full steps (forward under Accelerate's autocast wrapper, the transformers loss,
+backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``) inside torch's ``MemTracker``. The
+second step is the steady state (optimizer state exists) and is the one reported.
+
+This is the only module of memfit that imports torch's private APIs (``FakeTensorMode``,
+``torch.distributed._tools.mem_tracker``); ``_private_api()`` turns their absence into a ``UserError``.
+
+Categories (same as the analytic estimate, see ``memory/breakdown.py``), derived from MemTracker's:
+
+- ``weights`` = Parameter + Buffer; ``gradients`` = Gradient (``.grad`` of trainable parameters);
+- ``optimizer`` = bytes of the tensors in ``optimizer.state`` (moments and step counters);
+- ``logits`` = every live tensor of shape (..., V) with B*T*V elements: the LM-head output, its fp32
+  upcast, log-softmax, Accelerate's fp32 copy of ``outputs.logits`` and their gradients;
+- ``activations`` = MemTracker's Activation (created in forward or in checkpoint recompute) minus
+  logits and autocast weight copies;
+- ``temporary`` = MemTracker's Temp (backward buffers: gradients of activations) minus logits, plus the
+  autocast half-precision weight copies (``aten._to_copy`` of a parameter), plus optimizer-step
+  temporaries (what the step holds beyond ``optimizer.state``);
+- ``other`` = CUDA context, cuBLAS workspace and allocator reserve (``device="cuda"`` only), the same
+  constants the analytic estimator uses, so the two compare on tensor bytes.
+
+What a CPU trace cannot see (the CUDA kernels are not run; see docs/exact.md): attention backends'
+exact saved tensors (CPU flash SDPA saves output + logsumexp like CUDA flash; mem-efficient pads
+logsumexp to 32 rows: at most 31*B*H*4 bytes per layer), CUDA's autocast fp32 op list (``pow``,
+``softmax``, ``layer_norm``... run in fp32 on CUDA but in the input dtype on CPU; HF decoders upcast
+explicitly, except GPT-2's ``gelu_new``), allocator block rounding (512 B) and fragmentation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.errors import UserError
+from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class Timeline:
+    """Tensor bytes by category after every operator of the traced (second) step.
+
+    ``samples[i]`` maps each category (``CATEGORIES`` but ``other``) to bytes after op ``i``;
+    ``phases[i]`` is the phase op ``i`` ran in; ``other`` is added on top (constant over the step).
+    """
+
+    samples: list[dict[str, int]] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    other: int = 0
+    title: str = ""
+
+    def totals(self) -> list[int]:
+        return [sum(s.values()) + self.other for s in self.samples]
+
+    def peak_index(self) -> int:
+        totals = self.totals()
+        return max(range(len(totals)), key=totals.__getitem__) if totals else 0
+
+    def phase_bounds(self) -> dict[str, tuple[int, int]]:
+        """First and last op index (inclusive) of each phase, in step order."""
+        bounds: dict[str, tuple[int, int]] = {}
+        for i, phase in enumerate(self.phases):
+            start = bounds.get(phase, (i, i))[0]
+            bounds[phase] = (start, i)
+        return bounds
+
+
+# ------------------------------------------------------------------------------------------------
+# torch's private tools, behind one door
+# ------------------------------------------------------------------------------------------------
+def _private_api() -> dict[str, Any]:
+    """Import FakeTensorMode, MemTracker and TorchDispatchMode, or raise a one-sentence ``UserError``."""
+    try:
+        fake = importlib.import_module("torch._subclasses.fake_tensor")
+        tracker = importlib.import_module("torch.distributed._tools.mem_tracker")
+        dispatch = importlib.import_module("torch.utils._python_dispatch")
+        common = importlib.import_module("torch.distributed._tools.common_utils")
+        api = {
+            "FakeTensorMode": fake.FakeTensorMode,
+            "MemTracker": tracker.MemTracker,
+            "RefType": tracker._MemRefType,
+            "TorchDispatchMode": dispatch.TorchDispatchMode,
+            "get_untyped_storages": common.get_untyped_storages,
+        }
+    except (ImportError, AttributeError) as err:
+        import torch
+
+        raise UserError(
+            f"--exact needs torch's FakeTensorMode and MemTracker, which torch {torch.__version__} lacks "
+            f"({err}); install torch >= 2.5 or use the analytic estimate."
+        ) from None
+    return api
+
+
+# ------------------------------------------------------------------------------------------------
+# what the run would build
+# ------------------------------------------------------------------------------------------------
+def _hf_config(model: Any):
+    """A transformers ``PretrainedConfig`` from a preset name/path, a ``ModelSpec`` or a config."""
+    from transformers import PretrainedConfig
+
+    from memfit.modelspec import check_causal_lm, resolve_config
+
+    if isinstance(model, PretrainedConfig):
+        check_causal_lm(model, getattr(model, "model_type", "model"))
+        return model
+    for attr in ("hf_config", "config"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, PretrainedConfig):
+            return inner
+    if isinstance(model, str):
+        return resolve_config(model)
+    raise UserError(f"Cannot trace {model!r}: give a preset name, a model folder or a transformers config.")
+
+
+def check_supported(run: RunConfig) -> None:
+    """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce."""
+    if run.quantize is not Quantize.NONE:
+        raise UserError("--quantize is not supported in exact mode (bitsandbytes kernels cannot run on fake "
+                        "tensors); use the analytic estimate for QLoRA.")
+    if run.optimizer is Optimizer.ADAMW_8BIT:
+        raise UserError("--optimizer adamw-8bit is not supported in exact mode (bitsandbytes); use the analytic "
+                        "estimate.")
+    if run.offload is not Offload.NONE:
+        raise UserError("--offload is not supported in exact mode; use the analytic estimate.")
+    if run.num_processes > 1 or run.sharding is not Sharding.DDP:
+        raise UserError("Exact mode traces a single process; drop --num-processes/--sharding or use the analytic "
+                        "estimate for per-rank numbers.")
+
+
+def _build_model(config, run: RunConfig):
+    """The model as ``memfit train`` builds it, on the meta device: dtype, LoRA, checkpointing.
+
+    Built on meta, not under FakeTensorMode, because ``Module.to()`` on fake parameters fails in torch
+    (it swaps tensors, and fake tensors carry weak references); ``_to_fake`` then gives every parameter
+    and buffer a fake CPU storage.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    attn = "sdpa" if run.attn_implementation.value == "flash_attention_2" else run.attn_implementation.value
+    # dtype= as from_pretrained(dtype=...) loads it: weights in that dtype, rotary buffers stay fp32.
+    dtype = getattr(torch, _TORCH_DTYPES[run.dtype.value])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        if run.is_lora():
+            from peft import LoraConfig, get_peft_model
+
+            targets = "all-linear" if "all-linear" in run.lora_targets else list(run.lora_targets)
+            lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                              target_modules=targets, task_type="CAUSAL_LM")
+            # autocast_adapter_dtype=True (PEFT's default) keeps adapters in fp32 over a bf16/fp16 base.
+            try:
+                model = get_peft_model(model, lora)
+            except ValueError as err:
+                raise UserError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
+    if run.grad_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    return model
+
+
+def _to_fake(model, fake_mode) -> None:
+    """Replace every meta parameter/buffer by a fake CPU tensor of the same shape/dtype (ties kept)."""
+    import torch
+
+    done: dict[int, Any] = {}
+    with fake_mode:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    if id(p) not in done:
+                        done[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+                    module._parameters[name] = done[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    if id(b) not in done:
+                        done[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+                    module._buffers[name] = done[id(b)]
+
+
+def _build_optimizer(model, run: RunConfig):
+    """The optimizer with the implementation torch picks on CUDA (CPU would pick single-tensor)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if run.optimizer is Optimizer.ADAMW_FUSED:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH):
+        # On CUDA, torch's default for AdamW is foreach; say so explicitly or CPU tensors get single-tensor.
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    if run.optimizer is Optimizer.SGD:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    if run.optimizer is Optimizer.ADAFACTOR:
+        return torch.optim.Adafactor(params, lr=1e-3, foreach=True)
+    raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode.")
+
+
+# ------------------------------------------------------------------------------------------------
+# the recorder: MemTracker's running snapshot -> memfit's categories, after every operator
+# ------------------------------------------------------------------------------------------------
+class _Marks:
+    """Storages memfit re-labels, with MemTracker's info object (whose ``reftype`` it may update later)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def add(self, storage, winfo) -> None:
+        key = id(storage)
+        if key in self.live and self.live[key][0]() is storage:
+            return
+        self.live[key] = (weakref.ref(storage, lambda _r, key=key: self.live.pop(key, None)), winfo)
+
+    def __contains__(self, storage) -> bool:
+        entry = self.live.get(id(storage))
+        return entry is not None and entry[0]() is storage
+
+    def by_reftype(self) -> dict[Any, int]:
+        out: dict[Any, int] = {}
+        for _ref, winfo in list(self.live.values()):
+            out[winfo.reftype] = out.get(winfo.reftype, 0) + winfo.mem_consumed
+        return out
+
+
+def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_weight):
+    """A dispatch mode above MemTracker that labels logits/casts and samples categories after each op.
+
+    Logits are recognised by lineage and shape: an op output with B*T*V elements and last dimension V
+    computed from the head's weight (or its autocast copy) or from a logits tensor. Autocast weight
+    copies are ``aten._to_copy`` outputs whose input is a parameter.
+    """
+    import torch
+
+    ref = api["RefType"]
+    storages_of = api["get_untyped_storages"]
+    to_copy = torch.ops.aten._to_copy.default
+    vocab = int(head_weight.shape[0])
+    logits_numel = shape[0] * shape[1] * vocab
+
+    class Recorder(api["TorchDispatchMode"]):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits, self.casts, self.head = _Marks(), _Marks(), _Marks()
+            self.phase = "forward"
+            self.recording = False
+            self.state_bytes = 0
+            self.timeline = Timeline()
+            for st in storages_of(head_weight):
+                self.head.add(st, None)
+
+        def _winfos(self, t):
+            for st in storages_of(t):
+                winfo, _ = tracker._WINFO.get(st, (None, None))
+                if winfo is not None:
+                    yield st, winfo
+
+        def _classify(self, func, args, kwargs, out) -> None:
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if func is to_copy and any(w.reftype is ref.PARAM for _, w in self._winfos(inputs[0])):
+                from_head = any(st in self.head for st in storages_of(inputs[0]))
+                for st, winfo in self._winfos(outputs[0]):
+                    self.casts.add(st, winfo)
+                    if from_head:
+                        self.head.add(st, None)
+                return
+            logits_like = [t for t in outputs if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() == logits_numel]
+            if not logits_like:
+                return
+            sources = [st for t in inputs for st in storages_of(t)]
+            if any(st in self.head or st in self.logits for st in sources):
+                for t in logits_like:
+                    for st, winfo in self._winfos(t):
+                        self.logits.add(st, winfo)
+
+        def sample(self) -> dict[str, int]:
+            snap = next(iter(tracker._curr_mem_snap.values()), {})
+            logits, casts = self.logits.by_reftype(), self.casts.by_reftype()
+            act, tmp, opt = snap.get(ref.ACT, 0), snap.get(ref.TEMP, 0), snap.get(ref.OPT, 0)
+            optimizer = min(opt, self.state_bytes)
+            relabelled = {r: logits.get(r, 0) + casts.get(r, 0) for r in (ref.ACT, ref.TEMP, ref.OPT, ref.OTH)}
+            return {
+                "weights": snap.get(ref.PARAM, 0) + snap.get(ref.BUFFER, 0),
+                "gradients": snap.get(ref.GRAD, 0),
+                "optimizer": optimizer,
+                "activations": act - relabelled[ref.ACT],
+                "logits": sum(logits.get(r, 0) for r in relabelled),
+                "temporary": tmp - relabelled[ref.TEMP] + opt - optimizer - relabelled[ref.OPT]
+                + snap.get(ref.OTH, 0) - relabelled[ref.OTH] + sum(casts.get(r, 0) for r in relabelled),
+            }
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self._classify(func, args, kwargs or {}, out)
+            if self.recording:
+                self.timeline.samples.append(self.sample())
+                self.timeline.phases.append(self.phase)
+            return out
+
+    return Recorder()
+
+
+# ------------------------------------------------------------------------------------------------
+# the step
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Traced:
+    """What one traced run holds: the fake model, its optimizer, the modes and the batch shape."""
+
+    model: Any
+    optimizer: Any
+    forward: Any
+    tracker: Any
+    recorder: Any
+    run: RunConfig
+    vocab: int
+
+
+def _autocast_forward(model, run: RunConfig):
+    """``model.forward`` wrapped the way ``Accelerator.prepare`` wraps it for mixed precision.
+
+    Accelerate wraps forward in ``torch.autocast(device, dtype)`` and ``convert_outputs_to_fp32``
+    (so ``outputs.logits`` gets an fp32 copy). The trace runs CPU kernels, hence ``autocast("cpu")``:
+    on a CPU-only torch ``autocast("cuda")`` is inert (see DESIGN.md).
+    """
+    import torch
+    from accelerate.utils import convert_outputs_to_fp32
+
+    if run.mixed_precision is Precision.NO:
+        return model.forward
+    dtype = torch.bfloat16 if run.mixed_precision is Precision.BF16 else torch.float16
+    return convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
+
+
+def _one_step(t: _Traced, micro_batches: int) -> None:
+    """Forward, loss, backward for each micro-batch, then optimizer step and zero_grad."""
+    import torch
+
+    rec = t.recorder
+    for _ in range(micro_batches):
+        t.tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
+        rec.phase = "forward"
+        # No attention mask: packed full-length sequences (a mask's values cannot be read on fake tensors).
+        input_ids = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
+        labels = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
+        # use_cache=False: a training step keeps no KV cache; only the loss is kept (outputs are dropped).
+        loss = t.forward(input_ids=input_ids, labels=labels, use_cache=False).loss
+        # accelerator.backward divides by the accumulation steps before backward.
+        loss = loss / t.run.grad_accum if t.run.grad_accum > 1 else loss
+        rec.phase = "backward"
+        loss.backward()
+        del loss, input_ids, labels
+    rec.phase = "optimizer"
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+
+
+def _state_bytes(optimizer, storages_of) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (moments, step counters), each storage once."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                for st in storages_of(value):
+                    seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _layer_activation_bytes(model, tracker) -> int:
+    """Bytes one decoder layer leaves alive after its forward (saved tensors + its output), middle layer."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    deltas = []
+    for module, stats in list(tracker.memory_tracking.items()):
+        if type(module).__name__ not in names:
+            continue
+        pre = stats.snapshots.get(_state(tracker, "PRE_FW"), [])
+        post = stats.snapshots.get(_state(tracker, "POST_FW"), [])
+        if pre and post:
+            total = _total_key()
+            deltas.append(sum(d[total] for d in post[0].values()) - sum(d[total] for d in pre[0].values()))
+    return sorted(deltas)[len(deltas) // 2] if deltas else 0
+
+
+def _state(tracker, name: str):
+    return importlib.import_module("torch.distributed._tools.mem_tracker")._ModState[name]
+
+
+def _total_key() -> str:
+    return importlib.import_module("torch.distributed._tools.mem_tracker")._TOTAL_KEY
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen_grad_hooks(tracker, model) -> None:
+    """MemTracker hooks every parameter for its gradient, which raises on frozen ones (LoRA's base).
+
+    Pre-filling its handle table for frozen parameters makes it skip them (they never get a grad).
+    """
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+
+
+def other_bytes(tensor_peak: int, device: str) -> int:
+    """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve).
+
+    ``memfit.memory.estimate.cuda_other``, the analytic estimator's documented constants, so that the
+    trace and the estimate differ only in tensor bytes; 0 for ``device="cpu"``.
+    """
+    if device == "cpu":
+        return 0
+    if device != "cuda":
+        raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    from memfit.memory.estimate import cuda_other
+
+    return int(cuda_other(tensor_peak))
+
+
+def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBreakdown:
+    """The peak sample of the traced step as a ``MemoryBreakdown`` (method ``exact``)."""
+    peak = timeline.peak_index()
+    sample = timeline.samples[peak] if timeline.samples else dict.fromkeys(CATEGORIES[:-1], 0)
+    phase_peaks: dict[str, int] = {}
+    for sample_i, phase in zip(timeline.samples, timeline.phases, strict=True):
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), sum(sample_i.values()) + other)
+    params = sum(p.numel() for p in t.model.parameters())
+    trainable = sum(p.numel() for p in t.model.parameters() if p.requires_grad)
+    notes = ["exact: the model's code traced on fake tensors (CPU kernels); second step reported."]
+    if t.run.attn_implementation.value == "flash_attention_2":
+        notes.append("flash_attention_2 traced as SDPA (same saved tensors: output + logsumexp).")
+    return MemoryBreakdown(
+        **{k: int(v) for k, v in sample.items()},
+        other=other,
+        phase=timeline.phases[peak] if timeline.phases else "backward",
+        method="exact",
+        params=params,
+        trainable_params=trainable,
+        activations_per_layer=_layer_activation_bytes(t.model, t.tracker),
+        notes=notes,
+        phase_peaks=phase_peaks,
+    )
+
+
+def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False):
+    """Trace two training steps of ``model`` under ``run`` on fake tensors; report the second.
+
+    Args:
+        model: preset name, model folder or config.json path, a ``ModelSpec`` or a ``PretrainedConfig``.
+        run: the memory settings of the run.
+        device: ``"cuda"`` adds the estimator's ``other`` term (CUDA context, workspace, reserve);
+            ``"cpu"`` reports tensor bytes only.
+        timeline: also return the ``Timeline`` of the traced step.
+
+    Returns:
+        ``MemoryBreakdown`` with ``method="exact"``, or ``(breakdown, timeline)``.
+
+    Known error: CPU kernels stand in for CUDA ones (see the module docstring); tensor bytes are exact
+    for what the CPU kernels allocate, to the byte, without allocator rounding.
+    """
+    check_supported(run)
+    other_bytes(0, device)  # validates device before minutes of work
+    api = _private_api()
+    config = _hf_config(model)
+    fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
+    net = _build_model(config, run)
+    _to_fake(net, fake_mode)
+    with fake_mode:
+        optimizer = _build_optimizer(net, run)
+    head_weight = net.get_output_embeddings().weight
+    vocab = int(head_weight.shape[0])
+    tracker = api["MemTracker"]()
+    # MemTracker updates every module's peak after every op (O(ops x modules): most of a 7 B trace's
+    # time); memfit takes its own peak from the recorder's samples, so that bookkeeping is skipped.
+    tracker._update_peak_stats = lambda _state: None
+    _skip_frozen_grad_hooks(tracker, net)
+    tracker.track_external(net, optimizer)
+    recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight)
+    traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab)
+    micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
+    with fake_mode, tracker, recorder:
+        _one_step(traced, micro_batches)
+        recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
+        recorder.recording = True
+        _one_step(traced, micro_batches)
+        recorder.recording = False
+    line = recorder.timeline
+    other = other_bytes(max(line.totals(), default=0), device)
+    line.other = other
+    line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"
+    breakdown = _breakdown(config, traced, line, other)
+    return (breakdown, line) if timeline else breakdown

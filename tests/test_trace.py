@@ -1,0 +1,136 @@
+"""The exact tracer on the conftest tiny Llama (2 layers, hidden 64, GQA 4/2 heads, vocab 384).
+
+Golden numbers by hand for that model:
+  params = embed 384*64 + head 384*64 + 2 layers * (q 64*64 + k 64*32 + v 64*32 + o 64*64
+           + gate/up/down 3*64*128 + 2 norms 64) + final norm 64 = 24,576*2 + 2*36,992 + 64 = 123,200
+  buffers = rotary inv_freq + original_inv_freq: 2 * (head_dim 16 / 2) fp32 = 64 bytes
+  LoRA r=4 on all 7 linears: r*(in+out) = 4*(128 + 96 + 96 + 128 + 192 + 192 + 192) = 4,096 per layer,
+           8,192 in all, over 2 * 7 = 14 adapter pairs = 28 tensors
+  AdamW state = exp_avg + exp_avg_sq (fp32) per trainable element + one fp32 step scalar per tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from memfit.config import RunConfig
+from memfit.errors import UserError
+from memfit.memory.trace import trace
+
+PARAMS = 123_200
+BUFFERS = 64
+N_TENSORS = 21  # embed, head, final norm, 2 x (7 linears + 2 norms)
+LORA_PARAMS = 8_192
+LORA_TENSORS = 28
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig
+
+    # same as conftest's tiny_llama_config (a module-scoped copy so traces are shared between tests)
+    return LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def full_fp32(tiny):
+    return trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cpu", timeline=True)
+
+
+@pytest.fixture(scope="module")
+def lora_bf16(tiny):
+    run = RunConfig(seq_len=32, micro_batch=2, dtype="bf16", lora_r=4)
+    return trace(tiny, run, device="cpu", timeline=True)
+
+
+def test_full_fp32_model_states_to_the_byte(full_fp32):
+    out, line = full_fp32
+    assert out.method == "exact"
+    assert out.params == PARAMS and out.trainable_params == PARAMS
+    assert out.weights == PARAMS * 4 + BUFFERS
+    # the peak of this tiny model is the foreach AdamW step: all grads alive, moments, and
+    # torch._foreach_sqrt(exp_avg_sq)'s parameter-sized temporary (fp32).
+    assert out.phase == "optimizer"
+    assert out.gradients == PARAMS * 4
+    assert out.optimizer == 2 * PARAMS * 4 + N_TENSORS * 4
+    assert out.temporary == PARAMS * 4
+    assert out.other == 0  # device="cpu"
+    assert out.peak_bytes == max(line.totals())
+    assert out.phase_peaks["optimizer"] == out.peak_bytes
+
+
+def test_second_step_is_traced(full_fp32):
+    out, line = full_fp32
+    bounds = line.phase_bounds()
+    assert list(bounds) == ["forward", "backward", "optimizer"]
+    assert bounds["forward"][0] == 0 and bounds["forward"][1] < bounds["backward"][0]
+    assert bounds["backward"][1] < bounds["optimizer"][0] == bounds["optimizer"][0]
+    # optimizer state already exists at the first op: this is step 2 (steady state)
+    assert line.samples[0]["optimizer"] == 2 * PARAMS * 4 + N_TENSORS * 4
+    # zero_grad(set_to_none=True) at the end frees every gradient
+    assert line.samples[-1]["gradients"] == 0
+    # logits (B*T*V fp32 = 2*32*384*4 = 98,304 B) appear in forward
+    fwd = line.samples[bounds["forward"][0]: bounds["forward"][1] + 1]
+    assert max(s["logits"] for s in fwd) >= 2 * 32 * 384 * 4
+    assert out.activations_per_layer > 0
+
+
+def test_lora_grads_only_for_adapters(lora_bf16):
+    out, line = lora_bf16
+    assert out.trainable_params == LORA_PARAMS
+    # frozen base in bf16, adapters kept in fp32 by PEFT
+    assert out.weights == PARAMS * 2 + LORA_PARAMS * 4 + BUFFERS
+    assert max(s["gradients"] for s in line.samples) == LORA_PARAMS * 4
+    assert out.optimizer == 2 * LORA_PARAMS * 4 + LORA_TENSORS * 4
+
+
+def test_checkpointing_lowers_forward_peak(tiny, full_fp32):
+    ckpt = trace(tiny, RunConfig(seq_len=32, micro_batch=2, grad_checkpointing=True), device="cpu")
+    assert ckpt.phase_peaks["forward"] < full_fp32[0].phase_peaks["forward"]
+    assert ckpt.activations_per_layer < full_fp32[0].activations_per_layer
+
+
+def test_cuda_adds_the_estimators_other_term(tiny, full_fp32):
+    from memfit.memory.estimate import cuda_other
+
+    out = trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cuda")
+    tensors = full_fp32[0].peak_bytes
+    assert out.other == cuda_other(tensors)
+    assert out.peak_bytes == tensors + out.other
+
+
+def test_timeline_plot(tmp_path, full_fp32):
+    from memfit.report.timeline import plot_timeline
+
+    path = tmp_path / "sub" / "timeline.png"
+    plot_timeline(full_fp32[1], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+def test_missing_private_api_is_a_user_error(tiny, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)
+    with pytest.raises(UserError, match="FakeTensorMode and MemTracker"):
+        trace(tiny, RunConfig(seq_len=8, micro_batch=1), device="cpu")
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"lora_r": 4, "quantize": "4bit"}, "not supported in exact mode"),
+    ({"optimizer": "adamw-8bit"}, "not supported in exact mode"),
+    ({"num_processes": 2}, "single process"),
+    ({"offload": "optimizer"}, "not supported in exact mode"),
+])
+def test_unsupported_settings_are_user_errors(tiny, changes, words):
+    with pytest.raises(UserError, match=words):
+        trace(tiny, RunConfig(seq_len=8, micro_batch=1, **changes), device="cpu")
+
+
+def test_bad_device_and_model_are_user_errors(tiny):
+    with pytest.raises(UserError, match="device"):
+        trace(tiny, RunConfig(seq_len=8, micro_batch=1), device="tpu")
+    with pytest.raises(UserError):
+        trace("no-such-model-xyz", RunConfig(seq_len=8, micro_batch=1), device="cpu")
