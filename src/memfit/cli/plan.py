@@ -1,0 +1,130 @@
+"""``memfit plan``: parse flags, call ``memfit.plan.search.plan``, render a table / JSON / YAML."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from memfit.config import Attention, DType, Offload, Optimizer, Precision, Quantize, Sharding
+from memfit.errors import UserError
+
+
+def _choice(enum) -> click.Choice:
+    return click.Choice([m.value for m in enum], case_sensitive=False)
+
+
+EPILOG = """\b
+Examples:
+  memfit plan llama-3-8b --gpu rtx-4090 --seq-len 2048 --batch 16
+  memfit plan qwen2.5-0.5b --budget 8GiB --seq-len 1024 --batch 32
+  memfit plan llama-3-8b --budget 24GiB --lora-r 64 --no-quantize --top 5
+  memfit plan mistral-7b --gpu a100-40gb --num-processes 4 --batch 64 --full
+  memfit plan qwen2.5-1.5b --gpu auto --output plan.yaml && memfit train --config plan.yaml
+\b
+Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
+step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
+the safety margin (--margin) fits the budget are ranked by a step-time model (tokens/s).
+"""
+
+
+@click.command("plan", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model")
+@click.option("--budget", help="Memory per GPU, e.g. 24GiB or 24GB (default: the --gpu's memory).")
+@click.option("--gpu", help="A listed GPU (memfit presets shows them) or 'auto' for the device present; "
+                            "its speed ranks the plans (default: a100-80gb as reference).")
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Tokens per sequence.")
+@click.option("--batch", type=int, default=16, show_default=True,
+              help="Effective batch: sequences per optimizer step over all processes (kept exact).")
+@click.option("--num-processes", type=int, default=1, show_default=True, help="Data-parallel ranks.")
+@click.option("--margin", type=float, default=None, help="Safety margin: fits iff peak x (1 + margin) <= budget "
+                                                           "[default: 0.05].")
+@click.option("--full", is_flag=True, help="Full fine-tune only (no LoRA).")
+@click.option("--lora-r", type=int, help="Pin LoRA at this rank (0 = full fine-tune).")
+@click.option("--lora-alpha", type=float)
+@click.option("--lora-dropout", type=float)
+@click.option("--lora-targets", help="Comma-separated module names, or all-linear.")
+@click.option("--mixed-precision", type=_choice(Precision))
+@click.option("--dtype", type=_choice(DType), help="Stored weight dtype.")
+@click.option("--optimizer", type=_choice(Optimizer),
+              help="Pin the optimizer (default: try adamw-fused, adamw-foreach, adamw-8bit).")
+@click.option("--quantize", type=_choice(Quantize), help="Pin the QLoRA base (none forbids it).")
+@click.option("--no-quantize", "no_quantize", is_flag=True, help="Do not consider QLoRA.")
+@click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Pin checkpointing on or off.")
+@click.option("--offload", type=_choice(Offload))
+@click.option("--no-offload", "no_offload", is_flag=True, help="Do not consider CPU offload.")
+@click.option("--sharding", type=_choice(Sharding))
+@click.option("--micro-batch", type=int, help="Pin the micro-batch (grad-accum follows from --batch).")
+@click.option("--attn-implementation", type=_choice(Attention))
+@click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the chosen plan as YAML for "
+                                                                         "memfit train --config.")
+@click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON.")
+def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, **pins):
+    """The fastest configuration of a training run that fits a memory budget."""
+    from memfit.modelspec import load_spec
+    from memfit.plan.gpus import detect_gpu
+    from memfit.plan.search import SAFETY_MARGIN, plan
+    from memfit.plan.space import Constraints
+
+    if top < 0:
+        raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    pins["allow_quantize"] = not pins.pop("no_quantize")
+    pins["allow_offload"] = not pins.pop("no_offload")
+    constraints = Constraints.from_flat(pins)
+    device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
+    spec = load_spec(model)  # reading the architecture (imports transformers) is not part of the search
+    started = time.perf_counter()
+    result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
+                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin)
+    elapsed = time.perf_counter() - started
+    if output:
+        write_plan_yaml(result, Path(output))
+    shown = top or None
+    if as_json:
+        click.echo(json.dumps(result.to_dict(top=shown), indent=2))
+        return
+    _print(result, shown, elapsed, output)
+
+
+def _print(result, top, elapsed: float, output) -> None:
+    from rich.console import Console
+
+    from memfit.plan.search import describe
+    from memfit.plan.table import plan_table
+    from memfit.units import fmt_gib
+
+    console = Console()
+    best = result.best
+    tokens = best.config.tokens_per_step()
+    console.print(plan_table(result, top or len(result.plans)))
+    console.print(f"{len(result.fitting)} of {len(result.plans)} candidates fit; searched in {elapsed * 1000:.0f} ms; "
+                  f"tokens per optimizer step: {tokens:,}.")
+    console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
+                  f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
+    if result.gpu is not None and not result.gpu.listed:
+        console.print(f"{result.gpu.name} is not in the GPU table: its speeds are the reference GPU's.")
+    if output:
+        console.print(f"Wrote {output}; train with: memfit train --config {output}", highlight=False)
+
+
+def write_plan_yaml(result, path: Path) -> None:
+    """The chosen plan as flat train flags (``RunConfig.to_flat()`` + ``model``), written atomically."""
+    import yaml
+
+    from memfit.units import fmt_gib
+
+    best = result.best
+    data = {"model": result.model, **best.config.to_flat()}
+    header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
+              f"budget, ~{best.tokens_per_s:,.0f} tokens/s on {result.gpu.name if result.gpu else '?'}.\n"
+              "# Train with: memfit train --config THIS_FILE\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)

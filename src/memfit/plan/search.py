@@ -1,0 +1,252 @@
+"""``plan()``: the fastest configuration that fits a memory budget, and ``fallbacks()`` for OOM.
+
+Every candidate of ``space.candidates`` is estimated (``memory.estimate``, analytic, ~ms) and timed
+(``cost.step_time``). A candidate *fits* when ``peak_bytes * (1 + safety_margin) <= budget_bytes``:
+the margin (5% by default) covers the estimator's error and allocator fragmentation on top of what
+the estimate already counts (CUDA context, allocator reserve). Fitting plans are ranked by tokens/s
+(``cost.py``), fastest first, with 8-bit AdamW handicapped by 1% (``PREFERENCE``) so that exact AdamW
+wins near-ties; further ties go to the lower peak, then to the candidate order of ``space``.
+The effective batch is the same for every plan: ``micro_batch * grad_accum * num_processes == batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig
+from memfit.errors import NothingFitsError, UserError
+from memfit.memory.breakdown import MemoryBreakdown
+from memfit.plan.cost import StepTime, step_time
+from memfit.plan.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
+from memfit.plan.space import Constraints, candidates, micro_batches
+from memfit.units import fmt_gib, parse_size
+
+#: Fraction of the predicted peak kept free on top of it: fits iff ``peak * (1 + margin) <= budget``.
+SAFETY_MARGIN = 0.05
+
+#: Ranking weight of settings that change the arithmetic for a speed gain too small to matter when an
+#: exact setting is nearly as fast: 8-bit AdamW (quantized moments, bitsandbytes) saves a few bytes per
+#: parameter of optimizer-step traffic, well under 1% of a step, so it wins only when it buys more
+#: (a larger micro-batch, no checkpointing) than 1% of speed.
+PREFERENCE = {Optimizer.ADAMW_8BIT: 0.99}
+
+#: Settings that can change between optimizer steps without rebuilding the model or the optimizer.
+LIVE_FIELDS = ("micro_batch", "grad_accum", "grad_checkpointing")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate configuration with its predicted peak and speed."""
+
+    config: RunConfig
+    peak_bytes: int
+    tokens_per_s: float
+    fits: bool
+    breakdown: MemoryBreakdown = field(compare=False, repr=False)
+    time: StepTime | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def score(self) -> float:
+        """What the ranking sorts by: tokens/s times the ``PREFERENCE`` weight of its settings."""
+        return self.tokens_per_s * PREFERENCE.get(self.config.optimizer, 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"config": self.config.to_flat(), "peak_bytes": int(self.peak_bytes),
+               "tokens_per_s": float(self.tokens_per_s), "fits": bool(self.fits),
+               "phase": self.breakdown.phase}
+        if self.time is not None:
+            out["step_seconds"] = self.time.seconds
+        return out
+
+
+@dataclass
+class PlanResult:
+    """Ranked plans: fitting ones by tokens/s (fastest first), then the others by peak (smallest first)."""
+
+    budget_bytes: int
+    safety_margin: float
+    plans: list[Plan]
+    chosen: int = 0
+    """Index in ``plans`` of the chosen plan (the fastest that fits)."""
+    model: str = ""
+    gpu: GPU | None = None
+    """The device whose speed ``tokens_per_s`` is for."""
+    spec: Any = field(default=None, repr=False)
+    """The ``ModelSpec`` planned for (``fallbacks`` estimates with it)."""
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[self.chosen]
+
+    @property
+    def fitting(self) -> list[Plan]:
+        return [p for p in self.plans if p.fits]
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        """``{"budget_bytes", "chosen", "plans": [...]}`` (the ``--json`` schema); ``top`` keeps the first N."""
+        plans = self.plans if top is None else self.plans[:top]
+        return {
+            "model": self.model,
+            "budget_bytes": int(self.budget_bytes),
+            "safety_margin": self.safety_margin,
+            "gpu": self.gpu.name if self.gpu else None,
+            "candidates": len(self.plans),
+            "fitting": len(self.fitting),
+            "chosen": self.chosen,
+            "plans": [p.to_dict() for p in plans],
+        }
+
+
+def method(run: RunConfig) -> str:
+    """``full``, ``LoRA r16``, ``QLoRA 4bit r16``."""
+    if run.quantize is not Quantize.NONE:
+        return f"QLoRA {run.quantize} r{run.lora_r}"
+    return f"LoRA r{run.lora_r}" if run.is_lora() else "full"
+
+
+def precision(run: RunConfig) -> str:
+    """``bf16 AMP / fp32 w`` (autocast compute / stored weights), ``pure bf16``, ``fp32``."""
+    if run.mixed_precision is Precision.NO:
+        return "fp32" if run.dtype is DType.FP32 else f"pure {run.dtype}"
+    stored = {Quantize.Q4: "4bit", Quantize.Q8: "int8"}.get(run.quantize, str(run.dtype))
+    return f"{run.mixed_precision} AMP / {stored} w"
+
+
+def describe(run: RunConfig) -> str:
+    """One line: ``QLoRA 4bit r16, bf16 AMP / 4bit w, checkpointing, micro-batch 1 x 16 accumulation, ...``."""
+    parts = [method(run), precision(run)]
+    if run.grad_checkpointing:
+        parts.append("checkpointing")
+    parts += [f"micro-batch {run.micro_batch} x {run.grad_accum} accumulation", str(run.optimizer)]
+    if run.offload is not Offload.NONE:
+        parts.append(f"offload {run.offload}")
+    if run.num_processes > 1:
+        parts.append(f"{run.sharding} over {run.num_processes} processes")
+    return ", ".join(parts)
+
+
+def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> bool:
+    """Whether a predicted peak fits the budget with the safety margin."""
+    return peak_bytes * (1.0 + margin) <= budget_bytes
+
+
+def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN) -> Plan:
+    """Estimate and time one configuration."""
+    from memfit.memory.estimate import estimate
+
+    breakdown = estimate(spec, run)
+    t = step_time(spec, run, gpu)
+    return Plan(run, breakdown.peak_bytes, t.tokens_per_s, fits(breakdown.peak_bytes, budget_bytes, margin),
+                breakdown, t)
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Fitting by score (tokens/s, see ``PREFERENCE``) desc, then lower peak; non-fitting by peak asc.
+
+    Python's sort is stable and the keys end with the candidate order, so the ranking is deterministic.
+    """
+    order = {id(p): i for i, p in enumerate(plans)}
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: (-p.score, p.peak_bytes, order[id(p)]))
+    rest = sorted((p for p in plans if not p.fits), key=lambda p: (p.peak_bytes, -p.tokens_per_s, order[id(p)]))
+    return fitting + rest
+
+
+def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]:
+    from memfit.modelspec import load_spec
+
+    spec = load_spec(model) if isinstance(model, str) else model
+    if isinstance(gpu, str):
+        gpu = gpu_by_name(gpu)
+    device = gpu or gpu_by_name(REFERENCE_GPU)
+    if budget_bytes is None:
+        if gpu is None:
+            raise UserError("Give a memory budget (--budget 24GiB) or a GPU (--gpu rtx-4090 or --gpu auto).")
+        budget_bytes = gpu.memory_bytes
+    return spec, device, parse_size(budget_bytes)
+
+
+def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
+         gpu: GPU | str | None = None, constraints: Constraints | None = None,
+         safety_margin: float = SAFETY_MARGIN) -> PlanResult:
+    """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
+
+    Args:
+        model: preset name, local folder / config.json, or a ``ModelSpec``.
+        budget_bytes: memory per device (bytes or ``"24GiB"``); ``None`` takes the GPU's memory.
+        seq_len: tokens per sequence.
+        batch: effective batch in sequences per optimizer step, over all processes (kept exact).
+        num_processes: data-parallel ranks (memory is per rank; sharding is tried when > 1).
+        gpu: the device whose speed ranks the plans (default: ``REFERENCE_GPU``; fp16 AMP instead of
+            bf16 on devices without bf16).
+        constraints: settings the user pinned.
+        safety_margin: fits iff ``peak * (1 + safety_margin) <= budget``.
+
+    Raises:
+        NothingFitsError: one sentence with the smallest peak reached, its settings and the smallest
+            listed GPU that would hold it.
+    """
+    if not 0.0 <= safety_margin < 1.0:
+        raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
+    spec, device, budget = _resolve(model, gpu, budget_bytes)
+    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16)
+    spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
+    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin))
+    result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec)
+    if not ranked[0].fits:
+        raise NothingFitsError(nothing_fits_message(result))
+    return result
+
+
+def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float) -> list[Plan]:
+    """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
+    skipped, and if it refuses them all its first reason is the error."""
+    plans, refused = [], []
+    for run in runs:
+        try:
+            plans.append(evaluate(spec, run, gpu, budget, margin))
+        except UserError as err:
+            refused.append(err)
+    if not plans:
+        raise refused[0]
+    return plans
+
+
+def nothing_fits_message(result: PlanResult) -> str:
+    """One sentence: the smallest peak reached, with which settings, and the smallest GPU that holds it."""
+    smallest = min(result.plans, key=lambda p: p.peak_bytes)
+    need = smallest.peak_bytes * (1 + result.safety_margin)
+    gpu = smallest_fitting(need)
+    where = (f"the smallest listed GPU that would hold it is {gpu.name} ({fmt_gib(gpu.memory_bytes, 0)})" if gpu
+             else "no listed GPU holds it, so spread it over more GPUs with --num-processes and --sharding fsdp")
+    return (f"Nothing fits in {fmt_gib(result.budget_bytes)} with a {result.safety_margin:.0%} safety margin: "
+            f"the smallest peak reached is {fmt_gib(smallest.peak_bytes)} ({describe(smallest.config)}), "
+            f"and {where}.")
+
+
+def fallbacks(result: PlanResult, current: RunConfig, *, live_only: bool = False) -> list[RunConfig]:
+    """Configurations to fall back to after an out-of-memory error with ``current``, best first.
+
+    Every one keeps ``current``'s effective batch and sequence length exactly and has a lower predicted
+    peak than ``current``. Live changes come first: those that differ from ``current`` only in
+    ``micro_batch``, ``grad_accum`` and ``grad_checkpointing`` (``LIVE_FIELDS``), which a running
+    training loop can switch between optimizer steps without rebuilding the model or the optimizer;
+    they are generated from ``current`` itself (so pinned settings such as the LoRA rank are kept),
+    fastest first. Then, unless ``live_only``, the other fitting plans of ``result`` with the same
+    effective batch (these need the model/optimizer rebuilt), fastest first.
+    """
+    spec, gpu = result.spec, result.gpu or gpu_by_name(REFERENCE_GPU)
+    current_peak = evaluate(spec, current, gpu, result.budget_bytes, result.safety_margin).peak_bytes
+    live = []
+    for micro, accum in micro_batches(current.effective_batch(), current.num_processes, Constraints()):
+        for gc in (current.grad_checkpointing, not current.grad_checkpointing):
+            run = current.replace(micro_batch=micro, grad_accum=accum, grad_checkpointing=gc)
+            if run != current:
+                live.append(evaluate(spec, run, gpu, result.budget_bytes, result.safety_margin))
+    live = [p for p in rank(live) if p.peak_bytes < current_peak]
+    seen = {p.config for p in live}
+    rest = [] if live_only else [
+        p for p in result.plans
+        if p.fits and p.peak_bytes < current_peak and p.config not in seen and p.config != current
+        and p.config.effective_batch() == current.effective_batch() and p.config.seq_len == current.seq_len]
+    return [p.config for p in live + rest]

@@ -1,0 +1,197 @@
+"""The candidate grid: every way to run one training step that ``plan`` considers.
+
+A candidate is a ``RunConfig``. The grid is the product of
+
+- a *regime*: weight dtype and autocast precision, and full fine-tune / LoRA / QLoRA
+  (fp32 without AMP; AMP on fp32 weights; pure bf16; LoRA on a bf16 or fp32 base; QLoRA 4/8 bit),
+- gradient checkpointing on / off,
+- the optimizer variant (AdamW fused, foreach, 8-bit: the same update rule; SGD and Adafactor change
+  the algorithm, so they are only used when the user pins them),
+- offload of optimizer state or parameters to the CPU (full fine-tunes only: LoRA states are tiny),
+- sharding across ranks (only when ``num_processes > 1``),
+- the micro-batch: every divisor of ``batch / num_processes``, with
+  ``grad_accum = batch / (micro_batch * num_processes)`` exactly, so the effective batch never changes.
+
+``Constraints`` pins any of these to what the user asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memfit.config import (
+    DEFAULT_LORA_TARGETS,
+    Attention,
+    DType,
+    Offload,
+    Optimizer,
+    Precision,
+    Quantize,
+    RunConfig,
+    Sharding,
+    _enum,  # the enum parser RunConfig uses, so constraint errors read the same
+)
+from memfit.errors import UserError
+
+#: LoRA rank used when the user does not pin one (a common default: PEFT examples, QLoRA paper uses 64).
+DEFAULT_LORA_R = 16
+
+#: Optimizers with AdamW's update rule, tried by default ("adamw" is torch's foreach on CUDA, so it is
+#: the same candidate as "adamw-foreach" and is not tried twice).
+ADAMW_VARIANTS = (Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_8BIT)
+
+
+_ENUMS = {"mixed_precision": Precision, "dtype": DType, "optimizer": Optimizer, "quantize": Quantize,
+          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How weights are stored and computed and what is trained."""
+
+    mixed_precision: Precision
+    dtype: DType
+    lora: bool
+    quantize: Quantize = Quantize.NONE
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user pinned; ``None`` leaves a setting to the planner."""
+
+    lora_r: int | None = None
+    """Pin LoRA at this rank (> 0) or a full fine-tune (0)."""
+    full: bool = False
+    """Full fine-tune only (same as ``lora_r=0``)."""
+    mixed_precision: Precision | None = None
+    dtype: DType | None = None
+    optimizer: Optimizer | None = None
+    quantize: Quantize | None = None
+    """Pin the QLoRA base (``none`` forbids quantization, like ``allow_quantize=False``)."""
+    allow_quantize: bool = True
+    grad_checkpointing: bool | None = None
+    offload: Offload | None = None
+    allow_offload: bool = True
+    sharding: Sharding | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: tuple[str, ...] | None = None
+    attn_implementation: Attention | None = None
+
+    def __post_init__(self) -> None:
+        for name, cls in _ENUMS.items():
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _enum(cls, value, "--" + name.replace("_", "-")))
+        if self.lora_r is not None and self.lora_r < 0:
+            raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
+        if self.full and self.lora_r:
+            raise UserError(f"--full and --lora-r {self.lora_r} contradict each other; pass one of them.")
+        if self.full and self.quantize not in (None, Quantize.NONE):
+            raise UserError("--full and --quantize contradict each other: a quantized base trains LoRA adapters only.")
+
+    @classmethod
+    def from_flat(cls, pinned: dict[str, Any]) -> Constraints:
+        """From flags the user typed (train-flag names, e.g. ``explicit(ctx, kwargs)``); others ignored."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k.replace("-", "_"): v for k, v in pinned.items()}
+        kwargs = {k: v for k, v in kwargs.items() if k in names and v is not None}
+        if isinstance(kwargs.get("lora_targets"), str):
+            kwargs["lora_targets"] = tuple(t.strip() for t in kwargs["lora_targets"].split(",") if t.strip())
+        return cls(**kwargs)
+
+    def wants_full(self) -> bool | None:
+        """True: full only; False: LoRA only; None: either."""
+        if self.full or self.lora_r == 0:
+            return True
+        if self.lora_r or self.quantize in (Quantize.Q4, Quantize.Q8):
+            return False
+        return None
+
+
+def regimes(bf16_ok: bool = True) -> list[Regime]:
+    """The precision x method regimes, best-known practice first.
+
+    On a device without bf16 (T4, V100) AMP uses fp16 and pure half-precision full training is left out
+    (fp16 weights need loss scaling of fp32 master weights, which is what AMP on fp32 weights is).
+    """
+    half = Precision.BF16 if bf16_ok else Precision.FP16
+    half_dtype = DType.BF16 if bf16_ok else DType.FP16
+    out = [
+        Regime(Precision.NO, DType.FP32, lora=False),
+        Regime(half, DType.FP32, lora=False),
+        Regime(half, half_dtype, lora=True),
+        Regime(half, DType.FP32, lora=True),
+        Regime(half, half_dtype, lora=True, quantize=Quantize.Q4),
+        Regime(half, half_dtype, lora=True, quantize=Quantize.Q8),
+    ]
+    if bf16_ok:
+        out.insert(2, Regime(Precision.NO, DType.BF16, lora=False))
+    return out
+
+
+def _regime_allowed(r: Regime, c: Constraints) -> bool:
+    full = c.wants_full()
+    if full is not None and r.lora == full:
+        return False
+    if c.mixed_precision is not None and r.mixed_precision is not c.mixed_precision:
+        return False
+    if c.dtype is not None and r.dtype is not c.dtype:
+        return False
+    if c.quantize is not None and r.quantize is not c.quantize:
+        return False
+    return c.allow_quantize or r.quantize is Quantize.NONE
+
+
+def micro_batches(batch: int, num_processes: int, c: Constraints) -> list[tuple[int, int]]:
+    """``(micro_batch, grad_accum)`` pairs with ``micro_batch * grad_accum * num_processes == batch``."""
+    if batch < 1 or num_processes < 1:
+        raise UserError(f"--batch and --num-processes must be positive, got {batch} and {num_processes}.")
+    if batch % num_processes:
+        raise UserError(f"--batch {batch} is not divisible by --num-processes {num_processes}, "
+                        "so the effective batch could not be kept exact.")
+    per_rank = batch // num_processes
+    pairs = [(m, per_rank // m) for m in range(1, per_rank + 1) if per_rank % m == 0]
+    pairs = [(m, g) for m, g in pairs if c.micro_batch in (None, m) and c.grad_accum in (None, g)]
+    if not pairs:
+        raise UserError(f"No micro-batch x grad-accum x {num_processes} process(es) equals --batch {batch} "
+                        "with the pinned --micro-batch/--grad-accum.")
+    return pairs
+
+
+def _choices(pinned, default: tuple) -> tuple:
+    return (pinned,) if pinned is not None else default
+
+
+def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Constraints | None = None,
+               bf16_ok: bool = True) -> list[RunConfig]:
+    """Every configuration the planner tries, in a fixed order (the ranking's last tie-break)."""
+    c = constraints or Constraints()
+    pairs = micro_batches(batch, num_processes, c)
+    lora_common = {"lora_r": c.lora_r or DEFAULT_LORA_R, "lora_alpha": c.lora_alpha or 16.0,
+                   "lora_dropout": c.lora_dropout or 0.0, "lora_targets": c.lora_targets or DEFAULT_LORA_TARGETS}
+    shardings = _choices(c.sharding, tuple(Sharding) if num_processes > 1 else (Sharding.DDP,))
+    out = []
+    for regime in (r for r in regimes(bf16_ok) if _regime_allowed(r, c)):
+        offloads = (Offload.NONE,) if regime.lora else tuple(Offload) if c.allow_offload else (Offload.NONE,)
+        grid = itertools.product(_choices(c.grad_checkpointing, (False, True)),
+                                 _choices(c.optimizer, ADAMW_VARIANTS),
+                                 _choices(c.offload, offloads), shardings, pairs)
+        for gc, opt, offload, sharding, (micro, accum) in grid:
+            if offload is not Offload.NONE and opt is Optimizer.ADAMW_8BIT and c.optimizer is None:
+                continue  # offloaded steps run on the CPU, where bitsandbytes' 8-bit AdamW does not
+            if offload is Offload.PARAMS and regime.quantize is not Quantize.NONE:
+                continue  # bitsandbytes' quantized weights stay on the GPU
+            lora = lora_common if regime.lora else {"lora_r": 0}
+            out.append(RunConfig(
+                seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
+                mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
+                quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
+                attn_implementation=c.attn_implementation or Attention.SDPA, **lora))
+    if not out:
+        raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
+    return out
