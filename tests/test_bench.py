@@ -1,0 +1,202 @@
+"""The benchmarks in bench/ stay runnable: GPU scripts by their CPU --dry-run, the rest by their pieces.
+
+The dry runs train and trace a 2-layer, hidden-64 Llama saved to a temporary folder
+(``_device.make_dry_run_model``), whose numbers are worked out by hand below:
+
+- parameters: embedding 384*64 = 24,576; untied head 24,576; per layer q 64*64 = 4,096,
+  k and v 64*32 = 2,048 each (GQA: 2 kv heads of 16), o 4,096, gate/up/down 64*128 = 8,192 each,
+  two RMSNorms 2*64 = 128, so 36,992 a layer and 73,984 for two; final norm 64.
+  Total 24,576 + 24,576 + 73,984 + 64 = 123,200.
+- LoRA r=16 on every linear but the head adds r*(in+out) per projection: q 16*128 = 2,048,
+  k and v 16*96 = 1,536 each, o 2,048, gate and up 16*192 = 3,072 each, down 3,072: 16,384 a layer,
+  32,768 trainable for two layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+DRY_PARAMS = 123_200
+DRY_LORA_TRAINABLE = 32_768
+
+
+def _run_script(script: str, *args: str, timeout: int = 600) -> dict:
+    """Run a bench script in a fresh interpreter and read its JSON (for the slow, CPU-heavy ones)."""
+    out = Path(args[args.index("--out") + 1])
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def keep_threads():
+    """The dry runs pin torch to one thread in-process (they run in-process to share imports); restore it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# --- pure pieces: golden numbers --------------------------------------------------------------------
+
+
+def test_steady_tokens_per_s_skips_warmup():
+    import _common as common
+
+    # Steps end at t = 10, 11, 12, 13 (started at 0); 100 tokens a step. With 1 warm-up step the
+    # clock starts at the end of step 0 (t = 10): 3 steps in 3 s = 100 tokens/s. Without warm-up:
+    # 4 steps in 13 s.
+    ends = [10.0, 11.0, 12.0, 13.0]
+    assert common.steady_tokens_per_s(ends, 0.0, 100, warmup=1) == pytest.approx(100.0)
+    assert common.steady_tokens_per_s(ends, 0.0, 100, warmup=0) == pytest.approx(400 / 13)
+    # Fewer steps than warm-up: the whole run counts rather than nothing.
+    assert common.steady_tokens_per_s([5.0], 0.0, 100, warmup=2) == pytest.approx(20.0)
+
+
+def test_overhead_summary_ratios_and_verdict():
+    import overhead
+
+    runs = [
+        {"method": "plain", "tokens_per_s": 100.0, "peak_rss_bytes": 1000, "wall_s": 1.0},
+        {"method": "plain", "tokens_per_s": 120.0, "peak_rss_bytes": 1000, "wall_s": 1.0},
+        {"method": "plain", "tokens_per_s": 110.0, "peak_rss_bytes": 3000, "wall_s": 1.0},
+        {"method": "memfit", "tokens_per_s": 107.0, "peak_rss_bytes": 1100, "wall_s": 2.0},
+        {"method": "trainer", "tokens_per_s": 90.0, "peak_rss_bytes": 1200, "wall_s": 3.0},
+        {"method": "trainer", "error": "exit 1: boom"},
+    ]
+    summary = overhead.summarise(runs, ("plain", "memfit", "trainer"))
+    # Medians: plain 110 tokens/s and 1000 B; memfit 107/110 = 0.9727; trainer 90/110.
+    assert summary["plain"]["tokens_per_s"] == 110.0
+    assert summary["plain"]["peak_rss_bytes"] == 1000
+    assert summary["memfit"]["tokens_per_s_vs_plain"] == pytest.approx(107 / 110)
+    assert summary["memfit"]["peak_rss_bytes_vs_plain"] == pytest.approx(1.1)
+    assert summary["trainer"]["runs"] == 1 and summary["trainer"]["errors"] == ["exit 1: boom"]
+    # 107 >= 0.97 * 110 = 106.7: within 3%; and faster than the Trainer's 90.
+    assert overhead.verdict(summary) == {"memfit_within_3pct_of_plain": True, "memfit_not_slower_than_trainer": True}
+    summary["memfit"]["tokens_per_s"] = 106.0  # below 106.7
+    assert overhead.verdict(summary)["memfit_within_3pct_of_plain"] is False
+
+
+def test_memory_check_errors_use_tensor_peak():
+    import gpu_memory_check as check
+
+    # Predicted peak 1,100 with 100 of it "other" (CUDA context etc.): tensors 1,000, which is what
+    # max_memory_allocated counts; measured 800 -> +25%.
+    pred = {"peak_bytes": 1100, "breakdown": {"other": 100}}
+    assert check.tensor_peak(pred) == 1000
+    assert check.tensor_peak({"error": "x"}) is None
+    assert check.relative_error(1000, 800) == pytest.approx(0.25)
+    assert check.relative_error(1000, None) is None
+    rows = [{"analytic_error": 0.25, "exact_error": -0.01}, {"analytic_error": -0.05, "exact_error": None}]
+    summary = check.summary(rows)
+    assert summary["analytic"] == {"points": 2, "max_abs_error": 0.25, "mean_error": pytest.approx(0.1)}
+    assert summary["exact"]["points"] == 1 and summary["exact"]["max_abs_error"] == pytest.approx(0.01)
+
+
+def test_config_grid_has_each_config_with_and_without_checkpointing():
+    import _device as dev
+
+    grid = dev.config_grid()
+    assert list(grid) == ["fp32", "fp32+ckpt", "amp-bf16", "amp-bf16+ckpt", "pure-bf16", "pure-bf16+ckpt",
+                          "lora-bf16", "lora-bf16+ckpt"]
+    assert grid["pure-bf16+ckpt"] == {"mixed_precision": "no", "dtype": "bf16", "grad_checkpointing": True}
+    with pytest.raises(SystemExit):
+        dev.config_grid(["fp64"])
+
+
+# --- the GPU scripts, dry-run on CPU ----------------------------------------------------------------
+
+
+def test_gpu_dry_run(tmp_path, keep_threads):
+    import gpu
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--dry-run", "--configs", "lora-bf16+ckpt", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["dry_run"] is True and results["device"] == "cpu"
+    (row,) = results["rows"]
+    assert row["config"] == "lora-bf16+ckpt" and row["run"]["grad_checkpointing"] is True
+    for runner in ("memfit", "trainer"):
+        assert row[runner]["tokens_per_s"] > 0, (runner, row[runner])
+        assert row[runner]["max_allocated_bytes"] is None  # CPU: no allocator peak
+        assert "mfu" not in row[runner]  # no device peak on CPU, so no MFU
+        # Same model either way: memfit and the Trainer wrap the same adapters.
+        assert row[runner]["trainable_params"] == DRY_LORA_TRAINABLE
+        assert row[runner]["params"] == DRY_PARAMS + DRY_LORA_TRAINABLE
+    assert row["analytic"]["peak_bytes"] > 0 and row["exact"]["peak_bytes"] > 0, row
+    # Model FLOPs per token, recompute excluded although checkpointing is on: N = decoder projections
+    # 2 * 36,864 + head 384 * 64 = 98,304; attention forward 4 L H Q T = 4 * 2 * 4 * 16 * 32 = 16,384.
+    # LoRA: forward 2N + A, backward 2N (input grads) + 2A + 4 N_lora = 4 * 98,304 + 3 * 16,384 + 4 * 32,768.
+    assert row["model_flops_per_token"] == pytest.approx(573_440)
+
+
+def test_gpu_memory_check_dry_run(tmp_path, keep_threads):
+    import gpu_memory_check as check
+
+    out = tmp_path / "check.json"
+    assert check.main(["--dry-run", "--configs", "amp-bf16+ckpt", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    (row,) = results["rows"]
+    assert row["config"] == "amp-bf16+ckpt" and row["seq_len"] == 32
+    measured = row["measured"]
+    # The real step ran (random init: loss near ln(384) = 5.95), but CPU has no allocator peak to compare.
+    assert measured["params"] == measured["trainable_params"] == DRY_PARAMS
+    assert abs(measured["loss"] - math.log(384)) < 0.5
+    assert measured["last_step_max_allocated_bytes"] is None and row["analytic_error"] is None
+    assert row["analytic_tensor_peak_bytes"] > 0 and row["exact_tensor_peak_bytes"] > 0
+    assert results["summary"]["analytic"]["points"] == 0
+
+
+def test_gpu_scripts_refuse_without_cuda_unless_dry_run(capsys):
+    import torch
+
+    import gpu
+    import gpu_memory_check as check
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for script in (gpu, check):
+        assert script.main(["--out", "/dev/null"]) == 1
+        assert capsys.readouterr().err.startswith("error: no CUDA device is visible")
+
+
+# --- the CPU benchmarks: one contender, and the whole quick run (slow) ---------------------------------
+
+
+def test_overhead_one_plain_run():
+    import overhead
+
+    setup = {**overhead.QUICK, "seq_len": 32, "micro_batch": 2, "steps": 3, "warmup": 1, "threads": 1}
+    record = overhead.run_one("plain", setup, timeout_s=150)
+    assert "error" not in record, record
+    assert record["steps_timed"] == 3 and record["tokens_per_s"] > 0
+    assert record["peak_rss_bytes"] > 100 * 2**20  # torch alone is more than 100 MiB
+
+
+@pytest.mark.slow
+def test_overhead_quick_all_contenders(tmp_path):
+    out, png = tmp_path / "overhead.json", tmp_path / "overhead.png"
+    results = _run_script("overhead.py", "--quick", "--out", str(out), "--plot", str(png), timeout=600)
+    summary = results["sizes"]["quick"]["summary"]
+    assert all(summary[m]["runs"] == 1 for m in ("plain", "accelerate", "memfit", "trainer")), summary
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_estimator_speed_quick(tmp_path):
+    out = tmp_path / "speed.json"
+    results = _run_script("estimator_speed.py", "--quick", "--out", str(out), timeout=600)
+    (row,) = results["rows"]
+    assert row["model"] == "tiny" and row["estimate_s"] > 0 and row["trace_s"] > 0 and row["plan_s"] > 0
