@@ -1,0 +1,433 @@
+"""Training data: loading, the built-in byte-level tokenizer, tokenization, packing, label masks.
+
+The pipeline is ``load_examples`` -> ``tokenize`` (held-out split by document, then packing or
+truncation, with loss masks in ``labels``) -> ``collate`` (right padding). ``count_target_tokens``
+is the normaliser of the training loss (issue 6) and ``unigram_loss`` the baseline to beat.
+
+Label convention (the Hugging Face one): ``labels`` has the same length as ``input_ids``; the
+model shifts internally, so ``labels[t]`` is the target of the prediction made at position
+``t - 1``. ``-100`` marks a position that carries no loss (prompt tokens, padding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memfit.errors import UserError
+
+IGNORE_INDEX = -100
+"""Label value that carries no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
+
+DATA_SUFFIXES = (".txt", ".jsonl")
+"""File types ``load_examples`` reads."""
+
+# Files a Hugging Face tokenizer can be loaded from; a folder with none of these has no tokenizer.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+# Special tokens of the built-in byte-level tokenizer, in id order; they match the `tiny` preset.
+BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
+BYTE_TOKENIZER_NAME = "byte"
+"""``--tokenizer byte`` selects the built-in byte-level tokenizer for any model."""
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training record: either plain ``text``, or a ``prompt`` with its ``completion``.
+
+    With ``prompt``/``completion`` the loss is taken on the completion only.
+    """
+
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+
+    def __post_init__(self) -> None:
+        plain = self.text is not None and self.prompt is None and self.completion is None
+        paired = self.text is None and self.prompt is not None and self.completion is not None
+        if not (plain or paired):
+            raise ValueError("an Example holds either text, or a prompt and a completion")
+
+    @property
+    def is_prompt_completion(self) -> bool:
+        return self.completion is not None
+
+
+def default_corpus_path() -> Path:
+    """The corpus shipped inside the package (``src/memfit/corpus/``), read when ``--data`` is not given."""
+    return Path(__file__).resolve().parent / "corpus"
+
+
+def load_examples(path: str | os.PathLike | None) -> list[Example]:
+    """Read training records from a ``.txt`` file, a ``.jsonl`` file, or a folder of these.
+
+    * ``None``: the corpus shipped in the package (``default_corpus_path()``).
+    * ``.txt``: documents are separated by one or more blank lines; each document is stripped of
+      surrounding whitespace and keeps its inner line breaks. A file without blank lines is one document.
+    * ``.jsonl``: one JSON object per line, ``{"text": ...}`` or ``{"prompt": ..., "completion": ...}``
+      (if both kinds of keys are present, prompt/completion wins); blank lines are skipped.
+    * A folder: every ``.txt`` and ``.jsonl`` file below it, recursively, sorted by path; other
+      files (a README, say) and hidden files or folders are ignored.
+
+    Raises:
+        UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
+            named), a record with neither text nor prompt/completion, an unsupported file type.
+    """
+    root = default_corpus_path() if path is None else Path(path).expanduser()
+    if not root.exists():
+        raise UserError(f"Data path {root} does not exist.")
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and _is_data_file(p.relative_to(root)))
+        if not files:
+            raise UserError(f"Data folder {root} holds no .txt or .jsonl files.")
+    else:
+        files = [root]
+    examples: list[Example] = []
+    for file in files:
+        examples.extend(_load_file(file))
+    return examples
+
+
+def _is_data_file(relative: Path) -> bool:
+    # Hidden files and folders (.git, .ipynb_checkpoints) are never training data.
+    hidden = any(part.startswith(".") for part in relative.parts)
+    return not hidden and relative.suffix.lower() in DATA_SUFFIXES
+
+
+def _load_file(path: Path) -> list[Example]:
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise UserError(
+            f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl or a folder of them."
+        )
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {err.start}).") from None
+    except OSError as err:
+        raise UserError(f"{path} cannot be read ({err.strerror or err}).") from None
+    examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path)
+    if not examples:
+        raise UserError(f"Data file {path} is empty.")
+    return examples
+
+
+def _parse_txt(text: str) -> list[Example]:
+    # A blank line is a line holding only whitespace; runs of them separate documents.
+    docs = (doc.strip() for doc in re.split(r"\n[ \t\r\f\v]*\n", text))
+    return [Example(text=doc) for doc in docs if doc]
+
+
+def _parse_jsonl(text: str, path: Path) -> list[Example]:
+    examples = []
+    # split("\n"), not splitlines(): a JSON string may hold a raw U+2028, which splitlines() breaks on.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path} line {lineno} is not valid JSON ({err.msg}).") from None
+        examples.append(_record_to_example(record, f"{path} line {lineno}"))
+    return examples
+
+
+def _record_to_example(record: object, where: str) -> Example:
+    if not isinstance(record, dict):
+        raise UserError(
+            f"{where} is a JSON {type(record).__name__}, not an object with text or prompt/completion."
+        )
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise UserError(f"{where} needs both prompt and completion as strings.")
+        if not completion:
+            raise UserError(f"{where} has an empty completion, so it carries no loss.")
+        return Example(prompt=prompt, completion=completion)
+    if "text" in record:
+        if not isinstance(record["text"], str) or not record["text"]:
+            raise UserError(f"{where} has a text that is not a non-empty string.")
+        return Example(text=record["text"])
+    raise UserError(f"{where} has neither a text field nor prompt and completion fields.")
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
+
+
+def byte_tokenizer():
+    """memfit's byte-level tokenizer, built in memory with ``tokenizers`` (no download).
+
+    Ids: ``<pad>`` = 0, ``<s>`` (bos) = 1, ``</s>`` (eos) = 2 (the ids of the ``tiny`` preset), then
+    byte ``b`` = ``3 + b``: 259 tokens, within ``tiny``'s vocab of 384. The GPT-2 byte-to-unicode
+    map (ByteLevel pre-tokenizer and decoder, no merges) makes ``decode(encode(s)) == s`` for any
+    UTF-8 string: every byte is one token, nothing is normalised, no prefix space is added.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` that ``save_pretrained`` can write.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
+    for byte, char in sorted(bytes_to_unicode().items()):
+        vocab[char] = len(BYTE_SPECIALS) + byte
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    pad, bos, eos = BYTE_SPECIALS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=pad,
+        bos_token=bos,
+        eos_token=eos,
+        model_max_length=1 << 30,  # no length limit of its own; the model's positions are checked elsewhere
+        clean_up_tokenization_spaces=False,  # keep " ," and " ." exactly as written
+    )
+
+
+def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_remote_code: bool = False):
+    """The tokenizer for a run: ``tokenizer`` if given, else the model folder's, else (presets) ``byte_tokenizer()``.
+
+    ``tokenizer`` may be a folder or ``"byte"`` (the built-in byte-level tokenizer). A tokenizer without
+    a pad token gets its eos token as pad (padding positions are masked out of the loss anyway).
+
+    Raises:
+        UserError: the folder has no tokenizer files, or transformers cannot load them.
+    """
+    if tokenizer == BYTE_TOKENIZER_NAME or (tokenizer is None and is_preset):
+        return byte_tokenizer()
+    source = Path(tokenizer if tokenizer is not None else model).expanduser()
+    if source.is_file():  # a config.json: its tokenizer sits next to it
+        source = source.parent
+    if not source.is_dir():
+        raise UserError(f"Tokenizer folder {source} does not exist.")
+    if not any((source / name).is_file() for name in _TOKENIZER_FILES):
+        raise UserError(f"{source} holds no tokenizer files; pass --tokenizer DIR (or --tokenizer byte).")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            source, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"The tokenizer in {source} cannot be loaded: {first}") from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UserError(f"The tokenizer in {source} has neither a pad nor an eos token to pad with.")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ---------------------------------------------------------------------------------------- tokenizing
+
+
+@dataclass
+class TokenizedData:
+    """Tokenized train and held-out sequences, each ``{"input_ids": [...], "labels": [...]}``.
+
+    ``labels`` equals ``input_ids`` except ``-100`` where no loss is taken (prompt tokens).
+    """
+
+    train: list[dict[str, list[int]]] = field(default_factory=list)
+    eval: list[dict[str, list[int]]] = field(default_factory=list)
+
+
+def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the train and held-out documents, each list in corpus order.
+
+    The held-out set is ``round(eval_fraction * n_docs)`` documents drawn with ``random.Random(seed)``,
+    at least 1 when ``eval_fraction > 0`` and there are 2 or more documents, and never all of them.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise UserError(f"The eval fraction must be in [0, 1); got {eval_fraction}.")
+    n_eval = 0
+    if eval_fraction > 0 and n_docs >= 2:
+        n_eval = min(max(1, round(eval_fraction * n_docs)), n_docs - 1)
+    held = set(random.Random(seed).sample(range(n_docs), n_eval))
+    return [i for i in range(n_docs) if i not in held], sorted(held)
+
+
+def tokenize(
+    examples: Sequence[Example], tokenizer, *, seq_len: int, packing: bool, eval_fraction: float, seed: int
+) -> TokenizedData:
+    """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
+
+    **Split first.** Held-out documents are chosen (``split_documents``) before anything is packed,
+    so no text of a held-out document appears in a training sequence.
+
+    **Documents.** Each document becomes ``[bos] + tokens + [eos]`` (bos only when the tokenizer has
+    one distinct from eos). Text is tokenized without the tokenizer's own special tokens, so every
+    tokenizer gets the same framing. The label of bos is ``-100``: after an eos the next bos is
+    certain, and training on it would only flatter the loss. A prompt/completion record is
+    ``[bos] + prompt + completion + [eos]``, prompt and completion tokenized separately so the
+    boundary is exact; the labels of bos and the prompt are ``-100``, so the loss covers the
+    completion and its eos only.
+
+    **Packing** (``packing=True``) concatenates the documents into one stream and cuts it into chunks
+    of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
+    sequence (padded by ``collate``) so that no text is dropped; only a chunk with no target at all
+    (a one-token tail, or nothing but prompt) is left out, as it adds no loss. Labels travel with their tokens, so
+    prompt masks survive packing. Attention is not blocked at document boundaries: a document may
+    attend to the end of the one before it, the usual packing trade-off; the eos in between tells the
+    model a new document starts. Worked example, byte tokenizer (bos = 1, eos = 2, byte ``b`` = ``3+b``,
+    so ``a`` = 100, ``b`` = 101, ``c`` = 102), ``seq_len = 4``, documents ``"ab"`` and prompt ``"c"``
+    with completion ``"a"``::
+
+        stream    input_ids = [   1, 100, 101, 2,    1,  102, 100, 2]
+                  labels    = [-100, 100, 101, 2, -100, -100, 100, 2]
+        chunk 0   input_ids = [1, 100, 101, 2]     labels = [-100, 100, 101, 2]
+        chunk 1   input_ids = [1, 102, 100, 2]     labels = [-100, -100, 100, 2]
+
+    After the model's shift, chunk 0 trains on 3 targets (100, 101, 2: the label at position 0 is
+    never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
+    target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
+
+    **No packing** (``packing=False``): one sequence per document, truncated to ``seq_len`` (its eos
+    is lost when it is cut); lengths vary and ``collate`` pads. A sequence left with no target after
+    truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
+
+    Args:
+        examples: records from ``load_examples``.
+        tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
+        seq_len: tokens per sequence (>= 2).
+        packing: pack documents into full-length chunks, or one (truncated) document per sequence.
+        eval_fraction: share of documents held out, in [0, 1).
+        seed: seeds the held-out draw.
+    """
+    if seq_len < 2:
+        raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
+    train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
+    build = _pack if packing else _truncate
+    return TokenizedData(
+        train=build(_encode_docs([examples[i] for i in train_idx], tokenizer), seq_len),
+        eval=build(_encode_docs([examples[i] for i in eval_idx], tokenizer), seq_len),
+    )
+
+
+def _encode_docs(examples: Sequence[Example], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked."""
+    if not examples:
+        return []
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("The tokenizer has no eos token to separate documents with.")
+    head = [bos] if bos is not None and bos != eos else []
+    texts = [ex.text if ex.text is not None else ex.completion for ex in examples]
+    bodies = _encode_texts(tokenizer, texts)
+    prompts = _encode_texts(tokenizer, [ex.prompt or "" for ex in examples])
+    docs = []
+    for ex, body, prompt in zip(examples, bodies, prompts, strict=True):
+        masked = head + (prompt if ex.is_prompt_completion else [])  # bos is never a target either
+        ids = masked + body + [eos]
+        docs.append((ids, [IGNORE_INDEX] * len(masked) + ids[len(masked) :]))
+    return docs
+
+
+def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    # One batched call (fast tokenizers run it in Rust); verbose=False silences the
+    # "longer than model_max_length" warning: we cut to seq_len ourselves.
+    if not any(texts):
+        return [[] for _ in texts]
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _pack(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
+    ids = [t for doc_ids, _ in docs for t in doc_ids]
+    labels = [t for _, doc_labels in docs for t in doc_labels]
+    chunks = []
+    for start in range(0, len(ids), seq_len):
+        chunk = {"input_ids": ids[start : start + seq_len], "labels": labels[start : start + seq_len]}
+        if _n_targets(chunk["labels"]) > 0:  # a tail of one token, or all prompt, teaches nothing
+            chunks.append(chunk)
+    return chunks
+
+
+def _truncate(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
+    out = [{"input_ids": ids[:seq_len], "labels": labels[:seq_len]} for ids, labels in docs]
+    return [seq for seq in out if _n_targets(seq["labels"]) > 0]
+
+
+def _n_targets(labels: list[int]) -> int:
+    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+
+
+# ------------------------------------------------------------------------------------ batches, counts
+
+
+def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of sequences to the longest one.
+
+    Returns ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 = real token) and
+    ``labels`` (``-100`` on padding), each of shape (B, T) and dtype int64.
+    """
+    longest = max(len(seq["input_ids"]) for seq in batch)
+    input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)  # (B, T)
+    labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)  # (B, T)
+    for row, seq in enumerate(batch):
+        n = len(seq["input_ids"])
+        input_ids[row, :n] = torch.as_tensor(seq["input_ids"], dtype=torch.long)
+        labels[row, :n] = torch.as_tensor(seq["labels"], dtype=torch.long)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss: ``(labels[..., 1:] != -100).sum()``.
+
+    This is the normaliser of the loss (issue 6): the optimizer-step loss is the sum of per-token
+    losses divided by the target tokens of all micro-batches and ranks of the step. The shift
+    matters because a causal LM predicts ``labels[t]`` from positions ``< t``: ``labels[..., 0]`` is
+    never a target (transformers' ``ForCausalLMLoss`` drops it), so counting it would over-count by
+    one per sequence whose first label is not ``-100`` and the "mean" would be off by that much.
+    """
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def unigram_loss(data: TokenizedData) -> float:
+    """Cross-entropy (nats/token) of the held-out targets under the train targets' unigram distribution.
+
+    Targets are the labels after the causal shift that are not ``-100`` (as in ``count_target_tokens``).
+    With ``c(t)`` the count of token ``t`` among the ``N`` train targets and ``V`` the number of distinct
+    train targets, add-one smoothing over the seen vocabulary plus one bucket for unseen tokens gives
+    ``p(t) = (c(t) + 1) / (N + V + 1)`` for a seen token and ``1 / (N + V + 1)`` for any unseen one
+    (the probabilities sum to 1). The loss is ``-mean(log p(target))`` over the held-out targets: the
+    loss of a model that ignores context, which a trained model must beat. The single unseen bucket
+    is slightly optimistic (it does not split that mass among unseen tokens); with thousands of
+    targets it moves the figure by well under 0.01 nats.
+
+    Returns:
+        The loss in nats per token, or ``nan`` when there are no held-out or no train targets.
+    """
+    train_counts = Counter(_targets(data.train))
+    eval_counts = Counter(_targets(data.eval))
+    n_train, n_eval = sum(train_counts.values()), sum(eval_counts.values())
+    if n_train == 0 or n_eval == 0:
+        return math.nan
+    log_total = math.log(n_train + len(train_counts) + 1)
+    nll = sum(n * (log_total - math.log(train_counts.get(tok, 0) + 1)) for tok, n in eval_counts.items())
+    return nll / n_eval
+
+
+def _targets(seqs: list[dict[str, list[int]]]):
+    for seq in seqs:
+        yield from (t for t in seq["labels"][1:] if t != IGNORE_INDEX)
