@@ -66,6 +66,40 @@ def test_golden_amp_bf16(tiny):
     assert b.phase == "optimizer" and b.temporary == 4 * tiny.params
 
 
+def test_golden_lora_fp32_first_layer(tiny):
+    """LoRA r=4 on all linears, fp32: frozen norms save no h, and the first layer's input needs no grad."""
+    from memfit.memory.activations import layer_activations, outside_layer_activations
+
+    run = RunConfig(lora_r=4, **RUN)
+    prec = Precisions.of(run)
+    acts = layer_activations(tiny, run, prec, "cpu")
+    # Per token, a layer whose input needs a gradient (fp32: adapters share the one fp32 input tensor):
+    #   norm1: x (64 x 4) + rsqrt 4 (frozen weight: no h)                = 260
+    #   q/k/v: shared input 256 + 3 lora_A outputs (r=4 x 4 B) 3 x 16     = 304
+    #   SDPA: q 64 + k 32 + v 32 + out 64 (x 4 B) + lse 4 heads x 4        = 784
+    #   o_proj: input is SDPA's out (saved) + lora_A output 16             = 16
+    #   norm2 260, gate/up shared input 256 + 2 x 16 = 288, 3 x 128 x 4 = 1536, down input 512 + 16 = 528
+    #   total 3,976 bytes/token x 32 tokens = 127,232
+    assert acts.saved == 127_232
+    # the first layer's norm1 saves nothing (its input comes from the frozen embedding): 3,716 x 32
+    assert acts.all_layers == 127_232 + (3_976 - 260) * 32 == 246_144
+    # outside: loss targets 8 x 32 (no ids: the embedding is frozen) + cos/sin 2 x 16 x 16 x 4
+    #   + final norm 260 x 32 (no head input: the head is frozen) = 256 + 2,048 + 8,320
+    assert outside_layer_activations(tiny, run, prec, "cpu") == 10_624
+    b = estimate(tiny, run, device="cpu")
+    assert b.activations == 246_144 + 10_624
+
+
+def test_gpt2_attention_dropout_cpu_math_vs_cuda_flash():
+    """GPT-2 trains with attention dropout: CPU SDPA falls back to the math kernel (fp32 T x T matrices),
+    CUDA's flash kernel keeps no T x T matrix and a 1-byte dropout mask."""
+    spec = load_spec("gpt2")
+    run = RunConfig(seq_len=1024, micro_batch=1)
+    cpu, cuda = estimate(spec, run, device="cpu"), estimate(spec, run, device="cuda")
+    # per layer the math path adds 3 fp32 (12 heads x 1024 x 1024) matrices = 144 MiB
+    assert cpu.activations_per_layer - cuda.activations_per_layer > 3 * 4 * 12 * 1024 * 1024
+
+
 def test_textbook_llama2_7b_to_the_byte():
     spec = load_spec("llama-2-7b")
     b = estimate(spec, RunConfig(mixed_precision="no", seq_len=512, micro_batch=1))

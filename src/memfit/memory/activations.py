@@ -3,16 +3,22 @@
 Each family's recipe below lists the tensors its decoder layer keeps alive between forward and
 backward, in bytes per token (``BT = micro_batch * seq_len`` tokens), plus the attention terms that
 grow with the sequence. They were read off transformers' modeling code and checked tensor by tensor
-with ``torch.autograd.graph.saved_tensors_hooks`` on 1-layer models (fp32, AMP bf16, pure bf16, LoRA);
-``tests/test_estimate_accuracy.py`` holds the sum to the exact tracer. Symbols: H hidden, I intermediate,
-Q = heads x head_dim, K = kv_heads x head_dim, n = heads, c = compute-dtype bytes, w = weight/stream bytes.
+with ``torch.autograd.graph.saved_tensors_hooks`` on 1- and 2-layer models (fp32, AMP bf16, pure bf16,
+LoRA); ``tests/test_estimate_accuracy.py`` holds the sum to the exact tracer. Symbols: H hidden,
+I intermediate, Q = heads x head_dim, K = kv_heads x head_dim, n = heads, T = seq_len,
+c = compute-dtype bytes, w = weight/residual-stream bytes.
 
 Rules that hold for every family (source: ``torch/csrc/autograd`` derivative formulas):
 - ``linear`` saves its input only when its weight needs a gradient (full fine-tune, or a LoRA ``lora_A``),
-  and its weight only when its input needs one (always, for decoder layers).
+  and its weight only when its input needs one.
 - Under autocast every ``linear`` casts its own fp32 input to the compute dtype; two projections of one
   hidden state (q and k) therefore save two half copies, not one.
 - ``mul`` saves each operand the other's gradient needs; element-wise activations save their input.
+- LoRA without checkpointing: the first layer's input does not need a gradient (frozen embedding), so
+  its first norm saves nothing; every later layer's input does (it depends on the adapters before it).
+  With checkpointing transformers calls ``enable_input_require_grads`` and every layer is alike.
+- A view keeps its whole storage alive: Phi-3's v is a view of the fused qkv output, so SDPA keeps all
+  of it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from dataclasses import dataclass
 from memfit.config import Attention, Quantize, RunConfig
 
 FP32 = 4
+
+#: Projections that read a layer's (normalised) input, per family: frozen in LoRA's first layer.
+ATTN_IN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn")
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,11 @@ class Precisions:
 @dataclass(frozen=True)
 class LayerActivations:
     saved: int
-    """Bytes one decoder layer keeps for backward (with checkpointing: its input only)."""
+    """Bytes one (non-first) decoder layer keeps for backward (with checkpointing: its input only)."""
     backward_transient: int
     """Extra bytes while one layer runs backward: recomputed activations (checkpointing) + input grads."""
+    all_layers: int = 0
+    """Bytes all decoder layers keep (the first layer differs under LoRA without checkpointing)."""
 
 
 class _Ctx:
@@ -61,34 +72,40 @@ class _Ctx:
     def __init__(self, spec, run: RunConfig, prec: Precisions, device: str):
         self.spec, self.run, self.prec, self.device = spec, run, prec, device
         self.bt = run.micro_batch * run.seq_len
+        self.full = not run.is_lora()
         self.lora = set()
         if run.is_lora():
             self.lora = {lin.name for lin in spec.lora_linears(run.lora_targets)}
+        self.xin = True
+        """Whether this layer's input needs a gradient (False: LoRA's first layer, no checkpointing)."""
+        hf = spec.hf_config
+        self.attn_dropout = float(getattr(hf, "attn_pdrop", None) or getattr(hf, "attention_dropout", 0.0) or 0.0)
+        self.resid_dropout = float(getattr(hf, "resid_pdrop", 0.0) or 0.0)
 
-    def linear_inputs(self, dim: int, names: tuple[str, ...], src: int) -> int:
+    def linear_inputs(self, dim: int, names: tuple[str, ...], src: int, already: bool = False) -> int:
         """Bytes per token saved as the input of the projections ``names`` reading one tensor of ``src`` bytes.
 
         Full fine-tune: autocast casts the fp32 input once per projection (each keeps its copy); without a
-        cast all share the one tensor. LoRA: only adapted projections save it (``lora_A``); PEFT casts a
-        bf16 input to the fp32 adapter dtype once per projection (``_cast_input_dtype``), autocast casts an
-        fp32 input to ``c`` once per projection; ``lora_A``'s r-wide output is saved by ``lora_B``.
+        cast all share the one tensor (0 when ``already`` saved by another op). LoRA: only adapted
+        projections save it (``lora_A``). PEFT first casts the input to the fp32 adapter dtype
+        (``_cast_input_dtype``); under autocast ``lora_A`` casts it back to ``c``, so each adapted
+        projection keeps its own ``c`` copy; without autocast a non-fp32 input gets one fp32 copy per
+        projection and an fp32 input is shared. ``lora_A``'s r-wide output is saved by ``lora_B``.
         """
         p, run = self.prec, self.run
-        if not run.is_lora():
+        if self.full:
             if p.amp and src != p.c:
                 return len(names) * p.c * dim
-            return src * dim
+            return 0 if already else src * dim
         adapted = [n for n in names if n in self.lora]
         if not adapted:
             return 0
         if p.amp:
-            per_input = p.c * dim if src != p.c else 0
-            shared = 0 if src != p.c else p.c * dim
-            mid = p.c * run.lora_r
+            per_input, shared, mid = p.c * dim, 0, p.c * run.lora_r
         elif src != p.adapter:
             per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora_r
         else:
-            per_input, shared, mid = 0, src * dim, p.adapter * run.lora_r
+            per_input, shared, mid = 0, (0 if already else src * dim), p.adapter * run.lora_r
         dropout = 0
         if run.lora_dropout > 0:
             # nn.Dropout on the adapter input: the dropped copy (saved by lora_A instead) and the mask
@@ -97,107 +114,194 @@ class _Ctx:
             dropout = len(adapted) * mask * dim
         return len(adapted) * (per_input + mid) + shared + dropout
 
-    def mlp_down_input(self, dim: int, name: str, src: int) -> int:
-        return self.linear_inputs(dim, (name,), src)
+    def rms_norm(self, hidden: int, stream: int, gemma: bool = False, xin: bool = True) -> int:
+        """Bytes per token an RMSNorm saves.
+
+        Llama: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``; Gemma: the product with
+        ``1 + weight`` is taken in fp32. ``pow`` saves the fp32 x (the input itself when the stream is
+        fp32, else its fp32 copy), ``rsqrt`` its fp32 output (1/token), and the weight's product saves the
+        normalised h (Llama: cast back to the stream dtype; Gemma: fp32) only when the weight is trained.
+        Nothing when neither the input nor the weight needs a gradient (LoRA's first layer).
+        """
+        if not xin and not self.full:
+            return 0
+        h = (FP32 if gemma else stream) * hidden if self.full else 0
+        return FP32 * hidden + FP32 + h
+
+    def dropout_mask(self, dim: int, dtype: int, p: float) -> int:
+        """``nn.Dropout`` in training saves its mask: bool on CUDA (fused kernel), the input dtype on CPU."""
+        if p <= 0:
+            return 0
+        return (1 if self.device == "cuda" else dtype) * dim
 
 
-def _rms_norm_llama(w: int, hidden: int) -> int:
-    """LlamaRMSNorm: ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``.
+def _sdpa_core(ctx: _Ctx, fused_qkv: bool = False) -> int:
+    """Bytes per token saved by SDPA without a mask (flash / mem-efficient on CUDA, flash-for-CPU on CPU).
 
-    fp32 stream: saves x (the residual, counted as the layer input, not here), rsqrt (1 fp32/token) and
-    the normalised h (fp32). bf16 stream: saves the fp32 copy of x, rsqrt and h cast back to bf16.
-    """
-    if w == FP32:
-        return FP32 + FP32 * hidden
-    return FP32 * hidden + FP32 + w * hidden
-
-
-def _attention_core(ctx: _Ctx, kv_saved_as_q: bool = False) -> int:
-    """Bytes per token saved by SDPA (flash / mem-efficient on CUDA, flash-for-CPU on CPU), no mask.
-
-    Saves q and k after RoPE, v, the output (also the input ``o_proj`` saves) and the log-sum-exp
-    (fp32, one per head and token). With GQA and no mask transformers passes ``enable_gqa=True``, so k and v
-    stay kv-head sized. Eager attention adds the (B, n, T, T) score matrices, see ``_eager_scores``.
+    Saves q and k after RoPE, v, the output and the log-sum-exp (fp32, one per head and token). With GQA
+    and no mask transformers passes ``enable_gqa=True``, so k and v stay kv-head sized. Phi-3 slices q, k,
+    v out of one fused output: v is a view, so the whole ``Q + 2K`` storage stays alive.
     """
     s, p = ctx.spec, ctx.prec
-    k = s.q_dim if kv_saved_as_q else s.kv_dim
-    return p.c * (s.q_dim + 2 * k + s.q_dim) + FP32 * s.num_heads
+    v = s.q_dim + 2 * s.kv_dim if fused_qkv else s.kv_dim
+    return p.c * (s.q_dim + s.kv_dim + v + s.q_dim) + FP32 * s.num_heads
 
 
-def _eager_scores(ctx: _Ctx) -> int:
-    """Eager attention: bytes per token of the (B, n, T, T) matrices kept for backward.
+def _eager_core(ctx: _Ctx, softcap: bool) -> int:
+    """Eager attention (``matmul`` / ``softmax(dtype=fp32)`` / ``matmul``), bytes per token.
 
-    ``softmax(scores, dtype=fp32).to(c)``: softmax saves its fp32 output; the matmul with v saves the
-    c-dtype probabilities (the same tensor when c is fp32). Per token: n * T elements of each.
+    q, and k and v repeated to all heads (``repeat_kv`` copies), in c; the (B, n, T, T) matrices: the
+    ``tanh`` output of Gemma-2's score soft-capping (c), softmax's fp32 output, and the probabilities
+    cast to c for the second matmul (the same tensor when c is fp32). The output is made contiguous
+    (a copy, the input ``o_proj`` saves, counted there).
     """
     s, p = ctx.spec, ctx.prec
     per = s.num_heads * ctx.run.seq_len
-    return per * (FP32 + (p.c if p.c != FP32 else 0))
+    scores = per * (FP32 + (p.c if p.c != FP32 else 0) + (p.c if softcap else 0))
+    return p.c * 3 * s.q_dim + scores
 
 
 def llama_layer(ctx: _Ctx) -> int:
-    """Llama / Mistral / Qwen2 decoder layer, bytes per token saved for backward.
+    """Llama / Mistral / Qwen2 / Phi-3 decoder layer, bytes per token saved for backward.
 
-    x (w) + norm1 + q,k,v inputs + attention core + x2 (w) + norm2 + gate,up inputs + 4 I-wide tensors
-    (gate out, act out, up out, their product = down's input) in c.
+    norm1 + q,k,v inputs + attention core + o_proj input + norm2 + gate,up inputs + 4 I-wide tensors
+    (gate out = act input, act out, up out, their product = down's input) in c. Phi-3's fused
+    ``gate_up_proj`` keeps the same 4 I (gate and up are views of one 2I output).
     """
     s, p = ctx.spec, ctx.prec
     h, i = s.hidden_size, s.intermediate_size
-    norm_out = p.w  # weight(w) * h(w)
-    full = not ctx.run.is_lora()
-    total = (p.w * h if p.w == FP32 else 0) * 2  # x and x2, saved by the norms' pow (fp32 stream only)
-    total += 2 * _rms_norm_llama(p.w, h)
-    total += ctx.linear_inputs(h, ("q_proj", "k_proj", "v_proj"), norm_out)
-    kv_as_q = ctx.run.attn_implementation is Attention.EAGER and s.num_kv_heads != s.num_heads
-    total += _attention_core(ctx, kv_as_q)
-    # o_proj input is SDPA's output, already saved (and already in c): nothing new.
-    total += ctx.linear_inputs(h, ("gate_proj", "up_proj"), norm_out)
+    names = {lin.name for lin in s.linears}
+    fused = "qkv_proj" in names
+    attn_in = tuple(n for n in ("q_proj", "k_proj", "v_proj", "qkv_proj") if n in names)
+    mlp_in = tuple(n for n in ("gate_proj", "up_proj", "gate_up_proj") if n in names)
+    eager = ctx.run.attn_implementation is Attention.EAGER
+    total = ctx.rms_norm(h, p.w, xin=ctx.xin)
+    total += ctx.linear_inputs(h, attn_in, p.w)
+    total += _eager_core(ctx, softcap=False) if eager else _sdpa_core(ctx, fused)
+    # o_proj's input is SDPA's output (already saved), except after eager attention or Phi-3's fused path
+    # (made contiguous: a copy).
+    total += ctx.linear_inputs(s.q_dim, ("o_proj",), p.c, already=not (eager or fused))
+    total += ctx.rms_norm(h, p.w)
+    total += ctx.linear_inputs(h, mlp_in, p.w)
     total += 3 * p.c * i  # gate out (act input), act out, up out
-    down = ctx.linear_inputs(i, ("down_proj",), p.c)
-    total += down if (full or "down_proj" in ctx.lora) else 0
+    total += ctx.linear_inputs(i, ("down_proj",), p.c)
     return total
 
 
-RECIPES = {"llama": llama_layer}
+def gemma2_layer(ctx: _Ctx) -> int:
+    """Gemma-2 decoder layer (eager attention, score soft-capping, four RMSNorms), bytes per token.
+
+    norm1 + q,k,v inputs + eager core (+ tanh of the capped scores) + o_proj input (contiguous copy) +
+    post-attention norm (of o_proj's output) + pre-feedforward norm + gate,up inputs + 4 I-wide tensors
+    (``gelu_pytorch_tanh`` saves its input) + post-feedforward norm (of down's output).
+    Gemma's norms multiply by ``1 + weight`` in fp32: the normalised h they save is fp32.
+    """
+    s, p = ctx.spec, ctx.prec
+    h, i = s.hidden_size, s.intermediate_size
+    softcap = getattr(s.hf_config, "attn_logit_softcapping", None) is not None
+    eager = ctx.run.attn_implementation is Attention.EAGER or s.model_type == "gemma2"
+    total = ctx.rms_norm(h, p.w, gemma=True, xin=ctx.xin)
+    total += ctx.linear_inputs(h, ("q_proj", "k_proj", "v_proj"), p.w)
+    total += _eager_core(ctx, softcap) if eager else _sdpa_core(ctx)
+    total += ctx.linear_inputs(s.q_dim, ("o_proj",), p.c, already=not eager)
+    total += 3 * ctx.rms_norm(h, p.w, gemma=True)
+    total += ctx.linear_inputs(h, ("gate_proj", "up_proj"), p.w)
+    total += 3 * p.c * i
+    total += ctx.linear_inputs(i, ("down_proj",), p.c)
+    return total
+
+
+def gpt2_layer(ctx: _Ctx) -> int:
+    """GPT-2 decoder layer (LayerNorm, Conv1D, learned positions, ``gelu_new``, dropout), bytes per token.
+
+    ln_1 (input + fp32-or-stream mean and rstd) + c_attn input + attention + c_proj input + residual
+    dropout mask + ln_2 + c_fc input + ``gelu_new``'s 4 I-wide saves (x for ``pow``, ``tanh`` output,
+    ``0.5 x`` and ``1 + tanh`` for the product) + c_proj input (I) + MLP dropout mask.
+    Attention: on CUDA, flash/mem-efficient SDPA with dropout saves q, k, v (views of the c_attn output:
+    3H), output and log-sum-exp; on CPU dropout forces SDPA's math path, which upcasts to fp32 and keeps
+    q, k, v and three (B, n, T, T) matrices (softmax output, dropout mask, dropped probabilities).
+    """
+    s, p = ctx.spec, ctx.prec
+    h, i = s.hidden_size, s.intermediate_size
+    n_t = s.num_heads * ctx.run.seq_len
+    ln_in = (p.w * h + 2 * p.w) if (ctx.xin or ctx.full) else 0  # input, mean, rstd in the stream dtype
+    total = ln_in
+    total += ctx.linear_inputs(h, ("c_attn",), p.w)
+    if ctx.device == "cpu" and ctx.attn_dropout > 0:
+        total += FP32 * 3 * s.q_dim + 3 * FP32 * n_t
+        total += ctx.linear_inputs(h, ("c_proj",), p.c)  # the contiguous copy of the output
+    else:
+        total += p.c * 3 * h + p.c * s.q_dim + FP32 * s.num_heads
+        total += ctx.linear_inputs(h, ("c_proj",), p.c, already=True)
+    total += ctx.dropout_mask(h, p.c, ctx.resid_dropout)
+    total += p.w * h + 2 * p.w  # ln_2
+    total += ctx.linear_inputs(h, ("c_fc",), p.w)
+    total += 4 * p.c * i
+    total += ctx.linear_inputs(i, ("c_proj",), p.c)
+    total += ctx.dropout_mask(h, p.c, ctx.resid_dropout)
+    return total
+
+
+RECIPES = {"llama": llama_layer, "phi3": llama_layer, "gemma2": gemma2_layer, "gpt2": gpt2_layer}
 
 
 def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> LayerActivations:
-    """Saved bytes of one decoder layer and the transient of its backward.
+    """Saved bytes of one decoder layer, of all layers, and the transient of one layer's backward.
 
     Gradient checkpointing (non-reentrant, transformers' default): a layer keeps only its input
-    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set) while the
-    gradient of its input and output (2 x ``w * H``) exist.
+    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set).
+    Backward transient of one layer: the gradient of its input and output (2 x ``w * H``) and, in the MLP's
+    backward, the gradients of two I-wide tensors (``mul``'s two input grads, c). Held to the trace's
+    backward phase: within ~3% with checkpointing (where this is the backward peak), below the
+    backward-start peak without it.
     """
     ctx = _Ctx(spec, run, prec, device)
     recipe = RECIPES.get(spec.family, llama_layer)
-    per_token = recipe(ctx)
-    full = per_token * ctx.bt
-    if run.attn_implementation is Attention.EAGER:
-        full += _eager_scores(ctx) * ctx.bt
-    grads = 2 * prec.w * spec.hidden_size * ctx.bt
+    full = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
+    grads = (2 * prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size) * ctx.bt
     if run.grad_checkpointing:
-        return LayerActivations(saved=prec.w * spec.hidden_size * ctx.bt, backward_transient=full + grads)
-    return LayerActivations(saved=full, backward_transient=grads)
+        saved = prec.w * spec.hidden_size * ctx.bt
+        return LayerActivations(saved=saved, backward_transient=full + grads, all_layers=saved * spec.num_layers)
+    first = full
+    if run.is_lora():
+        ctx.xin = False
+        first = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
+    return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (spec.num_layers - 1))
+
+
+def _per_layer_constant(spec, run: RunConfig) -> int:
+    """Gemma's norms save the fp32 ``1 + weight`` vector (H) when the weight is trained: 4 per layer."""
+    if spec.family == "gemma2" and not run.is_lora():
+        return 4 * FP32 * spec.hidden_size
+    return 0
 
 
 def outside_layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> int:
-    """Saved tensors outside the decoder layers: input ids, RoPE cos/sin, the final norm and the head input.
+    """Saved tensors outside the decoder layers, bytes.
 
-    input_ids (int64, saved by the embedding backward), cos/sin (fp32, T x head_dim each, shared by all
-    layers), the final norm (as a layer norm above, including its input), the head's input (cast per
-    autocast), and the shifted int64 targets saved by the loss.
+    The embedding saves the int64 input ids (and GPT-2's position embedding its (1, T) position ids)
+    when its weight is trained; the loss saves the shifted int64 targets; RoPE's cos/sin (T x head_dim
+    each, in the stream dtype, shared by all layers); GPT-2's embedding dropout mask; the final norm;
+    the head's input (cast per autocast; nothing when the head is frozen: LoRA).
     """
     ctx = _Ctx(spec, run, prec, device)
-    bt, h = ctx.bt, spec.hidden_size
-    total = 8 * bt + 8 * bt  # input ids + loss targets
-    total += 2 * FP32 * run.seq_len * spec.head_dim
-    total += (prec.w * h if prec.w == FP32 else 0) * bt + _rms_norm_llama(prec.w, h) * bt
-    if run.is_lora():
-        total += 0  # the frozen head keeps only its weight
-    elif prec.amp:
-        total += prec.c * h * bt
+    bt, h, w = ctx.bt, spec.hidden_size, prec.w
+    total = 8 * bt  # loss targets
+    if ctx.full:
+        total += 8 * bt
+    if spec.family == "gpt2":
+        if ctx.full:
+            total += 8 * run.seq_len
+        if ctx.full or run.grad_checkpointing:
+            total += ctx.dropout_mask(h, w, float(getattr(spec.hf_config, "embd_pdrop", 0.0) or 0.0)) * bt
+        total += (w * h + 2 * w) * bt  # ln_f
     else:
-        total += prec.w * h * bt
+        total += 2 * w * run.seq_len * spec.head_dim
+        total += ctx.rms_norm(h, w, gemma=spec.family == "gemma2") * bt
+        if spec.family == "gemma2" and ctx.full:
+            total += FP32 * h
+    if ctx.full:
+        total += (prec.c if prec.amp else w) * h * bt
     return int(total)
 
 
@@ -221,8 +325,11 @@ def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     Backward start: ``nll_loss`` backward makes the fp32 gradient of log_softmax's output and
     ``log_softmax`` backward the fp32 gradient of the logits while its saved output is alive: 12 N bytes
     in every regime (the cast of that gradient to c comes after the first two are freed).
+    Gemma-2's final soft-capping (``tanh(logits / cap) * cap``) keeps ``tanh``'s output (c) for backward
+    too: + c N in both.
     Checked against the exact tracer to the byte (transformers 5.24, torch 2.13).
     """
     n = run.micro_batch * run.seq_len * spec.vocab_size
     forward = n * (FP32 + FP32) if prec.c == FP32 else n * (prec.c + FP32 + FP32)
-    return LogitsTerms(forward=forward, backward=3 * FP32 * n)
+    cap = prec.c * n if spec.final_logit_softcapping else 0
+    return LogitsTerms(forward=forward + cap, backward=3 * FP32 * n + cap)

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
-from memfit.memory.activations import Precisions, layer_activations, logits_terms, outside_layer_activations
+from memfit.memory.activations import (
+    ATTN_IN,
+    Precisions,
+    layer_activations,
+    logits_terms,
+    outside_layer_activations,
+)
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.modelspec import ModelSpec, load_spec
 from memfit.units import MiB, fmt_gb
@@ -91,19 +97,19 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
-    weight_copies = autocast_weight_copies(spec, run, prec)
+    copies = (autocast_weight_copies(spec, run, prec), autocast_copies_saved(spec, run, prec))
 
-    saved_layers = acts.saved * spec.num_layers
-    activations = saved_layers + outside
+    activations = acts.all_layers + outside
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer
-    forward = base + grads_in_fwd + activations + logit.forward + weight_copies + states.gathered
-    # backward start: logits' gradient chain is the transient; all activations still saved.
-    backward_start = base + grads_in_fwd + activations + logit.backward + weight_copies + states.gathered
+    forward = base + grads_in_fwd + activations + logit.forward + copies[0] + states.gathered
+    # backward start: logits' gradient chain is the transient; all activations and the weight copies
+    # saved for backward still alive (the autocast cache itself is cleared when forward returns).
+    backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
     head_grads = _head_grad_bytes(spec, run, prec) if not grads_in_fwd else 0
-    backward_layer = (base + grads_in_fwd + head_grads + activations + weight_copies + logit.retained
+    backward_layer = (base + grads_in_fwd + head_grads + activations + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
     backward_end = base + states.gradients + outside + logit.retained + states.gathered
     optimizer = base + states.gradients + states.step_temporary + logit.retained
@@ -113,7 +119,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
         "optimizer": optimizer,
     }
     phase = max(phases, key=lambda k: phases[k])
-    out = _breakdown_at(phase, spec, run, states, activations, logit, weight_copies, acts, head_grads,
+    out = _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, head_grads,
                         backward_start >= backward_layer)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
@@ -123,9 +129,10 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     return out
 
 
-def _breakdown_at(phase, spec, run, states, activations, logit, weight_copies, acts, head_grads,
+def _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, head_grads,
                   start_is_peak) -> MemoryBreakdown:
-    """Assign the bytes of the peak phase to categories."""
+    """Assign the bytes of the peak phase to categories (``copies``: autocast weight copies in forward,
+    and those saved for backward)."""
     out = MemoryBreakdown(method="analytic", phase=phase, params=spec.params,
                           trainable_params=spec.trainable_params(run))
     out.weights = states.weights
@@ -135,17 +142,17 @@ def _breakdown_at(phase, spec, run, states, activations, logit, weight_copies, a
         out.gradients = grads_in_fwd
         out.activations = activations
         out.logits = logit.forward
-        out.temporary = weight_copies + states.gathered
+        out.temporary = copies[0] + states.gathered
     elif phase == "backward" and start_is_peak:
         out.gradients = grads_in_fwd
         out.activations = activations
         out.logits = logit.backward
-        out.temporary = weight_copies + states.gathered
+        out.temporary = copies[1] + states.gathered
     elif phase == "backward":
         out.gradients = grads_in_fwd + head_grads
         out.activations = activations
         out.logits = logit.retained
-        out.temporary = weight_copies + acts.backward_transient + states.gathered
+        out.temporary = copies[1] + acts.backward_transient + states.gathered
     else:
         out.gradients = states.gradients
         out.logits = logit.retained
@@ -229,8 +236,9 @@ def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_
       4 B/param bf16). Source: ``torch/optim/adam.py`` ``_init_group`` (``zeros_like(p)``).
     - adamw-8bit (bitsandbytes): ``ADAM8BIT_BYTES_PER_PARAM`` = 2.004 B/param.
     - sgd: memfit trains SGD with momentum 0, which keeps no state (``momentum_buffer`` stays None).
-    - adafactor (``torch.optim.Adafactor``, beta1=None): factored second moment, one row and one column
-      vector per matrix, the full second moment for vectors (norms, biases), param dtype.
+    - adafactor (transformers' ``Adafactor`` as ``memfit train`` builds it, beta1=None): factored second
+      moment, one row and one column vector per matrix, the full second moment for vectors (norms,
+      biases), param dtype.
     """
     if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH):
         return trainable * 2 * grad_bytes
@@ -284,32 +292,56 @@ def _weight_bytes(run: RunConfig) -> int:
 
 
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
-    """Gradient of the output head (and its input grad), produced first in backward (full fine-tune)."""
+    """Weight gradients that exist one layer into backward (full fine-tune): the output head's (produced
+    first) and the last layer's down projection's (the first weight gradient of a layer's backward)."""
     if run.is_lora():
         return 0
     head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
-    return head * prec.w
+    down = spec.intermediate_size * spec.hidden_size
+    return (head + down) * prec.w
 
 
 # ----------------------------------------------------------------------------------------------
 # Temporaries and 'other'
 # ----------------------------------------------------------------------------------------------
 def autocast_weight_copies(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
-    """Half-precision copies of weights that autocast makes for matmuls and autograd saves for backward.
+    """Half-precision copies of weights alive at the end of forward under autocast.
 
     Under ``mixed_precision`` fp16/bf16 with fp32 weights, every ``linear`` casts its weight to the compute
     dtype. For trainable leaf weights the copy is cached for the whole forward (torch autocast's weight
-    cache); for frozen ones (LoRA base) it is made per call. Either way ``linear`` saves the copy for the
-    input gradient, so all of them (decoder projections + output head) are alive at the end of forward and
-    are freed layer by layer in backward. Adapter weights are tiny and counted too.
+    cache, cleared when the autocast context exits); frozen ones (LoRA base) are cast per call and live
+    only while ``linear`` saves them for the input gradient. Full fine-tune: decoder projections + head
+    (all cached). LoRA: the copies saved for backward (``autocast_copies_saved``).
     Source: ``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``. 0 without autocast or when the weights
-    are already in the compute dtype (pure bf16, QLoRA dequantizes per layer instead).
+    are already in the compute dtype (pure bf16; QLoRA dequantizes per layer instead).
+    """
+    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE:
+        return 0
+    if run.is_lora():
+        return autocast_copies_saved(spec, run, prec)
+    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    return int((spec.linear_params + head) * prec.c)
+
+
+def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+    """Half weight copies that ``linear`` saves for backward, alive from the end of forward into backward.
+
+    Without checkpointing: every projection's and the head's copy, except, under LoRA, the projections
+    reading the first layer's input (q/k/v, qkv_proj, c_attn: their input needs no gradient, so they save
+    nothing); plus the (cached) adapter copies. With checkpointing the layers save only their input, so
+    only the head's copy survives forward. Freed layer by layer in backward.
     """
     if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE:
         return 0
     head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
-    adapters = spec.lora_params(run)
-    return int((spec.linear_params + head + adapters) * prec.c)
+    if run.grad_checkpointing:
+        return int(head * prec.c)
+    layers = spec.linear_params
+    if run.is_lora():
+        first = sum(lin.in_features * lin.out_features for lin in spec.linears if lin.name in ATTN_IN)
+        layers -= first
+        layers += spec.lora_params(run)
+    return int((layers + head) * prec.c)
 
 
 def cuda_other(allocated_peak: int) -> int:

@@ -33,6 +33,7 @@ explicitly, except GPT-2's ``gelu_new``), allocator block rounding (512 B) and f
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import weakref
 from dataclasses import dataclass, field
@@ -152,6 +153,9 @@ def _build_model(config, run: RunConfig):
     dtype = getattr(torch, _TORCH_DTYPES[run.dtype.value])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        if run.grad_checkpointing:
+            # As train/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if run.is_lora():
             from peft import LoraConfig, get_peft_model
 
@@ -163,12 +167,6 @@ def _build_model(config, run: RunConfig):
                 model = get_peft_model(model, lora)
             except ValueError as err:
                 raise UserError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
-    if run.grad_checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -203,9 +201,12 @@ def _build_optimizer(model, run: RunConfig):
         # On CUDA, torch's default for AdamW is foreach; say so explicitly or CPU tensors get single-tensor.
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if run.optimizer is Optimizer.SGD:
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+        # memfit train builds plain SGD (momentum 0: no state), see train/setup.py build_optimizer.
+        return torch.optim.SGD(params, lr=1e-3, foreach=True)
     if run.optimizer is Optimizer.ADAFACTOR:
-        return torch.optim.Adafactor(params, lr=1e-3, foreach=True)
+        from transformers.optimization import Adafactor  # what train/setup.py builds, not torch's
+
+        return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
     raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode.")
 
 
@@ -284,7 +285,10 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             if any(st in self.head or st in self.logits for st in sources):
                 for t in logits_like:
                     for st, winfo in self._winfos(t):
-                        self.logits.add(st, winfo)
+                        # A view of the head's autocast weight copy ((H, V).t()) has B*T*V elements when
+                        # B*T == H: it is a weight copy (temporary), not logits.
+                        if st not in self.casts:
+                            self.logits.add(st, winfo)
 
         def sample(self) -> dict[str, int]:
             snap = next(iter(tracker._curr_mem_snap.values()), {})
@@ -460,6 +464,24 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     )
 
 
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """Take the attention path of a real unpadded (or packed, full-length) batch, not a fake-tensor one.
+
+    ``memfit train`` passes an all-ones ``attention_mask``; transformers then reads its values, finds no
+    padding and gives SDPA no mask (``is_causal=True``; GQA via ``enable_gqa``, k/v not repeated).
+    Under fake tensors those values cannot be read, so transformers' ``find_packed_sequence_indices``
+    would report "packed" and build a (B, 1, T, T) mask that the real run never has. Saying "no packed
+    sequences" restores the real path. Eager attention builds its mask either way, as on the device.
+    """
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False):
     """Trace two training steps of ``model`` under ``run`` on fake tensors; report the second.
 
@@ -496,7 +518,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
-    with fake_mode, tracker, recorder:
+    with _unpacked_sequences(), fake_mode, tracker, recorder:
         _one_step(traced, micro_batches)
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         recorder.recording = True
