@@ -195,18 +195,19 @@ class TrainConfig:
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunConfig = field(default_factory=lambda: RunConfig(seq_len=128, micro_batch=4))
+    """Train's own defaults for the memory settings: sized for the demo (tiny preset, 2 CPU cores, < 3 min)."""
     optimizer_lr: float = 3e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_steps: int | None = 300
+    warmup_steps: int = 10
+    max_steps: int | None = 120
     epochs: int | None = None
     seed: int = 0
     packing: bool = True
-    eval_every: int = 50
-    eval_fraction: float = 0.05
+    eval_every: int = 40
+    eval_fraction: float = 0.02
     save_every: int | None = None
-    log_every: int = 10
+    log_every: int = 5
     max_grad_norm: float = 1.0
     output: str = "runs/memfit-run"
     resume: bool = False
@@ -215,8 +216,12 @@ class TrainConfig:
     trust_remote_code: bool = False
     samples: int = 3
     """Generated samples printed at the end of the run."""
+    batch: int | None = None
+    """Effective batch in sequences (all micro-batches and processes of one step); sets ``grad_accum``."""
     budget: str | None = None
     """Memory budget (``24GiB``); when set, ``memfit plan`` picks the run settings first."""
+    pinned: tuple[str, ...] = ()
+    """Run settings the user set explicitly; with ``budget`` the planner keeps them."""
     tracker: str | None = None
     """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
     check_equivalence: bool = False

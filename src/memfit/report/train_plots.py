@@ -1,0 +1,44 @@
+"""``loss.png``: training loss per logged step, held-out loss, and the unigram baseline (matplotlib, lazy)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out_path: Path, *, unigram: float | None = None) -> Path | None:
+    """Plot the losses logged in ``metrics.jsonl``; returns the written path (None when nothing was logged)."""
+    records = read_metrics(Path(metrics_path))
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None
+             and not math.isnan(r["eval_loss"])]
+    if train:
+        ax.plot(*zip(*train, strict=False), label="train loss (mean per target token of the step)")
+    if evals:
+        ax.plot(*zip(*evals, strict=False), "o-", label="held-out loss")
+    if unigram is not None and not math.isnan(unigram):
+        ax.axhline(unigram, color="grey", linestyle="--", label=f"unigram baseline ({unigram:.2f})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title("memfit train")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)

@@ -1,0 +1,93 @@
+"""One optimizer step with exact loss normalisation (issue 6), and held-out evaluation.
+
+**Normalisation.** Let micro-batch ``i`` (on any rank) hold loss sum ``S_i`` (sum of per-token
+cross-entropies) over ``n_i`` target tokens. The big-batch loss is ``L = sum_i S_i / N`` with
+``N = sum_i n_i`` over all micro-batches of the step and all ranks. Each micro-batch therefore
+back-propagates ``S_i / N`` (the model's own loss with ``num_items_in_batch=N``), never its own
+mean ``S_i / n_i``: with a per-micro-batch mean the sum is the big-batch gradient only when every
+``n_i`` is equal (the bug transformers fixed in PR 34191). Two scalings undo what the stack does:
+Accelerate's ``backward`` divides by ``gradient_accumulation_steps`` and DDP averages gradients over
+the ``P`` ranks, so the loss is multiplied by ``k * P`` before ``backward``. The logged loss is
+``sum_i S_i / N``: the true mean per target token of the step, whatever the split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memfit.data import collate, count_target_tokens
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean loss per target token over the whole step (all micro-batches, all ranks)."""
+    target_tokens: int
+    tokens: int
+    """Real (non-pad) input tokens processed by all ranks."""
+    skipped: bool
+    """fp16: the loss scaler found inf/NaN gradients and skipped the update."""
+    grad_norm: float | None
+
+
+def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int):
+    """``S_i / N`` for one micro-batch: the model's loss with ``num_items_in_batch``, or the same
+    function applied to its logits for models whose forward does not take loss kwargs."""
+    if uses_model_loss:
+        return model(**batch, num_items_in_batch=num_items).loss
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    return ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=num_items)
+
+
+def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_norm: float,
+               uses_model_loss: bool, vocab_size: int) -> StepResult:
+    """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
+    clip, and step the optimizer."""
+    device = accelerator.device
+    local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
+                          sum(int(b["attention_mask"].sum()) for b in batches)], device=device)
+    n_targets, n_tokens = accelerator.reduce(local, reduction="sum").tolist()
+    num_items = torch.tensor(max(n_targets, 1), device=device)
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    loss_sum = torch.zeros((), device=device)
+    for batch in batches:
+        with accelerator.accumulate(model):
+            loss = micro_loss(model, batch, num_items, uses_model_loss, vocab_size)
+            accelerator.backward(loss * scale)
+            loss_sum += loss.detach().float()
+    grad_norm = None
+    if max_grad_norm > 0:
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    total = float(accelerator.reduce(loss_sum, reduction="sum"))
+    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
+                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: int, vocab_size: int) -> float:
+    """Mean loss per target token over the held-out rows (each rank takes every P-th row; sums reduced)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if not rows:
+        return float("nan")
+    net = accelerator.unwrap_model(model)  # no DDP: ranks may hold different numbers of eval batches
+    was_training = net.training
+    net.eval()
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, targets)
+    one = torch.tensor(1, device=accelerator.device)
+    for start in range(0, len(mine), batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size], pad_id).items()}
+        with accelerator.autocast():
+            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
+        sums[1] += count_target_tokens(batch["labels"])
+    net.train(was_training)
+    loss_sum, n = accelerator.reduce(sums, reduction="sum").tolist()
+    return loss_sum / n if n else float("nan")
