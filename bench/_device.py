@@ -128,8 +128,8 @@ class StepResult:
 def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int = 0) -> StepResult:
     """Train ``steps`` optimizer steps on random tokens exactly as ``memfit train`` runs them.
 
-    Model, LoRA, checkpointing, optimizer and Accelerator come from ``memfit.train.setup``, and each
-    step is ``memfit.train.step.train_step`` (forward under Accelerate's autocast, loss normalised by
+    Model, LoRA, checkpointing, optimizer and Accelerator come from ``memfit.training.setup``, and each
+    step is ``memfit.training.step.train_step`` (forward under Accelerate's autocast, loss normalised by
     target tokens, backward, clipping, optimizer step, zero_grad to None): the sequence
     ``memfit estimate --exact`` simulates. The CUDA peak is reset before the last step, so
     ``last_step_max_allocated_bytes`` is the steady state that the trace's second step predicts.
@@ -138,8 +138,8 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
 
     from memfit.config import TrainConfig
     from memfit.data import collate
-    from memfit.train import setup
-    from memfit.train.step import train_step
+    from memfit.training import setup
+    from memfit.training.step import train_step
 
     cfg = TrainConfig(model=model, run=run, seed=seed, optimizer_lr=1e-4, output="/tmp/memfit-bench-unused")
     free_memory()

@@ -61,7 +61,7 @@ def measure_model(model: str, repeats: int, do_plan: bool, do_trace: bool) -> di
     row["estimate_peak_bytes"] = breakdown.peak_bytes
     if do_plan:
         try:
-            from memfit.plan.search import plan
+            from memfit.planning.search import plan
 
             row["plan_s"], result = timed(lambda: plan(spec, PLAN_BUDGET, seq_len=RUN.seq_len, batch=PLAN_BATCH), 3)
             row["plan_candidates"] = _count_candidates(result)

@@ -5,7 +5,7 @@ from their configs, nothing downloaded) at seq 2048 and each configuration (fp32
 bf16, LoRA on a bf16 base; each with and without gradient checkpointing) it reports
 
 - tokens/s over the steps after warm-up, for memfit's training step and for ``Trainer``;
-- MFU: model FLOPs per token (``memfit.plan.cost.flops_per_token`` without recompute: ``6 N`` plus
+- MFU: model FLOPs per token (``memfit.planning.cost.flops_per_token`` without recompute: ``6 N`` plus
   the attention term ``12 L H Q T``; ``4 N`` + adapters for LoRA; PaLM, Chowdhery et al. 2022,
   app. B) times tokens/s, over the device's dense bf16 peak from ``presets/gpus.yaml`` (keyed by the
   CUDA device name). fp32 runs are held to the same bf16 peak, so their MFU is low by design;
@@ -56,7 +56,7 @@ def device_peak_flops() -> tuple[str, float | None]:
 
     if not torch.cuda.is_available():
         return "cpu", None
-    from memfit.plan.gpus import match_device
+    from memfit.planning.gpus import match_device
 
     props = torch.cuda.get_device_properties(0)
     gpu = match_device(props.name, props.total_memory)
@@ -66,7 +66,7 @@ def device_peak_flops() -> tuple[str, float | None]:
 def model_flops_per_token(model: str, run: RunConfig) -> float:
     """Model FLOPs per trained token, recompute excluded (MFU counts the model's work, not the device's)."""
     from memfit.modelspec import load_spec
-    from memfit.plan.cost import flops_per_token
+    from memfit.planning.cost import flops_per_token
 
     return flops_per_token(load_spec(model), run.replace(grad_checkpointing=False))
 

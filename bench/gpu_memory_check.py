@@ -2,7 +2,7 @@
 
 For a grid of models (three architecture families), configurations (fp32, AMP bf16, pure bf16,
 LoRA on a bf16 base; each with and without gradient checkpointing) and sequence lengths it runs
-memfit's real training step (``memfit.train.setup`` builders + ``memfit.train.step.train_step``) and
+memfit's real training step (``memfit.training.setup`` builders + ``memfit.training.step.train_step``) and
 reads ``torch.cuda.max_memory_allocated`` over the last step (optimizer state present: the steady
 state), and compares it with
 

@@ -4,7 +4,7 @@ The same model, data, seed, optimizer and number of steps are trained by
 
   (a) ``plain``:       a plain PyTorch loop (DataLoader, forward, backward, clip, AdamW step),
   (b) ``accelerate``:  the same loop on a bare ``accelerate.Accelerator``,
-  (c) ``memfit``:      ``memfit.train.loop.train`` (what ``memfit train`` runs),
+  (c) ``memfit``:      ``memfit.training.loop.train`` (what ``memfit train`` runs),
   (d) ``trainer``:     transformers' ``Trainer`` with the same optimizer and a constant learning rate,
 
 each run in a fresh subprocess (so each has its own peak RSS), interleaved a,b,c,d,a,b,c,d,... so that
@@ -162,7 +162,7 @@ def run_memfit(setup: dict[str, Any]) -> dict[str, Any]:
     no samples; the final export happens after the last timed step.
     """
     from memfit.config import RunConfig, TrainConfig
-    from memfit.train.loop import train
+    from memfit.training.loop import train
 
     with tempfile.TemporaryDirectory() as out:
         data = Path(out) / "data.txt"

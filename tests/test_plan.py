@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from memfit.cli import cli
 from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import NothingFitsError, UserError
-from memfit.plan import cost
-from memfit.plan.gpus import gpu_by_name, load_gpus, match_device, smallest_fitting
-from memfit.plan.search import LIVE_FIELDS, PlanResult, fallbacks, nothing_fits_message, plan
-from memfit.plan.space import Constraints, candidates
+from memfit.planning import cost
+from memfit.planning.gpus import gpu_by_name, load_gpus, match_device, smallest_fitting
+from memfit.planning.search import LIVE_FIELDS, PlanResult, fallbacks, nothing_fits_message, plan
+from memfit.planning.space import Constraints, candidates
 from memfit.units import GiB, MiB, parse_size
 
 
@@ -209,15 +209,18 @@ def test_plan_search_is_fast(qwen):
     result = plan(qwen, 24 * GiB, seq_len=512, batch=128, gpu="rtx-4090")
     elapsed = time.perf_counter() - start
     assert len(result.plans) >= 500
-    assert elapsed < 1.0 * 3, elapsed  # target < 1 s; x3 slack for this shared 2-core CI machine
+    assert elapsed < 1.0, elapsed  # issue 5: a full search of >= 500 candidates in under 1 s
 
 
-def test_memfit_plan_is_callable_as_documented():
+def test_public_api_functions_are_not_shadowed_by_subpackages():
     import memfit
+    import memfit.planning.search  # noqa: F401 - importing the subpackages must not rebind memfit.plan/train
+    import memfit.training.loop  # noqa: F401
 
     first = memfit.plan("tiny", "1GiB", seq_len=128, batch=4)
-    again = memfit.plan("tiny", "1GiB", seq_len=128, batch=4)  # memfit.plan is now the package: still works
+    again = memfit.plan("tiny", "1GiB", seq_len=128, batch=4)
     assert first.best.config == again.best.config and first.best.config.effective_batch() == 4
+    assert callable(memfit.train) and memfit.train.__module__ == "memfit.training.loop"
 
 
 def test_pinned_offload_params_skips_what_cannot_run(qwen):

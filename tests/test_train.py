@@ -14,9 +14,9 @@ from _train_helpers import max_diff, metrics, tiny_config, write_text
 from memfit.config import RunConfig
 from memfit.data import collate, count_target_tokens
 from memfit.errors import UserError
-from memfit.train import step as step_module
-from memfit.train.loop import run_training
-from memfit.train.sampler import DUMMY, StepBatchSampler, StepSchedule, split_step
+from memfit.training import step as step_module
+from memfit.training.loop import run_training
+from memfit.training.sampler import DUMMY, StepBatchSampler, StepSchedule, split_step
 
 
 # ------------------------------------------------------------------------------------------- sampler
@@ -55,7 +55,7 @@ def test_data_has_unequal_target_counts_per_micro_batch(grid):
     # The grid is only a test of normalisation if micro-batches of a step hold different target counts.
     cfg, _ = grid[(1, 4)]
     from memfit.data import load_examples, tokenize
-    from memfit.train.setup import build_model
+    from memfit.training.setup import build_model
 
     tok = build_model(cfg, cfg.run).tokenizer
     rows = tokenize(load_examples(cfg.data), tok, seq_len=64, packing=False, eval_fraction=0.0, seed=0).train
@@ -135,7 +135,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(tmp_path, monk
                                     warmup_steps=2), show=False)
     cfg = tiny_config(tmp_path / "b", max_steps=4, save_every=2, run={"optimizer": "adamw"}, optimizer_lr=1e-2,
                       warmup_steps=2)
-    from memfit.train import checkpoint
+    from memfit.training import checkpoint
 
     real_save = checkpoint.save_checkpoint
 
@@ -182,7 +182,7 @@ def test_fake_oom_falls_back_and_redoes_the_step(tmp_path, monkeypatch):
 
 
 def test_oom_in_evaluation_is_not_taken_for_a_batch_problem(tmp_path, monkeypatch):
-    from memfit.train import loop
+    from memfit.training import loop
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -195,7 +195,7 @@ def test_oom_in_evaluation_is_not_taken_for_a_batch_problem(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------- fp16: scaler, preflight
 def test_skipped_steps_are_counted_with_a_forced_overflow(tmp_path, monkeypatch):
     # CPU Accelerate runs no loss scaler, so give it torch's CPU GradScaler as it does for fp16 on CUDA.
-    from memfit.train import loop
+    from memfit.training import loop
 
     real_build = loop.build_accelerator
 
@@ -222,7 +222,7 @@ def test_skipped_steps_are_counted_with_a_forced_overflow(tmp_path, monkeypatch)
 
 
 def test_fp16_preflight():
-    from memfit.train.setup import preflight
+    from memfit.training.setup import preflight
 
     with pytest.raises(UserError, match="cannot train weights stored in fp16"):
         preflight(RunConfig(mixed_precision="fp16", dtype="fp16"))

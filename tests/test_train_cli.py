@@ -75,7 +75,7 @@ def test_config_file_and_explicit_flags(tmp_path, monkeypatch):
         seen["config"] = config
         return {}
 
-    import memfit.train.loop as loop
+    import memfit.training.loop as loop
 
     monkeypatch.setattr(loop, "train", fake_train)
     cfg = tmp_path / "run.yaml"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
-from memfit.train.loop import run_training
+from memfit.training.loop import run_training
 
 
 def _free_port() -> int:

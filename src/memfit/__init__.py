@@ -27,11 +27,11 @@ def __getattr__(name: str):
 
         return trace
     if name == "plan":
-        from memfit.plan.search import plan
+        from memfit.planning.search import plan
 
         return plan
     if name == "train":
-        from memfit.train.loop import train
+        from memfit.training.loop import train
 
         return train
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``memfit plan``: parse flags, call ``memfit.plan.search.plan``, render a table / JSON / YAML."""
+"""``memfit plan``: parse flags, call ``memfit.planning.search.plan``, render a table / JSON / YAML."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, **pins):
     """The fastest configuration of a training run that fits a memory budget."""
     from memfit.modelspec import load_spec
-    from memfit.plan.gpus import detect_gpu
-    from memfit.plan.search import SAFETY_MARGIN, plan
-    from memfit.plan.space import Constraints
+    from memfit.planning.gpus import detect_gpu
+    from memfit.planning.search import SAFETY_MARGIN, plan
+    from memfit.planning.space import Constraints
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
@@ -94,8 +94,8 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
 def _print(result, top, elapsed: float, output) -> None:
     from rich.console import Console
 
-    from memfit.plan.search import describe
-    from memfit.plan.table import plan_table
+    from memfit.planning.search import describe
+    from memfit.planning.table import plan_table
     from memfit.units import fmt_gib
 
     console = Console()

@@ -22,7 +22,7 @@ def preset_rows() -> list[dict]:
 
 def gpu_rows() -> list[dict]:
     try:
-        from memfit.plan.gpus import load_gpus
+        from memfit.planning.gpus import load_gpus
     except ImportError:
         return []
     return [{"name": g.name, "memory_bytes": g.memory_bytes, "half_tflops": g.half_tflops,

@@ -1,4 +1,4 @@
-"""``memfit train``: parse flags (and ``--config FILE``), call ``memfit.train.loop.train``, render."""
+"""``memfit train``: parse flags (and ``--config FILE``), call ``memfit.training.loop.train``, render."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     if merged.get("epochs") and "max_steps" not in chosen:
         merged["max_steps"] = None  # --epochs alone: train the whole epochs
     if "mixed_precision" not in chosen:
-        from memfit.train.setup import default_precision
+        from memfit.training.setup import default_precision
 
         merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
     merged["pinned"] = tuple(sorted(k for k in chosen if k in RunConfig.__dataclass_fields__))
@@ -135,7 +135,7 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     """
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
-        from memfit.train.equivalence import check_equivalence
+        from memfit.training.equivalence import check_equivalence
 
         result = check_equivalence(config)
         if config.json:
@@ -148,7 +148,7 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
                        f"final loss difference {result['loss_diff']:.3g} -> "
                        + ("equivalent" if result["equivalent"] else "NOT equivalent"))
         return
-    from memfit.train.loop import train
+    from memfit.training.loop import train
 
     summary = train(config)
     if not summary.get("output"):
@@ -160,6 +160,6 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     if config.json:
         click.echo(json.dumps(_plain(summary), indent=2, default=str))
     else:
-        from memfit.train.progress import print_summary
+        from memfit.training.progress import print_summary
 
         print_summary(summary)

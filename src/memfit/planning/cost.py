@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
-from memfit.plan.gpus import GPU
+from memfit.planning.gpus import GPU
 from memfit.units import GB, dtype_bytes
 
 #: Fraction of the dense peak that transformer matmuls reach in training (model FLOPs utilisation).

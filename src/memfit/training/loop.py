@@ -21,10 +21,10 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.train import checkpoint, oom
-from memfit.train.progress import LiveProgress
-from memfit.train.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
-from memfit.train.setup import (
+from memfit.training import checkpoint, oom
+from memfit.training.progress import LiveProgress
+from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
+from memfit.training.setup import (
     build_accelerator,
     build_data,
     build_model,
@@ -32,7 +32,7 @@ from memfit.train.setup import (
     build_scheduler,
     preflight,
 )
-from memfit.train.step import evaluate, train_step
+from memfit.training.step import evaluate, train_step
 
 
 @dataclass
@@ -188,7 +188,7 @@ def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any
         run = run.replace(grad_accum=config.batch // per_step)
     if not config.budget:
         return run, None
-    from memfit.train.budget import plan_run
+    from memfit.training.budget import plan_run
 
     return plan_run(config, run)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from memfit.plan.search import PlanResult, method, precision
+from memfit.planning.search import PlanResult, method, precision
 from memfit.units import fmt_gib, to_gib
 
 

@@ -27,7 +27,7 @@ def check_equivalence(config: TrainConfig, steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` optimizer steps both ways and compare; returns the differences found."""
     import torch
 
-    from memfit.train.loop import run_training
+    from memfit.training.loop import run_training
 
     big, small = _splits(config)
     results = []

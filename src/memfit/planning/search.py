@@ -17,9 +17,9 @@ from typing import Any
 from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig
 from memfit.errors import NothingFitsError, UserError
 from memfit.memory.breakdown import MemoryBreakdown
-from memfit.plan.cost import StepTime, step_time
-from memfit.plan.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
-from memfit.plan.space import Constraints, candidates, micro_batches
+from memfit.planning.cost import StepTime, step_time
+from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
+from memfit.planning.space import Constraints, candidates, micro_batches
 from memfit.units import fmt_gib, parse_size
 
 #: Fraction of the predicted peak kept free on top of it: fits iff ``peak * (1 + margin) <= budget``.

@@ -19,9 +19,9 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     constraints. memfit train runs DDP without offload, and quantization/8-bit optimizers only on CUDA,
     so plans needing those are passed over (the first trainable one in rank order is taken).
     """
-    from memfit.plan.search import plan
-    from memfit.plan.space import Constraints
-    from memfit.train.setup import cuda_available, preflight
+    from memfit.planning.search import plan
+    from memfit.planning.space import Constraints
+    from memfit.training.setup import cuda_available, preflight
 
     pinned = {k: getattr(run, k) for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED}
     pinned = {k: (v.value if hasattr(v, "value") else v) for k, v in pinned.items()}

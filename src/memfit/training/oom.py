@@ -61,11 +61,11 @@ def next_config(run: RunConfig, planned: list[RunConfig] | None = None) -> RunCo
 
 
 def planned_fallbacks(plan_result, run: RunConfig) -> list[RunConfig] | None:
-    """``memfit.plan.search.fallbacks`` for a planned run, or None when the planner is unavailable."""
+    """``memfit.planning.search.fallbacks`` for a planned run, or None when the planner is unavailable."""
     if plan_result is None:
         return None
     try:
-        from memfit.plan.search import fallbacks
+        from memfit.planning.search import fallbacks
     except ImportError:
         return None
     return list(fallbacks(plan_result, run, live_only=True))  # the loop switches these without a rebuild

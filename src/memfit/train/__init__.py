@@ -1,1 +1,0 @@
-"""memfit.train."""
