@@ -97,7 +97,9 @@ def _render(spec, run, rows, compare, as_json, plot_path) -> None:
             f"= {run.seq_len * run.micro_batch:,} tokens per micro-batch")
     if compare:
         console.print(compare_table(rows, head + " (per rank, peak of one step)"))
-        console.print("[dim]GiB = 2^30 bytes (how GPU memory is sold); 'yes' = peak fits that much device memory.[/]")
+        console.print("[dim]GiB = 2^30 bytes (how GPU memory is sold); 'yes' = peak fits that much device memory. "
+                      "Categories are the composition at the peak; 'backward GiB' is the largest total during "
+                      "backward, where checkpointing saves.[/]")
     else:
         name, b = rows[0]
         console.print(breakdown_table(b, f"{head} ({name})"))

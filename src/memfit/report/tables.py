@@ -45,7 +45,13 @@ def breakdown_table(b: MemoryBreakdown, title: str) -> Table:
 
 
 def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str) -> Table:
-    """Regimes side by side: model states, activations+logits, peak, and which GPU sizes it fits."""
+    """Regimes side by side: model states, activations+logits, peak, and which GPU sizes it fits.
+
+    The category columns are the composition at the step's peak. A full fine-tune peaks in the
+    optimizer step, when activations are already freed, so checkpointing does not move its peak; the
+    "backward" column (the largest total during backward, ``phase_peaks`` plus ``other``) shows what
+    checkpointing saves.
+    """
     table = Table(title=title, title_justify="left")
     table.add_column("regime")
     table.add_column("weights", justify="right")
@@ -53,6 +59,7 @@ def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str) -> Table:
     table.add_column("activations", justify="right")
     table.add_column("logits", justify="right")
     table.add_column("temporary", justify="right")
+    table.add_column("backward GiB", justify="right")
     table.add_column("peak GiB", justify="right")
     table.add_column("phase")
     for size in FIT_SIZES_GIB:
@@ -60,8 +67,15 @@ def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str) -> Table:
     for name, b in rows:
         fits = ["[green]yes[/]" if b.peak_bytes <= size * GiB else "[red]no[/]" for size in FIT_SIZES_GIB]
         table.add_row(name, _g(b.weights), _g(b.gradients + b.optimizer), _g(b.activations), _g(b.logits),
-                      _g(b.temporary), f"[bold]{b.peak_bytes / GiB:.2f}[/]", b.phase, *fits)
+                      _g(b.temporary), _backward(b), f"[bold]{b.peak_bytes / GiB:.2f}[/]", b.phase, *fits)
     return table
+
+
+def _backward(b: MemoryBreakdown) -> str:
+    """Largest total during backward (phase peaks count tensors only, so ``other`` is added back)."""
+    if "backward" not in b.phase_peaks:
+        return "-"
+    return _g(b.phase_peaks["backward"] + b.other)
 
 
 def _g(n: int) -> str:
