@@ -53,7 +53,7 @@ def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str) -> Table:
     checkpointing saves.
     """
     table = Table(title=title, title_justify="left")
-    table.add_column("regime")
+    table.add_column("regime", no_wrap=True)
     table.add_column("weights", justify="right")
     table.add_column("grads+optim", justify="right")
     table.add_column("activations", justify="right")
