@@ -92,7 +92,7 @@ def test_output_folder_loads_and_records_the_run(grid):
     assert max_diff(loaded, res.model) == 0.0
     assert AutoTokenizer.from_pretrained(out).pad_token_id == 0
     run = json.loads((tmp := __import__("pathlib").Path(out) / "run.json").read_text())
-    assert run["steps"] == 3 and run["samples"] == 12 and run["skipped_steps"] == 0
+    assert run["steps"] == 3 and run["sequences"] == 12 and run["skipped_steps"] == 0
     assert run["run"]["micro_batch"] == 4 and run["settings"]["lr"] == 0.5
     assert {"torch", "transformers", "accelerate", "peft"} <= set(run["versions"])
     assert run["peak_memory"]["cpu_peak_rss"] > 0 and run["measured"]["method"] == "measured"
@@ -148,7 +148,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(tmp_path, monk
         run_training(cfg, show=False)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
     resumed = run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
-    assert resumed.summary["steps"] == 4 and resumed.summary["samples"] == 16
+    assert resumed.summary["steps"] == 4 and resumed.summary["sequences"] == 16
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -171,7 +171,7 @@ def test_fake_oom_falls_back_and_redoes_the_step(tmp_path, monkeypatch):
     oom_at_micro_batch_4_after_step_1.calls = 0
     monkeypatch.setattr(step_module, "micro_loss", oom_at_micro_batch_4_after_step_1)
     res = run_training(tiny_config(tmp_path / "oom"), show=False)
-    assert res.summary["steps"] == 3 and res.summary["samples"] == 12  # no step lost or counted twice
+    assert res.summary["steps"] == 3 and res.summary["sequences"] == 12  # no step lost or counted twice
     assert res.summary["fallbacks"] == [{"step": 2, "error": "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)",
                                          "from": {"micro_batch": 4, "grad_accum": 1, "grad_checkpointing": False},
                                          "to": {"micro_batch": 2, "grad_accum": 2, "grad_checkpointing": False}}]

@@ -61,6 +61,8 @@ def _bad_inputs(tmp):
 def test_bad_input_is_one_sentence(tmp_path, case):
     args, pattern = _bad_inputs(tmp_path)[case]
     _assert_one_sentence(_run(_fast(tmp_path, *args)), pattern)
+    # Model, tokenizer, data and lengths are checked before the output folder is created: nothing is left behind.
+    assert not (tmp_path / "out").exists() and not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 autocast is refused on CPU only")
@@ -92,7 +94,7 @@ def test_json_summary_on_stdout(tmp_path):
     result = CliRunner().invoke(cli, ["train", *_fast(tmp_path, "--json")])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)  # nothing else on stdout (the progress bar is on stderr)
-    assert summary["steps"] == 2 and summary["samples"] == 8
+    assert summary["steps"] == 2 and summary["sequences"] == 8
     assert summary["final_eval_loss"] is None  # no held-out evaluation was asked for: null, not NaN
     assert summary["peak_memory"]["device"] == "cpu"
 

@@ -47,7 +47,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
     ddp = AutoModelForCausalLM.from_pretrained(two.output)
     assert max_diff(single.model, ddp) < 1e-6
     logged_two = metrics(two.output)
-    assert [m["samples"] for m in logged_two] == [4, 8, 12, 16, 20, 22]  # every sample once, none dropped
+    assert [m["sequences"] for m in logged_two] == [4, 8, 12, 16, 20, 22]  # every sample once, none dropped
     assert [m["loss"] for m in logged_two] == __import__("pytest").approx(
         [m["loss"] for m in metrics(one.output)], abs=1e-6)
 
@@ -55,5 +55,5 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
     shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
     resumed_cfg = tiny_config(tmp_path / "two", resume=True, run={"optimizer": "adamw"}, **common)
     resumed = run_training(resumed_cfg, show=False)
-    assert resumed.summary["samples"] == 22
+    assert resumed.summary["sequences"] == 22
     assert max_diff(single.model, resumed.model) < 1e-6

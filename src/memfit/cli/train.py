@@ -17,9 +17,11 @@ _D = TrainConfig()
 
 EPILOG = """\b
 Examples:
-  memfit train                                   # demo: tiny preset on the shipped corpus (CPU: < 3 min)
+  memfit train                                   # demo: tiny preset on the shipped corpus (CPU: < 3 min),
+                                                 # written to runs/tiny-<YYYYmmdd-HHMMSS>
   memfit train --data notes.jsonl --model ./my-ckpt --lora-r 16 --merge --output runs/notes
   memfit train --model ./my-ckpt --budget 24GiB --batch 32 --seq-len 1024   # plan, then train
+  memfit train --tracker tensorboard --output runs/tb   # then: tensorboard --logdir runs/tb
   memfit train --config plan.yaml --max-steps 500      # flags typed here override the file
   memfit train --output runs/demo --resume             # continue from the latest checkpoint
   memfit train --check-equivalence --micro-batch 2 --grad-accum 4   # 8x1 vs 2x4: same weights?
@@ -52,16 +54,19 @@ def _train_options(func):
         click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (and at the end)."),
         click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True,
                      help="Gradient clipping (0: off)."),
-        click.option("--output", default=_D.output, show_default=True, help="Run folder."),
-        click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output."),
+        click.option("--output", default=None, help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. "
+                     "A folder holding another run is refused unless --overwrite or --resume."),
+        click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output (required)."),
         click.option("--overwrite", is_flag=True, help="Replace a previous run in --output."),
         click.option("--merge", is_flag=True, help="LoRA: also save the adapter merged into the base."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a local model's own Python code."),
         click.option("--samples", type=int, default=_D.samples, show_default=True,
-                     help="Generated samples printed at the end."),
-        click.option("--budget", default=None, help="Memory budget (24GiB): plan the settings, then train."),
+                     help="Samples printed at the end: the model continues the beginnings of held-out documents."),
+        click.option("--budget", default=None,
+                     help="Memory budget (24GiB): plan the fastest settings that fit, then train them. Full "
+                     "fine-tune unless --lora-r; --dtype/--mixed-precision kept when given."),
         click.option("--tracker", type=click.Choice(["tensorboard"]), default=None,
-                     help="Also log to this Accelerate tracker (under --output)."),
+                     help="Also log metrics to TensorBoard (event files under --output/memfit)."),
         click.option("--check-equivalence", is_flag=True,
                      help="Train 3 steps as E x 1 and E/k x k on your model and data; print the weight difference."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,

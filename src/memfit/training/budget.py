@@ -4,31 +4,53 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.config import RunConfig, TrainConfig
+from memfit.config import Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
 
 # Settings that define the effective batch or the launch, not a choice the planner is bound by.
 _NOT_PINNED = {"micro_batch", "grad_accum", "num_processes", "seq_len"}
 
 
+def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
+    """The planner's constraints (train-flag names): what the user typed, plus what is trained.
+
+    The planner ranks by speed only, so what changes *what is trained* is pinned: a full fine-tune
+    unless the user gave ``--lora-r`` (then LoRA at that rank), and ``--dtype``/``--mixed-precision``
+    only when typed (``config.pinned``). memfit train runs DDP without offload, and quantization only
+    on CUDA. The effective batch and the sequence length are passed to the planner separately.
+    """
+    from memfit.training.setup import cuda_available
+
+    typed = [k for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED]
+    pinned = {k: getattr(run, k) for k in typed}
+    pinned = {k: (v.value if hasattr(v, "value") else v) for k, v in pinned.items()}
+    if "lora_r" not in pinned and run.quantize is Quantize.NONE:
+        pinned["lora_r"] = 0  # no --lora-r: a full fine-tune, as without --budget
+    pinned.setdefault("sharding", "ddp")
+    return {**pinned, "allow_offload": False, "allow_quantize": cuda_available()}
+
+
 def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     """The fastest planned configuration that fits ``config.budget`` and that this machine can train.
 
     The effective batch (``run.effective_batch()``: the user's micro-batch x accumulation x processes,
-    or ``--batch``) and the sequence length are kept; settings the user typed (``config.pinned``) are
-    constraints. memfit train runs DDP without offload, and quantization/8-bit optimizers only on CUDA,
-    so plans needing those are passed over (the first trainable one in rank order is taken).
+    or ``--batch``) and the sequence length are kept. With CUDA present the plans are ranked for the
+    device found (``detect_gpu``: fp16 instead of bf16 on a T4 or V100, its speed); without, for the
+    budget alone (speeds of the planner's reference GPU). Plans this machine cannot run (CUDA-only
+    features on a CPU) are passed over: the first trainable one in rank order is taken.
+
+    Raises:
+        NothingFitsError: the planner's sentence (smallest peak reached, smallest GPU that holds it).
     """
+    from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import plan
     from memfit.planning.space import Constraints
     from memfit.training.setup import cuda_available, preflight
 
-    pinned = {k: getattr(run, k) for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED}
-    pinned = {k: (v.value if hasattr(v, "value") else v) for k, v in pinned.items()}
-    pinned.setdefault("sharding", "ddp")
-    constraints = Constraints.from_flat({**pinned, "allow_offload": False, "allow_quantize": cuda_available()})
+    constraints = Constraints.from_flat(constraints_for(config, run))
+    gpu = detect_gpu() if cuda_available() else None
     result = plan(config.model, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
-                  num_processes=run.num_processes, constraints=constraints)
+                  num_processes=run.num_processes, gpu=gpu, constraints=constraints)
     for index, candidate in enumerate(result.plans):
         if not candidate.fits:
             break
@@ -40,3 +62,26 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
         return candidate.config.replace(num_processes=run.num_processes), result
     raise UserError(f"No plan that fits {config.budget} can be trained on this machine "
                     "(the fitting ones need CUDA-only features); try a larger --budget.")
+
+
+def plan_record(config: TrainConfig, result) -> dict[str, Any]:
+    """What ``run.json`` keeps of the plan: the budget, the device ranked for, the chosen plan, one line."""
+    from memfit.planning.search import describe
+
+    chosen = result.best
+    return {"budget": config.budget, "budget_bytes": int(result.budget_bytes),
+            "safety_margin": result.safety_margin, "gpu": result.gpu.name if result.gpu else None,
+            "candidates": len(result.plans), "fitting": len(result.fitting), "chosen": chosen.to_dict(),
+            "description": describe(chosen.config)}
+
+
+def plan_line(config: TrainConfig, result, cuda: bool) -> str:
+    """The one line shown before training: the chosen plan, its predicted peak and speed."""
+    from memfit.units import fmt_count, fmt_gib
+
+    record = plan_record(config, result)
+    speed_on = record["gpu"] if cuda else f"{record['gpu']} (the planner's reference: no CUDA device here)"
+    return (f"plan for {config.budget}: {record['description']}; predicted peak "
+            f"{fmt_gib(record['chosen']['peak_bytes'])} of {fmt_gib(record['budget_bytes'])}, "
+            f"~{fmt_count(record['chosen']['tokens_per_s'])} tokens/s on {speed_on}; "
+            f"fastest of {record['fitting']} fitting plans")

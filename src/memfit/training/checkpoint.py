@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,23 @@ from memfit.errors import UserError
 STATE_FILE = "trainer_state.json"
 RUN_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")
 _STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def default_output(model: str, root: Path = Path("runs"), now: float | None = None) -> Path:
+    """``runs/<model-name>-<YYYYmmdd-HHMMSS>``: a fresh folder per run, so the same command runs twice.
+
+    The model name is the preset name, or the checkpoint folder's name (a bare ``config.json``: its
+    folder's). Two runs started in the same second get ``-2``, ``-3``, ... rather than colliding.
+    """
+    path = Path(model).expanduser()
+    name = path.parent.name if path.is_file() else path.name or "model"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+    base = root / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def checkpoints_dir(output: Path) -> Path:
@@ -109,12 +128,27 @@ def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_
         return []
     written = []
     tokenizer.save_pretrained(output)
-    if hasattr(model, "peft_config"):
-        written += _export_lora(model, output, merge=merge, base_is_preset=base_is_preset)
-    else:
-        model.save_pretrained(output)
-        written.append("model.safetensors")
+    with _quiet_transformers():
+        if hasattr(model, "peft_config"):
+            written += _export_lora(model, output, merge=merge, base_is_preset=base_is_preset)
+        else:
+            model.save_pretrained(output)
+            written.append("model.safetensors")
     return written
+
+
+@contextmanager
+def _quiet_transformers():
+    """No "Writing model shards" bar under memfit's own output (transformers' bars are a global switch)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool) -> list[str]:

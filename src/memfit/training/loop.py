@@ -9,6 +9,7 @@ the same effective batch and redo that step (``train.oom``). At the end: export 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import platform
@@ -22,8 +23,10 @@ from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
 from memfit.training import checkpoint, oom
+from memfit.training.budget import plan_line, plan_record
 from memfit.training.progress import LiveProgress
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
+from memfit.training.samples import generate_samples
 from memfit.training.setup import (
     build_accelerator,
     build_data,
@@ -31,6 +34,7 @@ from memfit.training.setup import (
     build_optimizer,
     build_scheduler,
     preflight,
+    resolve_model,
 )
 from memfit.training.step import evaluate, train_step
 
@@ -70,17 +74,21 @@ def train(config: TrainConfig, *, show: bool = True) -> dict[str, Any]:
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     t_start = time.perf_counter()
     preflight(config.run)
+    config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     run, plan_result = resolve_run(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = run.grad_accum
+    # Everything the user can get wrong (model, tokenizer, data, length) is checked before the output
+    # folder is created, so a bad input leaves nothing behind.
+    source = resolve_model(config, run)
+    data = build_data(config, run, source.tokenizer)
+    schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
+    total_steps = _total_steps(config, schedule)
     output = Path(config.output)
     checkpoint.prepare_output(output, resume=config.resume, overwrite=config.overwrite,
                               is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
-    bundle = build_model(config, run)
-    data, unigram = build_data(config, run, bundle.tokenizer)
-    schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
-    total_steps = _total_steps(config, schedule)
+    bundle = build_model(config, run, source, device=accelerator.device)
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
@@ -96,6 +104,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     initial_run = run
     predicted = predict(config.model, run, accelerator.device.type)
     bar = LiveProgress(total_steps, state.step, show)
+    if plan_result is not None:
+        bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
@@ -135,7 +145,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             if state.step % max(config.log_every, 1) == 0 or last:
                 record = {"step": state.step, "loss": result.loss, "lr": scheduler.get_last_lr()[0],
                           "tokens_per_s": tokens_per_s, "memory_bytes": measure.in_use(device),
-                          "samples": state.samples, "skipped_steps": state.skipped_steps,
+                          "sequences": state.samples, "skipped_steps": state.skipped_steps,
                           "grad_norm": result.grad_norm, "elapsed_s": time.perf_counter() - t_start}
                 if config.eval_every > 0 and (state.step % config.eval_every == 0 or last) and data.eval:
                     record["eval_loss"] = state.last_eval
@@ -152,10 +162,15 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     with not_a_batch_problem("saving the model"):
         checkpoint.export(accelerator, model, bundle.tokenizer, output, merge=config.merge,
                           base_is_preset=bundle.random_init)
-    generated = generate_samples(accelerator, net, bundle.tokenizer, data, config) if is_main else []
+    samples = []
+    if is_main and config.samples > 0:
+        with not_a_batch_problem("generating samples"):
+            samples = generate_samples(accelerator, net, bundle.tokenizer, data.prompt_docs, count=config.samples,
+                                       seed=config.seed,
+                                       max_positions=getattr(net.config, "max_position_embeddings", None))
     summary = {
-        "steps": state.step, "samples": state.samples, "final_train_loss": state.last_loss,
-        "final_eval_loss": state.last_eval, "best_eval_loss": state.best_eval, "unigram_loss": unigram,
+        "steps": state.step, "sequences": state.samples, "final_train_loss": state.last_loss,
+        "final_eval_loss": state.last_eval, "best_eval_loss": state.best_eval, "unigram_loss": data.unigram,
         "tokens_per_s": state.tokens / max(state.train_s, 1e-9), "train_s": state.train_s,
         "wall_s": time.perf_counter() - t_start, "skipped_steps": state.skipped_steps,
         "peak_memory": peak_mem.to_dict(), "measured": measured.to_dict(),
@@ -163,15 +178,39 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
         "predicted": predicted.to_dict() if predicted else None,
         "compared": "CUDA max allocated vs predicted peak" if device == "cuda" else
                     "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)",
+        "plan": plan_record(config, plan_result) if plan_result is not None else None,
         "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes,
         "initial_run": initial_run.to_flat(), "run": run.to_flat(),
         "uses_model_loss": bundle.uses_model_loss, "params": bundle.params,
-        "trainable_params": bundle.trainable_params, "output": str(output), "generated": generated,
+        "trainable_params": bundle.trainable_params, "output": str(output), "samples": samples,
     }
     if is_main:
         write_run_files(output, config, summary)
     accelerator.end_training()
     return TrainResult(summary=summary, model=net)
+
+
+def resolve_output(config: TrainConfig) -> TrainConfig:
+    """``config`` with its output folder: ``--output``, or a fresh ``runs/<model>-<timestamp>``.
+
+    The timestamp is taken on the main process and broadcast, so the processes of a data-parallel
+    launch (started a moment apart) agree on one folder.
+    """
+    if config.output:
+        return config
+    if config.resume:
+        raise UserError("--resume needs --output DIR, the folder of the run to continue "
+                        "(without --output every run gets a new runs/<model>-<time> folder).")
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    from memfit.training.setup import cuda_available
+
+    state = PartialState(cpu=not cuda_available())
+    chosen = [str(checkpoint.default_output(config.model)) if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(chosen)
+    return dataclasses.replace(config, output=chosen[0])
 
 
 def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
@@ -306,7 +345,7 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
             f"{len(data.train):,} train / {len(data.eval):,} held-out sequences of <= {run.seq_len} tokens\n"
             f"effective batch {run.effective_batch()} = micro-batch {run.micro_batch} x accumulation "
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
-            f"{run.tokens_per_step():,} (padding included); {total_steps} steps "
+            f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
             f"mixed precision {run.mixed_precision}, weights {run.dtype}")
 
@@ -314,27 +353,6 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
 def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     flat = {**config.to_flat(), **run.to_flat()}
     return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
-
-
-def generate_samples(accelerator, net, tokenizer, data, config: TrainConfig) -> list[str]:
-    """A few continuations of held-out prompts (the first 24 tokens of held-out sequences)."""
-    import torch
-
-    rows = (data.eval or data.train)[: config.samples]
-    if not rows:
-        return []
-    out = []
-    torch.manual_seed(config.seed)
-    net.eval()
-    with not_a_batch_problem("generating samples"), torch.no_grad():
-        for row in rows:
-            prompt = torch.tensor([row["input_ids"][:24]], device=accelerator.device)
-            ids = net.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=96,
-                               do_sample=True, temperature=0.7, top_k=20, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
-            out.append(tokenizer.decode(ids[0], skip_special_tokens=True))
-    net.train()
-    return out
 
 
 def write_run_files(output: Path, config: TrainConfig, summary: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from memfit.units import fmt_bytes, fmt_count, fmt_gib
 
@@ -62,7 +63,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="memfit train: summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['samples']:,} sequences")
+    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} sequences")
+    if summary.get("plan"):
+        table.add_row("plan", f"{summary['plan']['description']} (for {summary['plan']['budget']})")
     table.add_row("final eval loss", _loss(summary["final_eval_loss"]))
     table.add_row("best eval loss", _loss(summary["best_eval_loss"]))
     table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
@@ -91,5 +94,6 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(summary_table(summary))
-    for i, text in enumerate(summary.get("generated", []), start=1):
-        console.print(f"[bold]sample {i}:[/bold] {text!r}")
+    for i, sample in enumerate(summary.get("samples") or [], start=1):
+        console.print(Text.assemble((f"sample {i}: ", "bold"), (sample["prompt"], "bold cyan"),
+                                    sample["completion"]))

@@ -6,6 +6,7 @@ Each builder does one job with the library that owns it (Accelerate, transformer
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,11 +95,22 @@ class ModelBundle:
     """The model's forward accepts ``num_items_in_batch`` (transformers' loss kwargs)."""
 
 
-def build_model(config: TrainConfig, run: RunConfig) -> ModelBundle:
-    """The causal LM (preset with random weights, or a local checkpoint), with checkpointing and LoRA."""
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass
+class ModelSource:
+    """What a run's model is, resolved before anything heavy is built or any folder is written."""
 
+    hf_config: object
+    tokenizer: object
+    random_init: bool
+    """A preset or a bare config.json: the architecture only, built with random weights."""
+
+
+def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
+    """The model's transformers config and the tokenizer, checked against the run (seq-len, vocabulary).
+
+    Cheap (no weights), so the loop calls it before it creates the output folder: a bad ``--model``,
+    ``--tokenizer`` or ``--seq-len`` leaves nothing behind.
+    """
     from memfit import data, modelspec
 
     hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code)
@@ -111,17 +123,37 @@ def build_model(config: TrainConfig, run: RunConfig) -> ModelBundle:
     if len(tokenizer) > hf_config.vocab_size:
         raise UserError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {hf_config.vocab_size}.")
     hf_config.use_cache = False  # training: no KV cache
+    random_init = is_preset or Path(config.model).expanduser().is_file()
+    return ModelSource(hf_config, tokenizer, random_init)
+
+
+def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,
+                device=None) -> ModelBundle:
+    """The causal LM (preset with random weights, or a local checkpoint), with checkpointing and LoRA.
+
+    ``device``: a CUDA device builds the model there directly (random init under ``torch.device``,
+    checkpoints with ``device_map``), which for a 1.5 B model saves building it in CPU memory and
+    copying it over; ``None`` or a CPU device builds on the CPU (Accelerate's ``prepare`` moves it).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = source or resolve_model(config, run)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
     kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": str(run.attn_implementation)}
     if run.quantize is not Quantize.NONE:
         kwargs["quantization_config"] = _bnb_config(run)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
-    path = Path(config.model).expanduser()
-    random_init = is_preset or path.is_file()  # a preset or a bare config.json: architecture only
-    if random_init:
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.trust_remote_code, **kwargs)
+    if source.random_init:
+        with torch.device(device) if on_gpu else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(source.hf_config, trust_remote_code=config.trust_remote_code,
+                                                     **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, local_files_only=True,
-                                                     trust_remote_code=config.trust_remote_code, **kwargs)
+        if on_gpu:
+            kwargs["device_map"] = {"": torch.device(device)}
+        model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
+                                                     local_files_only=True, trust_remote_code=config.trust_remote_code,
+                                                     **kwargs)
     if run.grad_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is torch's recommended mode.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -130,7 +162,7 @@ def build_model(config: TrainConfig, run: RunConfig) -> ModelBundle:
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return ModelBundle(model, tokenizer, random_init, trainable, total, uses_model_loss)
+    return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss)
 
 
 def _bnb_config(run: RunConfig):
@@ -175,8 +207,20 @@ def _accepts_loss_kwargs(model) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def build_data(config: TrainConfig, run: RunConfig, tokenizer):
-    """Tokenized train/held-out data and the unigram baseline loss."""
+@dataclass
+class DataBundle:
+    """Tokenized training and held-out sequences, the unigram baseline, and the held-out documents."""
+
+    train: list[dict]
+    eval: list[dict]
+    unigram: float
+    prompt_docs: list
+    """Documents whose beginnings prompt the end-of-run samples: held-out ``Example`` records (training
+    ones when nothing is held out), evenly spread over the corpus."""
+
+
+def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
+    """Load, check and tokenize the data (every data error surfaces here, before the output folder exists)."""
     from memfit import data
 
     examples = data.load_examples(config.data)
@@ -184,7 +228,19 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer):
                               eval_fraction=config.eval_fraction, seed=config.seed)
     if not tokenized.train:
         raise UserError("The data yields no training sequence with a target token.")
-    return tokenized, data.unigram_loss(tokenized)
+    train_idx, held = data.split_documents(len(examples), config.eval_fraction, config.seed)  # tokenize's split
+    docs = [examples[i] for i in spread(held or train_idx, config.samples)]
+    return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs)
+
+
+def spread(items: list, count: int) -> list:
+    """``count`` items evenly spaced over ``items`` (all of them when there are fewer): documents from
+    all over the corpus (e.g. both files of a data folder), not only from the first file."""
+    if count <= 0:
+        return []
+    if count >= len(items):
+        return list(items)
+    return [items[i * len(items) // count] for i in range(count)]
 
 
 def build_optimizer(model, run: RunConfig, config: TrainConfig):

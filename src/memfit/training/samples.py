@@ -1,0 +1,67 @@
+"""End-of-run samples: the trained model continues the beginnings of held-out documents.
+
+A prompt is what a document starts with, framed as in training (``[bos] + tokens``, see
+``memfit.data.tokenize``): for plain text its first ``PROMPT_CHARS`` characters cut back to a word
+boundary (the shipped stories give ``"Once upon a time"``), for a prompt/completion record its whole
+prompt (the model should answer it). Starting where documents start, rather than inside a packed
+chunk, shows whether the model learned the documents' structure. Sampling is seeded and at a low
+temperature, so a run's samples are reproducible and still differ when prompts coincide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT_CHARS = 16
+TEMPERATURE = 0.6
+MAX_NEW_TOKENS = 160
+
+
+def prompt_text(example) -> str:
+    """The beginning of a document that a sample continues."""
+    if example.is_prompt_completion:
+        return example.prompt
+    text = example.text.strip()
+    if len(text) <= PROMPT_CHARS:
+        return text
+    head = text[:PROMPT_CHARS]
+    if text[PROMPT_CHARS].isalnum() and " " in head:  # mid-word: cut back to the last whole word
+        head = head[: head.rindex(" ")]
+    return head.rstrip()
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """``[bos] + tokens`` exactly as training frames a document start (bos only when distinct from eos)."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    head = [bos] if bos is not None and bos != eos else []
+    return head + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generate_samples(accelerator, net, tokenizer, examples: list, *, count: int, seed: int,
+                     max_positions: int | None = None) -> list[dict[str, Any]]:
+    """``count`` continuations, ``[{"prompt": ..., "completion": ...}]``, of the first ``count`` documents.
+
+    ``examples`` are the held-out documents (the caller falls back to training documents when none were
+    held out). Generation stops at eos or after ``MAX_NEW_TOKENS`` (fewer when the model has fewer
+    positions left).
+    """
+    import torch
+
+    out = []
+    torch.manual_seed(seed)
+    was_training = net.training
+    net.eval()
+    with torch.no_grad(), accelerator.autocast():
+        for example in examples[:count]:
+            text = prompt_text(example)
+            ids = torch.tensor([prompt_ids(tokenizer, text)], device=accelerator.device)  # (1, T)
+            room = MAX_NEW_TOKENS if max_positions is None else min(MAX_NEW_TOKENS, max_positions - ids.shape[1])
+            if room < 1:
+                continue
+            new = net.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=room,
+                               do_sample=True, temperature=TEMPERATURE, top_k=0, use_cache=True,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            completion = tokenizer.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
+            out.append({"prompt": text, "completion": completion})
+    net.train(was_training)
+    return out

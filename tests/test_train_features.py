@@ -1,0 +1,231 @@
+"""memfit train's options around the loop: --budget, --check-equivalence, --tracker tensorboard, the
+default output folder, end-of-run samples, and the bf16 default on a GPU.
+
+Every run is 1-3 optimizer steps of the 2-layer hidden-64 Llama of ``_train_helpers`` on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from _train_helpers import write_model, write_qa, write_text
+from memfit.cli import cli
+from memfit.data import Example, load_examples, split_documents
+
+
+def _run(args):
+    return CliRunner().invoke(cli, ["train", *args])
+
+
+def _args(tmp_path, *extra, data=None):
+    """A 2-step run of 4 sequences; no --output unless given in ``extra``."""
+    return ["--model", write_model(tmp_path / "m"), "--tokenizer", "byte", "--data", data or write_qa(tmp_path),
+            "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--eval-every", "0", "--samples", "0",
+            "--no-packing", "--optimizer", "sgd", *extra]
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------- --budget
+def test_budget_trains_the_chosen_plan_with_the_asked_batch(tmp_path):
+    # --batch 8 is the effective batch; --dtype fp32 was typed so the planner must keep it; no --lora-r,
+    # so a full fine-tune. 1 GiB holds every candidate of this 0.1 M-parameter model (~0.56 GiB predicted
+    # on CUDA: mostly the modelled CUDA context), so the planner's fastest plan is the one trained.
+    out = tmp_path / "out"
+    result = _run(_args(tmp_path, "--budget", "1GiB", "--batch", "8", "--dtype", "fp32", "--max-steps", "1",
+                        "--output", str(out), "--json"))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    plan = summary["plan"]
+    chosen = plan["chosen"]["config"]
+    assert summary["run"] == chosen  # trained exactly what the planner chose (no OOM fallback happened)
+    assert summary["fallbacks"] == []
+    assert chosen["micro_batch"] * chosen["grad_accum"] * chosen["num_processes"] == 8
+    assert chosen["dtype"] == "fp32" and chosen["lora_r"] == 0 and chosen["seq_len"] == 64
+    assert plan["chosen"]["peak_bytes"] * (1 + plan["safety_margin"]) <= plan["budget_bytes"] == 2**30
+    assert summary["sequences"] == 8  # one step of the effective batch
+    assert json.loads((out / "run.json").read_text())["plan"] == plan
+    assert f"plan for 1GiB: {plan['description']}" in result.output.replace("\n", " ")  # shown before training
+
+
+def test_budget_keeps_lora_rank_when_given(tmp_path):
+    from memfit.config import TrainConfig
+    from memfit.training.budget import constraints_for
+
+    config = TrainConfig.from_flat({"model": "tiny", "lora_r": 8, "mixed_precision": "bf16",
+                                    "pinned": ("lora_r", "mixed_precision", "micro_batch")})
+    pins = constraints_for(config, config.run)
+    assert pins["lora_r"] == 8 and pins["mixed_precision"] == "bf16" and "micro_batch" not in pins
+    assert constraints_for(TrainConfig(), TrainConfig().run)["lora_r"] == 0  # nothing typed: full fine-tune
+    assert "dtype" not in constraints_for(TrainConfig(), TrainConfig().run)  # untyped: the planner's choice
+
+
+def test_impossible_budget_is_the_planners_sentence_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _error_line(_run(_args(tmp_path, "--budget", "64MiB", "--output", str(tmp_path / "out"))))
+    assert "Nothing fits in 0.06 GiB with a 5% safety margin: the smallest peak reached is" in line
+    assert "smallest listed GPU that would hold it" in line
+    assert not (tmp_path / "out").exists()
+    _error_line(_run(_args(tmp_path, "--budget", "64MiB")))  # the default folder is not created either
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------- --check-equivalence
+def test_check_equivalence_on_prompt_completion_data(tmp_path):
+    # write_qa's prompts are 4 to ~60 bytes and completions 3 to ~20: the micro-batches of a step hold
+    # different numbers of target tokens, where per-micro-batch mean losses would differ by far more.
+    result = _run(["--check-equivalence", "--model", write_model(tmp_path / "m"), "--tokenizer", "byte",
+                   "--data", write_qa(tmp_path), "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "4",
+                   "--no-packing"])
+    assert result.exit_code == 0, result.output
+    assert "3 steps of 8 x 1 vs 2 x 4 (adamw, fp32)" in result.output
+    diff = float(re.search(r"largest weight difference (\S+)", result.output).group(1))
+    assert diff < 1e-6 and result.output.strip().endswith("-> equivalent")
+    assert not list(tmp_path.glob("runs")), "the check trains in temporary folders"
+
+
+# --------------------------------------------------------------------------------- --tracker tensorboard
+def test_tensorboard_event_files_under_output(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "out"
+    result = _run(_args(tmp_path, "--tracker", "tensorboard", "--output", str(out), "--log-every", "1"))
+    assert result.exit_code == 0, result.output
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events), list(out.rglob("*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = set()
+    for event_file in events:
+        acc = EventAccumulator(str(event_file))
+        acc.Reload()
+        scalars |= set(acc.Tags()["scalars"])
+    assert "loss" in scalars  # the per-step metrics reached TensorBoard, not just the hyper-parameters
+
+
+# ----------------------------------------------------------------------------------- default output folder
+def test_default_output_is_a_new_timestamped_folder_each_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = _args(tmp_path, "--max-steps", "1", "--samples", "2", data=write_text(tmp_path))
+    first, second = _run(args), _run(args)  # the same command twice: no "already holds a run"
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(folders) == 2, folders
+    for name in folders:  # the model is m/config.json: its folder names the run
+        assert re.fullmatch(r"m-\d{8}-\d{6}(-2)?", name), name
+        assert (tmp_path / "runs" / name / "run.json").is_file()
+    # Samples are printed after the summary table.
+    assert first.output.index("memfit train: summary") < first.output.index("sample 1: ")
+
+
+def test_default_output_never_reuses_a_folder(tmp_path):
+    from memfit.training.checkpoint import default_output
+
+    now = 1_700_000_000.0
+    first = default_output("tiny", tmp_path, now)
+    assert re.fullmatch(r"tiny-\d{8}-\d{6}", first.name)
+    first.mkdir()
+    assert default_output("tiny", tmp_path, now).name == first.name + "-2"  # same second: a suffix
+    assert default_output(str(tmp_path / "ckpt" / "Qwen 2.5"), tmp_path, now).name.startswith("Qwen-2.5-")
+
+
+def test_resume_without_output_is_one_sentence(tmp_path):
+    line = _error_line(_run(_args(tmp_path, "--resume")))
+    assert line.startswith("error: --resume needs --output DIR")
+
+
+# ------------------------------------------------------------------------------------------- samples
+def test_sample_prompts_are_document_beginnings():
+    from memfit.data import byte_tokenizer
+    from memfit.training.samples import prompt_ids, prompt_text
+
+    assert prompt_text(Example(text="Once upon a time, there was a duck.")) == "Once upon a time"
+    assert prompt_text(Example(text="Lily found a kite. Lily liked it.")) == "Lily found a"  # not mid-word
+    assert prompt_text(Example(prompt="Q: What is 2+2?\nA:", completion=" 4.")) == "Q: What is 2+2?\nA:"
+    # The byte tokenizer: bos = 1, byte b = 3 + b ("O" = 79 -> 82): framed as a document starts in training.
+    assert prompt_ids(byte_tokenizer(), "Once") == [1, 82, 113, 102, 104]
+
+
+def test_samples_continue_held_out_documents(tmp_path):
+    from _train_helpers import tiny_config
+    from memfit.training.loop import run_training
+
+    data = write_text(tmp_path)
+    cfg = tiny_config(tmp_path, data=data, samples=3, eval_fraction=0.1, max_steps=1, packing=True)
+    samples = run_training(cfg, show=False).summary["samples"]
+    examples = load_examples(data)
+    _, held = split_documents(len(examples), 0.1, cfg.seed)  # 6 of write_text's 60 documents
+    assert len(held) == 6 and len(samples) == 3
+    for sample, index in zip(samples, [held[0], held[2], held[4]], strict=True):  # spread over the held-out ones
+        assert examples[index].text.startswith(sample["prompt"]) and len(sample["prompt"]) >= 8
+        assert isinstance(sample["completion"], str)
+
+
+def test_spread_picks_documents_across_the_corpus():
+    from memfit.training.setup import spread
+
+    assert spread(list(range(10)), 3) == [0, 3, 6]  # i * 10 // 3 for i = 0, 1, 2
+    assert spread([5, 6], 3) == [5, 6] and spread([5, 6], 0) == []
+
+
+# ------------------------------------------------------------------------------- GPU: bf16 by default
+@pytest.mark.parametrize(("cuda", "bf16", "expected"), [(True, True, "bf16"), (True, False, "no"), (False, False, "no")])
+def test_default_precision_follows_the_device(monkeypatch, cuda, bf16, expected):
+    from memfit.training.setup import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert default_precision().value == expected
+
+
+@pytest.mark.parametrize(("typed", "expected"), [((), "bf16"), (("--mixed-precision", "no"), "no")])
+def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
+    import memfit.training.loop as loop
+
+    seen = {}
+
+    def fake_train(config):  # the decision is the CLI's; nothing is trained (there is no GPU here)
+        seen["config"] = config
+        return {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(loop, "train", fake_train)
+    result = _run(list(typed))
+    assert result.exit_code == 0, result.output
+    assert seen["config"].run.mixed_precision.value == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_is_built_on_the_gpu(tmp_path):
+    from _train_helpers import tiny_config
+    from memfit.training.setup import build_model
+
+    cfg = tiny_config(tmp_path)
+    bundle = build_model(cfg, cfg.run, device=torch.device("cuda"))
+    assert {p.device.type for p in bundle.model.parameters()} == {"cuda"}
+    cpu = build_model(cfg, cfg.run)
+    assert {p.device.type for p in cpu.model.parameters()} == {"cpu"}
+
+
+def test_model_built_on_cpu_when_asked(tmp_path):
+    from _train_helpers import tiny_config
+    from memfit.training.setup import build_model
+
+    cfg = tiny_config(tmp_path)
+    a = build_model(cfg, cfg.run, device=torch.device("cpu")).model
+    b = build_model(cfg, cfg.run).model  # the default: CPU, as before
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert Path(cfg.model).is_file()
