@@ -31,7 +31,7 @@ from memfit.memory.activations import (
 )
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.modelspec import ModelSpec, load_spec
-from memfit.units import MiB, fmt_gb
+from memfit.units import MiB, fmt_gb, fmt_gib
 
 #: CUDA context + kernels loaded by torch on first use. Measured ~300-600 MiB across A100/H100/L4 with
 #: CUDA 12 (it grows with the number of kernels loaded; lazy loading ``CUDA_MODULE_LOADING=LAZY``, the
@@ -357,7 +357,10 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
     lines = []
     n = out.trainable_params
     if not run.is_lora() and run.dtype.value == "fp32" and n:
-        per = out.model_states * max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1) / n
+        # The full states, not their composition at the peak: at a backward peak the grads are partial.
+        states = model_states(spec, run)
+        shards = max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1)
+        per = (states.weights + states.gradients + states.optimizer) * shards / n
         lines.append(f"model states: {per:.1f} bytes/param (weights 4 + grads 4 + AdamW moments 8 for fp32 AdamW)."
                      if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH)
                      else f"model states: {per:.1f} bytes/param.")
@@ -379,7 +382,7 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         lines.append(f"per-rank numbers for {run.num_processes} processes with {run.sharding.value}; activations "
                      "are never sharded.")
     if out.peak_bytes:
-        lines.append(f"peak {fmt_gb(out.peak_bytes)} in the {out.phase} phase.")
+        lines.append(f"peak {fmt_gib(out.peak_bytes)} ({fmt_gb(out.peak_bytes)}) in the {out.phase} phase.")
     return lines
 
 
