@@ -132,3 +132,13 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def cuda_missing(dry_run: bool) -> bool:
+    """True (after printing the one-line error) when a GPU script runs without --dry-run and no GPU."""
+    import torch
+
+    if dry_run or torch.cuda.is_available():
+        return False
+    print("error: no CUDA device is visible; run with --dry-run to check the script on CPU.", file=sys.stderr)
+    return True

@@ -239,10 +239,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    if not args.dry_run and not torch.cuda.is_available():
-        print("error: no CUDA device is visible; run with --dry-run to check the script on CPU.", file=sys.stderr)
+    if common.cuda_missing(args.dry_run):
         return 1
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -141,11 +141,10 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if common.cuda_missing(args.dry_run):
+        return 1
     import torch
 
-    if not args.dry_run and not torch.cuda.is_available():
-        print("error: no CUDA device is visible; run with --dry-run to check the script on CPU.", file=sys.stderr)
-        return 1
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if args.models is None:  # --dry-run: a tiny local checkpoint, one thread

@@ -25,7 +25,8 @@ Examples:
   memfit train --config plan.yaml --max-steps 500      # flags typed here override the file
   memfit train --output runs/demo --resume             # continue from the latest checkpoint
   memfit train --check-equivalence --micro-batch 2 --grad-accum 4   # 8x1 vs 2x4: same weights?
-  accelerate launch --cpu --num_processes 2 -m memfit train   # data-parallel, same flags
+  accelerate launch --num_processes 2 -m memfit train         # data-parallel on 2 GPUs
+  ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m memfit train   # 2 CPU processes
 """
 
 

@@ -154,7 +154,7 @@ def _build_model(config, run: RunConfig):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
         if run.grad_checkpointing:
-            # As train/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
+            # As training/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if run.is_lora():
             from peft import LoraConfig, get_peft_model
@@ -201,10 +201,10 @@ def _build_optimizer(model, run: RunConfig):
         # On CUDA, torch's default for AdamW is foreach; say so explicitly or CPU tensors get single-tensor.
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
     if run.optimizer is Optimizer.SGD:
-        # memfit train builds plain SGD (momentum 0: no state), see train/setup.py build_optimizer.
+        # memfit train builds plain SGD (momentum 0: no state), see training/setup.py build_optimizer.
         return torch.optim.SGD(params, lr=1e-3, foreach=True)
     if run.optimizer is Optimizer.ADAFACTOR:
-        from transformers.optimization import Adafactor  # what train/setup.py builds, not torch's
+        from transformers.optimization import Adafactor  # what training/setup.py builds, not torch's
 
         return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
     raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode.")

@@ -1,9 +1,9 @@
 """``train(config)``: the training loop on Accelerate, top to bottom.
 
-Setup (``train.setup``) builds the pieces; this module runs them: fetch the optimizer step's
-micro-batches, accumulate them with exact token normalisation (``train.step``), step, log,
+Setup (``training.setup``) builds the pieces; this module runs them: fetch the optimizer step's
+micro-batches, accumulate them with exact token normalisation (``training.step``), step, log,
 evaluate, checkpoint; on an out-of-memory error inside a step, fall back to a configuration with
-the same effective batch and redo that step (``train.oom``). At the end: export the model, write
+the same effective batch and redo that step (``training.oom``). At the end: export the model, write
 ``run.json``/``loss.png``, print the summary and a few generated samples.
 """
 
