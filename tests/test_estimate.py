@@ -190,10 +190,28 @@ def test_cli_compare_and_plot(tmp_path):
     (["tiny", "--seq-len", "-5"], "must be a positive whole number"),
     (["tiny", "--lora-r", "8", "--lora-targets", "nope"], "matches no layer"),
     (["tiny", "--timeline", "x.png"], "add --exact"),
+    # train refuses these, so estimate must not answer for them (analytic, --compare and --exact alike)
+    (["tiny", "--seq-len", "1025"], "--seq-len 1025 is beyond the model's 1024 positions"),
+    (["tiny", "--seq-len", "4096", "--compare"], "--seq-len 4096 is beyond the model's 1024 positions"),
+    (["gpt2", "--seq-len", "2048", "--micro-batch", "1", "--exact"], "beyond the model's 1024 positions"),
 ])
 def test_cli_bad_input(args, message):
     res = _run(*args)
     assert res.exit_code == 1 and message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"model_type": "nosuchtype", "hidden_size": 64}', "has model_type 'nosuchtype', which this transformers does not know"),
+    ('{"model_type": "llama", "hidden_size": "abc"}', "holds a config transformers cannot read: "),
+    ('"model_type"', "has no model_type"),
+])
+def test_cli_unreadable_config_json_is_one_sentence(tmp_path, content, message):
+    (tmp_path / "config.json").write_text(content)
+    res = _run(str(tmp_path / "config.json"))
+    assert res.exit_code == 1 and res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+    assert message in res.output
+    res = _run(str(tmp_path))  # the folder holding it: one sentence too
+    assert res.exit_code == 1 and res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
 
 
 def test_cli_unknown_optimizer_is_usage_error():

@@ -328,6 +328,9 @@ def test_cli_errors_are_one_line():
     res = CliRunner().invoke(cli, ["plan", "llama-3-8b", "--budget", "2GiB", "--seq-len", "1024", "--batch", "8"])
     assert res.exit_code == 1
     assert res.output.startswith("error: Nothing fits in 2.00 GiB") and res.output.count("\n") == 1
+    res = CliRunner().invoke(cli, ["plan", "tiny", "--gpu", "t4", "--seq-len", "2048"])  # train would refuse it
+    assert res.exit_code == 1 and res.output == (
+        "error: --seq-len 2048 is beyond the model's 1024 positions; use --seq-len 1024 or less.\n")
     res = CliRunner().invoke(cli, ["plan", "tiny", "--gpu", "rtx-9999"])
     assert res.exit_code == 1 and "error: Unknown GPU 'rtx-9999'" in res.output
     res = CliRunner().invoke(cli, ["plan", "tiny"])

@@ -18,6 +18,12 @@ import yaml
 
 from memfit.errors import UserError
 
+try:  # huggingface_hub >= 0.31 validates configs with strict dataclasses (transformers 5)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # older hub: transformers raises ValueError/TypeError only
+    class StrictDataclassError(Exception):
+        pass
+
 
 @lru_cache(maxsize=1)
 def load_presets() -> dict[str, dict[str, Any]]:
@@ -56,6 +62,7 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     Raises ``UserError`` (one sentence) for unknown names and configs that are not causal LMs.
     """
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if is_preset(model):
         config = preset_config(model)
@@ -66,21 +73,43 @@ def resolve_config(model: str, trust_remote_code: bool = False):
                 data = json.loads(path.read_text())
             except json.JSONDecodeError as err:
                 raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}).") from None
-            if "model_type" not in data:
+            if not isinstance(data, dict) or "model_type" not in data:
                 raise UserError(f"{path} has no model_type, so it is not a transformers model config.")
             data = dict(data)
-            config = AutoConfig.for_model(data.pop("model_type"), **data)
+            model_type = data.pop("model_type")
+            if str(model_type) not in CONFIG_MAPPING:
+                raise UserError(f"{path} has model_type {model_type!r}, which this transformers does not know.")
+            try:
+                config = AutoConfig.for_model(model_type, **data)
+            except (ValueError, TypeError, StrictDataclassError) as err:
+                raise UserError(f"{path} holds a config transformers cannot read: {_one_line(err)}") from None
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder.")
             try:
                 config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-            except ValueError as err:
-                raise UserError(f"{path} holds a config transformers cannot read: {str(err).splitlines()[0]}") from None
+            except (ValueError, TypeError, StrictDataclassError) as err:
+                raise UserError(f"{path} holds a config transformers cannot read: {_one_line(err)}") from None
         else:
             raise unknown_model_error(model)
     check_causal_lm(config, model)
     return config
+
+
+def _one_line(err: Exception, limit: int = 200) -> str:
+    """An exception's message on one line (validation errors put their cause on the next), cut to ``limit``."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_seq_len(seq_len: int, max_positions: int | None) -> None:
+    """Raise ``UserError`` when ``seq_len`` exceeds the model's positions (``None``/0: no limit known).
+
+    ``estimate``, ``plan`` and ``train`` share it, so no command answers for a run ``train`` refuses.
+    """
+    if max_positions and seq_len > max_positions:
+        raise UserError(f"--seq-len {seq_len} is beyond the model's {max_positions} positions; "
+                        f"use --seq-len {max_positions} or less.")
 
 
 def check_causal_lm(config, name: str) -> None:

@@ -39,7 +39,7 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
     """
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import load_spec
+    from memfit.modelspec import check_seq_len, load_spec
 
     run = run_config_from(kwargs)
     if timeline_path and not exact:
@@ -47,6 +47,7 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
     if exact and compare:
         raise UserError("--exact and --compare cannot be combined; the comparison is analytic.")
     spec = load_spec(model, trust_remote_code)
+    check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     if compare:
         rows = compare_regimes(spec, run, device=device)
     elif exact:

@@ -66,7 +66,7 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON.")
 def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, **pins):
     """The fastest configuration of a training run that fits a memory budget."""
-    from memfit.modelspec import load_spec
+    from memfit.modelspec import check_seq_len, load_spec
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import SAFETY_MARGIN, plan
     from memfit.planning.space import Constraints
@@ -78,6 +78,7 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     spec = load_spec(model)  # reading the architecture (imports transformers) is not part of the search
+    check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
                   constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin)

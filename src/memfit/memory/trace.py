@@ -42,6 +42,7 @@ from typing import Any
 from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.modelspec import check_seq_len
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -502,6 +503,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     other_bytes(0, device)  # validates device before minutes of work
     api = _private_api()
     config = _hf_config(model)
+    check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
     net = _build_model(config, run)
     _to_fake(net, fake_mode)

@@ -115,9 +115,7 @@ def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
 
     hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code)
     is_preset = modelspec.is_preset(config.model)
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
-    if max_pos is not None and run.seq_len > max_pos:
-        raise UserError(f"--seq-len {run.seq_len} is beyond the model's {max_pos} positions; use --seq-len {max_pos} or less.")
+    modelspec.check_seq_len(run.seq_len, getattr(hf_config, "max_position_embeddings", None))
     tokenizer = data.load_tokenizer(config.tokenizer, config.model, is_preset=is_preset,
                                     trust_remote_code=config.trust_remote_code)
     if len(tokenizer) > hf_config.vocab_size:
