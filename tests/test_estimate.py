@@ -224,7 +224,13 @@ def test_cli_not_a_causal_lm(tmp_path):
     cfg.write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
                                "num_attention_heads": 2, "intermediate_size": 128}))
     res = _run(str(cfg))
-    # BERT has a causal-LM head in transformers (BertLMHeadModel); a vision config has none.
+    # BERT has a causal-LM head in transformers (BertLMHeadModel), but without is_decoder=true it
+    # attends to the tokens it predicts: refused, with the fix named.
+    assert res.exit_code == 1 and "is_decoder" in res.output and res.output.count("\n") == 1, res.output
+    data = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**data, "is_decoder": True}))
+    assert _run(str(cfg), "--device", "cpu").exit_code == 0
+    # A vision config has no causal-LM class at all.
     cfg = tmp_path / "vit.json"
     cfg.write_text(json.dumps({"model_type": "vit"}))
     res = _run(str(cfg))

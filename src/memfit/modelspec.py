@@ -113,12 +113,22 @@ def check_seq_len(seq_len: int, max_positions: int | None) -> None:
 
 
 def check_causal_lm(config, name: str) -> None:
-    """Raise ``UserError`` unless transformers has a causal-LM class for this config."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    """Raise ``UserError`` unless transformers has a causal-LM class for this config.
+
+    Encoder families (BERT, RoBERTa, ...) also have a ``*LMHeadModel`` in transformers' causal-LM
+    mapping, but it only masks future tokens when the config says ``is_decoder=True``; otherwise each
+    position sees the token it must predict, so such a config is refused too.
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UserError(
             f"{name!r} is a {config.model_type!r} model, which transformers cannot build as a causal language model."
+        )
+    if type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):
+        raise UserError(
+            f"{name!r} is a {config.model_type!r} encoder without is_decoder=true, so it would see the tokens it "
+            "predicts; set is_decoder to true in its config to train it as a causal language model."
         )
 
 
