@@ -230,3 +230,19 @@ def test_fp16_preflight():
         with pytest.raises(UserError, match="use --mixed-precision bf16"):
             preflight(RunConfig(mixed_precision="fp16"))
     preflight(RunConfig(mixed_precision="fp16", dtype="fp16", lora_r=8)) if torch.cuda.is_available() else None
+
+
+def test_fallback_ladder_keeps_the_effective_batch_and_ends():
+    from memfit.config import RunConfig
+    from memfit.training import oom
+
+    run = RunConfig(micro_batch=4, grad_accum=1)
+    ladder = oom.fallback_ladder(run)
+    # Divisors of 4 below 4, largest first, with accumulation raised to keep 4 sequences per step;
+    # then checkpointing on at micro-batch 1.
+    assert [(r.micro_batch, r.grad_accum, r.grad_checkpointing) for r in ladder] == [
+        (2, 2, False), (1, 4, False), (1, 4, True)]
+    assert all(r.effective_batch() == run.effective_batch() for r in ladder)
+    assert oom.next_config(run) == ladder[0]
+    # At micro-batch 1 with checkpointing already on there is nothing left that keeps the batch.
+    assert oom.next_config(RunConfig(micro_batch=1, grad_accum=4, grad_checkpointing=True)) is None

@@ -281,9 +281,10 @@ def _fall_back(accelerator, model, run: RunConfig, state: LoopState, err: BaseEx
     accelerator.step = 0  # the step restarts: its micro-batch counter too
     nxt = oom.next_config(run, oom.planned_fallbacks(plan_result, run))
     if nxt is None:
-        raise UserError(f"Out of memory at step {state.step + 1} with micro-batch {run.micro_batch} and gradient "
-                        "checkpointing on, and no smaller configuration keeps the effective batch; "
-                        "lower --batch or --seq-len, or use --lora-r.") from None
+        ckpt = " and gradient checkpointing on" if run.grad_checkpointing else ""
+        raise UserError(f"Out of memory at step {state.step + 1} with micro-batch {run.micro_batch}{ckpt}, and no "
+                        "smaller configuration keeps the effective batch; lower --batch or --seq-len, or use "
+                        "--lora-r.") from None
     accelerator.gradient_accumulation_steps = nxt.grad_accum
     if nxt.grad_checkpointing and not run.grad_checkpointing:
         accelerator.unwrap_model(model).gradient_checkpointing_enable(

@@ -61,11 +61,9 @@ def next_config(run: RunConfig, planned: list[RunConfig] | None = None) -> RunCo
 
 
 def planned_fallbacks(plan_result, run: RunConfig) -> list[RunConfig] | None:
-    """``memfit.planning.search.fallbacks`` for a planned run, or None when the planner is unavailable."""
+    """``memfit.planning.search.fallbacks`` for a planned run (``--budget``), else None."""
     if plan_result is None:
         return None
-    try:
-        from memfit.planning.search import fallbacks
-    except ImportError:
-        return None
+    from memfit.planning.search import fallbacks
+
     return list(fallbacks(plan_result, run, live_only=True))  # the loop switches these without a rebuild
