@@ -14,6 +14,7 @@ import platform
 import resource
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,25 @@ def cuda_missing(dry_run: bool) -> bool:
         return False
     print("error: no CUDA device is visible; run with --dry-run to check the script on CPU.", file=sys.stderr)
     return True
+
+
+def trainer_step_timer():
+    """A transformers ``TrainerCallback`` that records when training starts (``.start``) and when each
+    optimizer step ends (``.ends``), after waiting for queued GPU work so the times are real."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.start: float | None = None
+            self.ends: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()

@@ -82,7 +82,7 @@ def run_memfit(model: str, run: RunConfig, steps: int, warmup: int) -> dict[str,
 def run_trainer(model: str, run: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
     """The same configuration as a Trainer user would write it: from_config, PEFT, TrainingArguments."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     dev.free_memory()
     config = common.model_config(model)
@@ -95,17 +95,7 @@ def run_trainer(model: str, run: RunConfig, steps: int, warmup: int) -> dict[str
                                                        target_modules="all-linear", task_type="CAUSAL_LM"))
     blocks = common.token_blocks(config.vocab_size, steps * run.micro_batch, run.seq_len, 0)
     dataset = [{"input_ids": row, "labels": row} for row in blocks]
-    ends: list[float] = []
-    marks: dict[str, float] = {}
-
-    class StepTimes(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            marks["start"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            ends.append(time.perf_counter())
+    timer = common.trainer_step_timer()
 
     common.reset_accelerate_state()
     with tempfile.TemporaryDirectory() as out:
@@ -117,10 +107,10 @@ def run_trainer(model: str, run: RunConfig, steps: int, warmup: int) -> dict[str
             eval_strategy="no", report_to="none", seed=0, dataloader_num_workers=0, disable_tqdm=True,
             use_cpu=not torch.cuda.is_available(),
         )
-        trainer = Trainer(model=hf_model, args=args, train_dataset=dataset, callbacks=[StepTimes()])
+        trainer = Trainer(model=hf_model, args=args, train_dataset=dataset, callbacks=[timer])
         trainer.train()
     peaks = dev.cuda_peaks()
-    result = {"tokens_per_s": common.steady_tokens_per_s(ends, marks["start"], run.micro_batch * run.seq_len, warmup),
+    result = {"tokens_per_s": common.steady_tokens_per_s(timer.ends, timer.start, run.micro_batch * run.seq_len, warmup),
               **peaks, "params": sum(p.numel() for p in hf_model.parameters()),
               "trainable_params": sum(p.numel() for p in hf_model.parameters() if p.requires_grad)}
     del trainer, hf_model, dataset

@@ -124,21 +124,12 @@ def run_accelerate(setup: dict[str, Any]) -> dict[str, Any]:
 def run_trainer(setup: dict[str, Any]) -> dict[str, Any]:
     """(d) transformers' Trainer, told to do the same: AdamW (torch), constant LR, clip 1.0, no logging."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     config, blocks, _ = _setup_data(setup)
     model = common.build_model(config, seed=SEED)
     dataset = [{"input_ids": row, "labels": row} for row in blocks]
-    ends: list[float] = []
-    marks: dict[str, float] = {}
-
-    class StepTimes(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            marks["start"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            _sync()
-            ends.append(time.perf_counter())
+    timer = common.trainer_step_timer()
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -148,9 +139,9 @@ def run_trainer(setup: dict[str, Any]) -> dict[str, Any]:
             eval_strategy="no", report_to="none", seed=SEED, data_seed=SEED, dataloader_num_workers=0,
             disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[StepTimes()])
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
         trainer.train()
-    return {"step_ends": ends, "start": marks["start"], "final_loss": None}
+    return {"step_ends": timer.ends, "start": timer.start, "final_loss": None}
 
 
 def run_memfit(setup: dict[str, Any]) -> dict[str, Any]:
