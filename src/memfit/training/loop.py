@@ -135,7 +135,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             state.last_loss = result.loss
             state.train_s += time.perf_counter() - t_step
             last = state.step == total_steps
-            if config.eval_every > 0 and (state.step % config.eval_every == 0 or last) and data.eval:
+            do_eval = config.eval_every > 0 and (state.step % config.eval_every == 0 or last) and bool(data.eval)
+            if do_eval:
                 with not_a_batch_problem("evaluating"):
                     state.last_eval = evaluate(accelerator, model, data.eval, pad_id=pad_id,
                                                batch_size=2 * run.micro_batch, vocab_size=vocab)  # no grads: room for 2x
@@ -147,7 +148,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                           "tokens_per_s": tokens_per_s, "memory_bytes": measure.in_use(device),
                           "sequences": state.samples, "skipped_steps": state.skipped_steps,
                           "grad_norm": result.grad_norm, "elapsed_s": time.perf_counter() - t_start}
-                if config.eval_every > 0 and (state.step % config.eval_every == 0 or last) and data.eval:
+                if do_eval:
                     record["eval_loss"] = state.last_eval
                 metrics.write(record)
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=state.step)
