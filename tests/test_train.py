@@ -107,7 +107,7 @@ def test_loss_falls_on_text(tmp_path):
     summary = run_training(cfg, show=False).summary
     losses = [m["loss"] for m in metrics(cfg.output)]
     assert losses[-1] < losses[0] - 1.0  # starts near ln(384) = 5.95 nats; a byte model drops fast
-    assert summary["final_eval_loss"] < summary["unigram_loss"] + 1.0
+    assert summary.final_eval_loss < summary.unigram_loss + 1.0
 
 
 def test_lora_trains_only_the_adapters(tmp_path):
@@ -115,7 +115,7 @@ def test_lora_trains_only_the_adapters(tmp_path):
     # (v's output is 2 kv heads x 16 = 32); 2 layers x (512 + 384) = 1,792 trainable parameters.
     cfg = tiny_config(tmp_path, merge=True, run={"lora_r": 4, "lora_targets": "q_proj,v_proj"})
     res = run_training(cfg, show=False)
-    assert res.summary["trainable_params"] == 1792
+    assert res.summary.trainable_params == 1792
     trained = {n: p for n, p in res.model.named_parameters() if p.requires_grad}
     assert len(trained) == 8 and all("lora_" in n for n in trained)
     from transformers import AutoModelForCausalLM
@@ -148,7 +148,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(tmp_path, monk
         run_training(cfg, show=False)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
     resumed = run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
-    assert resumed.summary["steps"] == 4 and resumed.summary["sequences"] == 16
+    assert resumed.summary.steps == 4 and resumed.summary.sequences == 16
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -171,12 +171,14 @@ def test_fake_oom_falls_back_and_redoes_the_step(tmp_path, monkeypatch):
     oom_at_micro_batch_4_after_step_1.calls = 0
     monkeypatch.setattr(step_module, "micro_loss", oom_at_micro_batch_4_after_step_1)
     res = run_training(tiny_config(tmp_path / "oom"), show=False)
-    assert res.summary["steps"] == 3 and res.summary["sequences"] == 12  # no step lost or counted twice
-    assert res.summary["fallbacks"] == [{"step": 2, "error": "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)",
-                                         "from": {"micro_batch": 4, "grad_accum": 1, "grad_checkpointing": False},
-                                         "to": {"micro_batch": 2, "grad_accum": 2, "grad_checkpointing": False}}]
+    assert res.summary.steps == 3 and res.summary.sequences == 12  # no step lost or counted twice
+    fallbacks = [fb.to_dict() for fb in res.summary.fallbacks]
+    assert fallbacks == [{"step": 2, "phase": "forward",
+                          "error": "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)",
+                          "from": {"micro_batch": 4, "grad_accum": 1, "grad_checkpointing": False, "optimizer": "sgd"},
+                          "to": {"micro_batch": 2, "grad_accum": 2, "grad_checkpointing": False, "optimizer": "sgd"}}]
     run_json = json.loads((tmp_path / "oom" / "out" / "run.json").read_text())
-    assert run_json["fallbacks"] == res.summary["fallbacks"] and run_json["run"]["micro_batch"] == 2
+    assert run_json["fallbacks"] == fallbacks and run_json["run"]["micro_batch"] == 2
     for (name, a), b in zip(ref.model.state_dict().items(), res.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -195,9 +197,9 @@ def test_oom_in_evaluation_is_not_taken_for_a_batch_problem(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------- fp16: scaler, preflight
 def test_skipped_steps_are_counted_with_a_forced_overflow(tmp_path, monkeypatch):
     # CPU Accelerate runs no loss scaler, so give it torch's CPU GradScaler as it does for fp16 on CUDA.
-    from memfit.training import loop
+    from memfit.training import session
 
-    real_build = loop.build_accelerator
+    real_build = session.build_accelerator
 
     def with_scaler(*args, **kwargs):
         acc = real_build(*args, **kwargs)
@@ -212,11 +214,11 @@ def test_skipped_steps_are_counted_with_a_forced_overflow(tmp_path, monkeypatch)
         return loss * float("inf") if inf_at_step_2.calls == 2 else loss
 
     inf_at_step_2.calls = 0
-    monkeypatch.setattr(loop, "build_accelerator", with_scaler)
+    monkeypatch.setattr(session, "build_accelerator", with_scaler)
     monkeypatch.setattr(step_module, "micro_loss", inf_at_step_2)
     cfg = tiny_config(tmp_path)
     res = run_training(cfg, show=False)
-    assert res.summary["skipped_steps"] == 1
+    assert res.summary.skipped_steps == 1
     assert [m["skipped_steps"] for m in metrics(cfg.output)] == [0, 1, 1]
     assert json.loads((tmp_path / "out" / "run.json").read_text())["skipped_steps"] == 1
 

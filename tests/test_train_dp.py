@@ -55,5 +55,5 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
     shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
     resumed_cfg = tiny_config(tmp_path / "two", resume=True, run={"optimizer": "adamw"}, **common)
     resumed = run_training(resumed_cfg, show=False)
-    assert resumed.summary["sequences"] == 22
+    assert resumed.summary.sequences == 22
     assert max_diff(single.model, resumed.model) < 1e-6

@@ -19,6 +19,9 @@ from memfit.cli import cli
 from memfit.data import Example, load_examples, split_documents
 
 
+class NothingTrained(Exception):
+    """Raised by a fake run_training: the test only looks at the config the CLI built."""
+
 def _run(args):
     return CliRunner().invoke(cli, ["train", *args])
 
@@ -163,7 +166,7 @@ def test_samples_continue_held_out_documents(tmp_path):
 
     data = write_text(tmp_path)
     cfg = tiny_config(tmp_path, data=data, samples=3, eval_fraction=0.1, max_steps=1, packing=True)
-    samples = run_training(cfg, show=False).summary["samples"]
+    samples = run_training(cfg, show=False).summary.samples
     examples = load_examples(data)
     _, held = split_documents(len(examples), 0.1, cfg.seed)  # 6 of write_text's 60 documents
     assert len(held) == 6 and len(samples) == 3
@@ -195,15 +198,15 @@ def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
 
     seen = {}
 
-    def fake_train(config):  # the decision is the CLI's; nothing is trained (there is no GPU here)
+    def fake_train(config, **kwargs):  # the decision is the CLI's; nothing is trained (there is no GPU here)
         seen["config"] = config
-        return {}
+        raise NothingTrained
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr(loop, "run_training", fake_train)
     result = _run(list(typed))
-    assert result.exit_code == 0, result.output
+    assert isinstance(result.exception, NothingTrained), result.output
     assert seen["config"].run.mixed_precision.value == expected
 
 

@@ -154,17 +154,15 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
                        f"final loss difference {result['loss_diff']:.3g} -> "
                        + ("equivalent" if result["equivalent"] else "NOT equivalent"))
         return
-    from memfit.training.loop import train
+    from memfit.training.loop import run_training
 
-    summary = train(config)
-    if not summary.get("output"):
-        return
+    summary = run_training(config).summary
     import accelerate
 
     if not accelerate.PartialState().is_main_process:
         return
     if config.json:
-        click.echo(json.dumps(_plain(summary), indent=2, default=str))
+        click.echo(json.dumps(summary.to_dict(), indent=2, default=str))
     else:
         from memfit.training.progress import print_summary
 

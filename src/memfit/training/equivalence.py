@@ -42,7 +42,7 @@ def check_equivalence(config: TrainConfig, steps: int = 3) -> dict[str, Any]:
     a, b = (r.model.state_dict() for r in results)
     max_diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].is_floating_point())
     max_weight = max(float(a[k].float().abs().max()) for k in a if a[k].is_floating_point())
-    losses = [r.summary["final_train_loss"] for r in results]
+    losses = [r.summary.final_train_loss for r in results]
     return {
         "steps": steps,
         "big": {"micro_batch": big[0], "grad_accum": big[1]},

@@ -1,376 +1,181 @@
-"""``train(config)``: the training loop on Accelerate, top to bottom.
+"""``train(config)``: build the run, loop over optimizer steps, finish.
 
-Setup (``training.setup``) builds the pieces; this module runs them: fetch the optimizer step's
-micro-batches, accumulate them with exact token normalisation (``training.step``), step, log,
-evaluate, checkpoint; on an out-of-memory error inside a step, fall back to a configuration with
-the same effective batch and redo that step (``training.oom``). At the end: export the model, write
-``run.json``/``loss.png``, print the summary and a few generated samples.
+    run_training
+      build_session   (training.session)  model, data, optimizer, Accelerator, resume -> TrainSession
+      run_loop        (here)              top to bottom, one optimizer step per iteration:
+        run_step        fetch the step's micro-batches, train_step (training.step); on out of memory:
+                        undo the step (training.rollback), fall back (training.oom), redo it
+        record_step     advance the position in the data and the counters
+        evaluate_due    held-out loss when --eval-every says so
+        log_step        metrics.jsonl and the trackers
+        save_due        a checkpoint when --save-every says so
+        show_step       the progress line
+      finish          (training.finish)   export, samples, RunSummary, run.json / loss.png
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import platform
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-from memfit.config import RunConfig, TrainConfig
+from memfit.config import TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
 from memfit.training import checkpoint, oom
-from memfit.training.budget import plan_line, plan_record
-from memfit.training.progress import LiveProgress
-from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
-from memfit.training.samples import generate_samples
-from memfit.training.setup import (
-    build_accelerator,
-    build_data,
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    preflight,
-    resolve_model,
-)
-from memfit.training.step import evaluate, train_step
+from memfit.training.finish import finish
+from memfit.training.oom import not_a_batch_problem
+from memfit.training.rollback import RngState, undo_step
+from memfit.training.sampler import RowsWithDummy, StepBatchSampler
+from memfit.training.session import LoopState, TrainSession, build_session, predict
+from memfit.training.step import StepOutOfMemory, StepResult, evaluate, train_step
+from memfit.training.summary import FallbackRecord, RunSummary
 
-
-@dataclass
-class LoopState:
-    """Where the run is; saved in every checkpoint (``trainer_state.json``)."""
-
-    step: int = 0
-    samples: int = 0
-    """Training sequences consumed: the position in the data (not a batch index)."""
-    skipped_steps: int = 0
-    tokens: int = 0
-    train_s: float = 0.0
-    last_loss: float = math.nan
-    last_eval: float = math.nan
-    best_eval: float = math.nan
-    fallbacks: list[dict[str, Any]] = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LoopState:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+__all__ = ["train", "run_training", "run_loop", "TrainResult", "LoopState", "not_a_batch_problem"]
 
 
 @dataclass
 class TrainResult:
-    summary: dict[str, Any]
-    model: Any
+    summary: RunSummary
+    model: object
     """The trained model, unwrapped from Accelerate."""
 
 
-def train(config: TrainConfig, *, show: bool = True) -> dict[str, Any]:
-    """Train ``config.model`` on ``config.data`` and return the run summary (what ``--json`` prints)."""
-    return run_training(config, show=show).summary
+def train(config: TrainConfig, *, show: bool = True) -> dict:
+    """Train ``config.model`` on ``config.data`` and return the run summary as JSON (what ``--json`` prints)."""
+    return run_training(config, show=show).summary.to_dict()
 
 
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
-    t_start = time.perf_counter()
-    preflight(config.run)
-    config = resolve_output(config)
-    accelerator = build_accelerator(config.run, config)
-    run, plan_result = resolve_run(config, accelerator.num_processes)
-    accelerator.gradient_accumulation_steps = run.grad_accum
-    # Everything the user can get wrong (model, tokenizer, data, length) is checked before the output
-    # folder is created, so a bad input leaves nothing behind.
-    source = resolve_model(config, run)
-    data = build_data(config, run, source.tokenizer)
-    schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
-    total_steps = _total_steps(config, schedule)
-    output = Path(config.output)
-    checkpoint.prepare_output(output, resume=config.resume, overwrite=config.overwrite,
-                              is_main=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    bundle = build_model(config, run, source, device=accelerator.device)
-    optimizer = build_optimizer(bundle.model, run, config)
-    scheduler = build_scheduler(optimizer, config, total_steps)
-    model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
-    state = LoopState()
-    if config.resume:
-        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output))
-        _reapply_schedule(optimizer, scheduler)
-    if config.tracker:
-        accelerator.init_trackers("memfit", config=_tracker_config(config, run))
-    is_main, device = accelerator.is_main_process, accelerator.device.type
-    show = show and is_main
-    pad_id, vocab = bundle.tokenizer.pad_token_id, model_vocab(accelerator, model)
-    initial_run = run
-    predicted = predict(config.model, run, accelerator.device.type)
-    bar = LiveProgress(total_steps, state.step, show)
-    if plan_result is not None:
-        bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
-    bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
-    metrics = MetricsLog(output / "metrics.jsonl", is_main)
-    batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
-    measure.reset_peak(device)
-    with bar:
-        while state.step < total_steps:
+    session = build_session(config, show=show)
+    run_loop(session)
+    summary, model = finish(session)
+    return TrainResult(summary=summary, model=model)
+
+
+def run_loop(s: TrainSession) -> None:
+    """The optimizer steps from ``s.state.step`` to ``s.total_steps``."""
+    s.batches = micro_batches(s)
+    measure.reset_peak(s.device)
+    with s.bar:
+        while s.state.step < s.total_steps:
             t_step = time.perf_counter()
-            micro = [next(batches) for _ in range(run.grad_accum)]
-            try:
-                result = train_step(accelerator, model, optimizer, micro, max_grad_norm=config.max_grad_norm,
-                                    uses_model_loss=bundle.uses_model_loss, vocab_size=vocab)
-            except (RuntimeError, MemoryError) as err:
-                if not oom.is_oom(err):
-                    raise
-                del micro
-                run = _fall_back(accelerator, model, run, state, err, plan_result)
-                bar.note(f"out of memory at step {state.step + 1}: redoing it with micro-batch {run.micro_batch} "
-                         f"x {run.grad_accum}" + (" + checkpointing" if run.grad_checkpointing else ""))
-                batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
-                continue
-            if not result.skipped:
-                scheduler.step()  # a step the fp16 scaler skipped does not advance the schedule
-            state.step += 1
-            state.samples += len(schedule.step_samples(state.samples))
-            state.skipped_steps += int(result.skipped)
-            state.tokens += result.tokens
-            state.last_loss = result.loss
-            state.train_s += time.perf_counter() - t_step
-            last = state.step == total_steps
-            do_eval = config.eval_every > 0 and (state.step % config.eval_every == 0 or last) and bool(data.eval)
-            if do_eval:
-                with not_a_batch_problem("evaluating"):
-                    state.last_eval = evaluate(accelerator, model, data.eval, pad_id=pad_id,
-                                               batch_size=2 * run.micro_batch, vocab_size=vocab)  # no grads: room for 2x
-                if math.isnan(state.best_eval) or state.last_eval < state.best_eval:
-                    state.best_eval = state.last_eval
-            tokens_per_s = state.tokens / max(state.train_s, 1e-9)
-            if state.step % max(config.log_every, 1) == 0 or last:
-                record = {"step": state.step, "loss": result.loss, "lr": scheduler.get_last_lr()[0],
-                          "tokens_per_s": tokens_per_s, "memory_bytes": measure.in_use(device),
-                          "sequences": state.samples, "skipped_steps": state.skipped_steps,
-                          "grad_norm": result.grad_norm, "elapsed_s": time.perf_counter() - t_start}
-                if do_eval:
-                    record["eval_loss"] = state.last_eval
-                metrics.write(record)
-                accelerator.log({k: v for k, v in record.items() if v is not None}, step=state.step)
-            if config.save_every and (state.step % config.save_every == 0 or last):
-                with not_a_batch_problem("saving a checkpoint"):
-                    checkpoint.save_checkpoint(accelerator, output, state.step, {**asdict(state), "run": run.to_flat()})
-            bar.update(state.step, loss=result.loss, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_s,
-                       memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval)
-    peak_mem = measure.peak(device)
-    net = accelerator.unwrap_model(model)
-    measured = measure.measured_breakdown(peak_mem, net, optimizer, trainable_params=bundle.trainable_params)
-    with not_a_batch_problem("saving the model"):
-        checkpoint.export(accelerator, model, bundle.tokenizer, output, merge=config.merge,
-                          base_is_preset=bundle.random_init)
-    samples = []
-    if is_main and config.samples > 0:
-        with not_a_batch_problem("generating samples"):
-            samples = generate_samples(accelerator, net, bundle.tokenizer, data.prompt_docs, count=config.samples,
-                                       seed=config.seed,
-                                       max_positions=getattr(net.config, "max_position_embeddings", None))
-    summary = {
-        "steps": state.step, "sequences": state.samples, "final_train_loss": state.last_loss,
-        "final_eval_loss": state.last_eval, "best_eval_loss": state.best_eval, "unigram_loss": data.unigram,
-        "tokens_per_s": state.tokens / max(state.train_s, 1e-9), "train_s": state.train_s,
-        "wall_s": time.perf_counter() - t_start, "skipped_steps": state.skipped_steps,
-        "peak_memory": peak_mem.to_dict(), "measured": measured.to_dict(),
-        "predicted_peak_bytes": predicted.peak_bytes if predicted else None,
-        "predicted": predicted.to_dict() if predicted else None,
-        "compared": "CUDA max allocated vs predicted peak" if device == "cuda" else
-                    "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)",
-        "plan": plan_record(config, plan_result) if plan_result is not None else None,
-        "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes,
-        "initial_run": initial_run.to_flat(), "run": run.to_flat(),
-        "uses_model_loss": bundle.uses_model_loss, "params": bundle.params,
-        "trainable_params": bundle.trainable_params, "output": str(output), "samples": samples,
-    }
-    if is_main:
-        write_run_files(output, config, summary)
-    accelerator.end_training()
-    return TrainResult(summary=summary, model=net)
+            result = run_step(s)
+            record_step(s, result, t_step)
+            evaluated = evaluate_due(s)
+            log_step(s, result, evaluated)
+            save_due(s)
+            show_step(s, result)
 
 
-def resolve_output(config: TrainConfig) -> TrainConfig:
-    """``config`` with its output folder: ``--output``, or a fresh ``runs/<model>-<timestamp>``.
+def run_step(s: TrainSession) -> StepResult:
+    """One optimizer step on the samples the schedule gives it; on out of memory, undo, fall back, redo.
 
-    The timestamp is taken on the main process and broadcast, so the processes of a data-parallel
-    launch (started a moment apart) agree on one folder.
+    The redo starts from the same parameters, optimizer state, random state and samples, so the run
+    goes on as if the fallback configuration had been used for this step from the start.
     """
-    if config.output:
-        return config
-    if config.resume:
-        raise UserError("--resume needs --output DIR, the folder of the run to continue "
-                        "(without --output every run gets a new runs/<model>-<time> folder).")
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    from memfit.training.setup import cuda_available
-
-    state = PartialState(cpu=not cuda_available())
-    chosen = [str(checkpoint.default_output(config.model)) if state.is_main_process else None]
-    if state.num_processes > 1:
-        broadcast_object_list(chosen)
-    return dataclasses.replace(config, output=chosen[0])
+    while True:
+        rng = RngState.capture()
+        micro = [next(s.batches) for _ in range(s.run.grad_accum)]
+        try:
+            return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
+                              uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot)
+        except StepOutOfMemory as err:
+            del micro
+            undo_step(s.accelerator, s.model, s.optimizer)
+            rng.restore()
+            fall_back(s, err)
+            s.batches = micro_batches(s)
 
 
-def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
-    """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
-    run = config.run
-    if run.num_processes not in (1, num_processes):
-        raise UserError(f"--num-processes is {run.num_processes} but {num_processes} process(es) were launched; "
-                        f"start it with `accelerate launch --num_processes {run.num_processes} -m memfit train ...`.")
-    run = run.replace(num_processes=num_processes)
-    if config.batch:
-        per_step = run.micro_batch * num_processes
-        if config.batch % per_step:
-            raise UserError(f"--batch {config.batch} is not a multiple of micro-batch x processes = {per_step}.")
-        run = run.replace(grad_accum=config.batch // per_step)
-    if not config.budget:
-        return run, None
-    from memfit.training.budget import plan_run
-
-    return plan_run(config, run)
-
-
-def _reapply_schedule(optimizer, scheduler) -> None:
-    """Set the learning rate the schedule gives at the resumed step.
-
-    ``load_state`` restores the optimizer's param groups with the lr of the saved run's schedule; the
-    schedule's function is not saved (it is rebuilt from this run's ``--max-steps``), so a run resumed
-    with more steps must take its lr from the new schedule, not from the old one's end.
-    """
-    import warnings
-
-    inner = getattr(scheduler, "scheduler", scheduler)  # unwrap Accelerate's AcceleratedScheduler
-    with warnings.catch_warnings():  # get_lr() outside step() warns; here it is what we want
-        warnings.simplefilter("ignore")
-        lrs = inner.get_lr()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=False):
-        group["lr"] = lr
-    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:
+    """Switch to a configuration that lowers the phase that ran out (same effective batch), and record it."""
+    step = s.state.step + 1
+    if not err.restored:
+        raise UserError(f"Out of memory inside the optimizer step of step {step}, and the host had no room for the "
+                        "copy that undoes a half-applied step, so memfit stopped instead of redoing it; lower "
+                        "the optimizer state (--lora-r, --optimizer adamw-8bit or sgd).") from None
+    nxt = oom.next_config(s.run, oom.planned_fallbacks(s.plan_result, s.run), phase=err.phase, device=s.device,
+                          estimate=lambda run: predict(s.config.model, run, s.device))
+    if nxt is None:
+        raise UserError(oom.nothing_lower_message(s.run, err.phase, step)) from None
+    oom.switch_live(s.accelerator, s.model, s.optimizer, s.run, nxt)
+    record = FallbackRecord.of(step, err.phase, err.error, s.run, nxt)
+    s.state.fallbacks.append(record)
+    s.bar.note(f"out of memory, redoing {record.describe()}")
+    s.run = nxt
 
 
-def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:
-    steps = []
-    if config.epochs:
-        steps.append(config.epochs * schedule.steps_per_epoch())
-    if config.max_steps:
-        steps.append(config.max_steps)
-    if not steps:
-        raise UserError("Set --max-steps or --epochs to say how long to train.")
-    return min(steps)
+def record_step(s: TrainSession, result: StepResult, t_step: float) -> None:
+    """Advance the schedule, the position in the data and the counters past a finished step."""
+    if not result.skipped:
+        s.scheduler.step()  # a step the fp16 scaler skipped does not advance the schedule
+    state = s.state
+    state.step += 1
+    state.samples += len(s.schedule.step_samples(state.samples))
+    state.skipped_steps += int(result.skipped)
+    state.tokens += result.tokens
+    state.last_loss = result.loss
+    state.train_s += time.perf_counter() - t_step
 
 
-def _micro_batches(accelerator, rows, pad_id, schedule, state: LoopState, run: RunConfig, total_steps: int):
-    """Iterator over this rank's micro-batches from ``state.samples`` on, for ``run``'s split."""
+def _is_last(s: TrainSession) -> bool:
+    return s.state.step == s.total_steps
+
+
+def evaluate_due(s: TrainSession) -> bool:
+    """The held-out loss every ``--eval-every`` steps and at the end; returns whether it ran."""
+    every = s.config.eval_every
+    if not (every > 0 and s.data.eval and (s.state.step % every == 0 or _is_last(s))):
+        return False
+    with not_a_batch_problem("evaluating"):  # no grads: room for twice the micro-batch
+        s.state.last_eval = evaluate(s.accelerator, s.model, s.data.eval, pad_id=s.pad_id,
+                                     batch_size=2 * s.run.micro_batch, vocab_size=s.vocab)
+    if math.isnan(s.state.best_eval) or s.state.last_eval < s.state.best_eval:
+        s.state.best_eval = s.state.last_eval
+    return True
+
+
+def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
+    """One ``metrics.jsonl`` record (and tracker entry) every ``--log-every`` steps and at the end."""
+    if s.state.step % max(s.config.log_every, 1) and not _is_last(s):
+        return
+    record = {"step": s.state.step, "loss": result.loss, "lr": s.scheduler.get_last_lr()[0],
+              "tokens_per_s": s.state.tokens / max(s.state.train_s, 1e-9), "memory_bytes": measure.in_use(s.device),
+              "sequences": s.state.samples, "skipped_steps": s.state.skipped_steps, "grad_norm": result.grad_norm,
+              "elapsed_s": time.perf_counter() - s.t_start}
+    if evaluated:
+        record["eval_loss"] = s.state.last_eval
+    s.metrics.write(record)
+    s.accelerator.log({k: v for k, v in record.items() if v is not None}, step=s.state.step)
+
+
+def save_due(s: TrainSession) -> None:
+    """A checkpoint every ``--save-every`` steps and at the end (when saving is on)."""
+    every = s.config.save_every
+    if not every or (s.state.step % every and not _is_last(s)):
+        return
+    with not_a_batch_problem("saving a checkpoint"):
+        checkpoint.save_checkpoint(s.accelerator, s.output, s.state.step,
+                                   {**s.state.to_dict(), "run": s.run.to_flat()})
+
+
+def show_step(s: TrainSession, result: StepResult) -> None:
+    s.bar.update(s.state.step, loss=result.loss, lr=s.scheduler.get_last_lr()[0],
+                 tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), memory=measure.in_use(s.device),
+                 skipped=s.state.skipped_steps, eval_loss=s.state.last_eval)
+
+
+def micro_batches(s: TrainSession):
+    """Iterator over this rank's micro-batches from ``s.state.samples`` on, for ``s.run``'s split."""
     import torch
 
     from memfit.data import collate
 
-    sampler = StepBatchSampler(schedule, start_samples=state.samples, num_steps=total_steps - state.step,
+    run, pad_id = s.run, s.pad_id
+    sampler = StepBatchSampler(s.schedule, start_samples=s.state.samples, num_steps=s.total_steps - s.state.step,
                                micro_batch=run.micro_batch, grad_accum=run.grad_accum,
                                num_processes=run.num_processes)
-    loader = torch.utils.data.DataLoader(RowsWithDummy(rows, pad_id), batch_sampler=sampler,
+    loader = torch.utils.data.DataLoader(RowsWithDummy(s.data.train, pad_id), batch_sampler=sampler,
                                          collate_fn=lambda batch: collate(batch, pad_id))
-    return iter(accelerator.prepare(loader))
-
-
-def _fall_back(accelerator, model, run: RunConfig, state: LoopState, err: BaseException, plan_result) -> RunConfig:
-    """Free memory, switch to the next configuration with the same effective batch, record the switch."""
-    oom.free_memory(model)
-    accelerator.step = 0  # the step restarts: its micro-batch counter too
-    nxt = oom.next_config(run, oom.planned_fallbacks(plan_result, run))
-    if nxt is None:
-        ckpt = " and gradient checkpointing on" if run.grad_checkpointing else ""
-        raise UserError(f"Out of memory at step {state.step + 1} with micro-batch {run.micro_batch}{ckpt}, and no "
-                        "smaller configuration keeps the effective batch; lower --batch or --seq-len, or use "
-                        "--lora-r.") from None
-    accelerator.gradient_accumulation_steps = nxt.grad_accum
-    if nxt.grad_checkpointing and not run.grad_checkpointing:
-        accelerator.unwrap_model(model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    keys = ("micro_batch", "grad_accum", "grad_checkpointing")
-    state.fallbacks.append({"step": state.step + 1, "error": str(err).strip().splitlines()[0][:200],
-                            "from": {k: getattr(run, k) for k in keys}, "to": {k: getattr(nxt, k) for k in keys}})
-    return nxt
-
-
-@contextmanager
-def not_a_batch_problem(doing: str):
-    """An OOM outside a training step is not the batch's fault: say so instead of shrinking the batch."""
-    try:
-        yield
-    except (RuntimeError, MemoryError) as err:
-        if oom.is_oom(err):
-            raise UserError(f"Ran out of memory while {doing}, outside a training step, so memfit did not "
-                            "shrink the batch; free memory on the device or lower --micro-batch.") from None
-        raise
-
-
-def model_vocab(accelerator, model) -> int:
-    return accelerator.unwrap_model(model).config.vocab_size
-
-
-def predict(model_name: str, run: RunConfig, device: str = "cuda"):
-    """The estimator's predicted peak for this run on ``device`` (None when unavailable or failing).
-
-    On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms.
-    """
-    try:
-        from memfit.memory.estimate import estimate
-
-        return estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
-    except ImportError:
-        return None
-    except Exception:  # noqa: BLE001 - a prediction must never stop a training run
-        return None
-
-
-class MetricsLog:
-    """``metrics.jsonl``: one JSON object per logged step (appended, so a resumed run continues it)."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
-
-
-def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
-    """Derived numbers shown before the long work starts."""
-    from memfit.units import fmt_count
-
-    return (f"model {config.model}: {fmt_count(bundle.params)} params, {fmt_count(bundle.trainable_params)} trainable | "
-            f"{len(data.train):,} train / {len(data.eval):,} held-out sequences of <= {run.seq_len} tokens\n"
-            f"effective batch {run.effective_batch()} = micro-batch {run.micro_batch} x accumulation "
-            f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
-            f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
-            f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
-            f"mixed precision {run.mixed_precision}, weights {run.dtype}")
-
-
-def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
-    flat = {**config.to_flat(), **run.to_flat()}
-    return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
-
-
-def write_run_files(output: Path, config: TrainConfig, summary: dict[str, Any]) -> None:
-    """``run.json`` (settings, versions, summary) and ``loss.png``."""
-    import accelerate
-    import peft
-    import torch
-    import transformers
-
-    from memfit import __version__
-
-    versions = {"memfit": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-                "peft": peft.__version__}
-    doc = {"settings": config.to_flat(), "versions": versions, **summary}
-    (output / "run.json").write_text(json.dumps(doc, indent=2, default=str))
-    from memfit.report.train_plots import plot_loss
-
-    plot_loss(output / "metrics.jsonl", output / "loss.png", unigram=summary["unigram_loss"])
+    return iter(s.accelerator.prepare(loader))

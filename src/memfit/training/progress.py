@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -18,6 +18,9 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.units import fmt_bytes, fmt_count, fmt_gib
+
+if TYPE_CHECKING:
+    from memfit.training.summary import RunSummary
 
 
 class LiveProgress:
@@ -58,42 +61,40 @@ def _loss(value: float | None) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.3f} nats/token"
 
 
-def summary_table(summary: dict[str, Any]) -> Table:
+def summary_table(summary: RunSummary) -> Table:
     """The end-of-run table: losses against the unigram baseline, speed, memory measured vs predicted."""
     table = Table(title="memfit train: summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} sequences")
-    if summary.get("plan"):
-        table.add_row("plan", f"{summary['plan']['description']} (for {summary['plan']['budget']})")
-    table.add_row("final eval loss", _loss(summary["final_eval_loss"]))
-    table.add_row("best eval loss", _loss(summary["best_eval_loss"]))
-    table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
-    table.add_row("final train loss", _loss(summary["final_train_loss"]))
-    table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
-    table.add_row("wall time", f"{summary['wall_s']:.1f} s (training loop {summary['train_s']:.1f} s)")
-    mem = summary["peak_memory"]
-    if mem["device"] == "cuda":
-        table.add_row("peak memory (measured)", f"{fmt_gib(mem['cuda_max_allocated'])} max allocated, "
-                      f"{fmt_gib(mem['cuda_max_reserved'])} max reserved")
+    table.add_row("steps", f"{summary.steps} optimizer steps, {summary.sequences:,} sequences")
+    if summary.plan:
+        table.add_row("plan", f"{summary.plan['description']} (for {summary.plan['budget']})")
+    table.add_row("final eval loss", _loss(summary.final_eval_loss))
+    table.add_row("best eval loss", _loss(summary.best_eval_loss))
+    table.add_row("unigram baseline", _loss(summary.unigram_loss))
+    table.add_row("final train loss", _loss(summary.final_train_loss))
+    table.add_row("throughput", f"{summary.tokens_per_s:,.0f} tokens/s")
+    table.add_row("wall time", f"{summary.wall_s:.1f} s (training loop {summary.train_s:.1f} s)")
+    mem = summary.peak_memory
+    if mem.device == "cuda":
+        table.add_row("peak memory (measured)", f"{fmt_gib(mem.cuda_max_allocated)} max allocated, "
+                      f"{fmt_gib(mem.cuda_max_reserved)} max reserved")
     else:
-        table.add_row("peak memory (measured)", f"{fmt_bytes(mem['cpu_peak_rss'])} CPU peak RSS "
+        table.add_row("peak memory (measured)", f"{fmt_bytes(mem.cpu_peak_rss)} CPU peak RSS "
                       "(includes the Python/torch runtime)")
-    predicted = summary.get("predicted_peak_bytes")
+    predicted = summary.predicted_peak_bytes
     table.add_row("peak memory (predicted)", fmt_bytes(predicted) if predicted else "n/a (estimator unavailable)")
-    if summary["skipped_steps"]:
-        table.add_row("fp16 skipped steps", str(summary["skipped_steps"]))
-    for fb in summary["fallbacks"]:
-        table.add_row("OOM fallback", f"step {fb['step']}: micro-batch {fb['from']['micro_batch']} x "
-                      f"{fb['from']['grad_accum']} -> {fb['to']['micro_batch']} x {fb['to']['grad_accum']}"
-                      + (" + checkpointing" if fb["to"]["grad_checkpointing"] else ""))
-    table.add_row("output", summary["output"])
+    if summary.skipped_steps:
+        table.add_row("fp16 skipped steps", str(summary.skipped_steps))
+    for fb in summary.fallbacks:
+        table.add_row("OOM fallback", fb.describe())
+    table.add_row("output", summary.output)
     return table
 
 
-def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+def print_summary(summary: RunSummary, console: Console | None = None) -> None:
     console = console or Console()
     console.print(summary_table(summary))
-    for i, sample in enumerate(summary.get("samples") or [], start=1):
+    for i, sample in enumerate(summary.samples, start=1):
         console.print(Text.assemble((f"sample {i}: ", "bold"), (sample["prompt"], "bold cyan"),
                                     sample["completion"]))

@@ -13,11 +13,42 @@ the ``P`` ranks, so the loss is multiplied by ``k * P`` before ``backward``. The
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from memfit.data import collate, count_target_tokens
+from memfit.training.oom import is_oom
+from memfit.training.rollback import OptimizerSnapshot
+
+#: The parts of a step, in order; an out-of-memory error names the one that raised it.
+PHASES = ("forward", "backward", "clip", "optimizer")
+
+
+class StepOutOfMemory(Exception):
+    """An out-of-memory error inside ``train_step``, with the phase that raised it.
+
+    When it leaves ``train_step`` the optimizer state and parameters are as before the step (restored
+    from the snapshot if the optimizer step had begun), unless ``restored`` is False: the host had no
+    room for the snapshot, so an optimizer-phase OOM could not be undone.
+    """
+
+    def __init__(self, phase: str, error: BaseException, restored: bool = True) -> None:
+        super().__init__(f"out of memory in the {phase} phase: {error}")
+        self.phase, self.error, self.restored = phase, error, restored
+
+
+@contextmanager
+def phase(name: str, snapshot: OptimizerSnapshot | None = None) -> Iterator[None]:
+    """Label an out-of-memory error raised inside with the phase ``name``; other errors pass through."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:
+        if not is_oom(err):
+            raise
+        raise StepOutOfMemory(name, err, restored=snapshot is None or snapshot.available) from err
 
 
 @dataclass
@@ -44,9 +75,14 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
 
 
 def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_norm: float,
-               uses_model_loss: bool, vocab_size: int) -> StepResult:
+               uses_model_loss: bool, vocab_size: int, snapshot: OptimizerSnapshot | None = None) -> StepResult:
     """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
-    clip, and step the optimizer."""
+    clip, and step the optimizer.
+
+    Raises:
+        StepOutOfMemory: out of memory in one of ``PHASES``; with ``snapshot``, an OOM inside the
+            optimizer step leaves the optimizer and parameters as they were before it.
+    """
     device = accelerator.device
     local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
                           sum(int(b["attention_mask"].sum()) for b in batches)], device=device)
@@ -54,15 +90,20 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     num_items = torch.tensor(max(n_targets, 1), device=device)
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
     loss_sum = torch.zeros((), device=device)
+    snapshot = snapshot or OptimizerSnapshot()
     for batch in batches:
         with accelerator.accumulate(model):
-            loss = micro_loss(model, batch, num_items, uses_model_loss, vocab_size)
-            accelerator.backward(loss * scale)
+            with phase("forward"):
+                loss = micro_loss(model, batch, num_items, uses_model_loss, vocab_size)
+            with phase("backward"):
+                accelerator.backward(loss * scale)
             loss_sum += loss.detach().float()
     grad_norm = None
     if max_grad_norm > 0:
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
+        with phase("clip"):
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    with phase("optimizer", snapshot), snapshot.guard(optimizer):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     total = float(accelerator.reduce(loss_sum, reduction="sum"))
     return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),

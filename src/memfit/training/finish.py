@@ -1,0 +1,74 @@
+"""The end of a training run: measure, export the model, generate samples, write the summary.
+
+``finish`` turns a ``TrainSession`` whose loop has ended into a ``RunSummary`` and the files of the
+output folder (the model, ``run.json``, ``loss.png``); the CLI renders the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from memfit.config import TrainConfig
+from memfit.memory import measure
+from memfit.training import checkpoint
+from memfit.training.budget import plan_record
+from memfit.training.oom import not_a_batch_problem
+from memfit.training.samples import generate_samples
+from memfit.training.session import TrainSession
+from memfit.training.summary import RunSummary
+
+
+def finish(s: TrainSession) -> tuple[RunSummary, object]:
+    """Export, samples, summary and run files; returns the summary and the unwrapped model."""
+    peak_mem = measure.peak(s.device)
+    net = s.accelerator.unwrap_model(s.model)
+    measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)
+    with not_a_batch_problem("saving the model"):
+        checkpoint.export(s.accelerator, s.model, s.bundle.tokenizer, s.output, merge=s.config.merge,
+                          base_is_preset=s.bundle.random_init)
+    summary = RunSummary(
+        steps=s.state.step, sequences=s.state.samples, final_train_loss=s.state.last_loss,
+        final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.data.unigram,
+        tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), train_s=s.state.train_s,
+        wall_s=time.perf_counter() - s.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
+        measured=measured, predicted=s.predicted,
+        plan=plan_record(s.config, s.plan_result) if s.plan_result is not None else None,
+        fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, initial_run=s.initial_run,
+        run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
+        trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
+    )
+    if s.is_main:
+        write_run_files(s.output, s.config, summary)
+    s.accelerator.end_training()
+    return summary, net
+
+
+def samples(s: TrainSession, net) -> list[dict[str, str]]:
+    """A few completions of held-out prompts (main process only)."""
+    if not s.is_main or s.config.samples <= 0:
+        return []
+    with not_a_batch_problem("generating samples"):
+        return generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs, count=s.config.samples,
+                                seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
+
+
+def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> None:
+    """``run.json`` (settings, versions, the summary's JSON form) and ``loss.png``."""
+    import accelerate
+    import peft
+    import torch
+    import transformers
+
+    from memfit import __version__
+
+    versions = {"memfit": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+                "peft": peft.__version__}
+    doc = {"settings": config.to_flat(), "versions": versions, **summary.to_dict()}
+    (output / "run.json").write_text(json.dumps(doc, indent=2, default=str))
+    from memfit.report.train_plots import plot_loss
+
+    plot_loss(output / "metrics.jsonl", output / "loss.png", unigram=summary.unigram_loss)

@@ -1,0 +1,267 @@
+"""Building a training run: everything the loop needs, in one typed ``TrainSession``.
+
+``build_session`` runs the builders of ``training.setup`` in order (Accelerator, run settings, model
+source, data, output folder, model, optimizer, schedule, resume), so ``training.loop`` only runs
+steps and ``training.finish`` only reports. Everything a user can get wrong (model, tokenizer, data,
+length) is checked before the output folder is created, so a bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.config import RunConfig, TrainConfig
+from memfit.errors import UserError
+from memfit.training import checkpoint
+from memfit.training.budget import plan_line
+from memfit.training.progress import LiveProgress
+from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.sampler import StepSchedule
+from memfit.training.setup import (
+    DataBundle,
+    ModelBundle,
+    build_accelerator,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    preflight,
+    resolve_model,
+)
+from memfit.training.summary import FallbackRecord
+
+
+@dataclass
+class LoopState:
+    """Where the run is; saved in every checkpoint (``trainer_state.json``)."""
+
+    step: int = 0
+    samples: int = 0
+    """Training sequences consumed: the position in the data (not a batch index)."""
+    skipped_steps: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    last_loss: float = math.nan
+    last_eval: float = math.nan
+    best_eval: float = math.nan
+    fallbacks: list[FallbackRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["fallbacks"] = [fb.to_dict() for fb in self.fallbacks]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoopState:
+        kept = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "fallbacks"}
+        return cls(**kept, fallbacks=[FallbackRecord.from_dict(fb) for fb in data.get("fallbacks", [])])
+
+
+@dataclass
+class TrainSession:
+    """One run, built: the Accelerate-prepared objects, the data, the settings and the live state."""
+
+    config: TrainConfig
+    accelerator: Any
+    run: RunConfig
+    """The settings in force; an OOM fallback replaces it."""
+    initial_run: RunConfig
+    plan_result: Any
+    """The planner's result for ``--budget``, else None."""
+    bundle: ModelBundle
+    data: DataBundle
+    schedule: StepSchedule
+    total_steps: int
+    model: Any
+    """Prepared by Accelerate (DDP-wrapped under data parallelism)."""
+    optimizer: Any
+    scheduler: Any
+    state: LoopState
+    predicted: Any
+    """The estimator's ``MemoryBreakdown`` for ``run`` on this device, or None."""
+    bar: LiveProgress
+    metrics: MetricsLog
+    t_start: float
+    batches: Any = None
+    """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
+    snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
+    """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
+
+    @property
+    def output(self) -> Path:
+        return Path(self.config.output)
+
+    @property
+    def device(self) -> str:
+        return self.accelerator.device.type
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def pad_id(self) -> int:
+        return self.bundle.tokenizer.pad_token_id
+
+    @property
+    def vocab(self) -> int:
+        return self.accelerator.unwrap_model(self.model).config.vocab_size
+
+
+def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
+    """Check the inputs, create the output folder, build and prepare everything, resume if asked."""
+    t_start = time.perf_counter()
+    preflight(config.run)
+    config = resolve_output(config)
+    accelerator = build_accelerator(config.run, config)
+    run, plan_result = resolve_run(config, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = run.grad_accum
+    source = resolve_model(config, run)
+    data = build_data(config, run, source.tokenizer)
+    schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
+    total_steps = _total_steps(config, schedule)
+    output = Path(config.output)
+    checkpoint.prepare_output(output, resume=config.resume, overwrite=config.overwrite,
+                              is_main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    bundle = build_model(config, run, source, device=accelerator.device)
+    optimizer = build_optimizer(bundle.model, run, config)
+    scheduler = build_scheduler(optimizer, config, total_steps)
+    model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
+    state = LoopState()
+    if config.resume:
+        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output))
+        _reapply_schedule(optimizer, scheduler)
+    if config.tracker:
+        accelerator.init_trackers("memfit", config=_tracker_config(config, run))
+    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process)
+    if plan_result is not None:
+        bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
+    bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
+                        bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
+                        optimizer=optimizer, scheduler=scheduler, state=state,
+                        predicted=predict(config.model, run, accelerator.device.type), bar=bar,
+                        metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
+
+
+def resolve_output(config: TrainConfig) -> TrainConfig:
+    """``config`` with its output folder: ``--output``, or a fresh ``runs/<model>-<timestamp>``.
+
+    The timestamp is taken on the main process and broadcast, so the processes of a data-parallel
+    launch (started a moment apart) agree on one folder.
+    """
+    if config.output:
+        return config
+    if config.resume:
+        raise UserError("--resume needs --output DIR, the folder of the run to continue "
+                        "(without --output every run gets a new runs/<model>-<time> folder).")
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    from memfit.training.setup import cuda_available
+
+    state = PartialState(cpu=not cuda_available())
+    chosen = [str(checkpoint.default_output(config.model)) if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(chosen)
+    return dataclasses.replace(config, output=chosen[0])
+
+
+def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
+    """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
+    run = config.run
+    if run.num_processes not in (1, num_processes):
+        raise UserError(f"--num-processes is {run.num_processes} but {num_processes} process(es) were launched; "
+                        f"start it with `accelerate launch --num_processes {run.num_processes} -m memfit train ...`.")
+    run = run.replace(num_processes=num_processes)
+    if config.batch:
+        per_step = run.micro_batch * num_processes
+        if config.batch % per_step:
+            raise UserError(f"--batch {config.batch} is not a multiple of micro-batch x processes = {per_step}.")
+        run = run.replace(grad_accum=config.batch // per_step)
+    if not config.budget:
+        return run, None
+    from memfit.training.budget import plan_run
+
+    return plan_run(config, run)
+
+
+def _reapply_schedule(optimizer, scheduler) -> None:
+    """Set the learning rate the schedule gives at the resumed step.
+
+    ``load_state`` restores the optimizer's param groups with the lr of the saved run's schedule; the
+    schedule's function is not saved (it is rebuilt from this run's ``--max-steps``), so a run resumed
+    with more steps must take its lr from the new schedule, not from the old one's end.
+    """
+    import warnings
+
+    inner = getattr(scheduler, "scheduler", scheduler)  # unwrap Accelerate's AcceleratedScheduler
+    with warnings.catch_warnings():  # get_lr() outside step() warns; here it is what we want
+        warnings.simplefilter("ignore")
+        lrs = inner.get_lr()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=False):
+        group["lr"] = lr
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:
+    steps = []
+    if config.epochs:
+        steps.append(config.epochs * schedule.steps_per_epoch())
+    if config.max_steps:
+        steps.append(config.max_steps)
+    if not steps:
+        raise UserError("Set --max-steps or --epochs to say how long to train.")
+    return min(steps)
+
+
+def predict(model_name: str, run: RunConfig, device: str = "cuda"):
+    """The estimator's predicted peak for this run on ``device`` (None when unavailable or failing).
+
+    On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms.
+    """
+    try:
+        from memfit.memory.estimate import estimate
+
+        return estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
+    except ImportError:
+        return None
+    except Exception:  # noqa: BLE001 - a prediction must never stop a training run
+        return None
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per logged step (appended, so a resumed run continues it)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
+    """Derived numbers shown before the long work starts."""
+    from memfit.units import fmt_count
+
+    return (f"model {config.model}: {fmt_count(bundle.params)} params, {fmt_count(bundle.trainable_params)} trainable | "
+            f"{len(data.train):,} train / {len(data.eval):,} held-out sequences of <= {run.seq_len} tokens\n"
+            f"effective batch {run.effective_batch()} = micro-batch {run.micro_batch} x accumulation "
+            f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
+            f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
+            f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
+            f"mixed precision {run.mixed_precision}, weights {run.dtype}")
+
+
+def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
+    flat = {**config.to_flat(), **run.to_flat()}
+    return {k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))}
