@@ -169,6 +169,7 @@ def test_is_oom_recognises_cuda_cpu_allocator_and_python_errors():
     assert oom.is_oom(torch.OutOfMemoryError(CUDA_OOM))
     assert oom.is_oom(RuntimeError(CPU_OOM))
     assert oom.is_oom(MemoryError())
+    assert oom.is_oom(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"))
     assert not oom.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)"))
     assert not oom.is_oom(ValueError("out of memory."))
 
@@ -195,3 +196,52 @@ def test_the_fallback_lowers_the_phase_that_ran_out(tmp_path):
     assert oom.next_config(run.replace(optimizer="adamw-fused"), phase="optimizer", device="cpu") is None
     assert oom.next_config(run.replace(optimizer="sgd"), phase="optimizer", device="cpu") is None
     assert oom.next_config(run, phase="forward", device="cpu", estimate=lambda r: predicted(run)) is None
+
+
+def test_snapshot_puts_back_what_a_failed_adamw_step_mutated(monkeypatch):
+    from memfit.training.rollback import OptimizerSnapshot
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}], lr=1e-2,
+                            foreach=True)
+    snapshot = OptimizerSnapshot()
+
+    def backward():
+        for p in params:
+            p.grad = torch.randn_like(p)
+
+    def failing_step():  # the real foreach step up to its first temporary, on the second group
+        monkeypatch.setattr(torch, "_foreach_sqrt", fail_on_call(torch._foreach_sqrt, 2, MemoryError(), after=False))
+        with pytest.raises(MemoryError), snapshot.guard(opt):
+            opt.step()
+        monkeypatch.undo()
+
+    # Step 1 fails after the first group's state was created and its weights updated: no state is left.
+    backward()
+    before = [p.detach().clone() for p in params]
+    failing_step()
+    assert len(opt.state) == 0 and all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    with snapshot.guard(opt):
+        opt.step()
+    # Step 2 fails after step counts, weights and moments of the first group moved: all are put back.
+    backward()
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    failing_step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    for p in params:
+        assert opt.state[p].keys() == state[id(p)].keys()
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state[id(p)].items()), opt.state[p]
+
+
+def test_without_room_for_the_snapshot_an_optimizer_oom_stops_the_run(tmp_path, monkeypatch):
+    from memfit.training.rollback import OptimizerSnapshot
+
+    def no_room(self, key, tensor):
+        raise RuntimeError(CPU_OOM)
+
+    monkeypatch.setattr(OptimizerSnapshot, "_copy", no_room)
+    _inject_optimizer(monkeypatch, 1)
+    with pytest.raises(UserError, match="host had no room for the copy"):
+        run_training(adamw_config(tmp_path), show=False)

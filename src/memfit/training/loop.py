@@ -47,6 +47,7 @@ def train(config: TrainConfig, *, show: bool = True) -> dict:
 
 
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
+    """Build the run, loop over its optimizer steps, finish; the typed summary and the trained model."""
     session = build_session(config, show=show)
     run_loop(session)
     summary, model = finish(session)

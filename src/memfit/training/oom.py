@@ -41,15 +41,17 @@ def is_oom(err: BaseException) -> bool:
     """True for an out-of-memory error: torch's (CUDA or any accelerator), the CPU allocator's, Python's.
 
     Accelerate's ``should_reduce_batch_size`` knows the allocators' messages (CUDA/HIP/XPU
-    " out of memory.", MPS, "DefaultCPUAllocator: can't allocate memory", HPU); ``MemoryError`` is
-    Python's own.
+    " out of memory.", MPS, "DefaultCPUAllocator: can't allocate memory", HPU, and cuDNN's "not
+    supported", which a smaller batch also cures); ``MemoryError`` is Python's own.
     """
     import torch
     from accelerate.utils.memory import should_reduce_batch_size
 
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(err, RuntimeError) and should_reduce_batch_size(err)
+    # "CUDA error: out of memory" (a CUDA call, not the caching allocator, e.g. creating a cuBLAS
+    # handle) has no trailing period, so Accelerate's list misses it.
+    return isinstance(err, RuntimeError) and (should_reduce_batch_size(err) or "CUDA error: out of memory" in str(err))
 
 
 def fallback_ladder(run: RunConfig) -> list[RunConfig]:

@@ -96,8 +96,12 @@ class OptimizerSnapshot:
                         saved.state[key] = value
                 self._saved[id(p)] = saved
             self.available = True
-        except (RuntimeError, MemoryError):  # the host cannot hold the copy: run the step without one
-            self._buffers.clear()
+        except (RuntimeError, MemoryError) as err:
+            from memfit.training.oom import is_oom
+
+            if not is_oom(err):
+                raise
+            self._buffers.clear()  # the host cannot hold the copy: run the step without one
             self._saved.clear()
             self.available = False
 
