@@ -288,7 +288,7 @@ def _config_int(config, *names: str, default: int = 0) -> int:
     return default
 
 
-def spec_from_config(config, name: str) -> ModelSpec:
+def spec_from_config(config, name: str, trust_remote_code: bool = False) -> ModelSpec:
     """Count a config's parameters exactly by building its model on the meta device (no memory).
 
     transformers builds the real module tree, so every architecture it knows is counted right
@@ -299,7 +299,7 @@ def spec_from_config(config, name: str) -> ModelSpec:
 
     with torch.device("meta"):
         # A copy: from_config writes the chosen dtype and attention implementation into the config.
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code)
     linears, head, linear_modules = _linear_shapes(model)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
@@ -375,4 +375,4 @@ def load_spec(model: str, trust_remote_code: bool = False) -> ModelSpec:
     else:
         config = resolve_config(model, trust_remote_code)
     name = model.lower() if is_preset(model) else model
-    return spec_from_config(config, name)
+    return spec_from_config(config, name, trust_remote_code)

@@ -184,6 +184,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
         "initial_run": initial_run.to_flat(), "run": run.to_flat(),
         "uses_model_loss": bundle.uses_model_loss, "params": bundle.params,
         "trainable_params": bundle.trainable_params, "output": str(output), "samples": samples,
+        "attn_implementation": bundle.attention, "lora_targets": list(bundle.lora_targets),
     }
     if is_main:
         write_run_files(output, config, summary)
@@ -349,7 +350,9 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
             f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
-            f"mixed precision {run.mixed_precision}, weights {run.dtype}")
+            f"mixed precision {run.mixed_precision}, weights {run.dtype}\n"
+            f"attention {bundle.attention or '?'} (asked of transformers)"
+            + (f"; LoRA targets {', '.join(bundle.lora_targets)}" if bundle.lora_targets else ""))
 
 
 def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
