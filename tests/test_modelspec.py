@@ -47,7 +47,7 @@ def test_lora_params_all_linear_and_named(tiny_llama_config):
     assert spec.lora_params(RunConfig(lora_r=8)) == 2 * per_layer
     assert spec.lora_params(RunConfig(lora_r=8, lora_targets=("q_proj", "v_proj"))) == 2 * 8 * (128 + 96)
     assert spec.trainable_params(RunConfig()) == spec.params
-    with pytest.raises(UserError, match="matches no layer"):
+    with pytest.raises(UserError, match="matches no projection of t; its projections are: down_proj, gate_proj"):
         spec.check_lora_targets(RunConfig(lora_r=8, lora_targets=("nope",)))
 
 

@@ -74,6 +74,10 @@ class Offload(StrEnum):
 
 
 class Attention(StrEnum):
+    """The attention implementation asked of transformers; ``auto`` lets transformers choose for the model
+    (SDPA where the model supports it, else eager), as ``from_pretrained`` does without the argument."""
+
+    AUTO = "auto"
     SDPA = "sdpa"
     EAGER = "eager"
     FLASH = "flash_attention_2"
@@ -121,7 +125,8 @@ class RunConfig:
     optimizer: Optimizer = Optimizer.ADAMW
     offload: Offload = Offload.NONE
     sharding: Sharding = Sharding.DDP
-    attn_implementation: Attention = Attention.SDPA
+    attn_implementation: Attention = Attention.AUTO
+    """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

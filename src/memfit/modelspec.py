@@ -6,6 +6,7 @@ needed to estimate. Presets live in ``presets/architectures.yaml``.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -200,6 +201,11 @@ class ModelSpec:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     final_logit_softcapping: float | None = None
+    linear_modules: tuple[tuple[str, int, int], ...] = ()
+    """Every projection LoRA can wrap, by full module name: ``(name, in_features, out_features)`` (the
+    Linear/Conv1D modules but the output head: what PEFT's ``all-linear`` expands to)."""
+    module_names: tuple[str, ...] = ()
+    """Full names of all modules of the model (LoRA targets are matched against these)."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -221,16 +227,14 @@ class ModelSpec:
         return sum(lin.out_features * lin.count for lin in self.linears if lin.bias)
 
     def lora_linears(self, targets: tuple[str, ...]) -> list[LinearShape]:
-        """The projections PEFT wraps for ``target_modules=targets``.
+        """The projections PEFT wraps for ``--lora-targets targets``, grouped like ``linears``.
 
-        ``all-linear`` is every Linear/Conv1D but the output head (PEFT's
-        ``_maybe_include_all_linear_layers``); otherwise a module matches when its last name component
-        equals a target (PEFT's suffix match for a list of names).
+        The matching is ``memfit.resolved.lora_targets`` (the one matcher estimate, trace, plan and
+        train share); it raises ``UserError`` for a target that matches no projection.
         """
-        if any(t.lower() == "all-linear" for t in targets):
-            return list(self.linears)
-        wanted = {t.split(".")[-1] for t in targets}
-        return [lin for lin in self.linears if lin.name in wanted]
+        from memfit.resolved import lora_targets
+
+        return list(lora_targets(self, tuple(targets)).linears)
 
     def lora_params(self, run) -> int:
         """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r)."""
@@ -244,20 +248,20 @@ class ModelSpec:
         return self.lora_params(run) if run.lora_r else self.params
 
     def check_lora_targets(self, run) -> None:
-        """Raise ``UserError`` when LoRA targets match no projection (PEFT would raise too)."""
-        if run.lora_r and not self.lora_linears(run.lora_targets):
-            names = ", ".join(sorted({lin.name for lin in self.linears}))
-            raise UserError(f"--lora-targets {','.join(run.lora_targets)} matches no layer of {self.name}; "
-                            f"its projections are: {names}.")
+        """Raise ``UserError`` when a LoRA target matches no projection (names the ones that exist)."""
+        if run.lora_r:
+            self.lora_linears(run.lora_targets)
 
 
-def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any]:
-    """Group every Linear/Conv1D but the output head by its last name component."""
+def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str, int, int], ...]]:
+    """Every Linear/Conv1D but the output head (PEFT's ``all-linear``), grouped by its last name
+    component, the head, and the same projections one by one with their full names."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()
     groups: dict[str, list] = {}
+    modules = []
     for name, module in model.named_modules():
         if module is head:
             continue
@@ -268,11 +272,12 @@ def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any]:
         else:
             continue
         groups.setdefault(name.split(".")[-1], []).append(shape)
+        modules.append((name, shape[0], shape[1]))
     out = []
     for name, shapes in groups.items():
         for shape in sorted(set(shapes)):
             out.append(LinearShape(name, shape[0], shape[1], shape[2], shapes.count(shape)))
-    return tuple(out), head
+    return tuple(out), head, tuple(modules)
 
 
 def _config_int(config, *names: str, default: int = 0) -> int:
@@ -283,7 +288,7 @@ def _config_int(config, *names: str, default: int = 0) -> int:
     return default
 
 
-def spec_from_config(config, name: str) -> ModelSpec:
+def spec_from_config(config, name: str, trust_remote_code: bool = False) -> ModelSpec:
     """Count a config's parameters exactly by building its model on the meta device (no memory).
 
     transformers builds the real module tree, so every architecture it knows is counted right
@@ -293,8 +298,9 @@ def spec_from_config(config, name: str) -> ModelSpec:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    linears, head = _linear_shapes(model)
+        # A copy: from_config writes the chosen dtype and attention implementation into the config.
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code)
+    linears, head, linear_modules = _linear_shapes(model)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
     embedding_params = embed.weight.numel()
@@ -335,6 +341,8 @@ def spec_from_config(config, name: str) -> ModelSpec:
         hidden_act=act,
         sliding_window=int(window) if window else None,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        linear_modules=linear_modules,
+        module_names=tuple(name for name, _ in model.named_modules() if name),
         hf_config=config,
     )
 
@@ -367,4 +375,4 @@ def load_spec(model: str, trust_remote_code: bool = False) -> ModelSpec:
     else:
         config = resolve_config(model, trust_remote_code)
     name = model.lower() if is_preset(model) else model
-    return spec_from_config(config, name)
+    return spec_from_config(config, name, trust_remote_code)

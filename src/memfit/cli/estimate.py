@@ -66,14 +66,13 @@ def _exact(model, spec, run, device, timeline_path):
         from memfit.memory.trace import trace
     except ImportError:
         raise UserError("--exact needs memfit.memory.trace, which this install lacks.") from None
-    config = spec.hf_config
     if not timeline_path:
-        return trace(config, run, device=device)
+        return trace(spec, run, device=device)
     try:
         from memfit.report.timeline import plot_timeline
     except ImportError:
         raise UserError("--timeline needs memfit.report.timeline, which this install lacks.") from None
-    breakdown, line = trace(config, run, device=device, timeline=True)
+    breakdown, line = trace(spec, run, device=device, timeline=True)
     plot_timeline(line, timeline_path)
     return breakdown
 

@@ -199,7 +199,8 @@ def gemma2_layer(ctx: _Ctx) -> int:
     s, p = ctx.spec, ctx.prec
     h, i = s.hidden_size, s.intermediate_size
     softcap = getattr(s.hf_config, "attn_logit_softcapping", None) is not None
-    eager = ctx.run.attn_implementation is Attention.EAGER or s.model_type == "gemma2"
+    # The resolved run names what transformers runs: eager for Gemma 2 (soft-capping refuses SDPA).
+    eager = ctx.run.attn_implementation is Attention.EAGER
     total = ctx.rms_norm(h, p.w, gemma=True, xin=ctx.xin)
     total += ctx.linear_inputs(h, ("q_proj", "k_proj", "v_proj"), p.w)
     total += _eager_core(ctx, softcap) if eager else _sdpa_core(ctx)

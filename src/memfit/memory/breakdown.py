@@ -56,6 +56,10 @@ class MemoryBreakdown:
     """One-line explanations shown under the table (why a term is what it is)."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Peak bytes of each phase (forward, backward, optimizer), where known."""
+    attn_implementation: str = ""
+    """The attention implementation the run uses (what transformers runs for the model), where known."""
+    lora_targets: tuple[str, ...] = ()
+    """Last name components of the LoRA-wrapped projections (empty for a full fine-tune)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -80,6 +84,8 @@ class MemoryBreakdown:
             "breakdown": self.categories(),
             "activations_per_layer": int(self.activations_per_layer),
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
+            "attn_implementation": self.attn_implementation,
+            "lora_targets": list(self.lora_targets),
             "notes": list(self.notes),
         }
 

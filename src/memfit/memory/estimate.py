@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit import versions
+from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.activations import (
     ATTN_IN,
@@ -31,6 +32,8 @@ from memfit.memory.activations import (
 )
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.modelspec import ModelSpec, load_spec
+from memfit.optimizers import row
+from memfit.resolved import resolve
 from memfit.units import MiB, fmt_gb, fmt_gib
 
 #: CUDA context + kernels loaded by torch on first use. Measured ~300-600 MiB across A100/H100/L4 with
@@ -57,11 +60,6 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 #: bitsandbytes LLM.int8(): int8 weight + one fp32 scale per output row (counted separately).
 INT8_BYTES_PER_PARAM = 1.0
-
-#: bitsandbytes 8-bit Adam: two uint8 moments + one fp32 absmax per 2048-element block per moment
-#: (blockwise quantization, Dettmers et al. 2022): 2 + 2*4/2048 bytes/param. Tensors under 4096
-#: elements keep 32-bit state (``min_8bit_size``); ignored here (norm weights: < 0.01% of params).
-ADAM8BIT_BYTES_PER_PARAM = 2 + 8 / 2048
 
 
 @dataclass(frozen=True)
@@ -92,6 +90,10 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     """
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
     _check(spec, run, device)
+    # What gets built (LoRA modules, the attention transformers runs, the optimizer's row): the same
+    # answer trace, plan and train use. From here on ``run`` names what is built.
+    resolved = resolve(spec, run, device)
+    run = resolved.run
     prec = Precisions.of(run)
     states = model_states(spec, run)
     acts = layer_activations(spec, run, prec, device)
@@ -125,7 +127,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     out.activations_per_layer = acts.saved
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
-    out.notes = notes(spec, run, out)
+    out.attn_implementation = resolved.attention
+    out.lora_targets = resolved.lora.names if resolved.lora else ()
+    out.notes = resolved.describe() + notes(spec, run, out) + versions.notes()
     return out
 
 
@@ -163,7 +167,6 @@ def _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, he
 def _check(spec: ModelSpec, run: RunConfig, device: str) -> None:
     if device not in ("cuda", "cpu"):
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
-    spec.check_lora_targets(run)
     if run.quantize is not Quantize.NONE and run.offload is Offload.PARAMS:
         raise UserError("--offload params cannot be combined with --quantize (bitsandbytes weights stay on the GPU).")
 
@@ -230,23 +233,18 @@ def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
 
 
 def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:
-    """Optimizer state, in the parameters' dtype as torch keeps it.
+    """Optimizer state, from the optimizer's row of ``memfit.optimizers.OPTIMIZERS``.
 
-    - AdamW (all torch variants): ``exp_avg`` + ``exp_avg_sq`` = 2 x param dtype (8 B/param fp32,
-      4 B/param bf16). Source: ``torch/optim/adam.py`` ``_init_group`` (``zeros_like(p)``).
-    - adamw-8bit (bitsandbytes): ``ADAM8BIT_BYTES_PER_PARAM`` = 2.004 B/param.
-    - sgd: memfit trains SGD with momentum 0, which keeps no state (``momentum_buffer`` stays None).
-    - adafactor (transformers' ``Adafactor`` as ``memfit train`` builds it, beta1=None): factored second
-      moment, one row and one column vector per matrix, the full second moment for vectors (norms,
-      biases), param dtype.
+    Per trainable parameter: ``moments`` tensors in the parameter's dtype (AdamW: ``exp_avg`` +
+    ``exp_avg_sq``, ``zeros_like(p)`` in ``torch/optim/adam.py``), plus dtype-independent bytes (8-bit
+    AdamW: 2.004 B/param); a factored row (Adafactor as ``memfit train`` builds it, beta1=None) keeps one
+    row and one column vector per matrix and the full second moment for vectors, in the param dtype.
     """
-    if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH):
-        return trainable * 2 * grad_bytes
-    if run.optimizer is Optimizer.ADAMW_8BIT:
-        return int(trainable * ADAM8BIT_BYTES_PER_PARAM)
-    if run.optimizer is Optimizer.SGD:
-        return 0
-    return _adafactor_elements(spec, run) * grad_bytes
+    opt = row(run.optimizer)
+    total = int(trainable * opt.state_bytes_per_param(grad_bytes))
+    if opt.factored:
+        total += _adafactor_elements(spec, run) * grad_bytes
+    return total
 
 
 def _adafactor_elements(spec: ModelSpec, run: RunConfig) -> int:
@@ -262,16 +260,17 @@ def _adafactor_elements(spec: ModelSpec, run: RunConfig) -> int:
 
 
 def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:
-    """Bytes alive only inside ``optimizer.step()``.
+    """Bytes alive only inside ``optimizer.step()``, from the optimizer row's ``step_temporary``.
 
-    torch's foreach Adam(W) (``_multi_tensor_adam``) computes ``exp_avg_sq_sqrt = _foreach_sqrt(...)``
-    for every parameter of the group at once: one param-sized temporary in the state dtype. ``adamw``
-    (torch's default) is foreach on CUDA; ``fused`` works in place per tensor (0). 8-bit Adam and SGD
-    update in place; Adafactor's per-tensor temporaries are bounded by the largest matrix.
+    ``group``: torch's foreach Adam(W) (``_multi_tensor_adam``) computes ``exp_avg_sq_sqrt =
+    _foreach_sqrt(...)`` for every parameter of the group at once: one param-sized temporary in the
+    state dtype (``adamw``, torch's default, is foreach on CUDA). ``largest-x2``: a per-tensor update
+    (Adafactor) bounded by two copies of the largest trainable tensor. ``none``: in place (fused, 8-bit, SGD).
     """
-    if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH):
+    kind = row(run.optimizer).step_temporary
+    if kind == "group":
         return trainable * grad_bytes
-    if run.optimizer is Optimizer.ADAFACTOR:
+    if kind == "largest-x2":
         return _largest_trainable(spec, run) * grad_bytes * 2
     return 0
 
@@ -361,11 +360,12 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         states = model_states(spec, run)
         shards = max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1)
         per = (states.weights + states.gradients + states.optimizer) * shards / n
-        lines.append(f"model states: {per:.1f} bytes/param (weights 4 + grads 4 + AdamW moments 8 for fp32 AdamW)."
-                     if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH)
-                     else f"model states: {per:.1f} bytes/param.")
+        opt = row(run.optimizer)
+        state = opt.state_bytes_per_param(4)
+        lines.append(f"model states: {per:.1f} bytes/param (weights 4 + grads 4 + {opt.label} {state:g})."
+                     if state and not opt.factored else f"model states: {per:.1f} bytes/param.")
     if (run.mixed_precision is Precision.NO and run.dtype.value == "fp32" and not run.is_lora()
-            and run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH)):
+            and row(run.optimizer).moments == 2):
         lines.append(f"AMP (--mixed-precision bf16) would not shrink these: autocast keeps fp32 weights, grads and "
                      f"moments, so model states stay 16 B/param = {fmt_gb(16 * n)}, not the 12 B/param "
                      f"({fmt_gb(12 * n)}) often quoted for mixed precision; it only shrinks activations.")

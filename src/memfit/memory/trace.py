@@ -39,10 +39,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit import versions
+from memfit.config import Attention, Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.modelspec import check_seq_len
+from memfit.optimizers import row
+from memfit.resolved import ResolvedRun, resolve
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -124,14 +127,23 @@ def _hf_config(model: Any):
     raise UserError(f"Cannot trace {model!r}: give a preset name, a model folder or a transformers config.")
 
 
+def _spec(model: Any, config):
+    """The ``ModelSpec`` of what is traced (given, or counted from the config on the meta device)."""
+    from memfit.modelspec import ModelSpec, spec_from_config
+
+    if isinstance(model, ModelSpec):
+        return model
+    return spec_from_config(config, model if isinstance(model, str) else getattr(config, "model_type", "model"))
+
+
 def check_supported(run: RunConfig) -> None:
     """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce."""
     if run.quantize is not Quantize.NONE:
         raise UserError("--quantize is not supported in exact mode (bitsandbytes kernels cannot run on fake "
                         "tensors); use the analytic estimate for QLoRA.")
-    if run.optimizer is Optimizer.ADAMW_8BIT:
-        raise UserError("--optimizer adamw-8bit is not supported in exact mode (bitsandbytes); use the analytic "
-                        "estimate.")
+    if not row(run.optimizer).traceable:
+        raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode (its kernels cannot run "
+                        "on fake tensors); use the analytic estimate.")
     if run.offload is not Offload.NONE:
         raise UserError("--offload is not supported in exact mode; use the analytic estimate.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
@@ -139,30 +151,34 @@ def check_supported(run: RunConfig) -> None:
                         "estimate for per-rank numbers.")
 
 
-def _build_model(config, run: RunConfig):
-    """The model as ``memfit train`` builds it, on the meta device: dtype, LoRA, checkpointing.
+def _build_model(config, resolved: ResolvedRun):
+    """The model as ``memfit train`` builds it, on the meta device: dtype, attention, LoRA, checkpointing.
 
     Built on meta, not under FakeTensorMode, because ``Module.to()`` on fake parameters fails in torch
     (it swaps tensors, and fake tensors carry weak references); ``_to_fake`` then gives every parameter
-    and buffer a fake CPU storage.
+    and buffer a fake CPU storage. The attention is the resolved one, except that flash attention (a
+    CUDA kernel) is traced as SDPA, which saves the same tensors (output + logsumexp).
     """
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    attn = "sdpa" if run.attn_implementation.value == "flash_attention_2" else run.attn_implementation.value
+    run = resolved.run
+    attn = "sdpa" if run.attn_implementation is Attention.FLASH else run.attn_implementation.value
     # dtype= as from_pretrained(dtype=...) loads it: weights in that dtype, rotary buffers stay fp32.
     dtype = getattr(torch, _TORCH_DTYPES[run.dtype.value])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype)
         if run.grad_checkpointing:
             # As training/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if run.is_lora():
             from peft import LoraConfig, get_peft_model
 
-            targets = "all-linear" if "all-linear" in run.lora_targets else list(run.lora_targets)
+            # The resolved targets (memfit.resolved), the list training hands to PEFT.
             lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                              target_modules=targets, task_type="CAUSAL_LM")
+                              target_modules=list(resolved.lora.peft_targets), task_type="CAUSAL_LM")
             # autocast_adapter_dtype=True (PEFT's default) keeps adapters in fp32 over a bf16/fp16 base.
             try:
                 model = get_peft_model(model, lora)
@@ -192,23 +208,10 @@ def _to_fake(model, fake_mode) -> None:
 
 
 def _build_optimizer(model, run: RunConfig):
-    """The optimizer with the implementation torch picks on CUDA (CPU would pick single-tensor)."""
-    import torch
-
+    """The optimizer's row builder, with the implementation torch picks on CUDA (``cuda_like``: CPU
+    tensors would get single-tensor AdamW), over the trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if run.optimizer is Optimizer.ADAMW_FUSED:
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-    if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH):
-        # On CUDA, torch's default for AdamW is foreach; say so explicitly or CPU tensors get single-tensor.
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    if run.optimizer is Optimizer.SGD:
-        # memfit train builds plain SGD (momentum 0: no state), see training/setup.py build_optimizer.
-        return torch.optim.SGD(params, lr=1e-3, foreach=True)
-    if run.optimizer is Optimizer.ADAFACTOR:
-        from transformers.optimization import Adafactor  # what training/setup.py builds, not torch's
-
-        return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
-    raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode.")
+    return row(run.optimizer).build(params, 1e-4, cuda_like=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,6 +335,7 @@ class _Traced:
     recorder: Any
     run: RunConfig
     vocab: int
+    resolved: ResolvedRun
 
 
 def _autocast_forward(model, run: RunConfig):
@@ -449,9 +453,13 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
         phase_peaks[phase] = max(phase_peaks.get(phase, 0), sum(sample_i.values()) + other)
     params = sum(p.numel() for p in t.model.parameters())
     trainable = sum(p.numel() for p in t.model.parameters() if p.requires_grad)
-    notes = ["exact: the model's code traced on fake tensors (CPU kernels); second step reported."]
-    if t.run.attn_implementation.value == "flash_attention_2":
+    base = t.model.get_base_model() if hasattr(t.model, "get_base_model") else t.model
+    ran = str(base.config._attn_implementation)  # what the traced model ran, read back from it
+    notes = [f"attention: {ran}, as built by transformers for the traced model.",
+             "exact: the model's code traced on fake tensors (CPU kernels); second step reported."]
+    if t.run.attn_implementation is Attention.FLASH:
         notes.append("flash_attention_2 traced as SDPA (same saved tensors: output + logsumexp).")
+    notes += versions.notes()
     return MemoryBreakdown(
         **{k: int(v) for k, v in sample.items()},
         other=other,
@@ -462,6 +470,8 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
         activations_per_layer=_layer_activation_bytes(t.model, t.tracker),
         notes=notes,
         phase_peaks=phase_peaks,
+        attn_implementation=t.resolved.attention if t.run.attn_implementation is Attention.FLASH else ran,
+        lora_targets=t.resolved.lora.names if t.resolved.lora else (),
     )
 
 
@@ -504,8 +514,10 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     api = _private_api()
     config = _hf_config(model)
     check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
+    resolved = resolve(_spec(model, config), run)  # the run estimate and train build, asked once
+    run = resolved.run
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
-    net = _build_model(config, run)
+    net = _build_model(config, resolved)
     _to_fake(net, fake_mode)
     with fake_mode:
         optimizer = _build_optimizer(net, run)
@@ -518,7 +530,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     _skip_frozen_grad_hooks(tracker, net)
     tracker.track_external(net, optimizer)
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight)
-    traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab)
+    traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     with _unpacked_sequences(), fake_mode, tracker, recorder:
         _one_step(traced, micro_batches)

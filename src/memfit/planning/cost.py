@@ -32,7 +32,7 @@ the compute/bandwidth crossover and much less away from it). Per micro-batch of 
 Once per optimizer step:
 
 5. **Optimizer step**, bandwidth-bound: bytes read and written per trainable parameter
-   (``optimizer_bytes``); torch's foreach AdamW makes ~``FOREACH_PASSES`` passes over the state, fused
+   (``optimizer_bytes``); torch's foreach AdamW makes ~``memfit.optimizers.FOREACH_PASSES`` passes over the state, fused
    one. With offload the step runs on the CPU at ``CPU_BANDWIDTH`` and gradients go down and
    weights come up over PCIe (ZeRO-Offload, Ren et al. 2021); offloading the parameters also streams
    the half-precision weights up over PCIe on every pass of every micro-batch.
@@ -51,7 +51,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.config import DType, Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.optimizers import row
 from memfit.planning.gpus import GPU
 from memfit.units import GB, dtype_bytes
 
@@ -71,8 +72,6 @@ KERNELS_PER_LAYER = 60
 KERNELS_PER_LORA_MODULE = 10
 #: Seconds per kernel launch (CUDA launch + PyTorch dispatch, eager mode).
 LAUNCH_S = 5e-6
-#: Passes over parameters/gradients/moments of torch's foreach AdamW relative to the fused kernel.
-FOREACH_PASSES = 2.5
 #: Host memory bandwidth for an offloaded optimizer step (a workstation's DDR4/DDR5, bytes/s).
 CPU_BANDWIDTH = 50 * GB
 
@@ -158,22 +157,13 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
 
 
 def optimizer_bytes(run: RunConfig) -> float:
-    """Bytes read + written per trainable parameter by one optimizer step (fused kernel).
-
-    AdamW: param r/w, grad r, two moments r/w: ``2p + g + 4s`` with ``s`` the state bytes (the
-    parameter's dtype in torch; 1 B for bitsandbytes' 8-bit AdamW). SGD without momentum ``2p + g``;
-    Adafactor keeps factored second moments (negligible) and reads/writes the update once: ``3p + g``.
-    LoRA adapters are fp32 (PEFT's default).
+    """Bytes read + written per trainable parameter by one optimizer step: the ``traffic`` of the
+    optimizer's row in ``memfit.optimizers`` (AdamW ``(2p + g + 4s) x passes``: param r/w, grad r, two
+    moments r/w, ``s`` the state bytes, ``FOREACH_PASSES`` for foreach; SGD without momentum ``2p + g``;
+    Adafactor ``3p + g``), with ``p`` the parameter's bytes (LoRA adapters are fp32, PEFT's default).
     """
     p = 4 if run.is_lora() else dtype_bytes(run.dtype)
-    g = p
-    if run.optimizer is Optimizer.SGD:
-        return 2 * p + g
-    if run.optimizer is Optimizer.ADAFACTOR:
-        return 3 * p + g
-    s = 1 if run.optimizer is Optimizer.ADAMW_8BIT else p
-    passes = FOREACH_PASSES if run.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH) else 1.0
-    return (2 * p + g + 4 * s) * passes
+    return float(row(run.optimizer).traffic(p))
 
 
 def _shard_divisor(run: RunConfig) -> int:

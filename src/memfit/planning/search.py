@@ -20,6 +20,7 @@ from memfit.memory.breakdown import MemoryBreakdown
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
+from memfit.resolved import attention
 from memfit.units import fmt_gib, parse_size
 
 #: Fraction of the predicted peak kept free on top of it: fits iff ``peak * (1 + margin) <= budget``.
@@ -190,7 +191,10 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
     spec, device, budget = _resolve(model, gpu, budget_bytes)
     runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16)
+    # Refuse once what no candidate can run (bad LoRA targets, an attention the model cannot run),
+    # instead of every candidate being skipped for it.
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
+    attention(spec, runs[0].attn_implementation)
     ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin))
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec)
     if not ranked[0].fits:

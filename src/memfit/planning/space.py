@@ -191,7 +191,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
-                attn_implementation=c.attn_implementation or Attention.SDPA, **lora))
+                attn_implementation=c.attn_implementation or Attention.AUTO, **lora))
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

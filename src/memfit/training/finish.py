@@ -39,6 +39,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, initial_run=s.initial_run,
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
+        attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)

@@ -259,7 +259,9 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
             f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
-            f"mixed precision {run.mixed_precision}, weights {run.dtype}")
+            f"mixed precision {run.mixed_precision}, weights {run.dtype}\n"
+            f"attention {bundle.attention or '?'} (asked of transformers)"
+            + (f"; LoRA targets {', '.join(bundle.lora_targets)}" if bundle.lora_targets else ""))
 
 
 def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:

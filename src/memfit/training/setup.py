@@ -10,8 +10,9 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import DType, Optimizer, Precision, Quantize, RunConfig, Sharding, TrainConfig
+from memfit.config import DType, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit.errors import UserError
+from memfit.optimizers import check_device, row
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -44,8 +45,7 @@ def preflight(run: RunConfig) -> None:
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
     if run.quantize is not Quantize.NONE and not cuda:
         raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
-    if run.optimizer is Optimizer.ADAMW_8BIT and not cuda:
-        raise UserError("--optimizer adamw-8bit needs bitsandbytes on a CUDA GPU; use adamw here.")
+    check_device(run.optimizer, "cuda" if cuda else "cpu")
     if run.sharding is not Sharding.DDP or str(run.offload) != "none":
         raise UserError("memfit train runs data-parallel (--sharding ddp, --offload none) for now; "
                         "FSDP/ZeRO and offload are modelled by estimate and plan only.")
@@ -93,6 +93,10 @@ class ModelBundle:
     params: int
     uses_model_loss: bool
     """The model's forward accepts ``num_items_in_batch`` (transformers' loss kwargs)."""
+    attention: str = ""
+    """The attention implementation the built model runs (read back from its config)."""
+    lora_targets: tuple[str, ...] = ()
+    """Last name components of the projections PEFT wrapped (empty for a full fine-tune)."""
 
 
 @dataclass
@@ -103,6 +107,8 @@ class ModelSource:
     tokenizer: object
     random_init: bool
     """A preset or a bare config.json: the architecture only, built with random weights."""
+    resolved: object = None
+    """``memfit.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
 
 
 def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
@@ -122,7 +128,12 @@ def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
         raise UserError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {hf_config.vocab_size}.")
     hf_config.use_cache = False  # training: no KV cache
     random_init = is_preset or Path(config.model).expanduser().is_file()
-    return ModelSource(hf_config, tokenizer, random_init)
+    # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
+    # are refused here, before the output folder exists.
+    from memfit.resolved import resolve
+
+    spec = modelspec.load_spec(config.model, config.trust_remote_code)
+    return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run))
 
 
 def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,
@@ -137,8 +148,9 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     from transformers import AutoModelForCausalLM
 
     source = source or resolve_model(config, run)
+    resolved = source.resolved
     on_gpu = device is not None and torch.device(device).type == "cuda"
-    kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": str(run.attn_implementation)}
+    kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": resolved.attention}
     if run.quantize is not Quantize.NONE:
         kwargs["quantization_config"] = _bnb_config(run)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
@@ -156,11 +168,14 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is torch's recommended mode.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if run.is_lora():
-        model = _add_lora(model, run)
+        model = _add_lora(model, run, resolved.lora.peft_targets)
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    wrapped = tuple(sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules() if hasattr(module, "lora_A")}))
+    return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss,
+                       str(base.config._attn_implementation), wrapped)
 
 
 def _bnb_config(run: RunConfig):
@@ -173,19 +188,19 @@ def _bnb_config(run: RunConfig):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _add_lora(model, run: RunConfig):
+def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
+    """Wrap ``targets`` (the resolved list, ``memfit.resolved.lora_targets``: what estimate counted)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if run.quantize is not Quantize.NONE:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=run.grad_checkpointing)
-    targets = run.lora_targets
-    target_modules = "all-linear" if targets == ("all-linear",) else list(targets)
     lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                      target_modules=target_modules, task_type="CAUSAL_LM")
+                      target_modules=list(targets), task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lora)
     except ValueError as err:
-        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(targets)}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
+                        f"{str(err).splitlines()[0]}") from None
 
 
 def _accepts_loss_kwargs(model) -> bool:
@@ -255,20 +270,8 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    lr = config.optimizer_lr
-    name = run.optimizer
-    if name is Optimizer.SGD:
-        return torch.optim.SGD(groups, lr=lr)
-    if name is Optimizer.ADAFACTOR:
-        from transformers.optimization import Adafactor
-
-        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
-    if name is Optimizer.ADAMW_8BIT:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, lr=lr)
-    flags = {Optimizer.ADAMW_FUSED: {"fused": True}, Optimizer.ADAMW_FOREACH: {"foreach": True}}.get(name, {})
-    return torch.optim.AdamW(groups, lr=lr, **flags)
+    # The optimizer's row of memfit.optimizers builds it: what estimate and plan priced.
+    return row(run.optimizer).build(groups, config.optimizer_lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):

@@ -96,6 +96,9 @@ class RunSummary:
     trainable_params: int
     output: str
     samples: list[dict[str, str]] = field(default_factory=list)
+    attn_implementation: str = ""
+    """The attention implementation the built model runs (``memfit.resolved``)."""
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -121,6 +124,7 @@ class RunSummary:
             "num_processes": self.num_processes, "initial_run": self.initial_run.to_flat(),
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
+            "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
         }
         return _json_safe(out)
 

@@ -1,0 +1,147 @@
+"""The optimizer table: one row per ``Optimizer`` member, read by estimate, trace, plan and train.
+
+A row says everything memfit needs to know about one optimizer: the state it keeps per trainable
+parameter, the temporaries its step allocates, the bytes one step moves (for the planner's cost model),
+how ``memfit train`` (and the exact tracer) builds it, and the devices it runs on. Adding an optimizer
+is adding its ``Optimizer`` member and one row here; ``tests/test_resolved.py`` fails for a member
+without a row and checks that every consumer reads the row instead of a copy of its numbers.
+
+Sources of the numbers are on each builder/row; bytes are for one trainable parameter whose dtype takes
+``p`` bytes (LoRA adapters: 4, PEFT keeps them fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import Optimizer
+from memfit.errors import UserError
+
+#: bitsandbytes 8-bit Adam: two uint8 moments + one fp32 absmax per 2048-element block per moment
+#: (blockwise quantization, Dettmers et al. 2022): 2 + 2*4/2048 bytes/param. Tensors under 4096
+#: elements keep 32-bit state (``min_8bit_size``); ignored (norm weights: < 0.01% of params).
+ADAM8BIT_BYTES_PER_PARAM = 2 + 8 / 2048
+
+#: Passes over parameters/gradients/moments of torch's foreach AdamW relative to the fused kernel
+#: (foreach runs one kernel per elementwise op over all tensors; fused does the update in one).
+FOREACH_PASSES = 2.5
+
+
+@dataclass(frozen=True)
+class OptimizerRow:
+    """What one optimizer costs and how it is built.
+
+    The memory numbers are for the steady state (second step: state exists) and follow torch's (or
+    bitsandbytes' / transformers') implementation as ``build`` constructs it.
+    """
+
+    member: Optimizer
+    label: str
+    """Human name used in notes (``AdamW moments``)."""
+    moments: int
+    """Parameter-sized state tensors kept in the parameter's dtype (AdamW: ``exp_avg``, ``exp_avg_sq``)."""
+    fixed_state_bytes: float = 0.0
+    """State bytes per parameter independent of its dtype (8-bit AdamW's quantized moments)."""
+    factored: bool = False
+    """Adafactor's factored second moment: one row and one column vector per matrix, numel per vector."""
+    step_temporary: str = "none"
+    """What ``step()`` allocates beyond the state: ``"group"`` (foreach: one parameter-sized tensor for
+    every parameter of the group at once), ``"largest-x2"`` (per-tensor update: two copies of the largest
+    trainable tensor), or ``"none"`` (in place)."""
+    traffic: Callable[[float], float] = lambda p: 0.0
+    """Bytes read + written per trainable parameter by one step (cost model), given ``p``."""
+    devices: tuple[str, ...] = ("cuda", "cpu")
+    """Devices the optimizer's kernels run on."""
+    traceable: bool = True
+    """Whether the exact tracer can run it on fake tensors (bitsandbytes kernels cannot)."""
+    build: Callable[..., Any] | None = None
+    """``build(groups, lr, cuda_like)`` -> the optimizer. ``cuda_like``: pick the implementation torch
+    picks on CUDA (the tracer runs CPU kernels but models a CUDA run)."""
+
+    def state_bytes_per_param(self, p: float) -> float:
+        """State bytes per trainable parameter (0 for the factored part, counted from shapes)."""
+        return self.moments * p + self.fixed_state_bytes
+
+
+def _adamw(flags: dict[str, bool]):
+    def build(groups, lr: float, cuda_like: bool = False):
+        import torch
+
+        kwargs = dict(flags)
+        if cuda_like and not kwargs:
+            kwargs["foreach"] = True  # torch's default on CUDA; on CPU tensors it would pick single-tensor
+        return torch.optim.AdamW(groups, lr=lr, **kwargs)
+
+    return build
+
+
+def _sgd(groups, lr: float, cuda_like: bool = False):
+    """Plain SGD, momentum 0: no state (``momentum_buffer`` stays None)."""
+    import torch
+
+    return torch.optim.SGD(groups, lr=lr, foreach=True if cuda_like else None)
+
+
+def _adafactor(groups, lr: float, cuda_like: bool = False):
+    """transformers' Adafactor with a fixed learning rate (beta1=None: no first moment)."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+
+
+def _adamw_8bit(groups, lr: float, cuda_like: bool = False):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+def _adam_traffic(state: Callable[[float], float], passes: float) -> Callable[[float], float]:
+    """AdamW: param r/w, grad r, two moments r/w: ``(2p + g + 4s) x passes`` with ``g = p``."""
+    return lambda p: (2 * p + p + 4 * state(p)) * passes
+
+
+#: One row per ``Optimizer`` member.
+OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
+    # torch.optim.AdamW; moments zeros_like(p) (torch/optim/adam.py _init_group). The default picks
+    # foreach on CUDA (_multi_tensor_adam's _foreach_sqrt: one param-sized temporary per group).
+    Optimizer.ADAMW: OptimizerRow(Optimizer.ADAMW, "AdamW moments", moments=2, step_temporary="group",
+                                  traffic=_adam_traffic(lambda p: p, FOREACH_PASSES), build=_adamw({})),
+    Optimizer.ADAMW_FOREACH: OptimizerRow(Optimizer.ADAMW_FOREACH, "AdamW moments", moments=2,
+                                          step_temporary="group", traffic=_adam_traffic(lambda p: p, FOREACH_PASSES),
+                                          build=_adamw({"foreach": True})),
+    # fused=True updates each tensor in place in one kernel: no temporary.
+    Optimizer.ADAMW_FUSED: OptimizerRow(Optimizer.ADAMW_FUSED, "AdamW moments", moments=2,
+                                        traffic=_adam_traffic(lambda p: p, 1.0), build=_adamw({"fused": True})),
+    Optimizer.ADAMW_8BIT: OptimizerRow(Optimizer.ADAMW_8BIT, "8-bit AdamW moments", moments=0,
+                                       fixed_state_bytes=ADAM8BIT_BYTES_PER_PARAM,
+                                       traffic=_adam_traffic(lambda p: 1, 1.0), devices=("cuda",),
+                                       traceable=False, build=_adamw_8bit),
+    # SGD without momentum: param r/w + grad r.
+    Optimizer.SGD: OptimizerRow(Optimizer.SGD, "no state", moments=0, traffic=lambda p: 3 * p, build=_sgd),
+    # Adafactor reads/writes the update once on top of param and grad (factored moments: negligible);
+    # its per-tensor update holds two copies of the largest tensor.
+    Optimizer.ADAFACTOR: OptimizerRow(Optimizer.ADAFACTOR, "Adafactor factored second moment", moments=0,
+                                      factored=True, step_temporary="largest-x2", traffic=lambda p: 4 * p,
+                                      build=_adafactor),
+}
+
+
+def row(optimizer: Optimizer | str) -> OptimizerRow:
+    """The table row of ``optimizer``; a member without a row is a bug, said in one sentence."""
+    member = Optimizer(str(optimizer))
+    try:
+        return OPTIMIZERS[member]
+    except KeyError:
+        raise UserError(f"--optimizer {member.value} has no row in memfit's optimizer table "
+                        "(memfit/optimizers.py), so memfit cannot estimate or build it.") from None
+
+
+def check_device(optimizer: Optimizer | str, device: str) -> None:
+    """Raise ``UserError`` when ``optimizer`` cannot run on ``device`` (``cuda`` or ``cpu``)."""
+    r = row(optimizer)
+    if device not in r.devices:
+        needs = " or ".join(d.upper() for d in r.devices)
+        raise UserError(f"--optimizer {r.member.value} runs on {needs} only, not on {device.upper()}; "
+                        "use adamw here.")

@@ -1,0 +1,231 @@
+"""One description of a run: what gets built for a ``RunConfig`` on a model, read by every path.
+
+``resolve(spec, run)`` turns the flags into the facts estimate, trace, plan and train must agree on:
+
+- the LoRA target modules: one matcher (``lora_targets``), case-insensitive, ``all-linear`` expanded
+  the way PEFT expands it, combinations de-duplicated, validated against the model's real module names
+  (``ModelSpec.module_names``, from its meta-device build);
+- the attention implementation transformers will run (``attention``), asked of transformers itself
+  by building the model on the meta device with the implementation requested (``auto``: none, so
+  transformers picks: SDPA where the model supports it, else eager, e.g. Gemma 2 with soft-capping);
+- the optimizer's row of ``memfit.optimizers.OPTIMIZERS``.
+
+``ResolvedRun.run`` is the ``RunConfig`` with those answers written in (a concrete attention, the
+target list handed to PEFT), so code that reads ``run.attn_implementation`` or ``run.lora_targets``
+after resolution sees what is built.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.config import Attention, RunConfig
+from memfit.errors import UserError
+from memfit.optimizers import OptimizerRow, check_device, row
+
+#: PEFT's shorthand for every Linear/Conv1D but the output head (``peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND``).
+ALL_LINEAR = "all-linear"
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA targets
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoraTargets:
+    """The projections LoRA wraps, and how PEFT is told to wrap exactly those."""
+
+    shapes: tuple[tuple[str, int, int], ...]
+    """``(full module name, in_features, out_features)`` of every wrapped projection."""
+    peft_targets: tuple[str, ...]
+    """``target_modules`` for ``peft.LoraConfig``: the projections' last name components when those
+    select exactly ``shapes`` under PEFT's suffix match, else their full names."""
+    linears: tuple[Any, ...] = ()
+    """The wrapped projections grouped like ``ModelSpec.linears`` (``LinearShape`` by last name and shape)."""
+    names: tuple[str, ...] = ()
+    """Last name components of the wrapped projections, sorted (``q_proj``, ``v_proj``)."""
+
+    def describe(self) -> str:
+        return f"{', '.join(self.names)} ({len(self.shapes)} modules)"
+
+
+def _suffix_match(key: str, target: str) -> bool:
+    """PEFT's rule for a list of ``target_modules`` (``check_target_module_exists``): the module's full
+    name equals the target or ends with ``.target``. memfit applies it to lower-cased names."""
+    return key == target or key.endswith("." + target)
+
+
+_LORA: dict[int, tuple[Any, dict[tuple[str, ...], LoraTargets]]] = {}
+"""Per spec object (kept alive here so its id stays unique): targets -> resolution. Keyed by identity,
+because hashing a 7 B model's spec (hundreds of module names) costs more than the estimate."""
+
+
+def lora_targets(spec, targets: tuple[str, ...]) -> LoraTargets:
+    """Resolve ``--lora-targets`` against ``spec``'s projections (the one LoRA matcher of memfit).
+
+    Case-insensitive; ``all-linear`` is every projection (PEFT's ``_maybe_include_all_linear_layers``:
+    each Linear/Conv1D but the output head, ``ModelSpec.linear_modules``); any other target selects the
+    projections whose full name equals it or ends with ``.target`` (PEFT's suffix rule). Targets may be
+    combined (``all-linear,q_proj``); a module is wrapped once.
+
+    Raises:
+        UserError: a target matches no projection (the message names the projections that exist).
+    """
+    if len(_LORA) > 256:
+        _LORA.clear()
+    _held, answers = _LORA.setdefault(id(spec), (spec, {}))
+    targets = tuple(targets)
+    if targets not in answers:
+        answers[targets] = _match(spec, targets)
+    return answers[targets]
+
+
+def _match(spec, targets: tuple[str, ...]) -> LoraTargets:
+    projections = {name.lower(): (name, i, o) for name, i, o in spec.linear_modules}
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, _, _ in spec.linear_modules})
+    chosen: dict[str, tuple[str, int, int]] = {}
+    for target in targets:
+        want = str(target).strip().lower()
+        if want == ALL_LINEAR:
+            hits = dict(projections)
+        else:
+            hits = {key: shape for key, shape in projections.items() if _suffix_match(key, want)}
+        if not hits:
+            raise UserError(f"--lora-targets {target} matches no projection of {spec.name}; its projections are: "
+                            f"{', '.join(leaves) or 'none'}{' (or all-linear)' if leaves else ''}.")
+        chosen.update(hits)
+    shapes = tuple(sorted(chosen.values()))
+    names = tuple(sorted({name.rsplit(".", 1)[-1] for name, _, _ in shapes}))
+    return LoraTargets(shapes, _peft_targets(spec, shapes), _grouped(spec, shapes), names)
+
+
+def _grouped(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[Any, ...]:
+    """``shapes`` as ``LinearShape`` groups (last name component, in, out), with their bias from ``spec``."""
+    from memfit.modelspec import LinearShape
+
+    counts: dict[tuple[str, int, int], int] = {}
+    for name, fan_in, fan_out in shapes:
+        key = (name.rsplit(".", 1)[-1], fan_in, fan_out)
+        counts[key] = counts.get(key, 0) + 1
+    biases = {(lin.name, lin.in_features, lin.out_features): lin.bias for lin in spec.linears}
+    return tuple(LinearShape(leaf, i, o, biases.get((leaf, i, o), False), n) for (leaf, i, o), n in counts.items())
+
+
+def _peft_targets(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[str, ...]:
+    """Last name components when PEFT's suffix rule with them selects exactly ``shapes`` among all
+    modules (not another module of the same name, such as an output head), else the full names."""
+    wanted = {name for name, _, _ in shapes}
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in wanted})
+    selected = {key for key in spec.module_names if any(_suffix_match(key, leaf) for leaf in leaves)}
+    return tuple(leaves) if selected == wanted else tuple(sorted(wanted))
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention implementation
+# --------------------------------------------------------------------------------------------------
+_ATTENTION: dict[int, tuple[Any, dict[str, str]]] = {}
+"""Per config object (kept alive here so its id stays unique): requested -> what transformers runs."""
+
+
+def attention(spec, requested: Attention | str, compute_dtype: str = "bf16") -> str:
+    """The attention implementation transformers runs for ``spec`` when ``requested`` (cached per config).
+
+    Asked of transformers: the model is built on the meta device (no memory, ~0.1 s) with
+    ``attn_implementation=requested`` (``auto``: None, transformers' own default), and its
+    ``config._attn_implementation`` is read back. transformers refuses what the model cannot run (SDPA
+    for Gemma 2, whose soft-capping SDPA cannot apply; flash-attention without its package); that
+    refusal becomes one sentence. Flash attention also needs half-precision compute.
+    """
+    requested = Attention(str(requested).lower())
+    config = getattr(spec, "hf_config", None)
+    if config is None:  # a hand-made spec: nothing to ask, take the request (auto: transformers' default)
+        return "sdpa" if requested is Attention.AUTO else requested.value
+    held, answers = _ATTENTION.setdefault(id(config), (config, {}))
+    if requested.value not in answers:
+        answers[requested.value] = _ask_transformers(spec, config, requested)
+    chosen = answers[requested.value]
+    if "flash" in chosen and compute_dtype == "fp32":
+        raise UserError(f"--attn-implementation {requested.value} runs in fp16/bf16 only; add --mixed-precision bf16 "
+                        "(or --dtype bf16), or use sdpa.")
+    return chosen
+
+
+def _ask_transformers(spec, config, requested: Attention) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    wanted = None if requested is Attention.AUTO else requested.value
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=wanted)
+    except (ValueError, ImportError) as err:
+        reason = _first_sentence(err)
+        raise UserError(f"{spec.name} cannot run --attn-implementation {requested.value} ({reason}); "
+                        "use --attn-implementation auto to let transformers choose, or eager.") from None
+    return str(model.config._attn_implementation)
+
+
+def _first_sentence(err: Exception, limit: int = 160) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    text = text.split(". ")[0].rstrip(".")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def as_attention(implementation: str) -> Attention:
+    """The ``Attention`` member for an implementation transformers reports (flash kernels -> flash)."""
+    if "flash" in implementation:
+        return Attention.FLASH
+    try:
+        return Attention(implementation)
+    except ValueError:
+        return Attention.SDPA  # other fused kernels (flex, paged) save what SDPA saves in memfit's model
+
+
+# --------------------------------------------------------------------------------------------------
+# The resolved run
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A ``RunConfig`` resolved against one model: what estimate, trace, plan and train build."""
+
+    run: RunConfig
+    """The run with the answers written in: concrete attention, PEFT's target list."""
+    requested: RunConfig
+    """The run as the user gave it."""
+    attention: str
+    """What transformers runs (``sdpa``, ``eager``, ``flash_attention_2``, ...)."""
+    lora: LoraTargets | None
+    """Wrapped projections (None for a full fine-tune)."""
+    optimizer: OptimizerRow
+    trainable_params: int
+
+    def describe(self) -> list[str]:
+        """The lines every estimate and training preamble prints."""
+        asked = self.requested.attn_implementation.value
+        how = "chosen by transformers" if asked == Attention.AUTO.value else f"as requested ({asked})"
+        lines = [f"attention: {self.attention}, {how}."]
+        if self.lora is not None:
+            lines.append(f"LoRA targets: {self.lora.describe()}, {self.trainable_params:,} trainable parameters.")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attn_implementation": self.attention,
+                "lora_targets": list(self.lora.names) if self.lora else [],
+                "lora_modules": len(self.lora.shapes) if self.lora else 0,
+                "optimizer": self.optimizer.member.value,
+                "trainable_params": int(self.trainable_params)}
+
+
+def resolve(spec, run: RunConfig, device: str | None = None) -> ResolvedRun:
+    """Resolve ``run`` against ``spec`` (a ``ModelSpec``); ``device`` (``cuda``/``cpu``) also checks the
+    optimizer runs there. Raises ``UserError`` (one sentence) for what the model or device cannot run."""
+    opt = row(run.optimizer)
+    if device is not None:
+        check_device(run.optimizer, device)
+    chosen = attention(spec, run.attn_implementation, run.compute_dtype())
+    lora = lora_targets(spec, tuple(run.lora_targets)) if run.is_lora() else None
+    resolved = run.replace(attn_implementation=as_attention(chosen),
+                           lora_targets=lora.peft_targets if lora else run.lora_targets)
+    trainable = spec.trainable_params(resolved)
+    return ResolvedRun(resolved, run, chosen, lora, opt, trainable)

@@ -1,0 +1,56 @@
+"""The library versions memfit's estimator is verified on, and a note when the installed ones differ.
+
+The per-family activation recipes (``memory/activations.py``) and the logits terms were read off
+transformers 5's modeling code and checked to the byte against the exact tracer on torch's
+``FakeTensorMode``/``MemTracker``; the test suite runs on the versions below. Outside them the
+modeling code may save other tensors, so every estimate says so (``notes``).
+``pyproject.toml`` mirrors ``VERIFIED`` under ``[tool.memfit.verified]`` (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import metadata
+
+#: Package -> (lowest verified ``major.minor``, first ``major.minor`` not verified): a half-open range.
+VERIFIED: dict[str, tuple[str, str]] = {
+    "transformers": ("5.24", "5.25"),
+    "torch": ("2.13", "2.14"),
+}
+
+
+@lru_cache(maxsize=None)
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version (cached: reading package metadata takes ~15 ms)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release[:2]
+    except InvalidVersion:
+        return ()
+
+
+def unverified(installed: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Packages whose installed version lies outside ``VERIFIED``: name -> installed version."""
+    out = {}
+    for package, (low, high) in VERIFIED.items():
+        version = (installed or {}).get(package) if installed is not None else installed_version(package)
+        if version is None:
+            continue
+        if not _major_minor(low) <= _major_minor(version) < _major_minor(high):
+            out[package] = version
+    return out
+
+
+def notes(installed: dict[str, str | None] | None = None) -> list[str]:
+    """One note per package outside the verified range (empty when all are inside)."""
+    return [f"{package} {version} is outside the range memfit's estimator is verified on "
+            f"({package} >={VERIFIED[package][0]},<{VERIFIED[package][1]}); its modeling code may save other "
+            "tensors, so check with --exact." for package, version in unverified(installed).items()]
