@@ -56,6 +56,9 @@ class MemoryBreakdown:
     """One-line explanations shown under the table (why a term is what it is)."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Peak bytes of each phase (forward, backward, optimizer), where known."""
+    recipe: str = ""
+    """Where the activation model came from (analytic only): ``hand-written recipe: llama`` or
+    ``derived from traces of 1-2 layer <model_type>`` (``memory/derive.py``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -80,6 +83,7 @@ class MemoryBreakdown:
             "breakdown": self.categories(),
             "activations_per_layer": int(self.activations_per_layer),
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
+            "recipe": self.recipe,
             "notes": list(self.notes),
         }
 

@@ -77,7 +77,8 @@ class ModelStates:
     """FSDP/ZeRO-3: unsharded parameters of the layers being computed (temporary)."""
 
 
-def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") -> MemoryBreakdown:
+def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
+             derived: bool | None = None) -> MemoryBreakdown:
     """Analytic memory breakdown of one steady-state training step, per rank.
 
     Args:
@@ -86,12 +87,19 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
         device: ``"cuda"`` adds the CUDA context, cuBLAS workspace and allocator reserve (``other``) and
             models CUDA kernels (flash/mem-efficient attention, fused dropout masks); ``"cpu"`` models the
             CPU kernels and drops those terms (this is what ``memory/trace.py`` runs).
+        derived: None picks the hand-written recipe where one models the run, else derives one from
+            traces (``memory/derive.py``, seconds once, then cached); True forces the derived recipe.
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
     """
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
     _check(spec, run, device)
+    from memfit.memory.derive import derived_estimate, hand_written_family
+
+    family = hand_written_family(spec, run)
+    if derived or (family is None and derived is None):
+        return derived_estimate(spec, run, device)
     prec = Precisions.of(run)
     states = model_states(spec, run)
     acts = layer_activations(spec, run, prec, device)
@@ -126,6 +134,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
     out.notes = notes(spec, run, out)
+    out.recipe = f"hand-written recipe: {family or spec.family}"
+    out.notes.append(f"recipe: {out.recipe} (memory/activations.py).")
     return out
 
 
