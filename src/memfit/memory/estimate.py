@@ -97,7 +97,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     _check(spec, run, device)
     from memfit.memory.derive import derived_estimate, hand_written_family
 
-    family = hand_written_family(spec, run)
+    family = hand_written_family(spec, run, device)
     if derived or (family is None and derived is None):
         return derived_estimate(spec, run, device)
     prec = Precisions.of(run)

@@ -357,7 +357,7 @@ def _autocast_forward(model, run: RunConfig):
     return convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
 
 
-def _one_step(t: _Traced, micro_batches: int) -> None:
+def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> None:
     """Forward, loss, backward for each micro-batch, then optimizer step and zero_grad."""
     import torch
 
@@ -375,6 +375,8 @@ def _one_step(t: _Traced, micro_batches: int) -> None:
         rec.phase = "backward"
         loss.backward()
         del loss, input_ids, labels
+    if not optimizer_step:
+        return
     rec.phase = "optimizer"
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
@@ -512,9 +514,9 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         device: ``"cuda"`` adds the estimator's ``other`` term (CUDA context, workspace, reserve);
             ``"cpu"`` reports tensor bytes only.
         timeline: also return the ``Timeline`` of the traced step.
-        steps: 2 (default) reports the steady state; 1 records the first step, whose forward and backward
-            allocate the same as the second's but without optimizer state (``memory/derive.py`` fits
-            activation recipes from it at half the cost).
+        steps: 2 (default) reports the steady state; 1 records only the first step's forward and backward,
+            which allocate the same as the second's but without optimizer state (``memory/derive.py``
+            fits activation recipes from them at under half the cost).
 
     Returns:
         ``MemoryBreakdown`` with ``method="exact"``, or ``(breakdown, timeline)``.
@@ -549,7 +551,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
             _one_step(traced, micro_batches)
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         recorder.recording = True
-        _one_step(traced, micro_batches)
+        _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
     line = recorder.timeline
     other = other_bytes(max(line.totals(), default=0), device)
