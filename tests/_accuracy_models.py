@@ -1,6 +1,6 @@
 """Small random configs of every architecture family the accuracy grid covers (no download).
 
-Hidden 64-128, 2 layers, vocabularies of about a thousand (prime, so never equal to a model dimension
+Hidden 64-128, 3 layers, vocabularies of about a thousand (prime, so never equal to a model dimension
 or to B*T: the tracer recognises logits by their last dimension V and B*T*V elements). Activations and
 logits, not model states, set the peak at the grid's sequence lengths (256-512) and micro-batches.
 Shared by tests/test_estimate_accuracy.py and bench/estimate_accuracy.py.
@@ -8,7 +8,8 @@ Shared by tests/test_estimate_accuracy.py and bench/estimate_accuracy.py.
 
 from __future__ import annotations
 
-_LAYERS = dict(num_hidden_layers=2, max_position_embeddings=1024)
+#: 3 layers: derived recipes trace 2 and extrapolate, so the grid checks the per-layer term too.
+_LAYERS = dict(num_hidden_layers=3, max_position_embeddings=1024)
 
 
 def accuracy_config(family: str):
@@ -34,7 +35,7 @@ def accuracy_config(family: str):
         return tf.Gemma2Config(vocab_size=1061, hidden_size=128, intermediate_size=336, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=32, sliding_window=64, **_LAYERS)
     if family == "gpt2":  # the library's default dropouts (0.1 attention, residual, embedding)
-        return tf.GPT2Config(vocab_size=1063, n_embd=128, n_layer=2, n_head=4, n_positions=1024,
+        return tf.GPT2Config(vocab_size=1063, n_embd=128, n_layer=3, n_head=4, n_positions=1024,
                              bos_token_id=0, eos_token_id=0)
     if family == "gpt_neox":  # parallel residual, partial rotary, LayerNorm
         return tf.GPTNeoXConfig(vocab_size=1069, hidden_size=128, intermediate_size=512, num_attention_heads=4,

@@ -217,11 +217,14 @@ def _beyond_window(spec, run: RunConfig) -> bool:
 
 
 def _sequence_lengths(spec, run: RunConfig) -> tuple[int, int, int]:
-    """Three trace lengths a, 2a, 4a in the run's regime: beyond the sliding window when the run is."""
+    """Three trace lengths a, 2a, 4a in the run's regime: beyond the sliding window when the run is,
+    within it when the run is."""
     start, base = 0, _BASE_T
+    limit = spec.max_position_embeddings or 0
     if _beyond_window(spec, run):
         start = spec.sliding_window
-    limit = spec.max_position_embeddings or 0
+    elif spec.sliding_window:
+        limit = min(limit, spec.sliding_window) if limit else spec.sliding_window
     if limit and start + 4 * base > limit:
         base = max(1, (limit - start) // 4)
     return start + base, start + 2 * base, start + 4 * base
@@ -231,8 +234,24 @@ _IGNORED_CONFIG_KEYS = {"num_hidden_layers", "n_layer", "layer_types", "_name_or
                         "architectures", "dtype", "torch_dtype", "_commit_hash"}
 
 
+_KEYS: dict[tuple, tuple[object, str]] = {}
+
+
 def recipe_key(spec, run: RunConfig) -> str:
-    """Hash of what a derived recipe depends on: the config but its depth, the recipe settings, versions."""
+    """Hash of what a derived recipe depends on: the config but its depth, the recipe settings, versions.
+
+    Memoised per config object and settings (the planner asks thousands of times; hashing takes ~1 ms).
+    """
+    memo = (id(spec.hf_config), recipe_settings(spec, run), _beyond_window(spec, run))
+    hit = _KEYS.get(memo)
+    if hit is not None and hit[0] is spec.hf_config:
+        return hit[1]
+    key = _recipe_key(spec, run)
+    _KEYS[memo] = (spec.hf_config, key)
+    return key
+
+
+def _recipe_key(spec, run: RunConfig) -> str:
     import torch
     import transformers
 
