@@ -3,6 +3,9 @@
     python bench/estimate_accuracy.py                                  # a few small presets, 4 regimes
     python bench/estimate_accuracy.py --models llama-2-7b --regimes amp,lora --seq-len 512 --micro-batch 1
     python bench/estimate_accuracy.py --out bench/results/estimate_accuracy.json
+    python bench/estimate_accuracy.py --families all --sizes 256x4,512x2 --regimes fp32,amp
+        # the small random configs of every family of tests/_accuracy_models.py: tensor peak and
+        # per-phase error, worst and median, and the time to derive a recipe and of a cached estimate
 
 Both sides use device="cpu" semantics (what the trace runs: CPU kernels; no `other` term), so the
 errors are on tensor bytes. Each trace also records its wall time and the process's peak RSS (fake
@@ -58,6 +61,111 @@ def print_row(row: dict) -> None:
           f"({row['exact']['phase']}/{row['analytic']['phase']})  {terms}  [{row['trace_seconds']} s]", flush=True)
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def tensor_peak(b) -> int:
+    return sum(getattr(b, c) for c in CATEGORIES)
+
+
+def family_row(family: str, regime: str, seq_len: int, micro_batch: int) -> dict:
+    """Analytic vs exact for one small random config of tests/_accuracy_models.py (``device="cpu"``)."""
+    from _accuracy_models import accuracy_config
+    from memfit.config import RunConfig
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+    from memfit.modelspec import spec_from_config
+
+    config = accuracy_config(family)
+    extra = {"attn_implementation": "eager"} if family == "gemma2" else {}
+    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime], **extra)
+    exact = trace(config, run, device="cpu")
+    analytic = estimate(spec_from_config(config, family), run, device="cpu")
+    err = {"tensor_peak": (tensor_peak(analytic) - tensor_peak(exact)) / tensor_peak(exact)}
+    for phase in PHASES:
+        err[phase] = (analytic.phase_peaks[phase] - exact.phase_peaks[phase]) / exact.phase_peaks[phase]
+    return {"family": family, "regime": regime, "seq_len": seq_len, "micro_batch": micro_batch,
+            "recipe": analytic.recipe, "exact_tensor_peak": tensor_peak(exact), "exact_phase": exact.phase,
+            "error": err}
+
+
+def derive_timing(family: str = "granite") -> dict:
+    """Seconds to derive ``family``'s recipe with an empty cache, then of a disk-cached and an in-memory
+    cached estimate (the first is what a new process pays, the second what the planner pays per candidate)."""
+    import os
+    import tempfile
+
+    from _accuracy_models import accuracy_config
+    from memfit.config import RunConfig
+    from memfit.memory import derive
+    from memfit.memory.estimate import estimate
+    from memfit.modelspec import spec_from_config
+
+    spec = spec_from_config(accuracy_config(family), family)
+    run = RunConfig(seq_len=1024, micro_batch=4, mixed_precision="bf16")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["MEMFIT_CACHE_DIR"] = cache
+        derive._MEMORY.clear()
+        start, cpu = time.perf_counter(), time.process_time()
+        estimate(spec, run)
+        derive_s, derive_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+        derive._MEMORY.clear()
+        start = time.perf_counter()
+        estimate(spec, run)
+        disk_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(100):
+            estimate(spec, run.replace(seq_len=512))
+        memory_s = (time.perf_counter() - start) / 100
+    return {"family": family, "derive_seconds": derive_s, "derive_cpu_seconds": derive_cpu_s,
+            "disk_cached_seconds": disk_s,
+            "memory_cached_seconds": memory_s}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Worst and median |error| of the tensor peak and of each phase peak."""
+    import statistics
+
+    out = {}
+    for key in ("tensor_peak", *PHASES):
+        errors = [abs(r["error"][key]) for r in rows]
+        out[key] = {"worst": max(errors), "median": statistics.median(errors)}
+    return out
+
+
+def run_families(args) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the configs the tests use
+    from _accuracy_models import FAMILIES
+
+    families = FAMILIES if args.families == "all" else tuple(f.strip() for f in args.families.split(","))
+    sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    rows = []
+    print("small random configs, tensor bytes, device=cpu semantics; errors are (analytic - exact) / exact")
+    for family in families:
+        for seq_len, micro_batch in sizes:
+            for regime in regimes:
+                row = family_row(family, regime, seq_len, micro_batch)
+                rows.append(row)
+                e = row["error"]
+                print(f"{family:<10}{regime:<10}T{seq_len:<5}B{micro_batch:<3} peak {e['tensor_peak']:+6.2%}  "
+                      f"fwd {e['forward']:+6.2%}  bwd {e['backward']:+6.2%}  opt {e['optimizer']:+6.2%}  "
+                      f"({row['exact_phase']}; {row['recipe']})", flush=True)
+    summary = summarize(rows)
+    for key, v in summary.items():
+        print(f"{key:<12} worst {v['worst']:.2%}  median {v['median']:.2%}  over {len(rows)} configurations")
+    timing = derive_timing(args.derive_family)
+    print(f"derive a recipe for {timing['family']} (empty cache): {timing['derive_seconds']:.1f} s wall, "
+          f"{timing['derive_cpu_seconds']:.1f} s CPU; "
+          f"estimate from the disk cache: {timing['disk_cached_seconds'] * 1e3:.1f} ms; "
+          f"from memory: {timing['memory_cached_seconds'] * 1e3:.2f} ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "summary": summary, "timing": timing}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m,gpt2,qwen2.5-0.5b",
@@ -67,12 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--out", default="bench/results/estimate_accuracy.json")
+    parser.add_argument("--families", help="'all' or comma-separated families of tests/_accuracy_models.py: "
+                        "small random configs instead of presets")
+    parser.add_argument("--derive-family", default="granite",
+                        help="with --families: the family whose recipe derivation is timed (default: %(default)s)")
+    parser.add_argument("--sizes", default="256x4,512x2", help="with --families: SEQxBATCH,... (default: %(default)s)")
     args = parser.parse_args(argv)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     unknown = [r for r in regimes if r not in REGIMES]
     if unknown:
         print(f"error: unknown regime(s) {', '.join(unknown)}; choose from {', '.join(REGIMES)}.", file=sys.stderr)
         return 2
+    if args.families:
+        return run_families(args)
     rows = []
     print(f"analytic vs exact, seq {args.seq_len} x micro-batch {args.micro_batch}, tensor bytes (no 'other'); "
           "errors are (analytic - exact) / exact")

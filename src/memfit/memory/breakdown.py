@@ -60,6 +60,9 @@ class MemoryBreakdown:
     """The attention implementation the run uses (what transformers runs for the model), where known."""
     lora_targets: tuple[str, ...] = ()
     """Last name components of the LoRA-wrapped projections (empty for a full fine-tune)."""
+    recipe: str = ""
+    """Where the activation model came from (analytic only): ``hand-written recipe: llama`` or
+    ``derived from traces of 1-2 layer <model_type>`` (``memory/derive.py``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -86,6 +89,7 @@ class MemoryBreakdown:
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
             "attn_implementation": self.attn_implementation,
             "lora_targets": list(self.lora_targets),
+            "recipe": self.recipe,
             "notes": list(self.notes),
         }
 

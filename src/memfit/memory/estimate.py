@@ -75,7 +75,8 @@ class ModelStates:
     """FSDP/ZeRO-3: unsharded parameters of the layers being computed (temporary)."""
 
 
-def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") -> MemoryBreakdown:
+def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
+             derived: bool | None = None) -> MemoryBreakdown:
     """Analytic memory breakdown of one steady-state training step, per rank.
 
     Args:
@@ -84,6 +85,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
         device: ``"cuda"`` adds the CUDA context, cuBLAS workspace and allocator reserve (``other``) and
             models CUDA kernels (flash/mem-efficient attention, fused dropout masks); ``"cpu"`` models the
             CPU kernels and drops those terms (this is what ``memory/trace.py`` runs).
+        derived: None picks the hand-written recipe where one models the run, else derives one from
+            traces (``memory/derive.py``, seconds once, then cached); True forces the derived recipe.
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
@@ -94,6 +97,13 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     # answer trace, plan and train use. From here on ``run`` names what is built.
     resolved = resolve(spec, run, device)
     run = resolved.run
+    from memfit.memory.derive import derived_estimate, hand_written_family
+
+    family = hand_written_family(spec, run, device)
+    if derived is None and versions.unverified():
+        derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
+    if derived or (family is None and derived is None):
+        return _described(derived_estimate(spec, run, device), resolved)
     prec = Precisions.of(run)
     states = model_states(spec, run)
     acts = layer_activations(spec, run, prec, device)
@@ -127,9 +137,16 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     out.activations_per_layer = acts.saved
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
+    out.recipe = f"hand-written recipe: {family or spec.family}"
+    out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
+    return _described(out, resolved)
+
+
+def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
+    """Name what is built (attention, LoRA targets) and the versions caveat on an estimate."""
     out.attn_implementation = resolved.attention
     out.lora_targets = resolved.lora.names if resolved.lora else ()
-    out.notes = resolved.describe() + notes(spec, run, out) + versions.notes()
+    out.notes = resolved.describe() + out.notes + versions.notes()
     return out
 
 

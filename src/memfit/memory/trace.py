@@ -62,6 +62,9 @@ class Timeline:
     phases: list[str] = field(default_factory=list)
     other: int = 0
     title: str = ""
+    layer_marks: list[tuple[int, str, int]] = field(default_factory=list)
+    """``(layer index, "pre"|"post", number of samples so far)`` at each decoder layer's forward hooks
+    (recompute under checkpointing too); ``memory/derive.py`` reads one layer's bytes off them."""
 
     def totals(self) -> list[int]:
         return [sum(s.values()) + self.other for s in self.samples]
@@ -310,6 +313,10 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                 + snap.get(ref.OTH, 0) - relabelled[ref.OTH] + sum(casts.get(r, 0) for r in relabelled),
             }
 
+        def mark(self, layer: int, when: str) -> None:
+            if self.recording and self.phase == "forward":
+                self.timeline.layer_marks.append((layer, when, len(self.timeline.samples)))
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             self._classify(func, args, kwargs or {}, out)
@@ -354,7 +361,7 @@ def _autocast_forward(model, run: RunConfig):
     return convert_outputs_to_fp32(torch.autocast("cpu", dtype=dtype)(model.forward))
 
 
-def _one_step(t: _Traced, micro_batches: int) -> None:
+def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> None:
     """Forward, loss, backward for each micro-batch, then optimizer step and zero_grad."""
     import torch
 
@@ -372,6 +379,8 @@ def _one_step(t: _Traced, micro_batches: int) -> None:
         rec.phase = "backward"
         loss.backward()
         del loss, input_ids, labels
+    if not optimizer_step:
+        return
     rec.phase = "optimizer"
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
@@ -404,6 +413,19 @@ def _layer_activation_bytes(model, tracker) -> int:
             total = _total_key()
             deltas.append(sum(d[total] for d in post[0].values()) - sum(d[total] for d in pre[0].values()))
     return sorted(deltas)[len(deltas) // 2] if deltas else 0
+
+
+def _decoder_layers(model) -> list:
+    """The decoder layer modules (the classes transformers never splits across devices), in order."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in base.modules() if type(m).__name__ in names]
+
+
+def _mark_layers(model, recorder) -> None:
+    for i, layer in enumerate(_decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda *_args, i=i: recorder.mark(i, "pre"))
+        layer.register_forward_hook(lambda *_args, i=i: recorder.mark(i, "post"))
 
 
 def _state(tracker, name: str):
@@ -493,7 +515,7 @@ def _unpacked_sequences():
         yield
 
 
-def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False):
+def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False, steps: int = 2):
     """Trace two training steps of ``model`` under ``run`` on fake tensors; report the second.
 
     Args:
@@ -502,6 +524,9 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         device: ``"cuda"`` adds the estimator's ``other`` term (CUDA context, workspace, reserve);
             ``"cpu"`` reports tensor bytes only.
         timeline: also return the ``Timeline`` of the traced step.
+        steps: 2 (default) reports the steady state; 1 records only the first step's forward and backward,
+            which allocate the same as the second's but without optimizer state (``memory/derive.py``
+            fits activation recipes from them at under half the cost).
 
     Returns:
         ``MemoryBreakdown`` with ``method="exact"``, or ``(breakdown, timeline)``.
@@ -530,13 +555,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     _skip_frozen_grad_hooks(tracker, net)
     tracker.track_external(net, optimizer)
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight)
+    _mark_layers(net, recorder)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     with _unpacked_sequences(), fake_mode, tracker, recorder:
-        _one_step(traced, micro_batches)
+        if steps > 1:
+            _one_step(traced, micro_batches)
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         recorder.recording = True
-        _one_step(traced, micro_batches)
+        _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
     line = recorder.timeline
     other = other_bytes(max(line.totals(), default=0), device)

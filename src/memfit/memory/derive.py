@@ -1,0 +1,454 @@
+"""Activation recipes derived from traces, for architectures without a hand-written recipe.
+
+The analytic estimator (``memory/estimate.py``) models four families op by op (``memory/activations.py``).
+Any other decoder transformers can build as a causal LM gets a recipe *derived* here from its real
+modeling code: a 2-layer version of the architecture (the real hidden size, heads, vocabulary and
+settings) is traced on fake tensors (``memory/trace.py``, one step, CPU kernels) at five batch x sequence
+points (B, T) in {2, 3} x {40, 80, 160}. The same operators run at every size, so the bytes after
+operator ``i`` are fitted exactly, category by category, as
+
+    bytes_i(B, T) = c0 + c1 T + c2 T^2 + c3 B T + c4 B T^2
+
+(constants: weight copies and gradients; T: RoPE tables; T^2: a causal mask broadcast over the batch;
+B T: per-token tensors; B T^2: attention scores). The estimate predicts the whole step at the run's B
+and T, picks the moments the hand-written estimate combines (the forward peak, the start of backward
+with the logits' gradients, one layer into backward, the end of backward) and adds N - 2 times one
+layer's bytes (the second layer's, read between its forward hooks: under LoRA the first layer differs).
+Weights, gradients, optimizer state and the optimizer phase stay analytic (parameter counts only).
+Fake tensors cost the same at any width, so the five traces take seconds.
+
+Known error: exact where the basis spans what the code allocates (held to the exact trace within 3% on
+every family of ``tests/test_estimate_accuracy.py``). Wrong where layers differ beyond the first two
+(alternating local/global layers of different sizes), or where a sliding window sits between the
+traced lengths and the run's (the traced lengths are put on the run's side of the window). It inherits
+the trace's CPU kernels (docs/exact.md), also for ``device="cuda"``.
+
+Recipes are cached on disk per (config without its depth, the run settings that change activations,
+torch and transformers versions), in ``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit/recipes``
+(``~/.cache/memfit/recipes``), and in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig
+from memfit.errors import UserError
+from memfit.memory.breakdown import MemoryBreakdown
+
+#: Bumped when the fit or what it measures changes: older cache files are then ignored.
+RECIPE_VERSION = 1
+
+COMPONENTS = ("gradients", "activations", "logits", "temporary")
+MOMENTS = ("forward", "backward_start", "backward_layer", "backward_end")
+
+#: (micro-batch, sequence multiple) of the five traces: as many as ``_basis`` has unknowns. Batches 2
+#: and 3, not 1: with one sequence some transposes are already contiguous and transformers' code skips
+#: copies (and operators), so a batch of 1 is not on the same curve; for runs with micro-batch 1 the
+#: recipe may count a few such copies too many (an over-estimate).
+_POINTS = ((2, 1), (2, 2), (2, 4), (3, 1), (3, 2))
+
+#: Base sequence length of the traces (40, 80, 160 tokens): short (a trace's cost does not depend on
+#: it) and unlike any hidden size, so B*T never equals a model dimension the tracer keys on.
+_BASE_T = 40
+
+
+def _basis(b: int, t: int) -> list[float]:
+    """Bytes of every tensor of a step are a sum of these: constants (weight copies, gradients), T (RoPE
+    tables), T^2 (a causal mask broadcast over the batch), B*T (per-token tensors), B*T^2 (scores)."""
+    return [1.0, float(t), float(t * t), float(b * t), float(b * t * t)]
+
+
+@dataclass
+class DerivedRecipe:
+    """The traced timelines of a 2-layer model at ``points`` (B, T), and what is fitted from them.
+
+    Every operator of a step runs at every size (checked when tracing), so sample ``i`` of one timeline
+    is the same moment as sample ``i`` of another: each sample's bytes are fitted exactly in ``_basis``
+    and the whole timeline is predicted at the run's B and T, where its moments are then picked.
+    """
+
+    model_type: str
+    key: str
+    points: list[tuple[int, int]]
+    timelines: list[list[list[int]]]
+    """Per point, per sample: bytes of each of ``COMPONENTS``."""
+    phase_runs: list[tuple[str, int]]
+    layer_span: tuple[int, int]
+    """Sample indices before and at the end of the second layer's forward: one layer's bytes."""
+    derive_seconds: float
+    from_cache: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        import numpy as np
+
+        a = np.array([_basis(b, t) for b, t in self.points])
+        scale = np.abs(a).max(axis=0)
+        y = np.array(self.timelines, dtype=float)  # (points, samples, components)
+        coef = np.linalg.solve(a / scale, y.reshape(len(self.points), -1)) / scale[:, None]
+        self._coef = coef.reshape((a.shape[1],) + y.shape[1:])
+        self._phases = [p for p, n in self.phase_runs for _ in range(n)]
+        first, last = self.layer_span
+        self._layer_coef = self._coef[:, last] - self._coef[:, first]  # (basis, components)
+
+    @property
+    def label(self) -> str:
+        return f"derived from traces of 1-2 layer {self.model_type}"
+
+    def timeline_at(self, batch: int, seq: int):
+        """Predicted bytes (samples x components) of the 2-layer model's step at ``batch`` x ``seq``."""
+        import numpy as np
+
+        return np.tensordot(np.array(_basis(batch, seq)), self._coef, axes=1)
+
+    def at(self, layers: int, batch: int, seq: int) -> dict[str, dict[str, int]]:
+        """Bytes of each component at each of ``MOMENTS`` for ``layers`` decoder layers.
+
+        The 2-layer prediction plus ``layers - 2`` times one (non-first) layer's bytes, which stay alive
+        from its forward to its backward; nothing per layer is left at the end of backward.
+        """
+        import numpy as np
+
+        pred = self.timeline_at(batch, seq)
+        layer = np.array(_basis(batch, seq)) @ self._layer_coef
+        out = {}
+        for m, i in pick_moments(pred, self._phases).items():
+            v = pred[i] + (0 if m == "backward_end" else (layers - 2)) * layer
+            out[m] = {c: max(0, int(round(float(v[k])))) for k, c in enumerate(COMPONENTS)}
+        return out
+
+    def per_layer(self, component: str, batch: int, seq: int) -> int:
+        """Bytes of ``component`` one (non-first) decoder layer keeps from its forward to its backward."""
+        import numpy as np
+
+        layer = np.array(_basis(batch, seq)) @ self._layer_coef
+        return max(0, int(round(float(layer[COMPONENTS.index(component)]))))
+
+    def to_json(self) -> dict:
+        return {"version": RECIPE_VERSION, "model_type": self.model_type, "key": self.key,
+                "points": self.points, "timelines": self.timelines, "phase_runs": self.phase_runs,
+                "layer_span": self.layer_span, "derive_seconds": self.derive_seconds}
+
+    @classmethod
+    def from_json(cls, data: dict) -> DerivedRecipe:
+        return cls(data["model_type"], data["key"], [tuple(p) for p in data["points"]], data["timelines"],
+                   [tuple(r) for r in data["phase_runs"]], tuple(data["layer_span"]),
+                   float(data["derive_seconds"]), from_cache=True)
+
+
+def pick_moments(pred, phases: list[str]) -> dict[str, int]:
+    """Sample index of each of ``MOMENTS`` in a (samples x components) timeline of one step.
+
+    ``forward``: the forward sample with the largest total. ``backward_start``: the largest total while
+    logits (or their gradients) are alive in backward. ``backward_layer``: after that, the sample with
+    the most non-gradient bytes (a later one may hold more gradients: that is the end of backward,
+    where all gradients are counted analytically). ``backward_end``: the last backward sample.
+    """
+    import numpy as np
+
+    total = pred.sum(axis=1)
+    no_grads = total - pred[:, COMPONENTS.index("gradients")]
+    kind = np.array(phases)
+    fwd = np.flatnonzero(kind == "forward")
+    bwd = np.flatnonzero(kind == "backward")
+    with_logits = bwd[pred[bwd, COMPONENTS.index("logits")] > 0.5]
+    split = with_logits[-1] if len(with_logits) else bwd[0]
+    start, layer = bwd[bwd <= split], bwd[bwd > split]
+    if not len(layer):
+        layer = start
+    return {
+        "forward": int(fwd[np.argmax(total[fwd])]),
+        "backward_start": int(start[np.argmax(total[start])]),
+        "backward_layer": int(layer[np.argmax(no_grads[layer])]),
+        "backward_end": int(bwd[-1]),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# which recipe a run gets
+# ------------------------------------------------------------------------------------------------
+def hand_written_family(spec, run: RunConfig, device: str = "cuda") -> str | None:
+    """The hand-written recipe that models ``spec`` under ``run``, or None when it must be derived.
+
+    None for families without one (``modelspec.FAMILIES``: generic, gemma); for a sliding window
+    shorter than the sequence under SDPA (Mistral, Qwen2 with ``use_sliding_window``): transformers then
+    passes a mask, CPU SDPA takes its math path and keeps (B, n, T, T) scores the Llama recipe lacks;
+    and for GPT-2 with attention dropout and checkpointing on CPU kernels, whose recomputed math-path
+    attention's gradients the GPT-2 recipe's backward transient lacks (8% under on the accuracy grid).
+    """
+    from memfit.memory.activations import RECIPES
+
+    if spec.family not in RECIPES:
+        return None
+    dropout = float(getattr(spec.hf_config, "attn_pdrop", 0.0) or 0.0)
+    if spec.family == "gpt2" and device == "cpu" and dropout > 0 and run.grad_checkpointing:
+        return None
+    eager = run.attn_implementation is Attention.EAGER or spec.family == "gemma2"
+    if spec.sliding_window and run.seq_len > spec.sliding_window and not eager:
+        return None
+    return spec.family
+
+
+def recipe_settings(spec, run: RunConfig) -> RunConfig:
+    """The run settings a derivation traces: what changes activations, nothing else.
+
+    Batch, sequence, accumulation, optimizer, processes, sharding and offload are not part of it
+    (the fit covers B and T; model states are analytic). QLoRA is traced as LoRA on a bf16 base
+    (bitsandbytes cannot run on fake tensors; it computes in bf16, as a bf16 base does).
+    """
+    settings = RunConfig(
+        seq_len=1, micro_batch=1, mixed_precision=run.mixed_precision, dtype=run.dtype,
+        grad_checkpointing=run.grad_checkpointing, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
+        lora_dropout=run.lora_dropout, lora_targets=run.lora_targets, optimizer=Optimizer.ADAMW,
+        attn_implementation=run.attn_implementation)
+    if run.quantize is not Quantize.NONE:
+        settings = settings.replace(dtype=DType.BF16, mixed_precision=Precision.NO)
+    return settings
+
+
+def _beyond_window(spec, run: RunConfig) -> bool:
+    return bool(spec.sliding_window) and run.seq_len > spec.sliding_window
+
+
+def _sequence_lengths(spec, run: RunConfig) -> tuple[int, int, int]:
+    """Three trace lengths a, 2a, 4a in the run's regime: beyond the sliding window when the run is,
+    within it when the run is."""
+    start, base = 0, _BASE_T
+    limit = spec.max_position_embeddings or 0
+    if _beyond_window(spec, run):
+        start = spec.sliding_window
+    elif spec.sliding_window:
+        limit = min(limit, spec.sliding_window) if limit else spec.sliding_window
+    if limit and start + 4 * base > limit:
+        base = max(1, (limit - start) // 4)
+    return start + base, start + 2 * base, start + 4 * base
+
+
+_IGNORED_CONFIG_KEYS = {"num_hidden_layers", "n_layer", "layer_types", "_name_or_path", "transformers_version",
+                        "architectures", "dtype", "torch_dtype", "_commit_hash"}
+
+
+_KEYS: dict[tuple, tuple[object, str]] = {}
+
+
+def recipe_key(spec, run: RunConfig) -> str:
+    """Hash of what a derived recipe depends on: the config but its depth, the recipe settings, versions.
+
+    Memoised per config object and settings (the planner asks thousands of times; hashing takes ~1 ms).
+    """
+    memo = (id(spec.hf_config), recipe_settings(spec, run), _beyond_window(spec, run))
+    hit = _KEYS.get(memo)
+    if hit is not None and hit[0] is spec.hf_config:
+        return hit[1]
+    key = _recipe_key(spec, run)
+    _KEYS[memo] = (spec.hf_config, key)
+    return key
+
+
+def _recipe_key(spec, run: RunConfig) -> str:
+    import torch
+    import transformers
+
+    config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
+    payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
+               "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION,
+               "torch": torch.__version__, "transformers": transformers.__version__}
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    """``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit/recipes``, else ``~/.cache/memfit/recipes``."""
+    if os.environ.get("MEMFIT_CACHE_DIR"):
+        return Path(os.environ["MEMFIT_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "memfit" / "recipes"
+
+
+_MEMORY: dict[str, DerivedRecipe] = {}
+
+
+def derived_recipe(spec, run: RunConfig) -> DerivedRecipe:
+    """The derived recipe for ``spec`` under ``run``: from memory, the disk cache, or traced now."""
+    key = recipe_key(spec, run)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    path = cache_dir() / f"{spec.model_type}-{key}.json"
+    recipe = _load(path, key)
+    if recipe is None:
+        recipe = derive(spec, run, key)
+        _store(path, recipe)
+    _MEMORY[key] = recipe
+    return recipe
+
+
+def _load(path: Path, key: str) -> DerivedRecipe | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != RECIPE_VERSION or data.get("key") != key:
+        return None
+    try:
+        return DerivedRecipe.from_json(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _store(path: Path, recipe: DerivedRecipe) -> None:
+    """Write atomically; a cache that cannot be written only costs the next run a derivation."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(recipe.to_json(), separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# the derivation
+# ------------------------------------------------------------------------------------------------
+def _with_layers(config, layers: int):
+    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists cut to match)."""
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    types = getattr(small, "layer_types", None)
+    if isinstance(types, list | tuple) and len(types) > layers:
+        small.layer_types = list(types[:layers])
+    return small
+
+
+def _segments(timeline) -> list[tuple[int, int]]:
+    """[start, end) sample ranges of a one-step timeline cut at every decoder layer's forward hooks and
+    at the ends of forward and backward."""
+    forward = timeline.phases.count("forward")
+    backward = timeline.phases.count("backward")
+    cuts = sorted({0, forward, forward + backward} | {n for _, _, n in timeline.layer_marks})
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _align(lines) -> tuple[list[str], tuple[int, int]]:
+    """Check that every size ran the same operators; the phases and the second layer's span.
+
+    Raises ``UserError`` when they differ (the per-operator fit would compare different moments).
+    """
+    cut = [_segments(line) for line in lines]
+    if len({tuple(c) for c in cut}) != 1 or len({len(line.samples) for line in lines}) != 1:
+        raise UserError("Cannot derive a memory recipe for this model: its step runs different operators at "
+                        "different sequence lengths or batch sizes; use --exact.")
+    marks = {(i, when): n for i, when, n in lines[0].layer_marks}
+    if (1, "pre") not in marks or (1, "post") not in marks:
+        raise UserError("Cannot derive a memory recipe for this model: its decoder layers were not found "
+                        "(transformers lists none in _no_split_modules); use --exact.")
+    return list(lines[0].phases), (marks[(1, "pre")] - 1, marks[(1, "post")] - 1)
+
+
+def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
+    """Trace the 2-layer version of ``spec``'s architecture at the five ``_POINTS`` (one step each)."""
+    from memfit.memory.trace import trace
+
+    started = time.perf_counter()
+    settings = recipe_settings(spec, run)
+    lengths = _sequence_lengths(spec, run)
+    config = _with_layers(spec.hf_config, 2)
+    points, lines = [], []
+    for batch, mult in _POINTS:
+        seq = lengths[{1: 0, 2: 1, 4: 2}[mult]]
+        _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
+                        timeline=True, steps=1)
+        points.append((batch, seq))
+        lines.append(line)
+    phases, span = _align(lines)
+    end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
+    timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
+    phases = phases[:end]
+    return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases),
+                         span, round(time.perf_counter() - started, 2))
+
+
+def _runs(phases: list[str]) -> list[tuple[str, int]]:
+    """``["forward", "forward", "backward"]`` -> ``[("forward", 2), ("backward", 1)]`` (compact on disk)."""
+    out: list[tuple[str, int]] = []
+    for p in phases:
+        if out and out[-1][0] == p:
+            out[-1] = (p, out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the estimate from a derived recipe (the same composition as estimate.estimate's hand-written path)
+# ------------------------------------------------------------------------------------------------
+def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
+    """``estimate()`` for a model without a hand-written recipe: analytic model states + derived moments.
+
+    Phases: forward = states + forward moment; backward = the largest of backward start, one layer in
+    (their gradients are those the traced step held then; with accumulation, all gradients) and backward
+    end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
+    """
+    from memfit.memory.estimate import cuda_other, model_states, notes
+
+    recipe = derived_recipe(spec, run)
+    states = model_states(spec, run)
+    base = states.weights + states.optimizer
+    accum = run.grad_accum > 1
+    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len)
+
+    def categories(moment: str) -> dict[str, int]:
+        got = dict(at[moment])
+        if accum or moment == "backward_end":
+            got["gradients"] = states.gradients
+        got["temporary"] += states.gathered
+        return got
+
+    candidates = {m: categories(m) for m in MOMENTS}
+    candidates["optimizer"] = {"gradients": states.gradients, "activations": 0, "logits": 0,
+                               "temporary": states.step_temporary}
+    totals = {m: base + sum(v.values()) for m, v in candidates.items()}
+    phase_of = {"forward": "forward", "backward_start": "backward", "backward_layer": "backward",
+                "backward_end": "backward", "optimizer": "optimizer"}
+    phase_peaks: dict[str, int] = {}
+    for m, total in totals.items():
+        phase_peaks[phase_of[m]] = max(phase_peaks.get(phase_of[m], 0), total)
+    peak = max(totals, key=lambda m: totals[m])
+    out = MemoryBreakdown(method="analytic", phase=phase_of[peak], params=spec.params,
+                          trainable_params=spec.trainable_params(run), weights=states.weights,
+                          optimizer=states.optimizer, **candidates[peak])
+    out.phase_peaks = phase_peaks
+    out.activations_per_layer = recipe.per_layer("activations", run.micro_batch, run.seq_len)
+    out.recipe = recipe.label
+    if device == "cuda":
+        out.other = cuda_other(out.peak_bytes)
+    out.notes = notes(spec, run, out)
+    out.notes.append(derivation_note(spec, run, recipe, device))
+    return out
+
+
+def derivation_note(spec, run: RunConfig, recipe: DerivedRecipe, device: str) -> str:
+    how = "cached" if recipe.from_cache else f"derived now in {recipe.derive_seconds:.1f} s"
+    if hand_written_family_any(spec) is None:
+        why = "no hand-written recipe for this model type"
+    elif _beyond_window(spec, run):
+        why = f"its sliding window ({spec.sliding_window}) is shorter than the sequence"
+    else:
+        why = "the hand-written recipe does not model this run's CPU attention kernel"
+    line = f"recipe: {recipe.label} ({why}; {how})"
+    if run.quantize is not Quantize.NONE:
+        line += "; QLoRA's activations traced on a bf16 base"
+    if device == "cuda":
+        line += "; CPU kernels traced (see docs/exact.md)"
+    return line + "."
+
+
+def hand_written_family_any(spec) -> str | None:
+    from memfit.memory.activations import RECIPES
+
+    return spec.family if spec.family in RECIPES else None

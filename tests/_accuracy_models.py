@@ -1,0 +1,57 @@
+"""Small random configs of every architecture family the accuracy grid covers (no download).
+
+Hidden 64-128, 3 layers, vocabularies of about a thousand (prime, so never equal to a model dimension
+or to B*T: the tracer recognises logits by their last dimension V and B*T*V elements). Activations and
+logits, not model states, set the peak at the grid's sequence lengths (256-512) and micro-batches.
+Shared by tests/test_estimate_accuracy.py and bench/estimate_accuracy.py.
+"""
+
+from __future__ import annotations
+
+#: 3 layers: derived recipes trace 2 and extrapolate, so the grid checks the per-layer term too.
+_LAYERS = dict(num_hidden_layers=3, max_position_embeddings=1024)
+
+
+def accuracy_config(family: str):
+    """A transformers config of one family, with the feature the grid exercises in it."""
+    import transformers as tf
+
+    if family == "llama-mha":  # multi-head attention: as many key/value heads as query heads
+        return tf.LlamaConfig(vocab_size=1031, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                              num_key_value_heads=4, tie_word_embeddings=False, **_LAYERS)
+    if family == "llama-gqa":  # grouped-query attention, hidden 64
+        return tf.LlamaConfig(vocab_size=1033, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False, **_LAYERS)
+    if family == "mistral":  # sliding window 64: runs longer than it pass SDPA a mask
+        return tf.MistralConfig(vocab_size=1039, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                                num_key_value_heads=2, sliding_window=64, **_LAYERS)
+    if family == "qwen2":  # tied embeddings, qkv bias
+        return tf.Qwen2Config(vocab_size=1049, hidden_size=128, intermediate_size=336, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=True, **_LAYERS)
+    if family == "phi3":  # fused qkv and gate_up projections
+        return tf.Phi3Config(vocab_size=1051, hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                             num_key_value_heads=4, pad_token_id=0, **_LAYERS)
+    if family == "gemma2":  # logit soft-capping (eager attention), four norms, sliding window
+        return tf.Gemma2Config(vocab_size=1061, hidden_size=128, intermediate_size=336, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, sliding_window=64, **_LAYERS)
+    if family == "gpt2":  # the library's default dropouts (0.1 attention, residual, embedding)
+        return tf.GPT2Config(vocab_size=1063, n_embd=128, n_layer=3, n_head=4, n_positions=1024,
+                             bos_token_id=0, eos_token_id=0)
+    if family == "gpt_neox":  # parallel residual, partial rotary, LayerNorm
+        return tf.GPTNeoXConfig(vocab_size=1069, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                **_LAYERS)
+    if family == "olmo2":  # norms after attention and MLP, q/k norms
+        return tf.Olmo2Config(vocab_size=1087, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                              num_key_value_heads=2, pad_token_id=0, **_LAYERS)
+    if family == "stablelm":  # LayerNorm, partial rotary
+        return tf.StableLmConfig(vocab_size=1091, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                                 num_key_value_heads=2, **_LAYERS)
+    if family == "granite":  # never named by memfit before: embedding, residual and logit multipliers
+        return tf.GraniteConfig(vocab_size=1093, hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                                num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                logits_scaling=8.0, attention_multiplier=0.0625, pad_token_id=0, **_LAYERS)
+    raise ValueError(family)
+
+
+FAMILIES = ("llama-mha", "llama-gqa", "mistral", "qwen2", "phi3", "gemma2", "gpt2", "gpt_neox", "olmo2",
+            "stablelm", "granite")

@@ -1,0 +1,105 @@
+"""Derived activation recipes (memory/derive.py): agreement with a hand-written recipe, the cache.
+
+The accuracy of derived recipes against the exact trace, family by family, is in
+tests/test_estimate_accuracy.py; here: the derived path on Llama agrees with the hand-written Llama
+recipe within 3% (tensor peak and every phase), a cached recipe is used without tracing, and the cache
+key changes with exactly the settings that change activations.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _accuracy_models import accuracy_config
+from _trace_helpers import tensor_peak
+from memfit.config import RunConfig
+
+RUN = RunConfig(seq_len=256, micro_batch=8, mixed_precision="bf16")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from memfit.modelspec import spec_from_config
+
+    return spec_from_config(accuracy_config("llama-gqa"), "test-llama-gqa")
+
+
+def test_derived_agrees_with_hand_written_llama(llama):
+    from memfit.memory.estimate import estimate
+
+    hand = estimate(llama, RUN, device="cpu")
+    derived = estimate(llama, RUN, device="cpu", derived=True)
+    assert hand.recipe == "hand-written recipe: llama"
+    assert derived.recipe == "derived from traces of 1-2 layer llama"
+    assert abs(tensor_peak(derived) - tensor_peak(hand)) <= 0.03 * tensor_peak(hand)
+    for phase, bytes_ in hand.phase_peaks.items():
+        assert abs(derived.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, phase
+    # the per-layer saved bytes: the hand-written recipe's sum over the layer's ops
+    assert abs(derived.activations_per_layer - hand.activations_per_layer) <= 0.03 * hand.activations_per_layer
+
+
+def test_cached_recipe_is_used_without_tracing(llama, monkeypatch):
+    from memfit.memory import derive, trace
+    from memfit.memory.estimate import estimate
+
+    first = estimate(llama, RUN, device="cpu", derived=True)  # derived in the test above, or now
+    monkeypatch.setattr(derive, "_MEMORY", {})  # a new process: only the disk cache is left
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("a cached recipe was traced again")
+
+    monkeypatch.setattr(trace, "trace", no_trace)
+    start = time.perf_counter()
+    again = estimate(llama, RUN, device="cpu", derived=True)
+    seconds = time.perf_counter() - start
+    assert again.to_dict()["breakdown"] == first.to_dict()["breakdown"]
+    assert any("cached" in line for line in again.notes)
+    assert seconds < 1.0
+    # another batch and length, same settings: the same recipe, no trace
+    other = estimate(llama, RUN.replace(seq_len=128, micro_batch=2), device="cpu", derived=True)
+    assert other.phase_peaks["forward"] < first.phase_peaks["forward"]
+
+
+def test_cache_key_follows_the_settings_that_change_activations(llama):
+    from memfit.memory.derive import recipe_key
+    from memfit.modelspec import spec_from_config
+
+    key = recipe_key(llama, RUN)
+    same = [RUN.replace(seq_len=128), RUN.replace(micro_batch=1), RUN.replace(grad_accum=4),
+            RUN.replace(optimizer="adamw-fused")]
+    assert {recipe_key(llama, r) for r in same} == {key}
+    changed = [RUN.replace(grad_checkpointing=True), RUN.replace(mixed_precision="no"), RUN.replace(dtype="bf16"),
+               RUN.replace(lora_r=8), RUN.replace(attn_implementation="eager")]
+    assert len({recipe_key(llama, r) for r in changed} | {key}) == len(changed) + 1
+    deeper = accuracy_config("llama-gqa")
+    deeper.num_hidden_layers = 7  # depth is what the recipe extrapolates: not part of the key
+    assert recipe_key(spec_from_config(deeper, "deeper"), RUN) == key
+    dropout = accuracy_config("llama-gqa")
+    dropout.attention_dropout = 0.1  # dropout in training saves masks: a different recipe
+    assert recipe_key(spec_from_config(dropout, "dropout"), RUN) != key
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    from memfit.memory.derive import cache_dir
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("MEMFIT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "memfit" / "recipes"
+
+
+def test_json_names_the_recipe():
+    import json
+
+    from click.testing import CliRunner
+
+    from memfit.cli.estimate import command
+
+    result = CliRunner().invoke(command, ["tiny", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["recipe"] == "hand-written recipe: llama"
+    assert any(line.startswith("recipe: hand-written recipe: llama") for line in data["notes"])
