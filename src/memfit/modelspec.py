@@ -206,6 +206,8 @@ class ModelSpec:
     Linear/Conv1D modules but the output head: what PEFT's ``all-linear`` expands to)."""
     module_names: tuple[str, ...] = ()
     """Full names of all modules of the model (LoRA targets are matched against these)."""
+    default_attention: str = ""
+    """The attention implementation transformers chose when the meta build asked for none (``auto``)."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -299,7 +301,9 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
 
     with torch.device("meta"):
         # A copy: from_config writes the chosen dtype and attention implementation into the config.
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code)
+        # attn_implementation=None: transformers' own choice for the model (``--attn-implementation auto``).
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code,
+                                                 attn_implementation=None)
     linears, head, linear_modules = _linear_shapes(model)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
@@ -343,6 +347,7 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         linear_modules=linear_modules,
         module_names=tuple(name for name, _ in model.named_modules() if name),
+        default_attention=str(model.config._attn_implementation or ""),
         hf_config=config,
     )
 

@@ -130,7 +130,7 @@ OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
 
 def row(optimizer: Optimizer | str) -> OptimizerRow:
     """The table row of ``optimizer``; a member without a row is a bug, said in one sentence."""
-    member = Optimizer(str(optimizer))
+    member = optimizer if isinstance(optimizer, Optimizer) else Optimizer(str(optimizer))
     try:
         return OPTIMIZERS[member]
     except KeyError:

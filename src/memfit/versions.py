@@ -38,15 +38,26 @@ def _major_minor(version: str) -> tuple[int, ...]:
 
 
 def unverified(installed: dict[str, str | None] | None = None) -> dict[str, str]:
-    """Packages whose installed version lies outside ``VERIFIED``: name -> installed version."""
-    out = {}
+    """Packages whose installed version lies outside ``VERIFIED``: name -> installed version.
+
+    ``installed``: versions to judge instead of the installed ones (tests)."""
+    if installed is None:
+        installed = {package: installed_version(package) for package in VERIFIED}
+    return dict(_outside(tuple(installed.items())))
+
+
+@lru_cache(maxsize=16)
+def _outside(installed: tuple[tuple[str, str | None], ...]) -> tuple[tuple[str, str], ...]:
+    """Cached: every estimate asks, and parsing versions costs more than the estimate itself."""
+    versions = dict(installed)
+    out = []
     for package, (low, high) in VERIFIED.items():
-        version = (installed or {}).get(package) if installed is not None else installed_version(package)
+        version = versions.get(package)
         if version is None:
             continue
         if not _major_minor(low) <= _major_minor(version) < _major_minor(high):
-            out[package] = version
-    return out
+            out.append((package, version))
+    return tuple(out)
 
 
 def notes(installed: dict[str, str | None] | None = None) -> list[str]:
