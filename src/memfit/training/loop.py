@@ -22,7 +22,7 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, oom
+from memfit.training import checkpoint, oom, sharding
 from memfit.training.budget import plan_line, plan_record
 from memfit.training.progress import LiveProgress
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
@@ -89,12 +89,14 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                               is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device)
+    bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
-    model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
+    model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
     state = LoopState()
     if config.resume:
-        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output))
+        state = LoopState.from_dict(checkpoint.load_checkpoint(
+            accelerator, output, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run))
@@ -109,6 +111,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
+    save_state = sharding.state_saver(accelerator, run, model, optimizer, scheduler)
     measure.reset_peak(device)
     with bar:
         while state.step < total_steps:
@@ -154,14 +157,16 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=state.step)
             if config.save_every and (state.step % config.save_every == 0 or last):
                 with not_a_batch_problem("saving a checkpoint"):
-                    checkpoint.save_checkpoint(accelerator, output, state.step, {**asdict(state), "run": run.to_flat()})
+                    checkpoint.save_checkpoint(accelerator, output, state.step, {**asdict(state), "run": run.to_flat()},
+                                               save_state=save_state)
             bar.update(state.step, loss=result.loss, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_s,
                        memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval)
     peak_mem = measure.peak(device)
     net = accelerator.unwrap_model(model)
     measured = measure.measured_breakdown(peak_mem, net, optimizer, trainable_params=bundle.trainable_params)
     with not_a_batch_problem("saving the model"):
-        checkpoint.export(accelerator, model, bundle.tokenizer, output, merge=config.merge,
+        net = sharding.gathered_model(accelerator, run, model, lambda: build_model(config, run, source).model) or net
+        checkpoint.export(accelerator, net, bundle.tokenizer, output, merge=config.merge,
                           base_is_preset=bundle.random_init)
     samples = []
     if is_main and config.samples > 0:
