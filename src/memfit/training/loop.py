@@ -22,6 +22,7 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
+from memfit.memory.outside import eval_batch
 from memfit.training import checkpoint, oom, sharding
 from memfit.training.budget import plan_line, plan_record
 from memfit.training.progress import LiveProgress
@@ -109,6 +110,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    bar.note(sharding.per_rank_line(config.model, run, predicted))
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
     save_state = sharding.state_saver(accelerator, run, model, optimizer, scheduler)
@@ -123,6 +125,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             except (RuntimeError, MemoryError) as err:
                 if not oom.is_oom(err):
                     raise
+                sharding.stop_on_rank_oom(accelerator, state.step + 1)
                 del micro
                 run = _fall_back(accelerator, model, run, state, err, plan_result)
                 bar.note(f"out of memory at step {state.step + 1}: redoing it with micro-batch {run.micro_batch} "
@@ -142,7 +145,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             if do_eval:
                 with not_a_batch_problem("evaluating"):
                     state.last_eval = evaluate(accelerator, model, data.eval, pad_id=pad_id,
-                                               batch_size=2 * run.micro_batch, vocab_size=vocab)  # no grads: room for 2x
+                                               batch_size=eval_batch(run), vocab_size=vocab)
                 if math.isnan(state.best_eval) or state.last_eval < state.best_eval:
                     state.best_eval = state.last_eval
             tokens_per_s = state.tokens / max(state.train_s, 1e-9)
@@ -162,6 +165,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             bar.update(state.step, loss=result.loss, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_s,
                        memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval)
     peak_mem = measure.peak(device)
+    rank_peaks = sharding.rank_peaks(accelerator, peak_mem.peak_bytes)
     net = accelerator.unwrap_model(model)
     measured = measure.measured_breakdown(peak_mem, net, optimizer, trainable_params=bundle.trainable_params)
     with not_a_batch_problem("saving the model"):
@@ -185,7 +189,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
         "compared": "CUDA max allocated vs predicted peak" if device == "cuda" else
                     "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)",
         "plan": plan_record(config, plan_result) if plan_result is not None else None,
-        "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes,
+        "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes, "rank_peak_bytes": rank_peaks,
         "initial_run": initial_run.to_flat(), "run": run.to_flat(),
         "uses_model_loss": bundle.uses_model_loss, "params": bundle.params,
         "trainable_params": bundle.trainable_params, "output": str(output), "samples": samples,

@@ -5,7 +5,8 @@
 parameters after each layer's forward (``reshard_after_forward=True``); ``zero2`` keeps them
 gathered from forward to backward (``False``: ZeRO-2's memory for parameters, one all-gather per
 layer fewer). Auto-wrap is per transformer layer (the model's ``_no_split_modules``, i.e. each
-decoder layer), then the root. DeepSpeed is not used (not a dependency); an Accelerate config that
+decoder layer), then Accelerate's extra units (input embedding; final norm + output head, kept
+gathered between forward and backward), then the root. DeepSpeed is not used (not a dependency); an Accelerate config that
 asks for it is refused.
 
 **Two ways to the same FSDP2.**
@@ -13,8 +14,8 @@ asks for it is refused.
 - GPU: Accelerate's FSDP plugin (``FullyShardedDataParallelPlugin(fsdp_version=2, ...)``);
   ``accelerator.prepare`` shards the model and re-points the optimizer at the sharded parameters.
 - CPU (gloo): Accelerate 1.15 turns an FSDP request on CPU into DDP (``MULTI_CPU``), and forcing its
-  state to FSDP breaks ``save_state``. So on CPU memfit applies ``fully_shard`` itself, *before*
-  the optimizer is built (the optimizer then holds the sharded DTensor parameters), and passes only
+  state to FSDP breaks ``save_state``. So on CPU memfit calls Accelerate's own ``fsdp2_prepare_model``
+  (same units, same plugin) through a small holder of the plugin, *before* the optimizer is built (the optimizer then holds the sharded DTensor parameters), and passes only
   the optimizer and scheduler to ``accelerator.prepare``. The loop is otherwise the same:
   ``accelerator.accumulate``/``backward``/``clip_grad_norm_`` (DTensor-aware) and the token
   normalisation of ``training.step`` (FSDP2 averages gradients over ranks like DDP does).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.config import Offload, Precision, RunConfig, Sharding
@@ -53,18 +55,25 @@ def reshard_after_forward(run: RunConfig) -> bool:
     return run.sharding is not Sharding.ZERO2
 
 
+def refusal(run: RunConfig, *, cuda: bool) -> str | None:
+    """Why no engine here runs ``run``'s sharding/offload (one sentence), or None. Read by ``memfit train``'s
+    preflight and by the planner, which proposes only what train runs."""
+    if run.offload is not Offload.NONE and not is_sharded(run):
+        return (f"--offload {run.offload} runs under FSDP2 only; add --sharding fsdp (or zero2/zero3) "
+                "and launch 2 or more processes.")
+    if run.offload is Offload.OPTIMIZER:
+        return ("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
+                "use --offload params, or --offload none.")
+    if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
+        return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
+    return None
+
+
 def check_run(run: RunConfig, *, cuda: bool) -> None:
     """Refuse, in one sentence, a sharding/offload combination no engine here runs (before any launch work)."""
-    if run.offload is not Offload.NONE and not is_sharded(run):
-        raise UserError(f"--offload {run.offload} runs under FSDP2 only; add --sharding fsdp (or zero2/zero3) "
-                        "and launch 2 or more processes.")
-    if run.offload is Offload.OPTIMIZER:
-        raise UserError("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
-                        "use --offload params, or --offload none.")
-    if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
-        raise UserError("Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU).")
-    if is_sharded(run) and run.quantize.value != "none" and not cuda:
-        raise UserError("--quantize needs a CUDA GPU.")
+    reason = refusal(run, cuda=cuda)
+    if reason:
+        raise UserError(reason)
 
 
 def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) -> None:
@@ -102,43 +111,63 @@ def _truthy(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "y", "on")
 
 
+def fsdp2_plugin(run: RunConfig, *, cuda: bool):
+    """Accelerate's FSDP2 plugin for ``run``: transformer-layer auto-wrap (``_no_split_modules``),
+    ``reshard_after_forward`` from the sharding, CPU offload of parameters (with their gradients and
+    optimizer state) for ``--offload params``; pinned host memory only where there is a GPU."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    offload = CPUOffloadPolicy(pin_memory=cuda) if run.offload is Offload.PARAMS else OffloadPolicy()
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=reshard_after_forward(run), auto_wrap_policy="transformer_based_wrap",
+        cpu_offload=offload, state_dict_type="SHARDED_STATE_DICT")
+
+
 def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     """``Accelerator(**kwargs)`` for a sharded run on GPU: Accelerate's FSDP2 plugin. Nothing on CPU
     (where Accelerate would fall back to DDP; see the module docstring)."""
     if not (cuda and is_sharded(run)):
         return {}
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    return {"fsdp_plugin": FullyShardedDataParallelPlugin(
-        fsdp_version=2, reshard_after_forward=reshard_after_forward(run),
-        auto_wrap_policy="transformer_based_wrap", cpu_offload=run.offload is Offload.PARAMS,
-        state_dict_type="SHARDED_STATE_DICT")}
+    return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)}
 
 
 def shards_itself(accelerator, run: RunConfig) -> bool:
-    """True where memfit applies ``fully_shard`` (a sharded run Accelerate does not shard: CPU)."""
+    """True where memfit applies FSDP2 itself (a sharded run Accelerate does not shard: CPU)."""
     from accelerate.utils import DistributedType
 
     return is_sharded(run) and accelerator.distributed_type is not DistributedType.FSDP
 
 
+@dataclass
+class _PluginHolder:
+    """The few attributes of an ``Accelerator`` that Accelerate's ``fsdp2_prepare_model`` reads.
+
+    The shim that lets CPU runs use Accelerate's own FSDP2 wrapping (the same units as on GPU: each
+    decoder layer, the input embedding, [final norm, output head] kept gathered, then the root)
+    without switching the real Accelerator's state to FSDP (which breaks ``save_state`` on CPU).
+    """
+
+    fsdp_plugin: object
+    is_main_process: bool
+    mixed_precision: str = "no"
+    torch_device_mesh: object = None
+
+    @property
+    def state(self):
+        return self
+
+
 def shard_model(model, run: RunConfig, accelerator):
-    """CPU: FSDP2 on each transformer layer, then the root (call before building the optimizer).
-    Elsewhere the model is returned untouched (Accelerate's ``prepare`` shards it)."""
+    """CPU: FSDP2 through Accelerate's ``fsdp2_prepare_model`` (call before building the optimizer).
+    Elsewhere the model is returned untouched (``accelerator.prepare`` shards it)."""
     if not shards_itself(accelerator, run):
         return model
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    offload = CPUOffloadPolicy(pin_memory=False) if run.offload is Offload.PARAMS else OffloadPolicy()
-    kwargs = {"reshard_after_forward": reshard_after_forward(run), "offload_policy": offload}
-    layer_types = _layer_types(model)
-    for module in list(model.modules()):
-        if isinstance(module, layer_types):
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    del torch
-    return model
+    _layer_types(model)  # a model without decoder-layer classes: one sentence, not Accelerate's ValueError
+    holder = _PluginHolder(fsdp2_plugin(run, cuda=False), accelerator.is_main_process)
+    return fsdp2_prepare_model(holder, model)
 
 
 def _layer_types(model) -> tuple[type, ...]:
@@ -242,3 +271,43 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     plain = build_plain()
     plain.load_state_dict(full)
     return plain
+
+
+def per_rank_line(model_name: str, run: RunConfig, predicted) -> str:
+    """The preamble's prediction, per rank: the step's peak and the peaks outside it."""
+    from memfit.memory.outside import outside_step
+    from memfit.modelspec import load_spec
+    from memfit.units import fmt_bytes
+
+    if predicted is None:
+        return "predicted per-rank peak: n/a (estimator unavailable for this model)"
+    how = (f"{run.sharding} over {run.num_processes} processes" if is_sharded(run)
+           else f"{run.num_processes} process(es), unsharded")
+    line = f"predicted per-rank peak {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}; {how})"
+    try:
+        outside = outside_step(load_spec(model_name), run)
+    except Exception:  # noqa: BLE001 - a prediction must never stop a training run
+        return line
+    line += f"; evaluation {fmt_bytes(outside.evaluation)}, full-state save {fmt_bytes(outside.save_device)}"
+    if outside.save_host:
+        line += f" (+ {fmt_bytes(outside.save_host)} host RAM on rank 0)"
+    return line
+
+
+def rank_peaks(accelerator, peak_bytes: int) -> list[int]:
+    """Every rank's measured peak, in rank order (a collective: all ranks call it)."""
+    if accelerator.num_processes == 1:
+        return [int(peak_bytes)]
+    from accelerate.utils import gather_object
+
+    return [int(v) for v in gather_object([int(peak_bytes)])]
+
+
+def stop_on_rank_oom(accelerator, step: int) -> None:
+    """An out-of-memory error on one rank of several: stop with one sentence (a fallback that
+    changes the micro-batch on one rank only would desynchronise the ranks' collectives and hang).
+    The launcher (torchrun / accelerate launch) then ends the other ranks."""
+    if accelerator.num_processes > 1:
+        raise UserError(f"Rank {accelerator.process_index} ran out of memory at step {step}; all "
+                        f"{accelerator.num_processes} ranks stop. Lower --micro-batch, turn on "
+                        "--grad-checkpointing, or use --sharding fsdp (or more processes).")
