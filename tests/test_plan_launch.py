@@ -46,7 +46,7 @@ def test_train_flags_round_trip_through_the_train_cli():
     def probe(**kwargs):
         parsed.update(kwargs)
 
-    run = RunConfig(seq_len=512, micro_batch=2, grad_accum=4, num_processes=8, sharding="zero2", offload="params",
+    run = RunConfig(seq_len=512, micro_batch=2, grad_accum=4, num_processes=8, sharding="zero3", offload="params",
                     dtype="bf16", grad_checkpointing=True)
     flags = launch.train_flags("llama-3-8b", run)
     probe.main(flags[2:], standalone_mode=False)
@@ -54,14 +54,16 @@ def test_train_flags_round_trip_through_the_train_cli():
 
 
 def test_accelerate_config_agrees_with_the_flags_train_checks():
-    run = RunConfig(num_processes=2, sharding="zero2", offload="params", mixed_precision="bf16")
+    run = RunConfig(num_processes=2, sharding="zero2", mixed_precision="bf16")
     cfg = launch.accelerate_config(run)
     assert cfg["distributed_type"] == "FSDP" and cfg["num_processes"] == 2 and cfg["mixed_precision"] == "bf16"
     fsdp = cfg["fsdp_config"]
-    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is False and fsdp["fsdp_offload_params"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is False
+    assert not fsdp["fsdp_offload_params"]
+    assert launch.accelerate_config(run.replace(sharding="zero3", offload="params"))["fsdp_config"]["fsdp_offload_params"]
     # What `accelerate launch --config_file` exports from this file passes train's launch check.
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
-           "FSDP_OFFLOAD_PARAMS": "true"}
+           "FSDP_OFFLOAD_PARAMS": "false"}
     sharding.check_launch(run, 2, env=env)
     assert launch.accelerate_config(RunConfig(num_processes=4))["distributed_type"] == "MULTI_GPU"
 

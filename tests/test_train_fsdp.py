@@ -122,6 +122,7 @@ def test_agreeing_accelerate_config_is_accepted():
     ({"offload": "optimizer", "sharding": "fsdp"}, "use --offload params"),
     ({"offload": "params"}, "runs under FSDP2 only"),
     ({"sharding": "fsdp", "mixed_precision": "bf16"}, "runs in fp32"),
+    ({"sharding": "zero2", "offload": "params"}, "saves nothing at the peak"),
 ])
 def test_combinations_no_engine_runs_are_refused(run, message):
     with pytest.raises(UserError, match=message):
@@ -135,3 +136,20 @@ def test_sharded_checkpoint_is_refused_by_an_unsharded_run(tmp_path):
         load(str(tmp_path))
     with pytest.raises(UserError, match="saved by an unsharded run"):
         sharding.state_loader(None, RunConfig(sharding="fsdp"), None, None, None)(str(tmp_path / "nowhere"))
+
+
+def test_an_oom_on_one_of_several_ranks_stops_them_all_in_one_sentence():
+    from types import SimpleNamespace
+
+    with pytest.raises(UserError, match="Rank 1 ran out of memory at step 7; all 2 ranks stop"):
+        sharding.stop_on_rank_oom(SimpleNamespace(num_processes=2, process_index=1), 7)
+    sharding.stop_on_rank_oom(SimpleNamespace(num_processes=1, process_index=0), 7)  # one process: fallback runs
+
+
+def test_preamble_names_the_per_rank_prediction_and_the_peaks_outside_the_step():
+    from memfit.memory.estimate import estimate
+
+    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero2")
+    line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
+    assert line.startswith("predicted per-rank peak ") and "zero2 over 2 processes" in line
+    assert "evaluation " in line and "full-state save " in line and "host RAM on rank 0" in line

@@ -64,6 +64,10 @@ def refusal(run: RunConfig, *, cuda: bool) -> str | None:
     if run.offload is Offload.OPTIMIZER:
         return ("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
                 "use --offload params, or --offload none.")
+    if run.offload is Offload.PARAMS and not reshard_after_forward(run):
+        # The estimator's offload saving (weights off the device) does not hold for ZeRO-2.
+        return ("--offload params with --sharding zero2 saves nothing at the peak (FSDP2 keeps every layer's "
+                "gathered parameters on the device from forward to backward); use --sharding fsdp or zero3.")
     if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
         return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
     return None
