@@ -14,6 +14,10 @@ Examples (2 shared cores: keep it to 1-2 steps and a short sequence)::
         --model smollm2-135m --sharding fsdp --seq-len 32 --steps 2
     ... --sharding zero2 / --sharding ddp / --sharding zero3 --offload params
 
+On a multi-GPU machine the same script runs under ``accelerate launch --num_processes N`` (Accelerate's
+FSDP2 plugin; the tracker then counts CUDA tensors and the prediction drops its CUDA-context term);
+not yet run on GPUs.
+
 ``--dry-run`` (one process, no torchrun) checks the script's plumbing on the tiny preset: it
 measures an unsharded step and prints the same JSON.
 """
@@ -71,7 +75,13 @@ def main() -> None:
     from memfit.config import RunConfig, TrainConfig
     from memfit.memory.estimate import estimate
     from memfit.training import sharding
-    from memfit.training.setup import ModelSource, build_accelerator, build_model, build_optimizer, build_scheduler
+    from memfit.training.setup import (
+        ModelSource,
+        build_accelerator,
+        build_model,
+        build_optimizer,
+        build_scheduler,
+    )
     from memfit.training.step import train_step
 
     model_name = "tiny" if args.dry_run else args.model
@@ -101,16 +111,18 @@ def main() -> None:
                                  uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size).tokens
     seconds = time.perf_counter() - t0
     peaks = tracker.get_tracker_snapshot("peak")
-    measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == "cpu"))
+    device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
+    measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == device))
     all_measured = gather_object([measured])
-    predicted = estimate(model_name, run, device="cpu")
+    predicted = estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
+    tensors_peak = predicted.peak_bytes - predicted.other  # the tracker counts tensors, not the CUDA context
     if accelerator.is_main_process:
-        worst = max(abs(predicted.peak_bytes - m) / m for m in all_measured) if all(all_measured) else None
+        worst = max(abs(tensors_peak - m) / m for m in all_measured) if all(all_measured) else None
         print(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": model_name, "params": bundle.params,
             "processes": accelerator.num_processes, "sharding": str(run.sharding), "offload": str(run.offload),
             "seq_len": run.seq_len, "micro_batch": run.micro_batch, "steps": args.steps,
-            "predicted_peak_bytes": predicted.peak_bytes, "predicted_phase": predicted.phase,
+            "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,
             "measured_peak_bytes_per_rank": all_measured, "worst_error": worst,
             "tokens_per_s": tokens * accelerator.num_processes / seconds}))
     accelerator.end_training()

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _train_helpers import max_diff, metrics, tiny_config, write_qa
 
+from _train_helpers import max_diff, metrics, tiny_config, write_qa
 from memfit.config import RunConfig
 from memfit.errors import UserError
 from memfit.training import sharding

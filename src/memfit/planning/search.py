@@ -134,7 +134,6 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN) -> Plan:
     """Estimate and time one configuration."""
     from memfit.memory.estimate import estimate
-
     from memfit.memory.outside import outside_step
 
     breakdown = estimate(spec, run)
