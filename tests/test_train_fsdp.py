@@ -40,10 +40,10 @@ def _launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
-def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str]):
+def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str], n: int = 22, **loop):
     # 22 samples, effective batch 4: the 6th step holds 2 samples (rank 1 runs dummy rows then).
-    data = write_qa(tmp_path, n=22)
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    data = write_qa(tmp_path, n=n)
+    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
     proc = _launch("--model", two.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
@@ -71,7 +71,11 @@ def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path):
 
 def test_lora_under_zero2_on_two_processes_matches_one(tmp_path):
     lora = {"lora_r": 4, "lora_targets": "q_proj,v_proj"}
-    one, two = _single_and_sharded(tmp_path, "zero2", lora, ["--lora-r", "4", "--lora-targets", "q_proj,v_proj"])
+    # With evaluation every 3 steps on 5 held-out rows (23 x 0.2): rank 0 gets 3, rank 1 gets 2 and one
+    # all-ignored row, so both run the same number of (collective) FSDP forwards.
+    one, two = _single_and_sharded(tmp_path, "zero2", lora, ["--lora-r", "4", "--lora-targets", "q_proj,v_proj",
+                                                             "--eval-every", "3", "--eval-fraction", "0.2"],
+                                   n=23, eval_every=3, eval_fraction=0.2)
     from transformers import AutoModelForCausalLM
 
     single = AutoModelForCausalLM.from_pretrained(one.summary["output"])  # base + adapter, transformers' PEFT integration
@@ -79,6 +83,9 @@ def test_lora_under_zero2_on_two_processes_matches_one(tmp_path):
     assert max_diff(single, sharded) < 1e-5
     adapter_keys = [k for k in sharded.state_dict() if "lora_" in k]
     assert len(adapter_keys) == 8
+    evals = [m["eval_loss"] for m in metrics(two.output) if "eval_loss" in m]
+    assert len(evals) == 2 and evals == pytest.approx(
+        [m["eval_loss"] for m in metrics(one.summary["output"]) if "eval_loss" in m], abs=1e-5)
 
 
 @pytest.mark.slow
