@@ -200,3 +200,14 @@ def test_estimator_speed_quick(tmp_path):
     results = _run_script("estimator_speed.py", "--quick", "--out", str(out), timeout=600)
     (row,) = results["rows"]
     assert row["model"] == "tiny" and row["estimate_s"] > 0 and row["trace_s"] > 0 and row["plan_s"] > 0
+
+
+@pytest.mark.slow
+def test_sharding_memory_dry_run_measures_and_predicts():
+    # One process, the tiny preset, 2 steps under torch's MemTracker (~1-2 min on 2 shared cores).
+    script = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
+    proc = subprocess.run([sys.executable, str(script), "--dry-run", "--steps", "2"], capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "ACCELERATE_USE_CPU": "true"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["processes"] == 1 and row["measured_peak_bytes_per_rank"][0] > 0 and row["predicted_peak_bytes"] > 0

@@ -25,6 +25,7 @@ Examples:
   memfit plan llama-3-8b --budget 24GiB --lora-r 64 --no-quantize --top 5
   memfit plan mistral-7b --gpu a100-40gb --num-processes 4 --batch 64 --full
   memfit plan qwen2.5-1.5b --gpu auto --output plan.yaml && memfit train --config plan.yaml
+  memfit plan llama-3-8b --gpu h100-sxm --num-processes 8 --full --accelerate-config fsdp.yaml
 \b
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
@@ -63,8 +64,11 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 @click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the chosen plan as YAML for "
                                                                          "memfit train --config.")
+@click.option("--accelerate-config", type=click.Path(dir_okay=False),
+              help="Write the chosen plan's Accelerate config file (the launch command uses it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON.")
-def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, **pins):
+def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, accelerate_config,
+            **pins):
     """The fastest configuration of a training run that fits a memory budget."""
     from memfit.modelspec import check_seq_len, load_spec
     from memfit.planning.gpus import detect_gpu
@@ -85,11 +89,23 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output))
+    from memfit.planning import launch
+
+    config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE
+    if accelerate_config:
+        launch.write_accelerate_config(result.best.config, Path(accelerate_config))
+    command_line = launch.launch_command(model, result.best.config, config_file)
     shown = top or None
     if as_json:
-        click.echo(json.dumps(result.to_dict(top=shown), indent=2))
+        click.echo(json.dumps({**result.to_dict(top=shown), "launch": command_line,
+                               "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
         return
     _print(result, shown, elapsed, output)
+    click.echo(f"Launch: {command_line}")
+    if accelerate_config:
+        click.echo(f"Wrote {accelerate_config} (Accelerate config).")
+    elif "accelerate launch" in command_line:
+        click.echo(f"(--accelerate-config {config_file} writes the config file the command names.)")
 
 
 def _print(result, top, elapsed: float, output) -> None:

@@ -83,7 +83,9 @@ def peak(device_type: str) -> PeakMemory:
 
 
 def _tensor_bytes(tensors) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors))
+    """Bytes this process holds: a sharded (DTensor) parameter counts its local shard only."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return int(sum(t.numel() * t.element_size() for t in local))
 
 
 def state_bytes(model, optimizer) -> tuple[int, int, int]:
@@ -104,7 +106,7 @@ def measured_breakdown(peak_mem: PeakMemory, model, optimizer, *, trainable_para
     steps but held at the peak of backward and the optimizer step).
     """
     weights, _, moments = state_bytes(model, optimizer)
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grads = _tensor_bytes(p for p in model.parameters() if p.requires_grad)
     states = weights + grads + moments
     notes = []
     if peak_mem.device == "cuda":

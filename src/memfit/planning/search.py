@@ -135,11 +135,14 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN) -> Plan:
     """Estimate and time one configuration."""
     from memfit.memory.estimate import estimate
+    from memfit.memory.outside import outside_step
 
     breakdown = estimate(spec, run)
     t = step_time(spec, run, gpu)
-    return Plan(run, breakdown.peak_bytes, t.tokens_per_s, fits(breakdown.peak_bytes, budget_bytes, margin),
-                breakdown, t)
+    # Evaluation and the full-state save must fit too (the step fitting is not enough).
+    outside = outside_step(spec, run).device_peak() + breakdown.other
+    return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
+                fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
@@ -205,8 +208,14 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
 def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float) -> list[Plan]:
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error."""
+    from memfit.training.sharding import refusal
+
     plans, refused = [], []
     for run in runs:
+        reason = refusal(run, cuda=True)  # only what `memfit train` runs on a GPU (e.g. no optimizer-only offload)
+        if reason:
+            refused.append(UserError(reason))
+            continue
         try:
             plans.append(evaluate(spec, run, gpu, budget, margin))
         except UserError as err:

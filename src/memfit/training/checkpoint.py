@@ -89,14 +89,17 @@ def latest_checkpoint(output: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any]) -> Path:
-    """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state."""
+def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], save_state=None) -> Path:
+    """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state.
+
+    ``save_state(folder)``: another writer of the training state (sharded runs: ``training.sharding``).
+    """
     final = checkpoints_dir(output) / f"step-{step}"
     tmp = checkpoints_dir(output) / f".tmp-step-{step}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    (save_state or accelerator.save_state)(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -107,12 +110,15 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any])
     return final
 
 
-def load_checkpoint(accelerator, output: Path) -> dict[str, Any]:
-    """Restore the latest checkpoint into the prepared objects; return memfit's loop state."""
+def load_checkpoint(accelerator, output: Path, load_state=None) -> dict[str, Any]:
+    """Restore the latest checkpoint into the prepared objects; return memfit's loop state.
+
+    ``load_state(folder)``: another reader of the training state (sharded runs: ``training.sharding``).
+    """
     path = latest_checkpoint(output)
     if path is None:  # prepare_output checked already; this guards library callers
         raise UserError(f"--resume found no checkpoint under {checkpoints_dir(output)}.")
-    accelerator.load_state(str(path))
+    (load_state or accelerator.load_state)(str(path))
     accelerator.step = 0  # checkpoints fall on optimizer-step boundaries, whatever the accumulation
     return json.loads((path / STATE_FILE).read_text())
 

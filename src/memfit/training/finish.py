@@ -13,21 +13,26 @@ from pathlib import Path
 
 from memfit.config import TrainConfig
 from memfit.memory import measure
-from memfit.training import checkpoint
+from memfit.training import checkpoint, sharding
 from memfit.training.budget import plan_record
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.samples import generate_samples
 from memfit.training.session import TrainSession
+from memfit.training.setup import build_model
 from memfit.training.summary import RunSummary
 
 
 def finish(s: TrainSession) -> tuple[RunSummary, object]:
     """Export, samples, summary and run files; returns the summary and the unwrapped model."""
     peak_mem = measure.peak(s.device)
+    rank_peaks = sharding.rank_peaks(s.accelerator, peak_mem.peak_bytes)
     net = s.accelerator.unwrap_model(s.model)
     measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)
     with not_a_batch_problem("saving the model"):
-        checkpoint.export(s.accelerator, s.model, s.bundle.tokenizer, s.output, merge=s.config.merge,
+        # Sharded: rank 0 exports (and samples from) a plain copy holding the gathered full weights.
+        net = sharding.gathered_model(s.accelerator, s.run, s.model,
+                                      lambda: build_model(s.config, s.run, s.source).model) or net
+        checkpoint.export(s.accelerator, net, s.bundle.tokenizer, s.output, merge=s.config.merge,
                           base_is_preset=s.bundle.random_init)
     summary = RunSummary(
         steps=s.state.step, sequences=s.state.samples, final_train_loss=s.state.last_loss,
@@ -36,7 +41,8 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         wall_s=time.perf_counter() - s.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
         measured=measured, predicted=s.predicted,
         plan=plan_record(s.config, s.plan_result) if s.plan_result is not None else None,
-        fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, initial_run=s.initial_run,
+        fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks,
+        initial_run=s.initial_run,
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),

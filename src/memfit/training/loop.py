@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from memfit.config import TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, oom
+from memfit.memory.outside import eval_batch
+from memfit.training import checkpoint, oom, sharding
 from memfit.training.finish import finish
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.rollback import RngState, undo_step
@@ -82,6 +83,7 @@ def run_step(s: TrainSession) -> StepResult:
             return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
                               uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot)
         except StepOutOfMemory as err:
+            sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
             del micro
             undo_step(s.accelerator, s.model, s.optimizer)
             rng.restore()
@@ -129,9 +131,9 @@ def evaluate_due(s: TrainSession) -> bool:
     every = s.config.eval_every
     if not (every > 0 and s.data.eval and (s.state.step % every == 0 or _is_last(s))):
         return False
-    with not_a_batch_problem("evaluating"):  # no grads: room for twice the micro-batch
+    with not_a_batch_problem("evaluating"):
         s.state.last_eval = evaluate(s.accelerator, s.model, s.data.eval, pad_id=s.pad_id,
-                                     batch_size=2 * s.run.micro_batch, vocab_size=s.vocab)
+                                     batch_size=eval_batch(s.run), vocab_size=s.vocab)
     if math.isnan(s.state.best_eval) or s.state.last_eval < s.state.best_eval:
         s.state.best_eval = s.state.last_eval
     return True
@@ -158,7 +160,7 @@ def save_due(s: TrainSession) -> None:
         return
     with not_a_batch_problem("saving a checkpoint"):
         checkpoint.save_checkpoint(s.accelerator, s.output, s.state.step,
-                                   {**s.state.to_dict(), "run": s.run.to_flat()})
+                                   {**s.state.to_dict(), "run": s.run.to_flat()}, save_state=s.save_state)
 
 
 def show_step(s: TrainSession, result: StepResult) -> None:

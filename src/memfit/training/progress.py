@@ -82,6 +82,8 @@ def summary_table(summary: RunSummary) -> Table:
     else:
         table.add_row("peak memory (measured)", f"{fmt_bytes(mem.cpu_peak_rss)} CPU peak RSS "
                       "(includes the Python/torch runtime)")
+    if len(summary.rank_peak_bytes) > 1:
+        table.add_row("peak per rank (measured)", ", ".join(fmt_bytes(b) for b in summary.rank_peak_bytes))
     predicted = summary.predicted_peak_bytes
     table.add_row("peak memory (predicted)", fmt_bytes(predicted) if predicted else "n/a (estimator unavailable)")
     if summary.skipped_steps:

@@ -18,7 +18,7 @@ from typing import Any
 
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.training import checkpoint
+from memfit.training import checkpoint, sharding
 from memfit.training.budget import plan_line
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
@@ -88,6 +88,10 @@ class TrainSession:
     bar: LiveProgress
     metrics: MetricsLog
     t_start: float
+    source: Any = None
+    """``setup.ModelSource``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
+    save_state: Any = None
+    """``sharding.state_saver``: how a sharded run writes its checkpoint state (None: Accelerate's ``save_state``)."""
     batches: Any = None
     """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
     snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
@@ -131,12 +135,14 @@ def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
                               is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device)
+    bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
-    model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
+    model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
     state = LoopState()
     if config.resume:
-        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output))
+        state = LoopState.from_dict(checkpoint.load_checkpoint(
+            accelerator, output, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run))
@@ -144,10 +150,13 @@ def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    predicted = predict(config.model, run, accelerator.device.type)
+    bar.note(sharding.per_rank_line(config.model, run, predicted))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
-                        predicted=predict(config.model, run, accelerator.device.type), bar=bar,
+                        predicted=predicted, bar=bar, source=source,
+                        save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
 
 

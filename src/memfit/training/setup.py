@@ -10,7 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import DType, Precision, Quantize, RunConfig, Sharding, TrainConfig
+from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.optimizers import check_device, row
 
@@ -46,9 +46,9 @@ def preflight(run: RunConfig) -> None:
     if run.quantize is not Quantize.NONE and not cuda:
         raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
     check_device(run.optimizer, "cuda" if cuda else "cpu")
-    if run.sharding is not Sharding.DDP or str(run.offload) != "none":
-        raise UserError("memfit train runs data-parallel (--sharding ddp, --offload none) for now; "
-                        "FSDP/ZeRO and offload are modelled by estimate and plan only.")
+    from memfit.training import sharding
+
+    sharding.check_run(run, cuda=cuda)
 
 
 def _bf16_ok() -> bool:
@@ -73,14 +73,20 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
     # One process may train twice (tests, --check-equivalence): forget the previous run's precision.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return Accelerator(
+    from memfit.training import sharding
+
+    cuda = cuda_available()
+    accelerator = Accelerator(
         mixed_precision=str(run.mixed_precision),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=run.grad_accum, sync_with_dataloader=False),
-        cpu=not cuda_available(),
+        cpu=not cuda,
         log_with=config.tracker,
         project_dir=config.output,
         step_scheduler_with_optimizer=False,
+        **sharding.accelerator_kwargs(run, cuda=cuda),
     )
+    sharding.check_launch(run, accelerator.num_processes)
+    return accelerator
 
 
 @dataclass

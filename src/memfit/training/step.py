@@ -121,6 +121,10 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
     was_training = net.training
     net.eval()
     mine = rows[accelerator.process_index :: accelerator.num_processes]
+    # Every rank runs the same number of batches (FSDP2's forward is collective): a rank with fewer rows
+    # pads with a copy of a row whose labels are all ignored (it adds no loss and no target token).
+    per_rank = -(-len(rows) // accelerator.num_processes)
+    mine += [{**rows[0], "labels": [-100] * len(rows[0]["labels"])}] * (per_rank - len(mine))
     sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, targets)
     one = torch.tensor(1, device=accelerator.device)
     for start in range(0, len(mine), batch_size):

@@ -1,0 +1,317 @@
+"""Sharded training (``--sharding fsdp|zero3|zero2``) on PyTorch FSDP2, and its checkpoints.
+
+**Engine.** Every sharding runs on FSDP2 (``torch.distributed.fsdp.fully_shard``):
+``fsdp`` and ``zero3`` shard parameters, gradients and optimizer state and free the gathered
+parameters after each layer's forward (``reshard_after_forward=True``); ``zero2`` keeps them
+gathered from forward to backward (``False``: ZeRO-2's memory for parameters, one all-gather per
+layer fewer). Auto-wrap is per transformer layer (the model's ``_no_split_modules``, i.e. each
+decoder layer), then Accelerate's extra units (input embedding; final norm + output head, kept
+gathered between forward and backward), then the root. DeepSpeed is not used (not a dependency); an Accelerate config that
+asks for it is refused.
+
+**Two ways to the same FSDP2.**
+
+- GPU: Accelerate's FSDP plugin (``FullyShardedDataParallelPlugin(fsdp_version=2, ...)``);
+  ``accelerator.prepare`` shards the model and re-points the optimizer at the sharded parameters.
+- CPU (gloo): Accelerate 1.15 turns an FSDP request on CPU into DDP (``MULTI_CPU``), and forcing its
+  state to FSDP breaks ``save_state``. So on CPU memfit calls Accelerate's own ``fsdp2_prepare_model``
+  (same units, same plugin) through a small holder of the plugin, *before* the optimizer is built (the optimizer then holds the sharded DTensor parameters), and passes only
+  the optimizer and scheduler to ``accelerator.prepare``. The loop is otherwise the same:
+  ``accelerator.accumulate``/``backward``/``clip_grad_norm_`` (DTensor-aware) and the token
+  normalisation of ``training.step`` (FSDP2 averages gradients over ranks like DDP does).
+
+**Checkpoints** of sharded runs are written with ``torch.distributed.checkpoint`` (DCP) on both
+devices: each rank writes its shards of model and optimizer state (``dcp/``), and Accelerate's
+``save_accelerator_state`` writes the scheduler and each rank's RNG. DCP reshards on load, so a
+sharded checkpoint resumes on any number of ranks of a sharded run; it cannot be resumed by an
+unsharded (DDP or single-process) run.
+
+**Export** gathers the full state dict (``get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``, a collective: every rank takes part, rank 0 receives it) and loads it into a
+plain, unsharded copy of the model built on rank 0's CPU, which the normal export and sample
+generation then use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.config import Offload, Precision, RunConfig, Sharding
+from memfit.errors import UserError
+
+DCP_DIR = "dcp"
+SHARDED_MARKER = "sharded.json"
+
+
+def is_sharded(run: RunConfig) -> bool:
+    return run.sharding is not Sharding.DDP
+
+
+def reshard_after_forward(run: RunConfig) -> bool:
+    """ZeRO-3/FSDP free the gathered parameters after each layer's forward; ZeRO-2 keeps them."""
+    return run.sharding is not Sharding.ZERO2
+
+
+def refusal(run: RunConfig, *, cuda: bool) -> str | None:
+    """Why no engine here runs ``run``'s sharding/offload (one sentence), or None. Read by ``memfit train``'s
+    preflight and by the planner, which proposes only what train runs."""
+    if run.offload is not Offload.NONE and not is_sharded(run):
+        return (f"--offload {run.offload} runs under FSDP2 only; add --sharding fsdp (or zero2/zero3) "
+                "and launch 2 or more processes.")
+    if run.offload is Offload.OPTIMIZER:
+        return ("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
+                "use --offload params, or --offload none.")
+    if run.offload is Offload.PARAMS and not reshard_after_forward(run):
+        # The estimator's offload saving (weights off the device) does not hold for ZeRO-2.
+        return ("--offload params with --sharding zero2 saves nothing at the peak (FSDP2 keeps every layer's "
+                "gathered parameters on the device from forward to backward); use --sharding fsdp or zero3.")
+    if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
+        return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
+    return None
+
+
+def check_run(run: RunConfig, *, cuda: bool) -> None:
+    """Refuse, in one sentence, a sharding/offload combination no engine here runs (before any launch work)."""
+    reason = refusal(run, cuda=cuda)
+    if reason:
+        raise UserError(reason)
+
+
+def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) -> None:
+    """The launch must provide what the flags ask: >= 2 processes for sharding, and an Accelerate
+    config (seen through the ``ACCELERATE_*``/``FSDP_*`` variables ``accelerate launch`` sets) that
+    agrees with ``--sharding``/``--offload``."""
+    env = os.environ if env is None else env
+    flag = str(run.sharding)
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise UserError("The Accelerate config asks for DeepSpeed, which memfit does not run (it is not installed "
+                        f"here); use a config with distributed_type FSDP (fsdp_version 2) and --sharding {flag}.")
+    if is_sharded(run) and num_processes < 2:
+        raise UserError(f"--sharding {flag} needs 2 or more processes, but 1 was launched; start it with "
+                        f"`accelerate launch --num_processes 2 -m memfit train ...` or torchrun --nproc_per_node 2, "
+                        "or use --sharding ddp.")
+    config_fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if config_fsdp and not is_sharded(run):
+        raise UserError("The Accelerate config asks for FSDP but --sharding is ddp; pass --sharding fsdp "
+                        "(or zero2/zero3), or launch with a config without FSDP.")
+    if not config_fsdp:
+        return
+    if env.get("FSDP_VERSION", "2") != "2":
+        raise UserError("The Accelerate config asks for FSDP version 1; memfit runs FSDP2: set fsdp_version: 2.")
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD")
+    if reshard is not None and _truthy(reshard) != reshard_after_forward(run):
+        raise UserError(f"The Accelerate config sets fsdp_reshard_after_forward: {reshard} but --sharding {flag} "
+                        f"means {reshard_after_forward(run)}; make them agree (zero2 = false, fsdp/zero3 = true).")
+    offload = env.get("FSDP_OFFLOAD_PARAMS")
+    if offload is not None and _truthy(offload) != (run.offload is Offload.PARAMS):
+        raise UserError(f"The Accelerate config sets fsdp_offload_params: {offload} but --offload is {run.offload}; "
+                        "make them agree.")
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def fsdp2_plugin(run: RunConfig, *, cuda: bool):
+    """Accelerate's FSDP2 plugin for ``run``: transformer-layer auto-wrap (``_no_split_modules``),
+    ``reshard_after_forward`` from the sharding, CPU offload of parameters (with their gradients and
+    optimizer state) for ``--offload params``; pinned host memory only where there is a GPU."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    offload = CPUOffloadPolicy(pin_memory=cuda) if run.offload is Offload.PARAMS else OffloadPolicy()
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=reshard_after_forward(run), auto_wrap_policy="transformer_based_wrap",
+        cpu_offload=offload, state_dict_type="SHARDED_STATE_DICT")
+
+
+def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
+    """``Accelerator(**kwargs)`` for a sharded run on GPU: Accelerate's FSDP2 plugin. Nothing on CPU
+    (where Accelerate would fall back to DDP; see the module docstring)."""
+    if not (cuda and is_sharded(run)):
+        return {}
+    return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)}
+
+
+def shards_itself(accelerator, run: RunConfig) -> bool:
+    """True where memfit applies FSDP2 itself (a sharded run Accelerate does not shard: CPU)."""
+    from accelerate.utils import DistributedType
+
+    return is_sharded(run) and accelerator.distributed_type is not DistributedType.FSDP
+
+
+@dataclass
+class _PluginHolder:
+    """The few attributes of an ``Accelerator`` that Accelerate's ``fsdp2_prepare_model`` reads.
+
+    The shim that lets CPU runs use Accelerate's own FSDP2 wrapping (the same units as on GPU: each
+    decoder layer, the input embedding, [final norm, output head] kept gathered, then the root)
+    without switching the real Accelerator's state to FSDP (which breaks ``save_state`` on CPU).
+    """
+
+    fsdp_plugin: object
+    is_main_process: bool
+    mixed_precision: str = "no"
+    torch_device_mesh: object = None
+
+    @property
+    def state(self):
+        return self
+
+
+def shard_model(model, run: RunConfig, accelerator):
+    """CPU: FSDP2 through Accelerate's ``fsdp2_prepare_model`` (call before building the optimizer).
+    Elsewhere the model is returned untouched (``accelerator.prepare`` shards it)."""
+    if not shards_itself(accelerator, run):
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    _layer_types(model)  # a model without decoder-layer classes: one sentence, not Accelerate's ValueError
+    holder = _PluginHolder(fsdp2_plugin(run, cuda=False), accelerator.is_main_process)
+    return fsdp2_prepare_model(holder, model)
+
+
+def _layer_types(model) -> tuple[type, ...]:
+    """The decoder-layer classes (transformers' ``_no_split_modules``, also on a PEFT-wrapped model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    found = tuple({type(m) for m in base.modules() if type(m).__name__ in names})
+    if not found:
+        raise UserError(f"{type(base).__name__} names no transformer layer class (_no_split_modules) to shard by.")
+    return found
+
+
+def prepare(accelerator, run: RunConfig, model, optimizer, scheduler):
+    """``accelerator.prepare``, leaving a model memfit sharded itself out (Accelerate would wrap it in DDP)."""
+    if shards_itself(accelerator, run):
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        return model, optimizer, scheduler
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+class _ModelAndOptimizer:
+    """DCP ``Stateful``: the sharded model and optimizer state dicts (torch's distributed state_dict API)."""
+
+    def __init__(self, model, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # unwrap Accelerate's AcceleratedOptimizer
+
+
+def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler) -> Callable[[str], None] | None:
+    """What writes a checkpoint's training state into a folder: ``None`` (Accelerate's ``save_state``)
+    for unsharded runs, DCP for sharded ones."""
+    if not is_sharded(run):
+        return None
+
+    def save(folder: str) -> None:
+        import json
+
+        import torch.distributed.checkpoint as dcp
+        from accelerate.checkpointing import save_accelerator_state
+
+        dcp.save({"app": _ModelAndOptimizer(model, _inner(optimizer))}, checkpoint_id=str(Path(folder) / DCP_DIR))
+        save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step)
+        if accelerator.is_main_process:
+            (Path(folder) / SHARDED_MARKER).write_text(json.dumps(
+                {"sharding": str(run.sharding), "num_processes": accelerator.num_processes}))
+
+    return save
+
+
+def state_loader(accelerator, run: RunConfig, model, optimizer, scheduler) -> Callable[[str], None]:
+    """What restores a checkpoint folder into the prepared objects; refuses a sharded checkpoint for an
+    unsharded run and the other way round, in one sentence."""
+
+    def load(folder: str) -> None:
+        saved_sharded = (Path(folder) / SHARDED_MARKER).is_file()
+        if saved_sharded and not is_sharded(run):
+            raise UserError(f"{folder} is a sharded (FSDP) checkpoint; resume it with --sharding fsdp/zero2/zero3 "
+                            "on 2 or more processes.")
+        if is_sharded(run) and not saved_sharded:
+            raise UserError(f"{folder} was saved by an unsharded run; resume it with --sharding ddp.")
+        if not is_sharded(run):
+            accelerator.load_state(folder)
+            return
+        import torch.distributed.checkpoint as dcp
+        from accelerate.checkpointing import load_accelerator_state
+
+        dcp.load({"app": _ModelAndOptimizer(model, _inner(optimizer))}, checkpoint_id=str(Path(folder) / DCP_DIR))
+        load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
+
+    return load
+
+
+def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[], object]):
+    """The model to export and sample from: ``model`` itself when unsharded; when sharded, on rank 0 a
+    plain copy built by ``build_plain()`` holding the gathered full weights (``None`` on other ranks).
+
+    Collective for sharded runs: every rank must call it.
+    """
+    if not is_sharded(run):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not accelerator.is_main_process:
+        return None
+    plain = build_plain()
+    plain.load_state_dict(full)
+    return plain
+
+
+def per_rank_line(model_name: str, run: RunConfig, predicted) -> str:
+    """The preamble's prediction, per rank: the step's peak and the peaks outside it."""
+    from memfit.memory.outside import outside_step
+    from memfit.modelspec import load_spec
+    from memfit.units import fmt_bytes
+
+    if predicted is None:
+        return "predicted per-rank peak: n/a (estimator unavailable for this model)"
+    how = (f"{run.sharding} over {run.num_processes} processes" if is_sharded(run)
+           else f"{run.num_processes} process(es), unsharded")
+    line = f"predicted per-rank peak {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}; {how})"
+    try:
+        outside = outside_step(load_spec(model_name), run)
+    except Exception:  # noqa: BLE001 - a prediction must never stop a training run
+        return line
+    line += f"; evaluation {fmt_bytes(outside.evaluation)}, full-state save {fmt_bytes(outside.save_device)}"
+    if outside.save_host:
+        line += f" (+ {fmt_bytes(outside.save_host)} host RAM on rank 0)"
+    return line
+
+
+def rank_peaks(accelerator, peak_bytes: int) -> list[int]:
+    """Every rank's measured peak, in rank order (a collective: all ranks call it)."""
+    if accelerator.num_processes == 1:
+        return [int(peak_bytes)]
+    from accelerate.utils import gather_object
+
+    return [int(v) for v in gather_object([int(peak_bytes)])]
+
+
+def stop_on_rank_oom(accelerator, step: int) -> None:
+    """An out-of-memory error on one rank of several: stop with one sentence (a fallback that
+    changes the micro-batch on one rank only would desynchronise the ranks' collectives and hang).
+    The launcher (torchrun / accelerate launch) then ends the other ranks."""
+    if accelerator.num_processes > 1:
+        raise UserError(f"Rank {accelerator.process_index} ran out of memory at step {step}; all "
+                        f"{accelerator.num_processes} ranks stop. Lower --micro-batch, turn on "
+                        "--grad-checkpointing, or use --sharding fsdp (or more processes).")

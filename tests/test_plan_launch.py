@@ -1,0 +1,113 @@
+"""memfit plan proposes only what memfit train runs, prints the launch command, writes the Accelerate
+config; the peaks outside the step (evaluation, full-state save) are predicted and kept under the budget."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from memfit.cli import cli
+from memfit.config import RunConfig
+from memfit.memory.estimate import model_states
+from memfit.memory.outside import outside_step
+from memfit.planning import launch
+from memfit.planning.search import plan
+from memfit.training import sharding
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from memfit.modelspec import load_spec
+
+    return load_spec("tiny")
+
+
+def test_plan_proposes_only_runnable_sharding_and_offload():
+    result = plan("llama-3-8b", "80GiB", seq_len=2048, batch=64, num_processes=8)
+    assert result.plans
+    for p in result.plans:  # every candidate, fitting or not, is one train would start
+        assert sharding.refusal(p.config, cuda=True) is None
+    assert all(str(p.config.offload) != "optimizer" for p in result.plans)
+
+
+def test_train_flags_round_trip_through_the_train_cli():
+    # The printed flags parse back, through memfit train's own options, into the same RunConfig.
+    import click
+
+    from memfit.cli.options import memory_options, run_config_from
+
+    parsed = {}
+
+    @click.command()
+    @memory_options
+    def probe(**kwargs):
+        parsed.update(kwargs)
+
+    run = RunConfig(seq_len=512, micro_batch=2, grad_accum=4, num_processes=8, sharding="zero3", offload="params",
+                    dtype="bf16", grad_checkpointing=True)
+    flags = launch.train_flags("llama-3-8b", run)
+    probe.main(flags[2:], standalone_mode=False)
+    assert run_config_from(parsed) == run
+
+
+def test_accelerate_config_agrees_with_the_flags_train_checks():
+    run = RunConfig(num_processes=2, sharding="zero2", mixed_precision="bf16")
+    cfg = launch.accelerate_config(run)
+    assert cfg["distributed_type"] == "FSDP" and cfg["num_processes"] == 2 and cfg["mixed_precision"] == "bf16"
+    fsdp = cfg["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is False
+    assert not fsdp["fsdp_offload_params"]
+    assert launch.accelerate_config(run.replace(sharding="zero3", offload="params"))["fsdp_config"]["fsdp_offload_params"]
+    # What `accelerate launch --config_file` exports from this file passes train's launch check.
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+           "FSDP_OFFLOAD_PARAMS": "false"}
+    sharding.check_launch(run, 2, env=env)
+    assert launch.accelerate_config(RunConfig(num_processes=4))["distributed_type"] == "MULTI_GPU"
+
+
+def test_cli_prints_the_launch_command_and_writes_the_config(tmp_path):
+    path = tmp_path / "acc.yaml"
+    res = CliRunner().invoke(cli, ["plan", "tiny", "--budget", "4GiB", "--seq-len", "128", "--batch", "8",
+                                   "--num-processes", "2", "--sharding", "fsdp", "--accelerate-config", str(path)])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("Launch: "))
+    words = shlex.split(line.removeprefix("Launch: "))
+    assert words[:4] == ["accelerate", "launch", "--config_file", str(path)]
+    assert words[4:7] == ["-m", "memfit", "train"] and words[words.index("--sharding") + 1] == "fsdp"
+    assert yaml.safe_load(path.read_text())["fsdp_config"]["fsdp_reshard_after_forward"] is True
+
+
+def test_outside_step_peaks(tiny):
+    # tiny preset (see presets/architectures.yaml): evaluation at the micro-batch, 2 sequences of 64
+    # tokens: forward logits in fp32 (no AMP) are 4 B logits + 4 B log_softmax = 8 B x 4 x 64 x vocab.
+    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
+    states = model_states(tiny, run)
+    out = outside_step(tiny, run)
+    assert out.evaluation == states.weights + states.optimizer + states.gathered + 8 * 2 * 64 * tiny.vocab_size
+    # Sharded save: resident shards + the largest full parameter gathered; rank 0's host holds 2 full copies.
+    assert out.save_device == states.weights + states.optimizer + max(tiny.embedding_params, tiny.lm_head_params) * 4
+    assert out.save_host == 2 * (tiny.params * 4 + tiny.buffer_bytes)
+    unsharded = outside_step(tiny, run.replace(sharding="ddp"))
+    assert unsharded.save_host == 0
+
+
+def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeypatch):
+    # A plan fits only if evaluation and the full-state save fit too: make the save 1 GiB above the
+    # step's peak and the same budget that held the step no longer holds the plan.
+    from memfit.memory import outside
+    from memfit.planning.gpus import gpu_by_name
+    from memfit.planning.search import evaluate
+
+    run = RunConfig(seq_len=128, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
+    a100 = gpu_by_name("a100-80gb")
+    step = evaluate(tiny, run, a100, 10**15)
+    budget = int(step.peak_bytes * 1.06)
+    assert evaluate(tiny, run, a100, budget).fits
+    real = outside.outside_step(tiny, run)
+    assert real.device_peak() + step.breakdown.other < step.peak_bytes  # tiny: the step is the peak
+    big = outside.OutsideStep(evaluation=real.evaluation, save_device=step.peak_bytes + 2**30, save_host=0)
+    monkeypatch.setattr(outside, "outside_step", lambda spec, run: big)
+    assert not evaluate(tiny, run, a100, budget).fits

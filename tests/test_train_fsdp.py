@@ -1,0 +1,162 @@
+"""Sharded training (FSDP2) on 2 CPU processes (gloo): the same weights as 1 process with the same
+effective batch, for a full fine-tune (``--sharding fsdp``) and a LoRA one (``--sharding zero2``);
+the sharded checkpoint really holds shards and resumes; the launch and flag checks refuse in one
+sentence. Each launch takes ~30-60 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _train_helpers import max_diff, metrics, tiny_config, write_qa
+from memfit.config import RunConfig
+from memfit.errors import UserError
+from memfit.training import sharding
+from memfit.training.loop import run_training
+
+ARGS = ["--tokenizer", "byte", "--seq-len", "64", "--micro-batch", "1", "--grad-accum", "2", "--max-steps", "6",
+        "--lr", "0.01", "--warmup-steps", "2", "--optimizer", "adamw", "--no-packing", "--eval-every", "0",
+        "--eval-fraction", "0", "--samples", "0", "--log-every", "1", "--max-grad-norm", "0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(_free_port()), "-m", "memfit", "train", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str], n: int = 22, **loop):
+    # 22 samples, effective batch 4: the 6th step holds 2 samples (rank 1 runs dummy rows then).
+    data = write_qa(tmp_path, n=n)
+    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
+    one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
+    two = tiny_config(tmp_path / "two", **common)
+    proc = _launch("--model", two.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
+                   "--output", two.output)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return one, two
+
+
+def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path):
+    one, two = _single_and_sharded(tmp_path, "fsdp", {}, ["--save-every", "3"])
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(two.output)  # a plain HF folder, gathered on rank 0
+    assert max_diff(one.model, exported) < 1e-5
+    assert [m["loss"] for m in metrics(two.output)] == pytest.approx([m["loss"] for m in metrics(one.summary["output"])], abs=1e-5)
+    # The checkpoint holds shards: each rank wrote its half of every 2-D weight (DCP metadata).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(Path(two.output) / "checkpoints/step-3" / sharding.DCP_DIR)).read_metadata()
+    q_proj = meta.state_dict_metadata["app.model.model.layers.0.self_attn.q_proj.weight"]
+    assert [tuple(c.sizes) for c in q_proj.chunks] == [(32, 64), (32, 64)]  # 64 x 64 split by rows over 2 ranks
+    assert json.loads((Path(two.output) / "checkpoints/step-3" / sharding.SHARDED_MARKER).read_text()) == {
+        "sharding": "fsdp", "num_processes": 2}
+
+
+def test_lora_under_zero2_on_two_processes_matches_one(tmp_path):
+    lora = {"lora_r": 4, "lora_targets": "q_proj,v_proj"}
+    # With evaluation every 3 steps on 5 held-out rows (23 x 0.2): rank 0 gets 3, rank 1 gets 2 and one
+    # all-ignored row, so both run the same number of (collective) FSDP forwards.
+    one, two = _single_and_sharded(tmp_path, "zero2", lora, ["--lora-r", "4", "--lora-targets", "q_proj,v_proj",
+                                                             "--eval-every", "3", "--eval-fraction", "0.2"],
+                                   n=23, eval_every=3, eval_fraction=0.2)
+    from transformers import AutoModelForCausalLM
+
+    single = AutoModelForCausalLM.from_pretrained(one.summary["output"])  # base + adapter, transformers' PEFT integration
+    sharded = AutoModelForCausalLM.from_pretrained(two.output)
+    assert max_diff(single, sharded) < 1e-5
+    adapter_keys = [k for k in sharded.state_dict() if "lora_" in k]
+    assert len(adapter_keys) == 8
+    evals = [m["eval_loss"] for m in metrics(two.output) if "eval_loss" in m]
+    assert len(evals) == 2 and evals == pytest.approx(
+        [m["eval_loss"] for m in metrics(one.summary["output"]) if "eval_loss" in m], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_two_processes(tmp_path):
+    one, two = _single_and_sharded(tmp_path, "fsdp", {}, ["--save-every", "3"])
+    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
+    proc = _launch("--model", two.model, "--data", two.data, *ARGS, "--sharding", "fsdp", "--save-every", "3",
+                   "--resume", "--output", two.output)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_one_process_cannot_shard():
+    with pytest.raises(UserError, match="needs 2 or more processes"):
+        sharding.check_launch(RunConfig(sharding="fsdp"), 1, env={})
+    sharding.check_launch(RunConfig(sharding="fsdp"), 2, env={})
+
+
+@pytest.mark.parametrize(("run", "env", "message"), [
+    ({"sharding": "ddp"}, {"ACCELERATE_USE_FSDP": "true"}, "asks for FSDP but --sharding is ddp"),
+    ({"sharding": "zero2"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "true"},
+     "fsdp_reshard_after_forward: true"),
+    ({"sharding": "fsdp"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
+    ({"sharding": "fsdp"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
+    ({"sharding": "zero3"}, {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed"),
+])
+def test_accelerate_config_that_disagrees_with_the_flags_is_refused(run, env, message):
+    with pytest.raises(UserError, match=message):
+        sharding.check_launch(RunConfig(**run), 2, env=env)
+
+
+def test_agreeing_accelerate_config_is_accepted():
+    sharding.check_launch(RunConfig(sharding="zero2"), 2,
+                          env={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"})
+
+
+@pytest.mark.parametrize(("run", "message"), [
+    ({"offload": "optimizer", "sharding": "fsdp"}, "use --offload params"),
+    ({"offload": "params"}, "runs under FSDP2 only"),
+    ({"sharding": "fsdp", "mixed_precision": "bf16"}, "runs in fp32"),
+    ({"sharding": "zero2", "offload": "params"}, "saves nothing at the peak"),
+])
+def test_combinations_no_engine_runs_are_refused(run, message):
+    with pytest.raises(UserError, match=message):
+        sharding.check_run(RunConfig(**run), cuda=False)
+
+
+def test_sharded_checkpoint_is_refused_by_an_unsharded_run(tmp_path):
+    (tmp_path / sharding.SHARDED_MARKER).write_text("{}")
+    load = sharding.state_loader(None, RunConfig(), None, None, None)
+    with pytest.raises(UserError, match="is a sharded"):
+        load(str(tmp_path))
+    with pytest.raises(UserError, match="saved by an unsharded run"):
+        sharding.state_loader(None, RunConfig(sharding="fsdp"), None, None, None)(str(tmp_path / "nowhere"))
+
+
+def test_an_oom_on_one_of_several_ranks_stops_them_all_in_one_sentence():
+    from types import SimpleNamespace
+
+    with pytest.raises(UserError, match="Rank 1 ran out of memory at step 7; all 2 ranks stop"):
+        sharding.stop_on_rank_oom(SimpleNamespace(num_processes=2, process_index=1), 7)
+    sharding.stop_on_rank_oom(SimpleNamespace(num_processes=1, process_index=0), 7)  # one process: fallback runs
+
+
+def test_preamble_names_the_per_rank_prediction_and_the_peaks_outside_the_step():
+    from memfit.memory.estimate import estimate
+
+    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero2")
+    line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
+    assert line.startswith("predicted per-rank peak ") and "zero2 over 2 processes" in line
+    assert "evaluation " in line and "full-state save " in line and "host RAM on rank 0" in line
