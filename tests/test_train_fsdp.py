@@ -58,7 +58,7 @@ def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(two.output)  # a plain HF folder, gathered on rank 0
     assert max_diff(one.model, exported) < 1e-5
-    assert [m["loss"] for m in metrics(two.output)] == pytest.approx([m["loss"] for m in metrics(one.summary["output"])], abs=1e-5)
+    assert [m["loss"] for m in metrics(two.output)] == pytest.approx([m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
     # The checkpoint holds shards: each rank wrote its half of every 2-D weight (DCP metadata).
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -78,14 +78,14 @@ def test_lora_under_zero2_on_two_processes_matches_one(tmp_path):
                                    n=23, eval_every=3, eval_fraction=0.2)
     from transformers import AutoModelForCausalLM
 
-    single = AutoModelForCausalLM.from_pretrained(one.summary["output"])  # base + adapter, transformers' PEFT integration
+    single = AutoModelForCausalLM.from_pretrained(one.summary.output)  # base + adapter, transformers' PEFT integration
     sharded = AutoModelForCausalLM.from_pretrained(two.output)
     assert max_diff(single, sharded) < 1e-5
     adapter_keys = [k for k in sharded.state_dict() if "lora_" in k]
     assert len(adapter_keys) == 8
     evals = [m["eval_loss"] for m in metrics(two.output) if "eval_loss" in m]
     assert len(evals) == 2 and evals == pytest.approx(
-        [m["eval_loss"] for m in metrics(one.summary["output"]) if "eval_loss" in m], abs=1e-5)
+        [m["eval_loss"] for m in metrics(one.summary.output) if "eval_loss" in m], abs=1e-5)
 
 
 @pytest.mark.slow

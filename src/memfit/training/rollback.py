@@ -87,10 +87,10 @@ class OptimizerSnapshot:
                 if p.grad is None:
                     continue  # not updated by this step (frozen, or no gradient reached it)
                 state = opt.state.get(p) or {}  # .get: the state defaultdict must not grow here
-                saved = _Saved(had_state=bool(state), data=self._copy((index, "<param>"), p.detach()), state={})
+                saved = _Saved(had_state=bool(state), data=self._copy((index, "<param>"), _local(p.detach())), state={})
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
-                        saved.state[key] = self._copy((index, key), value.detach())
+                        saved.state[key] = self._copy((index, key), _local(value.detach()))
                         saved.devices[key] = (value.device, value.dtype)
                     else:
                         saved.state[key] = value
@@ -117,7 +117,7 @@ class OptimizerSnapshot:
             if saved is None:
                 continue
             with torch.no_grad():
-                p.copy_(saved.data)
+                _local(p).copy_(saved.data)
             if not saved.had_state:
                 opt.state.pop(p, None)  # the failed step initialised it: a fresh step will again
                 continue
@@ -139,12 +139,17 @@ class OptimizerSnapshot:
     def _put_back(current, value, device, dtype):
         if not isinstance(value, torch.Tensor):
             return value
-        if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == dtype \
-                and current.device == device:
+        target = _local(current) if isinstance(current, torch.Tensor) else None
+        if target is not None and target.shape == value.shape and target.dtype == dtype and target.device == device:
             with torch.no_grad():
-                current.copy_(value)  # in place: no new device memory while memory is tight
+                target.copy_(value)  # in place: no new device memory while memory is tight
             return current
         return value.to(device=device, dtype=dtype, copy=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 ``DTensor`` (the storage the optimizer updates), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @dataclass
