@@ -9,7 +9,7 @@ modeling code may save other tensors, so every estimate says so (``notes``).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import metadata
 
 #: Package -> (lowest verified ``major.minor``, first ``major.minor`` not verified): a half-open range.
@@ -19,7 +19,7 @@ VERIFIED: dict[str, tuple[str, str]] = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def installed_version(package: str) -> str | None:
     """The installed distribution's version (cached: reading package metadata takes ~15 ms)."""
     try:

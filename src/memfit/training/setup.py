@@ -268,8 +268,6 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     Weight decay applies to matrices only (not norms or biases), the usual convention. ``sgd`` is
     plain SGD without momentum (no optimizer state).
     """
-    import torch
-
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
