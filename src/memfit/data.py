@@ -267,7 +267,7 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
 
 
 def tokenize(
-    examples: Sequence[Example], tokenizer, *, seq_len: int, packing: bool, eval_fraction: float, seed: int
+    examples: Sequence[Example], tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int
 ) -> TokenizedData:
     """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
 
@@ -282,7 +282,11 @@ def tokenize(
     boundary is exact; the labels of bos and the prompt are ``-100``, so the loss covers the
     completion and its eos only.
 
-    **Packing** (``packing=True``) concatenates the documents into one stream and cuts it into chunks
+    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
+    per row with position ids restarting at 0 each, so no document attends to another; see
+    ``memfit.packing`` for the rule and a worked example.
+
+    **Concatenation** (``packing="concat"``) concatenates the documents into one stream and cuts it into chunks
     of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
     sequence (padded by ``collate``) so that no text is dropped; only a chunk with no target at all
     (a one-token tail, or nothing but prompt) is left out, as it adds no loss. Labels travel with their tokens, so
@@ -301,7 +305,7 @@ def tokenize(
     never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
     target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
 
-    **No packing** (``packing=False``): one sequence per document, truncated to ``seq_len`` (its eos
+    **No packing** (``packing="none"``): one sequence per document, truncated to ``seq_len`` (its eos
     is lost when it is cut); lengths vary and ``collate`` pads. A sequence left with no target after
     truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
 
@@ -309,14 +313,20 @@ def tokenize(
         examples: records from ``load_examples``.
         tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
         seq_len: tokens per sequence (>= 2).
-        packing: pack documents into full-length chunks, or one (truncated) document per sequence.
+        packing: a ``Packing`` or its name (``documents``, ``concat``, ``none``); ``True``/``False``
+            read as ``documents``/``none``.
         eval_fraction: share of documents held out, in [0, 1).
         seed: seeds the held-out draw.
     """
     if seq_len < 2:
         raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
+    from memfit.config import Packing, parse_packing
+    from memfit.packing import pack_documents
+
     train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
-    build = _pack if packing else _truncate
+    mode = parse_packing(packing)
+    build = {Packing.DOCUMENTS: lambda docs, n: list(pack_documents(docs, n)), Packing.CONCAT: _pack,
+             Packing.NONE: _truncate}[mode]
     return TokenizedData(
         train=build(_encode_docs([examples[i] for i in train_idx], tokenizer), seq_len),
         eval=build(_encode_docs([examples[i] for i in eval_idx], tokenizer), seq_len),
@@ -377,18 +387,42 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of sequences to the longest one.
 
     Returns ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 = real token) and
-    ``labels`` (``-100`` on padding), each of shape (B, T) and dtype int64.
+    ``labels`` (``-100`` on padding), each of shape (B, T) and dtype int64. When the rows carry
+    ``position_ids`` (``--packing documents``), ``position_ids`` too, where the padding of a row is
+    one more "document" with positions 0, 1, ... of its own: it attends only to itself and no real
+    token attends to it, so the model needs no ``attention_mask`` (see ``model_inputs``).
     """
     longest = max(len(seq["input_ids"]) for seq in batch)
     input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)  # (B, T)
     labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)  # (B, T)
+    packed = any("position_ids" in seq for seq in batch)
+    positions = torch.zeros((len(batch), longest), dtype=torch.long)  # (B, T)
     for row, seq in enumerate(batch):
         n = len(seq["input_ids"])
         input_ids[row, :n] = torch.as_tensor(seq["input_ids"], dtype=torch.long)
         labels[row, :n] = torch.as_tensor(seq["labels"], dtype=torch.long)
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if packed:
+            own = seq.get("position_ids") or range(n)
+            positions[row, :n] = torch.as_tensor(list(own), dtype=torch.long)
+            positions[row, n:] = torch.arange(longest - n)  # padding: a segment of its own
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if packed:
+        out["position_ids"] = positions
+    return out
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keys of a collated batch the model's forward takes.
+
+    A packed batch (it has ``position_ids``) goes without its ``attention_mask``: transformers looks for
+    packed documents in the position ids only when no attention mask is given. The mask stays in the
+    batch for counting real tokens.
+    """
+    if "position_ids" in batch:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

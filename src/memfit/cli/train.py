@@ -46,8 +46,7 @@ def _train_options(func):
         click.option("--batch", type=int, default=None,
                      help="Effective batch in sequences per optimizer step (sets --grad-accum)."),
         click.option("--seed", type=int, default=_D.seed, show_default=True),
-        click.option("--packing/--no-packing", default=_D.packing, show_default=True,
-                     help="Pack documents into full sequences, or one (truncated) document per sequence."),
+        click.option("--no-packing", is_flag=True, hidden=True, help="Old spelling of --packing none."),
         click.option("--eval-every", type=int, default=_D.eval_every, show_default=True,
                      help="Evaluate on the held-out split every N steps (0: never)."),
         click.option("--eval-fraction", type=float, default=_D.eval_fraction, show_default=True),
@@ -98,6 +97,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
 def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     """Defaults < ``--config`` YAML < flags typed on the command line."""
     config_file = kwargs.pop("config_file")
+    if kwargs.pop("no_packing", False):
+        kwargs["packing"] = "none"
+        ctx.set_parameter_source("packing", click.core.ParameterSource.COMMANDLINE)
     typed = explicit(ctx, kwargs)
     from_file = _read_yaml(config_file) if config_file else {}
     merged = {**kwargs, **from_file, **typed}

@@ -222,7 +222,7 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     from memfit import data
 
     examples = data.load_examples(config.data)
-    tokenized = data.tokenize(examples, tokenizer, seq_len=run.seq_len, packing=config.packing,
+    tokenized = data.tokenize(examples, tokenizer, seq_len=run.seq_len, packing=run.packing,
                               eval_fraction=config.eval_fraction, seed=config.seed)
     if not tokenized.train:
         raise UserError("The data yields no training sequence with a target token.")
