@@ -115,3 +115,21 @@ def test_packed_loss_equals_documents_one_by_one(tok, attn):
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()
+
+
+def test_trace_and_estimate_model_the_block_causal_mask_of_packed_rows():
+    """Under ``--packing documents`` the traced layer saves k/v repeated to all heads and the additive
+    (B, 1, T, T) mask; the analytic per-layer bytes match the trace to the byte, and differ from the
+    concat (no mask) path by exactly ``packed_mask_per_token``: Llama with GQA 4/2, head_dim 64
+    (Q 256, K 128), B 2, T 64, fp32: (2 x (256 - 128) x 4 + 64 x 4) x 128 tokens = 163,840 bytes."""
+    from _trace_helpers import family_config
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+    from memfit.modelspec import spec_from_config
+
+    cfg = family_config("llama")
+    spec = spec_from_config(cfg, "llama")
+    docs, concat = (RunConfig(seq_len=64, micro_batch=2, packing=p) for p in ("documents", "concat"))
+    traced = trace(cfg, docs, device="cpu").activations_per_layer
+    assert traced == estimate(spec, docs, device="cpu").activations_per_layer
+    assert traced - estimate(spec, concat, device="cpu").activations_per_layer == 163_840
