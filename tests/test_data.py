@@ -120,7 +120,7 @@ def test_none_reads_the_shipped_corpus():
         ("half.jsonl", '{"prompt": "p"}\n', r"half\.jsonl line 1 needs both prompt and completion"),
         ("list.jsonl", '["text"]\n', r"list\.jsonl line 1 is a JSON list"),
         ("blank.jsonl", '{"text": ""}\n', r"blank\.jsonl line 1 has a text that is not a non-empty string"),
-        ("data.csv", "a,b\n", r"data\.csv is a \.csv file"),
+        ("data.xlsx", "a,b\n", r"data\.xlsx is a \.xlsx file"),
     ],
 )
 def test_bad_files_name_the_file_and_line(tmp_path, name, content, message):
@@ -256,7 +256,7 @@ def test_split_by_document_has_no_leakage(tok):
     # Each document is a distinct letter repeated; a held-out letter must not appear in training.
     letters = "abcdefghijklmnopqrst"
     docs = [Example(text=ch * 30) for ch in letters]
-    data = tokenize(docs, tok, seq_len=16, packing=True, eval_fraction=0.2, seed=3)
+    data = tokenize(docs, tok, seq_len=16, packing="documents", eval_fraction=0.2, seed=3)
     train_tokens = {t for s in data.train for t in s["input_ids"]}
     eval_tokens = {t for s in data.eval for t in s["input_ids"]} - {BOS, EOS}
     assert len(eval_tokens) == 4  # round(0.2 x 20) documents held out
@@ -332,7 +332,7 @@ def test_unigram_loss_without_eval_is_nan():
 
 
 def test_shipped_corpus_baseline_is_that_of_english_bytes(tok):
-    data = tokenize(load_examples(None), tok, seq_len=256, packing=True, eval_fraction=0.05, seed=0)
+    data = tokenize(load_examples(None), tok, seq_len=256, packing="concat", eval_fraction=0.05, seed=0)
     assert len(data.train) > 1000 and len(data.eval) > 20
     assert all(len(s["input_ids"]) == 256 for s in data.train[:-1])
     assert 2.5 < unigram_loss(data) < 3.5  # nats per byte; a trained model must get well below
