@@ -250,6 +250,21 @@ class TrainConfig:
     """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
     check_equivalence: bool = False
     json: bool = False
+    # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
+    data_format: str | None = None
+    """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
+    train_on_prompt: bool = False
+    """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
+    chat_template: str | None = None
+    """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
+    split: str = "train"
+    """Split of a Hub dataset or a saved ``DatasetDict``."""
+    data_config: str | None = None
+    """Configuration (subset) name of a Hub dataset."""
+    text_field: str | None = None
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    messages_field: str | None = None
 
     def to_flat(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}

@@ -107,6 +107,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    if data.note:
+        bar.note(data.note)
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
     measure.reset_peak(device)
