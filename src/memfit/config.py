@@ -265,6 +265,8 @@ class TrainConfig:
     prompt_field: str | None = None
     completion_field: str | None = None
     messages_field: str | None = None
+    num_proc: int = 1
+    """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
 
     def to_flat(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}

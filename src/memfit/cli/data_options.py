@@ -23,4 +23,6 @@ def data_options() -> list:
         click.option("--prompt-field", default=None, help="Column holding the prompt (default: prompt)."),
         click.option("--completion-field", default=None, help="Column holding the completion (default: completion)."),
         click.option("--messages-field", default=None, help="Column holding the conversation (default: messages)."),
+        click.option("--num-proc", type=int, default=1, show_default=True,
+                     help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id)."),
     ]
