@@ -4,6 +4,7 @@ and the bad inputs of issue 11 (one sentence naming file and record, exit 1, not
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,47 @@ def test_tiny_model_trains_on_conversations_and_samples_in_chat_format(tmp_path)
 @pytest.fixture()
 def tok():
     return byte_tokenizer()
+
+
+# ---------------------------------------------------------------------- datasets.map path (on disk)
+
+
+@pytest.mark.parametrize("packing", ["documents", "concat", "none"])
+def test_arrow_path_gives_the_rows_of_the_in_memory_path(tmp_path, packing):
+    """The same records, tokenized by datasets.map and packed on disk, give exactly the rows (and the
+    held-out split) the in-memory path gives; a second call reads the cache (same Arrow files)."""
+    import datasets
+
+    from memfit.data_arrow import tokenize_dataset
+    from memfit.data_formats import Fields
+
+    tok = byte_tokenizer()
+    records = [{"text": f"doc {i} " * (i % 7 + 1)} for i in range(30)] + [CHAT]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(records))
+    ds = datasets.load_dataset("json", data_files=[str(path)], split="train", cache_dir=str(tmp_path / "cache"))
+    kwargs = dict(seq_len=48, packing=packing, eval_fraction=0.1, seed=1)
+    arrow = tokenize_dataset(ds, tok, fmt=None, fields=Fields(), train_on_prompt=False, num_proc=1, where="d.json",
+                             **kwargs)
+    memory = tokenize([record_to_example(r, "r") for r in records], tok, **kwargs)
+    assert list(arrow.train) == memory.train and list(arrow.eval) == memory.eval
+    assert arrow.train[2:4] == memory.train[2:4] and arrow.conversations == 1
+    again = tokenize_dataset(ds, tok, fmt=None, fields=Fields(), train_on_prompt=False, num_proc=1, where="d.json",
+                             **kwargs)
+    assert again.train.ds.cache_files == arrow.train.ds.cache_files
+
+
+def test_tiny_model_trains_from_parquet_and_save_to_disk(tmp_path):
+    import datasets
+
+    from _train_helpers import tiny_config
+    from memfit.training.loop import train
+
+    ds = datasets.Dataset.from_list([{"body": f"the cat sat on mat {i}. " * 3} for i in range(24)])
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for source in ("d.parquet", "saved"):
+        cfg = tiny_config(tmp_path, data=str(tmp_path / source), text_field="body", packing="documents",
+                          output=str(tmp_path / f"out-{source}"))
+        summary = train(cfg, show=False)
+        assert summary["steps"] == 3 and math.isfinite(summary["final_train_loss"])

@@ -61,7 +61,9 @@ class Fields:
 
 
 def detect_format(record: dict, fields: Fields) -> str | None:
-    """The format a record's keys say, or None."""
+    """The format a record's keys say, or None. A key holding null does not count: a table that mixes
+    formats (json/parquet) gives every row every column, null where the row has none."""
+    record = {k: v for k, v in record.items() if v is not None}
     if fields.messages in record:
         return "messages"
     if "conversations" in record:
