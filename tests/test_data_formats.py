@@ -165,7 +165,6 @@ def test_train_refuses_bad_input_and_writes_nothing(tmp_path, args, message):
 
 def test_tiny_model_trains_on_conversations_and_samples_in_chat_format(tmp_path):
     from _train_helpers import tiny_config
-
     from memfit.training.loop import train
 
     path = tmp_path / "chats.jsonl"

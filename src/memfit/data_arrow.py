@@ -48,7 +48,8 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
 
     columns = list(batch)
     rows = [{c: batch[c][i] for c in columns} for i in range(len(indices))]
-    examples = [record_to_example(row, f"{where} row {idx + 1}", fmt, fields) for row, idx in zip(rows, indices)]
+    examples = [record_to_example(row, f"{where} row {idx + 1}", fmt, fields)
+                for row, idx in zip(rows, indices, strict=True)]
     docs = _encode_docs(examples, tokenizer, train_on_prompt)
     return {"input_ids": [d[0] for d in docs], "labels": [d[1] for d in docs],
             "conversation": [len(d) > 2 for d in docs], "length": [len(d[0]) for d in docs]}

@@ -10,7 +10,17 @@ from typing import Any
 
 import click
 
-from memfit.config import Attention, DType, Offload, Optimizer, Packing, Precision, Quantize, RunConfig, Sharding
+from memfit.config import (
+    Attention,
+    DType,
+    Offload,
+    Optimizer,
+    Packing,
+    Precision,
+    Quantize,
+    RunConfig,
+    Sharding,
+)
 
 _DEFAULT = RunConfig()
 

@@ -11,9 +11,9 @@ import click
 
 from memfit.cli.data_options import data_options
 from memfit.cli.options import explicit, memory_options
-from memfit.trackers import TRACKERS
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.trackers import TRACKERS
 
 _D = TrainConfig()
 
