@@ -126,7 +126,10 @@ def _rows(part, seq_len: int, mode: str):
     from memfit.data import _n_targets
     from memfit.packing import pack_documents
 
-    docs = ((row["input_ids"], row["labels"]) for row in part)
+    # batches, not rows: datasets' per-row iteration costs a Python dict per row; 1,000 rows at a time
+    # keep memory bounded and read ~10x faster
+    docs = (doc for batch in part.select_columns(["input_ids", "labels"]).iter(batch_size=1000)
+            for doc in zip(batch["input_ids"], batch["labels"], strict=True))
     if mode == "documents":
         yield from pack_documents(docs, seq_len)
     elif mode == "none":
