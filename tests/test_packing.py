@@ -133,3 +133,23 @@ def test_trace_and_estimate_model_the_block_causal_mask_of_packed_rows():
     traced = trace(cfg, docs, device="cpu").activations_per_layer
     assert traced == estimate(spec, docs, device="cpu").activations_per_layer
     assert traced - estimate(spec, concat, device="cpu").activations_per_layer == 163_840
+
+
+def test_golden_packed_mask_term_on_the_tiny_llama():
+    """tests/test_estimate.py's fp32 golden (tiny Llama: Q = 4 heads x 16 = 64, K = 2 x 16 = 32, B 2,
+    T 16, 140,032 bytes per layer without a mask) plus the packed-rows term, by hand: k and v repeated
+    to all heads, 2 x (64 - 32) x 4 = 256, and the additive mask, T x 4 = 64, per token: 320 x 32 tokens
+    = 10,240 bytes, so 150,272 per layer. Breaking the term (returning 0) fails this test."""
+    from transformers import LlamaConfig
+
+    from memfit.memory.estimate import estimate
+    from memfit.modelspec import spec_from_config
+
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    spec = spec_from_config(cfg, "tiny-test")
+    packed = estimate(spec, RunConfig(seq_len=16, micro_batch=2), device="cpu")
+    plain = estimate(spec, RunConfig(seq_len=16, micro_batch=2, packing="concat"), device="cpu")
+    assert plain.activations_per_layer == 140_032
+    assert packed.activations_per_layer == 150_272
