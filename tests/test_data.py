@@ -120,7 +120,7 @@ def test_none_reads_the_shipped_corpus():
         ("half.jsonl", '{"prompt": "p"}\n', r"half\.jsonl line 1 needs both prompt and completion"),
         ("list.jsonl", '["text"]\n', r"list\.jsonl line 1 is a JSON list"),
         ("blank.jsonl", '{"text": ""}\n', r"blank\.jsonl line 1 has a text that is not a non-empty string"),
-        ("data.csv", "a,b\n", r"data\.csv is a \.csv file"),
+        ("data.xlsx", "a,b\n", r"data\.xlsx is a \.xlsx file"),
     ],
 )
 def test_bad_files_name_the_file_and_line(tmp_path, name, content, message):
@@ -200,9 +200,9 @@ def test_load_tokenizer_pads_with_eos_when_no_pad(tmp_path, tok):
 # ------------------------------------------------------------------------------- packing and masking
 
 
-def test_packing_worked_example_of_the_docstring(tok):
+def test_concat_packing_worked_example_of_the_docstring(tok):
     docs = [Example(text="ab"), Example(prompt="c", completion="a")]
-    data = tokenize(docs, tok, seq_len=4, packing=True, eval_fraction=0.0, seed=0)
+    data = tokenize(docs, tok, seq_len=4, packing="concat", eval_fraction=0.0, seed=0)
     assert data.train == [
         {"input_ids": [BOS, A, B, EOS], "labels": [X, A, B, EOS]},
         {"input_ids": [BOS, C, A, EOS], "labels": [X, X, A, EOS]},
@@ -212,9 +212,9 @@ def test_packing_worked_example_of_the_docstring(tok):
     assert count_target_tokens(collate(data.train, PAD)["labels"]) == 5
 
 
-def test_packing_cuts_exact_chunks_and_loses_no_token(tok):
+def test_concat_packing_cuts_exact_chunks_and_loses_no_token(tok):
     docs = [Example(text="x" * n) for n in (5, 17, 3, 40, 9)]  # 74 bytes + 5 x (bos, eos) = 84 tokens
-    data = tokenize(docs, tok, seq_len=16, packing=True, eval_fraction=0.0, seed=0)
+    data = tokenize(docs, tok, seq_len=16, packing="concat", eval_fraction=0.0, seed=0)
     lengths = [len(s["input_ids"]) for s in data.train]
     assert lengths == [16, 16, 16, 16, 16, 4]  # 84 = 5 x 16 + 4: every chunk full but the tail
     stream = [t for s in data.train for t in s["input_ids"]]
@@ -225,7 +225,7 @@ def test_packing_cuts_exact_chunks_and_loses_no_token(tok):
 def test_prompt_masking_counts(tok):
     # prompt "Q: hi\nA:" is 8 bytes: bos + 8 prompt positions = 9 masked; completion " yo" + eos = 4 targets.
     ex = Example(prompt="Q: hi\nA:", completion=" yo")
-    for packing in (True, False):
+    for packing in ("concat", "none", "documents"):
         (seq,) = tokenize([ex], tok, seq_len=64, packing=packing, eval_fraction=0.0, seed=0).train
         assert len(seq["input_ids"]) == 13
         assert seq["labels"][:9] == [X] * 9
@@ -256,7 +256,7 @@ def test_split_by_document_has_no_leakage(tok):
     # Each document is a distinct letter repeated; a held-out letter must not appear in training.
     letters = "abcdefghijklmnopqrst"
     docs = [Example(text=ch * 30) for ch in letters]
-    data = tokenize(docs, tok, seq_len=16, packing=True, eval_fraction=0.2, seed=3)
+    data = tokenize(docs, tok, seq_len=16, packing="documents", eval_fraction=0.2, seed=3)
     train_tokens = {t for s in data.train for t in s["input_ids"]}
     eval_tokens = {t for s in data.eval for t in s["input_ids"]} - {BOS, EOS}
     assert len(eval_tokens) == 4  # round(0.2 x 20) documents held out
@@ -332,7 +332,7 @@ def test_unigram_loss_without_eval_is_nan():
 
 
 def test_shipped_corpus_baseline_is_that_of_english_bytes(tok):
-    data = tokenize(load_examples(None), tok, seq_len=256, packing=True, eval_fraction=0.05, seed=0)
+    data = tokenize(load_examples(None), tok, seq_len=256, packing="concat", eval_fraction=0.05, seed=0)
     assert len(data.train) > 1000 and len(data.eval) > 20
     assert all(len(s["input_ids"]) == 256 for s in data.train[:-1])
     assert 2.5 < unigram_loss(data) < 3.5  # nats per byte; a trained model must get well below

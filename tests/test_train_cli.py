@@ -23,7 +23,7 @@ def _run(args):
 def _fast(tmp_path, *extra):
     return ["--model", write_model(tmp_path / "m"), "--tokenizer", "byte", "--data", write_qa(tmp_path),
             "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--eval-every", "0", "--samples", "0",
-            "--no-packing", "--output", str(tmp_path / "out"), *extra]
+            "--packing", "none", "--output", str(tmp_path / "out"), *extra]
 
 
 def _assert_one_sentence(result, pattern):

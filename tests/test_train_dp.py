@@ -34,7 +34,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
     two = tiny_config(tmp_path / "two", save_every=3, **common)
     args = ["--model", two.model, "--tokenizer", "byte", "--data", data, "--seq-len", "64", "--micro-batch", "1",
             "--grad-accum", "2", "--max-steps", "6", "--save-every", "3", "--lr", "0.01", "--warmup-steps", "2",
-            "--optimizer", "adamw", "--no-packing", "--eval-every", "0", "--eval-fraction", "0", "--samples", "0",
+            "--optimizer", "adamw", "--packing", "none", "--eval-every", "0", "--eval-fraction", "0", "--samples", "0",
             "--log-every", "1", "--max-grad-norm", "0", "--output", two.output]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

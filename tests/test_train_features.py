@@ -30,7 +30,7 @@ def _args(tmp_path, *extra, data=None):
     """A 2-step run of 4 sequences; no --output unless given in ``extra``."""
     return ["--model", write_model(tmp_path / "m"), "--tokenizer", "byte", "--data", data or write_qa(tmp_path),
             "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--eval-every", "0", "--samples", "0",
-            "--no-packing", "--optimizer", "sgd", *extra]
+            "--packing", "none", "--optimizer", "sgd", *extra]
 
 
 def _error_line(result) -> str:
@@ -91,7 +91,7 @@ def test_check_equivalence_on_prompt_completion_data(tmp_path):
     # different numbers of target tokens, where per-micro-batch mean losses would differ by far more.
     result = _run(["--check-equivalence", "--model", write_model(tmp_path / "m"), "--tokenizer", "byte",
                    "--data", write_qa(tmp_path), "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "4",
-                   "--no-packing"])
+                   "--packing", "none"])
     assert result.exit_code == 0, result.output
     assert "3 steps of 8 x 1 vs 2 x 4 (adamw, fp32)" in result.output
     diff = float(re.search(r"largest weight difference (\S+)", result.output).group(1))

@@ -83,6 +83,25 @@ class Attention(StrEnum):
     FLASH = "flash_attention_2"
 
 
+class Packing(StrEnum):
+    """How documents become training rows (``--packing``); it changes the attention mask, hence memory."""
+
+    DOCUMENTS = "documents"
+    """Whole documents per row, position ids restarting per document: no cross-document attention
+    (transformers builds a block-causal mask, or runs flash-attention's varlen kernel)."""
+    CONCAT = "concat"
+    """Concatenate everything and cut every ``seq_len`` tokens; a document attends to the ones before it."""
+    NONE = "none"
+    """One document per row, truncated to ``seq_len``, padded per batch."""
+
+
+def parse_packing(value: Any) -> Packing:
+    """From a flag or a YAML value; the old boolean ``packing: true/false`` reads as documents / none."""
+    if isinstance(value, bool):
+        return Packing.DOCUMENTS if value else Packing.NONE
+    return _enum(Packing, value, "--packing")
+
+
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("all-linear",)
 
 
@@ -127,6 +146,8 @@ class RunConfig:
     sharding: Sharding = Sharding.DDP
     attn_implementation: Attention = Attention.AUTO
     """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
+    packing: Packing = Packing.DOCUMENTS
+    """How documents fill rows; ``documents`` makes transformers build a block-causal (B, 1, T, T) mask."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -137,6 +158,7 @@ class RunConfig:
         set_(self, "offload", _enum(Offload, self.offload, "--offload"))
         set_(self, "sharding", _enum(Sharding, self.sharding, "--sharding"))
         set_(self, "attn_implementation", _enum(Attention, self.attn_implementation, "--attn-implementation"))
+        set_(self, "packing", parse_packing(self.packing))
         if isinstance(self.lora_targets, str):
             set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
         else:
@@ -210,7 +232,6 @@ class TrainConfig:
     max_steps: int | None = 300
     epochs: int | None = None
     seed: int = 0
-    packing: bool = True
     eval_every: int = 40
     eval_fraction: float = 0.02
     save_every: int | None = None
@@ -234,6 +255,23 @@ class TrainConfig:
     """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
     check_equivalence: bool = False
     json: bool = False
+    # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
+    data_format: str | None = None
+    """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
+    train_on_prompt: bool = False
+    """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
+    chat_template: str | None = None
+    """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
+    split: str = "train"
+    """Split of a Hub dataset or a saved ``DatasetDict``."""
+    data_config: str | None = None
+    """Configuration (subset) name of a Hub dataset."""
+    text_field: str | None = None
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    messages_field: str | None = None
+    num_proc: int = 1
+    """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
 
     def to_flat(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}

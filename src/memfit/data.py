@@ -51,20 +51,31 @@ BYTE_TOKENIZER_NAME = "byte"
 
 @dataclass(frozen=True)
 class Example:
-    """One training record: either plain ``text``, or a ``prompt`` with its ``completion``.
+    """One training record: plain ``text``, a ``prompt`` with its ``completion``, or a conversation.
 
-    With ``prompt``/``completion`` the loss is taken on the completion only.
+    With ``prompt``/``completion`` the loss is taken on the completion only; with ``messages``
+    (``((role, content), ...)``, rendered by the chat template) on the assistant turns only.
     """
 
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    where: str = field(default="", compare=False)
+    """File and record, for messages about this record."""
 
     def __post_init__(self) -> None:
         plain = self.text is not None and self.prompt is None and self.completion is None
         paired = self.text is None and self.prompt is not None and self.completion is not None
-        if not (plain or paired):
-            raise ValueError("an Example holds either text, or a prompt and a completion")
+        chat = self.messages is not None and self.text is None and self.prompt is None and self.completion is None
+        if not (plain or paired or chat):
+            raise ValueError("an Example holds either text, a prompt and a completion, or messages")
+        if chat == (plain or paired):
+            raise ValueError("an Example holds either text, a prompt and a completion, or messages")
+
+    @property
+    def is_conversation(self) -> bool:
+        return self.messages is not None
 
     @property
     def is_prompt_completion(self) -> bool:
@@ -76,7 +87,8 @@ def default_corpus_path() -> Path:
     return Path(__file__).resolve().parent / "corpus"
 
 
-def load_examples(path: str | os.PathLike | None) -> list[Example]:
+def load_examples(path: str | os.PathLike | None, *, fmt: str | None = None, fields=None, split: str = "train",
+                  data_config: str | None = None, named_fields: tuple[str, ...] = ()) -> list[Example]:
     """Read training records from a ``.txt`` file, a ``.jsonl`` file, or a folder of these.
 
     * ``None``: the corpus shipped in the package (``default_corpus_path()``).
@@ -87,10 +99,22 @@ def load_examples(path: str | os.PathLike | None) -> list[Example]:
     * A folder: every ``.txt`` and ``.jsonl`` file below it, recursively, sorted by path; other
       files (a README, say) and hidden files or folders are ignored.
 
+    Records may also be conversations (``messages``, ShareGPT, Alpaca; see ``memfit.data_formats``),
+    and ``.json``/``.csv``/``.parquet``/``.arrow`` files, ``save_to_disk`` folders and Hub ids are read
+    through Hugging Face ``datasets`` (``memfit.data_sources``). ``fmt`` forces a record format,
+    ``fields`` renames columns.
+
     Raises:
         UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
             named), a record with neither text nor prompt/completion, an unsupported file type.
     """
+    from memfit import data_sources
+    from memfit.data_formats import Fields
+
+    fields = fields or Fields()
+    if path is not None and data_sources.handles(path):
+        return data_sources.load_examples(str(path), fmt=fmt, fields=fields, split=split, data_config=data_config,
+                                          named_fields=named_fields)
     root = default_corpus_path() if path is None else Path(path).expanduser()
     if not root.exists():
         raise UserError(f"Data path {root} does not exist.")
@@ -102,7 +126,7 @@ def load_examples(path: str | os.PathLike | None) -> list[Example]:
         files = [root]
     examples: list[Example] = []
     for file in files:
-        examples.extend(_load_file(file))
+        examples.extend(_load_file(file, fmt, fields))
     return examples
 
 
@@ -112,10 +136,10 @@ def _is_data_file(relative: Path) -> bool:
     return not hidden and relative.suffix.lower() in DATA_SUFFIXES
 
 
-def _load_file(path: Path) -> list[Example]:
+def _load_file(path: Path, fmt: str | None = None, fields=None) -> list[Example]:
     if path.suffix.lower() not in DATA_SUFFIXES:
         raise UserError(
-            f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl or a folder of them."
+            f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them."
         )
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
@@ -123,7 +147,7 @@ def _load_file(path: Path) -> list[Example]:
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {err.start}).") from None
     except OSError as err:
         raise UserError(f"{path} cannot be read ({err.strerror or err}).") from None
-    examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path)
+    examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path, fmt, fields)
     if not examples:
         raise UserError(f"Data file {path} is empty.")
     return examples
@@ -135,7 +159,7 @@ def _parse_txt(text: str) -> list[Example]:
     return [Example(text=doc) for doc in docs if doc]
 
 
-def _parse_jsonl(text: str, path: Path) -> list[Example]:
+def _parse_jsonl(text: str, path: Path, fmt: str | None = None, fields=None) -> list[Example]:
     examples = []
     # split("\n"), not splitlines(): a JSON string may hold a raw U+2028, which splitlines() breaks on.
     for lineno, line in enumerate(text.split("\n"), start=1):
@@ -145,27 +169,39 @@ def _parse_jsonl(text: str, path: Path) -> list[Example]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{path} line {lineno} is not valid JSON ({err.msg}).") from None
-        examples.append(_record_to_example(record, f"{path} line {lineno}"))
+        examples.append(record_to_example(record, f"{path} line {lineno}", fmt, fields))
     return examples
 
 
-def _record_to_example(record: object, where: str) -> Example:
+def record_to_example(record: object, where: str, fmt: str | None = None, fields=None) -> Example:
+    """One record (a JSON object or a table row) as an ``Example``, in its detected or forced format."""
+    from memfit.data_formats import Fields, detect_format, to_messages
+
+    fields = fields or Fields()
     if not isinstance(record, dict):
         raise UserError(
             f"{where} is a JSON {type(record).__name__}, not an object with text or prompt/completion."
         )
-    if "prompt" in record or "completion" in record:
-        prompt, completion = record.get("prompt"), record.get("completion")
+    fmt = fmt or detect_format(record, fields)
+    if fmt in ("messages", "sharegpt", "alpaca"):
+        return Example(messages=to_messages(record, fmt, where, fields), where=where)
+    if fmt == "prompt-completion":
+        prompt, completion = record.get(fields.prompt), record.get(fields.completion)
         if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise UserError(f"{where} needs both prompt and completion as strings.")
+            raise UserError(f"{where} needs both {fields.prompt} and {fields.completion} as strings.")
         if not completion:
             raise UserError(f"{where} has an empty completion, so it carries no loss.")
-        return Example(prompt=prompt, completion=completion)
-    if "text" in record:
-        if not isinstance(record["text"], str) or not record["text"]:
-            raise UserError(f"{where} has a text that is not a non-empty string.")
-        return Example(text=record["text"])
-    raise UserError(f"{where} has neither a text field nor prompt and completion fields.")
+        return Example(prompt=prompt, completion=completion, where=where)
+    if fmt == "text":
+        text = record.get(fields.text)
+        if not isinstance(text, str) or not text:
+            raise UserError(f"{where} has a {fields.text} that is not a non-empty string.")
+        return Example(text=text, where=where)
+    if fmt is not None and fmt not in ("text", "prompt-completion"):
+        raise UserError(f"Unknown --data-format {fmt!r}; choose one of: messages, sharegpt, alpaca, "
+                        "prompt-completion, text.")
+    raise UserError(f"{where} has neither a text field nor prompt and completion fields (nor messages, "
+                    f"conversations, or instruction/output); its fields are: {', '.join(map(str, record)) or 'none'}.")
 
 
 # ------------------------------------------------------------------------------------------ tokenizers
@@ -193,7 +229,9 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     pad, bos, eos = BYTE_SPECIALS
-    return PreTrainedTokenizerFast(
+    from memfit.data_formats import BYTE_CHAT_TEMPLATE
+
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=pad,
         bos_token=bos,
@@ -201,6 +239,8 @@ def byte_tokenizer():
         model_max_length=1 << 30,  # no length limit of its own; the model's positions are checked elsewhere
         clean_up_tokenization_spaces=False,  # keep " ," and " ." exactly as written
     )
+    fast.chat_template = BYTE_CHAT_TEMPLATE  # conversations train with no download
+    return fast
 
 
 def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_remote_code: bool = False):
@@ -249,6 +289,11 @@ class TokenizedData:
 
     train: list[dict[str, list[int]]] = field(default_factory=list)
     eval: list[dict[str, list[int]]] = field(default_factory=list)
+    conversations: int = 0
+    """Conversations among the documents."""
+    dropped_long: int = 0
+    """Conversations longer than ``seq_len``, dropped (policy: drop; a cut conversation would train on a
+    reply whose question is gone, or lose the reply's end-of-turn)."""
 
 
 def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -267,7 +312,8 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
 
 
 def tokenize(
-    examples: Sequence[Example], tokenizer, *, seq_len: int, packing: bool, eval_fraction: float, seed: int
+    examples: Sequence[Example], tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int,
+    train_on_prompt: bool = False,
 ) -> TokenizedData:
     """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
 
@@ -282,7 +328,11 @@ def tokenize(
     boundary is exact; the labels of bos and the prompt are ``-100``, so the loss covers the
     completion and its eos only.
 
-    **Packing** (``packing=True``) concatenates the documents into one stream and cuts it into chunks
+    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
+    per row with position ids restarting at 0 each, so no document attends to another; see
+    ``memfit.packing`` for the rule and a worked example.
+
+    **Concatenation** (``packing="concat"``) concatenates the documents into one stream and cuts it into chunks
     of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
     sequence (padded by ``collate``) so that no text is dropped; only a chunk with no target at all
     (a one-token tail, or nothing but prompt) is left out, as it adds no loss. Labels travel with their tokens, so
@@ -301,7 +351,7 @@ def tokenize(
     never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
     target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
 
-    **No packing** (``packing=False``): one sequence per document, truncated to ``seq_len`` (its eos
+    **No packing** (``packing="none"``): one sequence per document, truncated to ``seq_len`` (its eos
     is lost when it is cut); lengths vary and ``collate`` pads. A sequence left with no target after
     truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
 
@@ -309,24 +359,47 @@ def tokenize(
         examples: records from ``load_examples``.
         tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
         seq_len: tokens per sequence (>= 2).
-        packing: pack documents into full-length chunks, or one (truncated) document per sequence.
+        packing: a ``Packing`` or its name (``documents``, ``concat``, ``none``); ``True``/``False``
+            read as ``documents``/``none``.
         eval_fraction: share of documents held out, in [0, 1).
         seed: seeds the held-out draw.
     """
     if seq_len < 2:
         raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
+    from memfit.config import Packing, parse_packing
+    from memfit.packing import pack_documents
+
     train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
-    build = _pack if packing else _truncate
-    return TokenizedData(
-        train=build(_encode_docs([examples[i] for i in train_idx], tokenizer), seq_len),
-        eval=build(_encode_docs([examples[i] for i in eval_idx], tokenizer), seq_len),
-    )
+    mode = parse_packing(packing)
+    build = {Packing.DOCUMENTS: lambda docs, n: list(pack_documents(docs, n)), Packing.CONCAT: _pack,
+             Packing.NONE: _truncate}[mode]
+    train_docs, dropped_train = _drop_long_conversations(
+        _encode_docs([examples[i] for i in train_idx], tokenizer, train_on_prompt), seq_len)
+    eval_docs, dropped_eval = _drop_long_conversations(
+        _encode_docs([examples[i] for i in eval_idx], tokenizer, train_on_prompt), seq_len)
+    return TokenizedData(train=build(train_docs, seq_len), eval=build(eval_docs, seq_len),
+                         conversations=sum(ex.is_conversation for ex in examples),
+                         dropped_long=dropped_train + dropped_eval)
 
 
-def _encode_docs(examples: Sequence[Example], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked."""
+def _drop_long_conversations(docs, seq_len: int):
+    """Documents without the conversations longer than ``seq_len`` (marked by a third tuple item)."""
+    kept = [(ids, labels) for ids, labels, *chat in docs if not (chat and len(ids) > seq_len)]
+    return kept, len(docs) - len(kept)
+
+
+def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
+    """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked; a conversation
+    as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data_formats``)."""
     if not examples:
         return []
+    if any(ex.is_conversation for ex in examples):
+        from memfit.data_formats import encode_conversation
+
+        plain = iter(_encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
+        return [(*encode_conversation(tokenizer, ex.messages, train_on_prompt=train_on_prompt,
+                                      where=ex.where or "a conversation"), True)
+                if ex.is_conversation else next(plain) for ex in examples]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if eos is None:
         raise UserError("The tokenizer has no eos token to separate documents with.")
@@ -336,7 +409,8 @@ def _encode_docs(examples: Sequence[Example], tokenizer) -> list[tuple[list[int]
     prompts = _encode_texts(tokenizer, [ex.prompt or "" for ex in examples])
     docs = []
     for ex, body, prompt in zip(examples, bodies, prompts, strict=True):
-        masked = head + (prompt if ex.is_prompt_completion else [])  # bos is never a target either
+        masked = head + (prompt if ex.is_prompt_completion and not train_on_prompt else [])
+        body = (prompt + body) if ex.is_prompt_completion and train_on_prompt else body  # bos: never a target
         ids = masked + body + [eos]
         docs.append((ids, [IGNORE_INDEX] * len(masked) + ids[len(masked) :]))
     return docs
@@ -377,18 +451,42 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of sequences to the longest one.
 
     Returns ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 = real token) and
-    ``labels`` (``-100`` on padding), each of shape (B, T) and dtype int64.
+    ``labels`` (``-100`` on padding), each of shape (B, T) and dtype int64. When the rows carry
+    ``position_ids`` (``--packing documents``), ``position_ids`` too, where the padding of a row is
+    one more "document" with positions 0, 1, ... of its own: it attends only to itself and no real
+    token attends to it, so the model needs no ``attention_mask`` (see ``model_inputs``).
     """
     longest = max(len(seq["input_ids"]) for seq in batch)
     input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)  # (B, T)
     labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)  # (B, T)
+    packed = any("position_ids" in seq for seq in batch)
+    positions = torch.zeros((len(batch), longest), dtype=torch.long)  # (B, T)
     for row, seq in enumerate(batch):
         n = len(seq["input_ids"])
         input_ids[row, :n] = torch.as_tensor(seq["input_ids"], dtype=torch.long)
         labels[row, :n] = torch.as_tensor(seq["labels"], dtype=torch.long)
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if packed:
+            own = seq.get("position_ids") or range(n)
+            positions[row, :n] = torch.as_tensor(list(own), dtype=torch.long)
+            positions[row, n:] = torch.arange(longest - n)  # padding: a segment of its own
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if packed:
+        out["position_ids"] = positions
+    return out
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keys of a collated batch the model's forward takes.
+
+    A packed batch (it has ``position_ids``) goes without its ``attention_mask``: transformers looks for
+    packed documents in the position ids only when no attention mask is given. The mask stays in the
+    batch for counting real tokens.
+    """
+    if "position_ids" in batch:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

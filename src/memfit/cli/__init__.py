@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("memfit.cli.train", "Train or fine-tune a causal LM on Accelerate and measure its memory."),
     "estimate": ("memfit.cli.estimate", "Where every byte of a training step goes (analytic or --exact)."),
     "plan": ("memfit.cli.plan", "The fastest configuration that fits a memory budget."),
+    "data": ("memfit.cli.data", "Show a training record as the model sees it, loss mask marked (data preview)."),
     "presets": ("memfit.cli.presets", "List the architecture presets and the GPU table."),
 }
 

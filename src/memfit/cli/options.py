@@ -10,7 +10,17 @@ from typing import Any
 
 import click
 
-from memfit.config import Attention, DType, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.config import (
+    Attention,
+    DType,
+    Offload,
+    Optimizer,
+    Packing,
+    Precision,
+    Quantize,
+    RunConfig,
+    Sharding,
+)
 
 _DEFAULT = RunConfig()
 
@@ -48,6 +58,10 @@ def memory_options(func):
         click.option("--offload", type=_choice(Offload), default=_DEFAULT.offload.value, show_default=True),
         click.option("--attn-implementation", type=_choice(Attention), default=_DEFAULT.attn_implementation.value,
                      show_default=True),
+        click.option("--packing", type=_choice(Packing), default=_DEFAULT.packing.value, show_default=True,
+                     help="documents: whole documents per row, each attending only to itself (position ids "
+                     "restart; a block-causal mask); concat: cut one stream, documents see the ones before; "
+                     "none: one document per row, padded."),
     ]
     for opt in reversed(opts):
         func = opt(func)

@@ -9,9 +9,11 @@ from typing import Any
 
 import click
 
+from memfit.cli.data_options import data_options
 from memfit.cli.options import explicit, memory_options
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.trackers import TRACKERS
 
 _D = TrainConfig()
 
@@ -20,6 +22,8 @@ Examples:
   memfit train                                   # demo: tiny preset on the shipped corpus (CPU: < 3 min),
                                                  # written to runs/tiny-<YYYYmmdd-HHMMSS>
   memfit train --data notes.jsonl --model ./my-ckpt --lora-r 16 --merge --output runs/notes
+  memfit train --data chats.jsonl --model ./my-instruct --lora-r 16   # {"messages": [...]}: loss on replies
+  memfit train --data data.parquet --text-field body    # also .csv/.json/.arrow, save_to_disk, org/name
   memfit train --model ./my-ckpt --budget 24GiB --batch 32 --seq-len 1024   # plan, then train
   memfit train --tracker tensorboard --output runs/tb   # then: tensorboard --logdir runs/tb
   memfit train --config plan.yaml --max-steps 500      # flags typed here override the file
@@ -37,6 +41,7 @@ def _train_options(func):
         click.option("--data", default=None, help=".txt, .jsonl (text or prompt/completion) or a folder; "
                      "default: the corpus shipped with memfit."),
         click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
+        *data_options(),
         click.option("--lr", type=float, default=_D.optimizer_lr, show_default=True, help="Peak learning rate."),
         click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True),
         click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True),
@@ -46,8 +51,7 @@ def _train_options(func):
         click.option("--batch", type=int, default=None,
                      help="Effective batch in sequences per optimizer step (sets --grad-accum)."),
         click.option("--seed", type=int, default=_D.seed, show_default=True),
-        click.option("--packing/--no-packing", default=_D.packing, show_default=True,
-                     help="Pack documents into full sequences, or one (truncated) document per sequence."),
+        click.option("--no-packing", is_flag=True, hidden=True, help="Old spelling of --packing none."),
         click.option("--eval-every", type=int, default=_D.eval_every, show_default=True,
                      help="Evaluate on the held-out split every N steps (0: never)."),
         click.option("--eval-fraction", type=float, default=_D.eval_fraction, show_default=True),
@@ -66,8 +70,9 @@ def _train_options(func):
         click.option("--budget", default=None,
                      help="Memory budget (24GiB): plan the fastest settings that fit, then train them. Full "
                      "fine-tune unless --lora-r; --dtype/--mixed-precision kept when given."),
-        click.option("--tracker", type=click.Choice(["tensorboard"]), default=None,
-                     help="Also log metrics to TensorBoard (event files under --output/memfit)."),
+        click.option("--tracker", type=click.Choice(list(TRACKERS)), default=None,
+                     help="Also log metrics with an Accelerate tracker (files under --output; wandb/mlflow/"
+                     "trackio/aim need their extra: pip install 'memfit[wandb]' and so on)."),
         click.option("--check-equivalence", is_flag=True,
                      help="Train 3 steps as E x 1 and E/k x k on your model and data; print the weight difference."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
@@ -98,6 +103,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
 def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     """Defaults < ``--config`` YAML < flags typed on the command line."""
     config_file = kwargs.pop("config_file")
+    if kwargs.pop("no_packing", False):
+        kwargs["packing"] = "none"
+        ctx.set_parameter_source("packing", click.core.ParameterSource.COMMANDLINE)
     typed = explicit(ctx, kwargs)
     from_file = _read_yaml(config_file) if config_file else {}
     merged = {**kwargs, **from_file, **typed}

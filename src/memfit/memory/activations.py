@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import Attention, Quantize, RunConfig
+from memfit.config import Attention, Packing, Quantize, RunConfig
 
 FP32 = 4
 
@@ -135,6 +135,27 @@ class _Ctx:
         return (1 if self.device == "cuda" else dtype) * dim
 
 
+def packed_mask_per_token(ctx: _Ctx) -> int:
+    """Extra bytes per token and layer SDPA saves under ``--packing documents``, 0 otherwise.
+
+    Packed rows reach the model without an attention mask but with restarting position ids, so
+    transformers builds a block-causal (B, 1, T, T) boolean mask (``find_packed_sequence_indices``).
+    With a mask (1) transformers does not pass ``enable_gqa`` (``use_gqa_in_sdpa``) but repeats k and v
+    to all heads, so SDPA saves them ``Q`` wide instead of ``K``: ``2 (Q - K) c``; (2) each layer's SDPA
+    converts the boolean mask to an additive one in the query dtype and saves it for backward:
+    ``B T^2 c`` per layer, ``T c`` per token. Measured with the exact tracer on CPU (fp32 and bf16
+    autocast, B 2 and 4, T 64 and 128): exact to the byte per layer. The boolean mask itself and its
+    helpers (a few ``B T^2`` bytes, alive once per step, not per layer) are left out: under 100 KiB at
+    those sizes. CUDA's memory-efficient kernel takes the same additive mask (its last dimension
+    padded to a multiple of 16, ignored here); flash-attention 2 runs its varlen kernel instead: no mask.
+    """
+    run = ctx.run
+    if run.packing is not Packing.DOCUMENTS or run.attn_implementation is not Attention.SDPA:
+        return 0
+    s = ctx.spec
+    return 2 * (s.q_dim - s.kv_dim) * ctx.prec.c + run.seq_len * ctx.prec.c
+
+
 def _sdpa_core(ctx: _Ctx, fused_qkv: bool = False) -> int:
     """Bytes per token saved by SDPA without a mask (flash / mem-efficient on CUDA, flash-for-CPU on CPU).
 
@@ -144,7 +165,7 @@ def _sdpa_core(ctx: _Ctx, fused_qkv: bool = False) -> int:
     """
     s, p = ctx.spec, ctx.prec
     v = s.q_dim + 2 * s.kv_dim if fused_qkv else s.kv_dim
-    return p.c * (s.q_dim + s.kv_dim + v + s.q_dim) + FP32 * s.num_heads
+    return p.c * (s.q_dim + s.kv_dim + v + s.q_dim) + FP32 * s.num_heads + packed_mask_per_token(ctx)
 
 
 def _eager_core(ctx: _Ctx, softcap: bool) -> int:
@@ -232,7 +253,7 @@ def gpt2_layer(ctx: _Ctx) -> int:
         total += FP32 * 3 * s.q_dim + 3 * FP32 * n_t
         total += ctx.linear_inputs(h, ("c_proj",), p.c)  # the contiguous copy of the output
     else:
-        total += p.c * 3 * h + p.c * s.q_dim + FP32 * s.num_heads
+        total += p.c * 3 * h + p.c * s.q_dim + FP32 * s.num_heads + packed_mask_per_token(ctx)
         total += ctx.linear_inputs(h, ("c_proj",), p.c, already=True)
     total += ctx.dropout_mask(h, p.c, ctx.resid_dropout)
     total += p.w * h + 2 * p.w  # ln_2

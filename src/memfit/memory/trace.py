@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit import versions
-from memfit.config import Attention, Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.modelspec import check_seq_len
@@ -369,11 +369,11 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
     for _ in range(micro_batches):
         t.tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root module otherwise
         rec.phase = "forward"
-        # No attention mask: packed full-length sequences (a mask's values cannot be read on fake tensors).
+        # No attention mask: full-length rows (a mask's values cannot be read on fake tensors).
         input_ids = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         labels = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         # use_cache=False: a training step keeps no KV cache; only the loss is kept (outputs are dropped).
-        loss = t.forward(input_ids=input_ids, labels=labels, use_cache=False).loss
+        loss = t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
         # accelerator.backward divides by the accumulation steps before backward.
         loss = loss / t.run.grad_accum if t.run.grad_accum > 1 else loss
         rec.phase = "backward"
@@ -497,6 +497,31 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     )
 
 
+def _packed_positions(run: RunConfig) -> dict:
+    """``position_ids`` of rows holding two documents each, as ``--packing documents`` gives the model
+    (positions restart at 0; no attention mask), so transformers takes its packed-sequence path; the
+    split point does not matter, only that the rows hold more than one document. Other packing modes
+    pass none (the model numbers positions 0..T-1 itself)."""
+    import torch
+
+    if run.packing is not Packing.DOCUMENTS or run.seq_len < 2:
+        return {}
+    half = run.seq_len // 2
+    row = torch.cat([torch.arange(half), torch.arange(run.seq_len - half)])  # (T,)
+    return {"position_ids": row.expand(run.micro_batch, -1)}  # (B, T)
+
+
+@contextlib.contextmanager
+def _attention_path(run: RunConfig):
+    """The packed-sequence detection of the real run: real with ``--packing documents`` (the rows carry
+    restarting position ids: transformers builds a block-causal mask), else ``_unpacked_sequences``."""
+    if run.packing is Packing.DOCUMENTS:
+        yield
+        return
+    with _unpacked_sequences():
+        yield
+
+
 @contextlib.contextmanager
 def _unpacked_sequences():
     """Take the attention path of a real unpadded (or packed, full-length) batch, not a fake-tensor one.
@@ -558,7 +583,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     _mark_layers(net, recorder)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
-    with _unpacked_sequences(), fake_mode, tracker, recorder:
+    with _attention_path(run), fake_mode, tracker, recorder:
         if steps > 1:
             _one_step(traced, micro_batches)
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])

@@ -18,7 +18,9 @@ MAX_NEW_TOKENS = 160
 
 
 def prompt_text(example) -> str:
-    """The beginning of a document that a sample continues."""
+    """The beginning of a document that a sample continues (a conversation: its first user turn)."""
+    if example.is_conversation:
+        return next(content for role, content in example.messages if role == "user")
     if example.is_prompt_completion:
         return example.prompt
     text = example.text.strip()
@@ -30,8 +32,20 @@ def prompt_text(example) -> str:
     return head.rstrip()
 
 
-def prompt_ids(tokenizer, text: str) -> list[int]:
-    """``[bos] + tokens`` exactly as training frames a document start (bos only when distinct from eos)."""
+def conversation_prompt(example) -> tuple:
+    """The turns before a conversation's first assistant reply (system and user turns)."""
+    first = next(i for i, (role, _) in enumerate(example.messages) if role == "assistant")
+    return example.messages[:first]
+
+
+def prompt_ids(tokenizer, text: str, example=None) -> list[int]:
+    """``[bos] + tokens`` exactly as training frames a document start (bos only when distinct from eos);
+    for a conversation, its turns before the first reply rendered by the chat template with the
+    generation prompt (the assistant's header), as in training."""
+    if example is not None and example.is_conversation:
+        turns = [{"role": r, "content": c} for r, c in conversation_prompt(example)]
+        rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     head = [bos] if bos is not None and bos != eos else []
     return head + tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -54,7 +68,7 @@ def generate_samples(accelerator, net, tokenizer, examples: list, *, count: int,
     with torch.no_grad(), accelerator.autocast():
         for example in examples[:count]:
             text = prompt_text(example)
-            ids = torch.tensor([prompt_ids(tokenizer, text)], device=accelerator.device)  # (1, T)
+            ids = torch.tensor([prompt_ids(tokenizer, text, example)], device=accelerator.device)  # (1, T)
             room = MAX_NEW_TOKENS if max_positions is None else min(MAX_NEW_TOKENS, max_positions - ids.shape[1])
             if room < 1:
                 continue

@@ -150,6 +150,8 @@ def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    if data.note:
+        bar.note(data.note)
     predicted = predict(config.model, run, accelerator.device.type)
     bar.note(sharding.per_rank_line(config.model, run, predicted))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,

@@ -70,6 +70,9 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import GradientAccumulationPlugin
 
+    from memfit.trackers import check_tracker
+
+    check_tracker(config.tracker)  # before anything is built: a missing package is one sentence
     # One process may train twice (tests, --check-equivalence): forget the previous run's precision.
     AcceleratorState._reset_state()
     GradientState._reset_state()
@@ -236,20 +239,22 @@ class DataBundle:
     prompt_docs: list
     """Documents whose beginnings prompt the end-of-run samples: held-out ``Example`` records (training
     ones when nothing is held out), evenly spread over the corpus."""
+    note: str = ""
+    """A line for the user before training: packing, padding share, conversations dropped."""
 
 
 def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     """Load, check and tokenize the data (every data error surfaces here, before the output folder exists)."""
     from memfit import data
+    from memfit.data_prep import load_for_run
 
-    examples = data.load_examples(config.data)
-    tokenized = data.tokenize(examples, tokenizer, seq_len=run.seq_len, packing=config.packing,
-                              eval_fraction=config.eval_fraction, seed=config.seed)
-    if not tokenized.train:
-        raise UserError("The data yields no training sequence with a target token.")
+    examples, tokenized = load_for_run(config, run, tokenizer)
     train_idx, held = data.split_documents(len(examples), config.eval_fraction, config.seed)  # tokenize's split
     docs = [examples[i] for i in spread(held or train_idx, config.samples)]
-    return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs)
+    from memfit.data_prep import data_note
+
+    return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
+                      note=data_note(tokenized, run))
 
 
 def spread(items: list, count: int) -> list:

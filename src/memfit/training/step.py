@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.data import collate, count_target_tokens
+from memfit.data import collate, count_target_tokens, model_inputs
 from memfit.training.oom import is_oom
 from memfit.training.rollback import OptimizerSnapshot
 
@@ -67,10 +67,11 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
     """``S_i / N`` for one micro-batch: the model's loss with ``num_items_in_batch``, or the same
     function applied to its logits for models whose forward does not take loss kwargs."""
     if uses_model_loss:
-        return model(**batch, num_items_in_batch=num_items).loss
+        return model(**model_inputs(batch), num_items_in_batch=num_items).loss
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+    inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+    logits = model(**inputs).logits  # (B, T, V)
     return ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=num_items)
 
 
@@ -130,7 +131,7 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
     for start in range(0, len(mine), batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size], pad_id).items()}
         with accelerator.autocast():
-            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = net(**{k: v for k, v in model_inputs(batch).items() if k != "labels"}).logits
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
         sums[1] += count_target_tokens(batch["labels"])
     net.train(was_training)

@@ -1,0 +1,48 @@
+"""``memfit data preview``: the first training example as the model will see it, loss mask marked."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from memfit.cli.data_options import data_options
+
+EPILOG = """\b
+Examples:
+  memfit data preview --data chats.jsonl                       # tiny preset's byte tokenizer + template
+  memfit data preview --data chats.jsonl --model ./my-instruct # the model's own chat template
+  memfit data preview --data train.parquet --messages-field conversation --index 3
+"""
+
+
+@click.group(name="data", context_settings={"help_option_names": ["-h", "--help"]})
+def command() -> None:
+    """Look at training data the way memfit train reads it."""
+
+
+@command.command(name="preview", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--data", default=None, help="As for memfit train (default: the shipped corpus).")
+@click.option("--model", default="tiny", show_default=True, help="Preset or local checkpoint (for its tokenizer).")
+@click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's.")
+@click.option("--index", type=int, default=0, show_default=True, help="Which record (0 = the first).")
+@click.option("--json", "as_json", is_flag=True, help="Print input_ids, labels and the marked text as JSON.")
+def preview(**kwargs: Any) -> None:
+    """Show one record rendered as training sees it; text without loss is shown as [[no loss: ...]]."""
+    from memfit.config import TrainConfig
+    from memfit.data_prep import preview_record
+
+    index, as_json = kwargs.pop("index"), kwargs.pop("as_json")
+    config = TrainConfig(**{k: v for k, v in kwargs.items() if v is not None and v is not False}
+                         | {"train_on_prompt": bool(kwargs.get("train_on_prompt"))})
+    result = preview_record(config, index)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{result['where']} ({result['format']}): {result['tokens']} tokens, {result['targets']} with loss")
+    click.echo(result["marked"])
+
+
+for _opt in reversed(data_options()):
+    preview = _opt(preview)
