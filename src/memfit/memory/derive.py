@@ -361,8 +361,13 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     points, lines = [], []
     for batch, mult in _POINTS:
         seq = lengths[{1: 0, 2: 1, 4: 2}[mult]]
-        _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
-                        timeline=True, steps=1)
+        try:
+            _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
+                            timeline=True, steps=1)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise UserError(f"Cannot derive a memory recipe for {spec.model_type}: tracing its 2-layer version "
+                            f"failed ({first}).") from None
         points.append((batch, seq))
         lines.append(line)
     phases, span = _align(lines)
