@@ -103,3 +103,18 @@ def test_json_names_the_recipe():
     data = json.loads(result.output)
     assert data["recipe"] == "hand-written recipe: llama"
     assert any(line.startswith("recipe: hand-written recipe: llama") for line in data["notes"])
+
+
+def test_a_model_whose_trace_fails_is_one_sentence(llama, monkeypatch):
+    from memfit.errors import UserError
+    from memfit.memory import trace
+    from memfit.memory.estimate import estimate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unsupported operator\nlong traceback text")
+
+    monkeypatch.setattr(trace, "trace", broken)
+    with pytest.raises(UserError) as err:
+        estimate(llama, RUN.replace(lora_r=4), derived=True)  # settings never derived in this session
+    assert str(err.value) == ("Cannot derive a memory recipe for llama: tracing its 2-layer version failed "
+                              "(unsupported operator).")

@@ -42,7 +42,8 @@ def _case(family, seq, batch, *parts, marks=(), **extra):
     return pytest.param(family, RunConfig(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
 
 
-#: CI grid: every family once or twice, about 1 s per trace and 5 traces per derived recipe.
+#: CI grid: every family once or twice; 13 traces and 5 derived recipes (5 traces each), the recipes
+#: cached for the session (a derivation is most of the file's time).
 GRID = [
     _case("llama-mha", 512, 2, FP32),
     _case("llama-gqa", 256, 8, AMP),
@@ -53,9 +54,7 @@ GRID = [
     _case("phi3", 256, 4, FP32, LORA),
     _case("gemma2", 256, 2, AMP),
     _case("gpt2", 256, 4, FP32),
-    _case("gpt2", 256, 4, AMP, GC),          # dropout + checkpointing on CPU kernels: derived
     _case("gpt_neox", 512, 2, FP32),
-    _case("gpt_neox", 256, 8, FP32),         # the same derived recipe at another size
     _case("olmo2", 256, 4, AMP),
     _case("stablelm", 512, 2, PURE, LORA),
     _case("granite", 256, 4, FP32, GC),
@@ -67,6 +66,9 @@ SLOW_GRID = [
     _case(family, seq, batch, *parts, marks=_SLOW)
     for family in FAMILIES
     for seq, batch, parts in ((512, 4, (AMP,)), (256, 2, (FP32, GC)), (384, 2, (PURE, LORA)))
+] + [
+    _case("gpt2", 256, 4, AMP, GC, marks=_SLOW),      # dropout + checkpointing on CPU kernels: derived
+    _case("gpt_neox", 256, 8, FP32, marks=_SLOW),     # a derived recipe at a second size
 ]
 # Not in either grid: LoRA + checkpointing together. The trace keeps 3 x B*T*H*4 bytes of the first step
 # alive into the second (a real CPU run frees them, docs/estimate.md), which moves the optimizer phase
@@ -121,7 +123,7 @@ def test_analytic_matches_trace(family, run):
         assert _within(a, e), f"{phase} peak off by more than 3%: {a:,} vs {e:,} bytes{table}"
 
 
-@pytest.mark.parametrize("family, run", GRID)
+@pytest.mark.parametrize("family, run", GRID + SLOW_GRID[-2:])
 def test_recipe_used(family, run):
     """Each case states which recipe it tests: hand-written where one models the run, else derived."""
     from memfit.memory.estimate import estimate

@@ -86,7 +86,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
             models CUDA kernels (flash/mem-efficient attention, fused dropout masks); ``"cpu"`` models the
             CPU kernels and drops those terms (this is what ``memory/trace.py`` runs).
         derived: None picks the hand-written recipe where one models the run, else derives one from
-            traces (``memory/derive.py``, seconds once, then cached); True forces the derived recipe.
+            traces (``memory/derive.py``, seconds once, then cached); True forces the derived recipe,
+            False the hand-written one (Llama's for a family without one: the old behaviour).
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
