@@ -22,8 +22,9 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, oom
+from memfit.training import checkpoint, oom, resume
 from memfit.training.budget import plan_line, plan_record
+from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
 from memfit.training.samples import generate_samples
@@ -53,6 +54,8 @@ class LoopState:
     last_eval: float = math.nan
     best_eval: float = math.nan
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    """One record per ``--resume`` of this run: the step and checkpoint it continued from."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoopState:
@@ -72,7 +75,13 @@ def train(config: TrainConfig, *, show: bool = True) -> dict[str, Any]:
 
 
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
+    with RunGuard() as guard:  # Ctrl-C, non-finite steps, failing writes, the run folder's lock
+        return _run_training(config, show, guard)
+
+
+def _run_training(config: TrainConfig, show: bool, guard: RunGuard) -> TrainResult:
     t_start = time.perf_counter()
+    config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
@@ -81,12 +90,12 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     # Everything the user can get wrong (model, tokenizer, data, length) is checked before the output
     # folder is created, so a bad input leaves nothing behind.
     source = resolve_model(config, run)
+    resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
     data = build_data(config, run, source.tokenizer)
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
     total_steps = _total_steps(config, schedule)
     output = Path(config.output)
-    checkpoint.prepare_output(output, resume=config.resume, overwrite=config.overwrite,
-                              is_main=accelerator.is_main_process)
+    guard.open_folder(config, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device)
     optimizer = build_optimizer(bundle.model, run, config)
@@ -94,7 +103,9 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
     state = LoopState()
     if config.resume:
-        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output))
+        state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output, resume_point.path))
+        state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
+        guard.last_checkpoint = resume_point.path
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run))
@@ -107,6 +118,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    if resume_point is not None and resume_point.note:
+        bar.note(resume_point.note)
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
     measure.reset_peak(device)
@@ -126,6 +139,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                          f"x {run.grad_accum}" + (" + checkpointing" if run.grad_checkpointing else ""))
                 batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
                 continue
+            guard.check_finite(state.step + 1, result, model)  # a NaN/inf step stops the run before any save
             if not result.skipped:
                 scheduler.step()  # a step the fp16 scaler skipped does not advance the schedule
             state.step += 1
@@ -152,9 +166,14 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                     record["eval_loss"] = state.last_eval
                 metrics.write(record)
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=state.step)
-            if config.save_every and (state.step % config.save_every == 0 or last):
+            stop = guard.should_stop(accelerator)  # Ctrl-C: checkpoint at this step boundary, then stop
+            if checkpoint.due(config, state.step, total_steps) or stop:
                 with not_a_batch_problem("saving a checkpoint"):
-                    checkpoint.save_checkpoint(accelerator, output, state.step, {**asdict(state), "run": run.to_flat()})
+                    guard.last_checkpoint = checkpoint.save_checkpoint(
+                        accelerator, output, state.step, {**asdict(state), **resume.record(config, run, source.hf_config)},
+                        keep_last=config.keep_last)
+            if stop:
+                guard.stop(state.step)
             bar.update(state.step, loss=result.loss, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_s,
                        memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval)
     peak_mem = measure.peak(device)
