@@ -73,6 +73,10 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    if output:  # before the search: a plan that cannot be written is not worth computing
+        from memfit.validate import check_writable_target
+
+        check_writable_target(Path(output), flag_name="--output", is_dir=False)
     pins["allow_quantize"] = not pins.pop("no_quantize")
     pins["allow_offload"] = not pins.pop("no_offload")
     constraints = Constraints.from_flat(pins)

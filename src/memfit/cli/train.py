@@ -105,6 +105,11 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     config_file = kwargs.pop("config_file")
     typed = explicit(ctx, kwargs)
     from_file = _read_yaml(config_file) if config_file else {}
+    if from_file.get("trust_remote_code") is True and "trust_remote_code" not in typed:
+        click.echo(f"warning: {config_file} turns on trust_remote_code: the model folder's own Python code will "
+                   "run; remove it from the file unless you trust that code.", err=True)
+    if from_file:  # every value in the file is checked, even one a typed flag overrides
+        TrainConfig.from_flat({**{k: v for k, v in kwargs.items() if k != "as_json"}, **from_file})
     merged = {**kwargs, **from_file, **typed}
     merged["json"] = merged.pop("as_json", False)
     chosen = set(typed) | set(from_file)
@@ -116,9 +121,6 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
         merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
     merged["pinned"] = tuple(sorted(k for k in chosen if k in RunConfig.__dataclass_fields__))
     merged["explicit"] = tuple(sorted(chosen))  # --resume restores the saved run's value of the others
-    if from_file.get("trust_remote_code") is True and "trust_remote_code" not in typed:
-        click.echo(f"warning: {config_file} turns on trust_remote_code: the model folder's own Python code will "
-                   "run; remove it from the file unless you trust that code.", err=True)
     return TrainConfig.from_flat(merged)
 
 

@@ -109,14 +109,28 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any],
     if accelerator.is_main_process:
         manifest.write_file(tmp / STATE_FILE, json.dumps(state, indent=2))
         manifest.write_manifest(tmp)  # last: its presence says every file above is complete
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
+        _put_in_place(tmp, final)
         manifest.fsync_dir(final.parent)
         if keep_last:
             remove_old(output, keep=keep_last, newest=final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; whatever held that name before (the same step saved by an
+    earlier try, or a stray file) is moved aside first and removed only after the rename."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".old-{final.name}")
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 def due(config, step: int, total_steps: int) -> bool:
@@ -141,7 +155,10 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     leftovers of interrupted saves. Never called before ``newest`` is complete."""
     from memfit.training import manifest
 
-    complete = [path for _, path in step_folders(output) if path.is_dir() and manifest.has_manifest(path)]
+    newest_step = int(_STEP_RE.match(newest.name).group(1))
+    # Checkpoints of later steps than the new one were passed over by a resume as damaged: left as they are.
+    complete = [path for step, path in step_folders(output)
+                if step <= newest_step and path.is_dir() and manifest.has_manifest(path)]
     for path in complete[max(keep, 1):]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)

@@ -199,7 +199,7 @@ def _run_training(config: TrainConfig, show: bool, guard: RunGuard) -> TrainResu
         "compared": "CUDA max allocated vs predicted peak" if device == "cuda" else
                     "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)",
         "plan": plan_record(config, plan_result) if plan_result is not None else None,
-        "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes,
+        "fallbacks": state.fallbacks, "resumes": state.resumes, "num_processes": accelerator.num_processes,
         "initial_run": initial_run.to_flat(), "run": run.to_flat(),
         "uses_model_loss": bundle.uses_model_loss, "params": bundle.params,
         "trainable_params": bundle.trainable_params, "output": str(output), "samples": samples,

@@ -145,9 +145,9 @@ def check_belongs(point: ResumePoint | None, config, run, hf_config) -> None:
                             "the processes is the same.")
     step = state.get("step", 0)
     total = config.max_steps
-    if total is not None and total <= step and not config.epochs:
-        raise UserError(f"--resume: the checkpoint is at step {step} and --max-steps is {total}, so there is "
-                        f"nothing left to train; give --max-steps above {step}.")
+    if total is not None and total < step and not config.epochs:  # equal: nothing to train, export again
+        raise UserError(f"--resume: the checkpoint is at step {step}, beyond --max-steps {total}; give --max-steps "
+                        f"{step} or more.")
 
 
 def _describe(value: Any) -> str:
