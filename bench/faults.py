@@ -79,7 +79,8 @@ class Census:
                lost: bool = False) -> dict:
         exc = result.exception
         traceback = exc is not None and not isinstance(exc, SystemExit)
-        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        # memfit's "error: ..." line, or click's own usage error ("Error: Invalid value ...", exit 2)
+        errors = [line for line in result.output.splitlines() if line.lower().startswith("error: ")]
         if traceback:
             outcome = "traceback"
         elif result.exit_code == 0:

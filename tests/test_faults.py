@@ -289,8 +289,8 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path, base_run):
 
 # ------------------------------------------------------------------------------ the run folder
 def test_second_run_into_a_locked_folder_is_refused(tmp_path, inputs, base_run):
-    from memfit.training.runfolder import RunFolder
     from memfit.config import TrainConfig
+    from memfit.training.runfolder import RunFolder
 
     run = shutil.copytree(base_run[0], tmp_path / "run")
     holder = RunFolder(run).open(TrainConfig(output=str(run), resume=True), is_main=True)

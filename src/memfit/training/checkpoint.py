@@ -1,4 +1,4 @@
-"""The output folder: refusing to clobber another run, atomic checkpoints, resume, and export.
+"""Checkpoints (atomic, verified, rotated), loading them for a resume, and the final export.
 
 Layout of ``--output DIR``::
 
@@ -30,10 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UserError
-
 STATE_FILE = "trainer_state.json"
-RUN_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -56,42 +53,6 @@ def default_output(model: str, root: Path = Path("runs"), now: float | None = No
 
 def checkpoints_dir(output: Path) -> Path:
     return output / "checkpoints"
-
-
-def holds_run(output: Path) -> bool:
-    return any((output / name).exists() for name in RUN_MARKERS)
-
-
-def prepare_output(output: Path, *, resume: bool, overwrite: bool, is_main: bool) -> None:  # superseded by runfolder
-    """Refuse an output folder that holds another run, unless resuming it or told to overwrite.
-
-    ``--overwrite`` removes only what a memfit run writes and appends to (checkpoints, metrics.jsonl),
-    never other files the folder may hold.
-    """
-    if resume:
-        if latest_checkpoint(output) is None:
-            raise UserError(f"--resume found no checkpoint under {checkpoints_dir(output)}; "
-                            "train with --save-every N first, or drop --resume.")
-        return
-    if holds_run(output) and not overwrite:
-        raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
-                        "--resume to continue it, or choose another --output.")
-    if is_main:
-        if overwrite:
-            shutil.rmtree(checkpoints_dir(output), ignore_errors=True)
-            (output / "metrics.jsonl").unlink(missing_ok=True)
-        output.mkdir(parents=True, exist_ok=True)
-
-
-def latest_checkpoint(output: Path) -> Path | None:
-    found = []
-    folder = checkpoints_dir(output)
-    if folder.is_dir():
-        for child in folder.iterdir():
-            match = _STEP_RE.match(child.name)
-            if match and (child / STATE_FILE).is_file():
-                found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
 
 
 def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], keep_last: int | None = None) -> Path:

@@ -10,8 +10,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import DType, Optimizer, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit import validate
+from memfit.config import DType, Optimizer, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit.errors import UserError
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
