@@ -259,6 +259,9 @@ def test_bare_resume_continues_the_runs_own_model_data_and_schedule(tmp_path, ba
     steps = [r["step"] for r in logged if "loss" in r]
     assert steps == sorted(set(steps)) == list(range(1, 7))  # no step logged twice
     assert [r["step"] for r in logged if r.get("event") == "resume"] == [2]
+    saved = json.loads((run / "checkpoints" / "step-6" / "trainer_state.json").read_text())
+    first_part = json.loads((Path(src) / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert doc["wall_s"] > first_part["wall_s"] > 0 and saved["wall_s"] > first_part["wall_s"]  # times add up
 
 
 @pytest.mark.parametrize("extra, setting", [
@@ -466,3 +469,15 @@ def test_checkpoints_on_by_default_and_keep_last(tmp_path, inputs):
     default = tmp_path / "default"
     assert _run(_train(*inputs, default, "--max-steps", "3")).exit_code == 0
     assert _steps(default) == ["step-2", "step-3"]  # every max(3 // 10, 1) = 1 step, the last 2 kept
+
+
+def test_merged_export_is_self_contained(tmp_path, inputs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out"
+    result = _run(_train(*inputs, out, "--lora-r", "4", "--merge", "--max-steps", "1", "--save-every", "0"))
+    assert result.exit_code == 0, result.output
+    assert not (out / "checkpoints").exists()  # --save-every 0: none
+    tokenizer = AutoTokenizer.from_pretrained(out / "merged")  # no other folder needed
+    model = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert model(**tokenizer("1+1=", return_tensors="pt")).logits.shape[-1] == TINY_LLAMA["vocab_size"]

@@ -50,6 +50,8 @@ class LoopState:
     skipped_steps: int = 0
     tokens: int = 0
     train_s: float = 0.0
+    wall_s: float = 0.0
+    """Wall time of the run so far, over all its resumed parts (start-up included)."""
     last_loss: float = math.nan
     last_eval: float = math.nan
     best_eval: float = math.nan
@@ -106,6 +108,7 @@ def _run_training(config: TrainConfig, show: bool, guard: RunGuard) -> TrainResu
         state = LoopState.from_dict(checkpoint.load_checkpoint(accelerator, output, resume_point.path))
         state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
         guard.last_checkpoint = resume_point.path
+        t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run))
@@ -168,6 +171,7 @@ def _run_training(config: TrainConfig, show: bool, guard: RunGuard) -> TrainResu
                 accelerator.log({k: v for k, v in record.items() if v is not None}, step=state.step)
             stop = guard.should_stop(accelerator)  # Ctrl-C: checkpoint at this step boundary, then stop
             if checkpoint.due(config, state.step, total_steps) or stop:
+                state.wall_s = time.perf_counter() - t_start
                 with not_a_batch_problem("saving a checkpoint"):
                     guard.last_checkpoint = checkpoint.save_checkpoint(
                         accelerator, output, state.step, {**asdict(state), **resume.record(config, run, source.hf_config)},

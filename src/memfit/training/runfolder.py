@@ -73,9 +73,9 @@ class RunFolder:
             if _same_or_inside(output, folder) if whole_tree else output.resolve() == folder.resolve():
                 raise UserError(f"--output {output} is the {label} folder {folder} (or inside it); memfit never writes "
                                 "into its inputs, so choose another --output.")
+        if not is_main:  # the main process decides (and creates the marker the others would then see)
+            return self
         if config.resume:
-            if not is_main:
-                return self
             self._lock()
             return self
         exists = output.is_dir()
@@ -86,8 +86,6 @@ class RunFolder:
         if exists and is_run_folder(output) and not config.overwrite:
             raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
                             "--resume to continue it, or choose another --output.")
-        if not is_main:
-            return self
         if not exists:
             output.mkdir(parents=True)
             self.created = True
