@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,9 @@ def load_checkpoint(accelerator, output: Path, path: Path | None = None) -> dict
         path, _ = manifest.pick_intact(output)
     state = manifest.read_state(path)
     try:
-        accelerator.load_state(str(path))
+        with warnings.catch_warnings():  # torch's note on a foreign pickle's protocol precedes a refusal anyway
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            accelerator.load_state(str(path))
     except Exception as err:  # noqa: BLE001 - whatever the loader raises, the answer is one sentence
         raise manifest.load_error(path, err) from None
     accelerator.step = 0  # checkpoints fall on optimizer-step boundaries, whatever the accumulation
