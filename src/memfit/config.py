@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from memfit import validate
 from memfit.errors import UserError
 
 
@@ -161,16 +162,12 @@ class RunConfig:
         set_(self, "packing", parse_packing(self.packing))
         if isinstance(self.lora_targets, str):
             set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
-        else:
+        elif isinstance(self.lora_targets, (list, tuple)) and all(isinstance(t, str) for t in self.lora_targets):
             set_(self, "lora_targets", tuple(self.lora_targets))
-        for name in ("seq_len", "micro_batch", "grad_accum", "num_processes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}.")
-        if self.lora_r < 0:
-            raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise UserError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
+        else:
+            raise UserError(f"--lora-targets must be module names separated by commas, got {self.lora_targets!r}.")
+        for name, value in validate.check_run(self).items():  # one place for every value check
+            set_(self, name, value)
         if self.quantize is not Quantize.NONE and self.lora_r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
 
@@ -235,6 +232,11 @@ class TrainConfig:
     eval_every: int = 40
     eval_fraction: float = 0.02
     save_every: int | None = None
+    """Checkpoint every N optimizer steps (and at the end); None: automatically, ten times per run; 0: never."""
+    keep_last: int = 2
+    """Checkpoints kept: older ones are removed only after a newer one is complete and verified."""
+    init: str = "pretrained"
+    """``random``: train a model folder that holds only a config.json from random initialisation."""
     log_every: int = 5
     max_grad_norm: float = 1.0
     output: str | None = None
@@ -273,6 +275,16 @@ class TrainConfig:
     num_proc: int = 1
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
 
+    explicit: tuple[str, ...] | None = None
+    """Settings the user gave (flags typed or in ``--config``); None for library callers, whose whole
+    config counts as given. ``--resume`` restores the run's saved settings for the others."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run, RunConfig):
+            raise UserError("TrainConfig.run must be a RunConfig.")
+        for name, value in validate.check_train(self).items():  # one place for every value check
+            object.__setattr__(self, name, value)
+
     def to_flat(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
         out["lr"] = out.pop("optimizer_lr")
@@ -285,10 +297,8 @@ class TrainConfig:
         data = {k.replace("-", "_"): v for k, v in data.items()}
         names = {f.name for f in fields(cls)} - {"run", "optimizer_lr"}
         run_names = {f.name for f in fields(RunConfig)}
-        unknown = set(data) - names - run_names - {"lr"}
-        if unknown:
-            raise UserError(f"Unknown setting(s) in config: {', '.join(sorted(unknown))}.")
+        validate.unknown_keys(set(data) - names - run_names - {"lr"}, names | run_names | {"lr"})
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
         if data.get("lr") is not None:
-            kwargs["optimizer_lr"] = float(data["lr"])
+            kwargs["optimizer_lr"] = data["lr"]  # checked (finite, positive) by validate.check_train
         return cls(run=RunConfig.from_flat(data), **kwargs)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from memfit import validate
 from memfit.errors import UserError
 
 try:  # huggingface_hub >= 0.31 validates configs with strict dataclasses (transformers 5)
@@ -70,13 +71,7 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     else:
         path = Path(model).expanduser()
         if path.is_file() and path.suffix == ".json":
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}).") from None
-            if not isinstance(data, dict) or "model_type" not in data:
-                raise UserError(f"{path} has no model_type, so it is not a transformers model config.")
-            data = dict(data)
+            data = _check_json(path)
             model_type = data.pop("model_type")
             if str(model_type) not in CONFIG_MAPPING:
                 raise UserError(f"{path} has model_type {model_type!r}, which this transformers does not know.")
@@ -87,14 +82,30 @@ def resolve_config(model: str, trust_remote_code: bool = False):
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder.")
+            _check_json(path / "config.json")
             try:
                 config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-            except (ValueError, TypeError, StrictDataclassError) as err:
+            except (OSError, ValueError, TypeError, StrictDataclassError) as err:
                 raise UserError(f"{path} holds a config transformers cannot read: {_one_line(err)}") from None
         else:
             raise unknown_model_error(model)
     check_causal_lm(config, model)
+    validate.check_model_config(config, model)
     return config
+
+
+def _check_json(path: Path) -> dict:
+    """A config.json's contents: a JSON object with a model_type, or a one-sentence ``UserError``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        what = "empty" if not err.doc.strip() else f"not valid JSON ({err.msg} at line {err.lineno})"
+        raise UserError(f"{path} is {what}, so it is not a model config.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} cannot be read ({getattr(err, 'strerror', None) or err}).") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UserError(f"{path} has no model_type, so it is not a transformers model config.")
+    return dict(data)
 
 
 def _one_line(err: Exception, limit: int = 200) -> str:
@@ -368,6 +379,7 @@ def hub_config(model: str, trust_remote_code: bool = False):
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"Could not fetch the config of Hub model {model!r} ({first[:160]}).") from None
     check_causal_lm(config, model)
+    validate.check_model_config(config, model)
     return config
 
 

@@ -53,7 +53,9 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except UserError as err:
-            raise UserFacingError(str(err)) from None
+            facing = UserFacingError(str(err))
+            facing.exit_code = err.exit_code  # 130 for a Ctrl-C stop, 1 otherwise
+            raise facing from None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

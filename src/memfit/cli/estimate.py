@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -46,6 +47,11 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
         raise UserError("--exact and --compare cannot be combined; the comparison is analytic.")
+    from memfit.validate import check_writable_target
+
+    for flag_name, path in (("--plot", plot_path), ("--timeline", timeline_path)):
+        if path:  # before the work: a figure that cannot be written is found out first
+            check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
     spec = load_spec(model, trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     if compare:

@@ -77,6 +77,10 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    if output:  # before the search: a plan that cannot be written is not worth computing
+        from memfit.validate import check_writable_target
+
+        check_writable_target(Path(output), flag_name="--output", is_dir=False)
     pins["allow_quantize"] = not pins.pop("no_quantize")
     pins["allow_offload"] = not pins.pop("no_offload")
     constraints = Constraints.from_flat(pins)
@@ -140,8 +144,14 @@ def write_plan_yaml(result, path: Path) -> None:
     header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
               f"budget, ~{best.tokens_per_s:,.0f} tokens/s on {result.gpu.name if result.gpu else '?'}.\n"
               "# Train with: memfit train --config THIS_FILE\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(header + yaml.safe_dump(data, sort_keys=False))
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(header + yaml.safe_dump(data, sort_keys=False))
+        os.replace(tmp, path)
+    except OSError as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"Could not write {path} ({err.strerror or err}); nothing was written there.") from None

@@ -56,7 +56,12 @@ def _train_options(func):
                      help="Evaluate on the held-out split every N steps (0: never)."),
         click.option("--eval-fraction", type=float, default=_D.eval_fraction, show_default=True),
         click.option("--log-every", type=int, default=_D.log_every, show_default=True),
-        click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (and at the end)."),
+        click.option("--save-every", type=int, default=None,
+                     help="Checkpoint every N steps (and at the end); default: ten times per run; 0: never."),
+        click.option("--keep-last", type=int, default=_D.keep_last, show_default=True,
+                     help="Checkpoints kept (older ones go only once a newer one is complete)."),
+        click.option("--init", type=click.Choice(["pretrained", "random"]), default=_D.init, show_default=True,
+                     help="random: train a model folder that holds only config.json from random weights."),
         click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True,
                      help="Gradient clipping (0: off)."),
         click.option("--output", default=None, help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. "
@@ -108,6 +113,11 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
         ctx.set_parameter_source("packing", click.core.ParameterSource.COMMANDLINE)
     typed = explicit(ctx, kwargs)
     from_file = _read_yaml(config_file) if config_file else {}
+    if from_file.get("trust_remote_code") is True and "trust_remote_code" not in typed:
+        click.echo(f"warning: {config_file} turns on trust_remote_code: the model folder's own Python code will "
+                   "run; remove it from the file unless you trust that code.", err=True)
+    if from_file:  # every value in the file is checked, even one a typed flag overrides
+        TrainConfig.from_flat({**{k: v for k, v in kwargs.items() if k != "as_json"}, **from_file})
     merged = {**kwargs, **from_file, **typed}
     merged["json"] = merged.pop("as_json", False)
     chosen = set(typed) | set(from_file)
@@ -118,6 +128,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
 
         merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
     merged["pinned"] = tuple(sorted(k for k in chosen if k in RunConfig.__dataclass_fields__))
+    merged["explicit"] = tuple(sorted(chosen))  # --resume restores the saved run's value of the others
     return TrainConfig.from_flat(merged)
 
 

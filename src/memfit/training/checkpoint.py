@@ -1,4 +1,4 @@
-"""The output folder: refusing to clobber another run, atomic checkpoints, resume, and export.
+"""Checkpoints (atomic, verified, rotated), loading them for a resume, and the final export.
 
 Layout of ``--output DIR``::
 
@@ -10,25 +10,28 @@ Layout of ``--output DIR``::
     DIR/metrics.jsonl, run.json, loss.png   what happened
     DIR/checkpoints/step-N/                 Accelerate save_state + trainer_state.json
 
-A checkpoint is written to ``checkpoints/.tmp-step-N`` by every rank and renamed into place by the
-main process once all ranks are done, so a crash mid-save never leaves a half checkpoint that
-``--resume`` would pick.
+A checkpoint is written to ``checkpoints/.tmp-step-N`` by every rank; the main process then writes
+``manifest.json`` (every file's size and sha256) last, and renames the folder into place once all
+ranks are done, so a crash mid-save never leaves a half checkpoint that ``--resume`` would pick.
+``--resume`` verifies the manifest before loading anything (``training.manifest``) and falls back to
+the newest intact checkpoint. Older checkpoints are removed (``--keep-last``) only after a newer one
+is complete. The final export is written to ``.tmp-export`` and moved into place file by file
+(``os.replace``), so a failing write never leaves a half-written file under a final name.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UserError
-
 STATE_FILE = "trainer_state.json"
-RUN_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -53,74 +56,96 @@ def checkpoints_dir(output: Path) -> Path:
     return output / "checkpoints"
 
 
-def holds_run(output: Path) -> bool:
-    return any((output / name).exists() for name in RUN_MARKERS)
+def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], keep_last: int | None = None,
+                    save_state=None) -> Path:
+    """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state, then
+    the manifest (last), then the rename; then, and only then, older checkpoints beyond ``keep_last`` go."""
+    from memfit.training import manifest
 
-
-def prepare_output(output: Path, *, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """Refuse an output folder that holds another run, unless resuming it or told to overwrite.
-
-    ``--overwrite`` removes only what a memfit run writes and appends to (checkpoints, metrics.jsonl),
-    never other files the folder may hold.
-    """
-    if resume:
-        if latest_checkpoint(output) is None:
-            raise UserError(f"--resume found no checkpoint under {checkpoints_dir(output)}; "
-                            "train with --save-every N first, or drop --resume.")
-        return
-    if holds_run(output) and not overwrite:
-        raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
-                        "--resume to continue it, or choose another --output.")
-    if is_main:
-        if overwrite:
-            shutil.rmtree(checkpoints_dir(output), ignore_errors=True)
-            (output / "metrics.jsonl").unlink(missing_ok=True)
-        output.mkdir(parents=True, exist_ok=True)
-
-
-def latest_checkpoint(output: Path) -> Path | None:
-    found = []
-    folder = checkpoints_dir(output)
-    if folder.is_dir():
-        for child in folder.iterdir():
-            match = _STEP_RE.match(child.name)
-            if match and (child / STATE_FILE).is_file():
-                found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
-
-
-def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], save_state=None) -> Path:
-    """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state.
-
-    ``save_state(folder)``: another writer of the training state (sharded runs: ``training.sharding``).
-    """
     final = checkpoints_dir(output) / f"step-{step}"
     tmp = checkpoints_dir(output) / f".tmp-step-{step}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    (save_state or accelerator.save_state)(str(tmp))
+    (save_state or accelerator.save_state)(str(tmp))  # sharded runs: training.sharding.state_saver
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
+        manifest.write_file(tmp / STATE_FILE, json.dumps(state, indent=2))
+        manifest.write_manifest(tmp)  # last: its presence says every file above is complete
+        _put_in_place(tmp, final)
+        manifest.fsync_dir(final.parent)
+        if keep_last:
+            remove_old(output, keep=keep_last, newest=final)
     accelerator.wait_for_everyone()
     return final
 
 
-def load_checkpoint(accelerator, output: Path, load_state=None) -> dict[str, Any]:
-    """Restore the latest checkpoint into the prepared objects; return memfit's loop state.
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; whatever held that name before (the same step saved by an
+    earlier try, or a stray file) is moved aside first and removed only after the rename."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".old-{final.name}")
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
-    ``load_state(folder)``: another reader of the training state (sharded runs: ``training.sharding``).
-    """
-    path = latest_checkpoint(output)
-    if path is None:  # prepare_output checked already; this guards library callers
-        raise UserError(f"--resume found no checkpoint under {checkpoints_dir(output)}.")
-    (load_state or accelerator.load_state)(str(path))
+
+def due(config, step: int, total_steps: int) -> bool:
+    """Whether step ``step`` ends with a checkpoint: every ``--save-every`` steps and at the end; by default
+    ten times per run (every ``total_steps // 10`` steps, at least every step); ``--save-every 0``: never."""
+    every = config.save_every if config.save_every is not None else max(total_steps // 10, 1)
+    return every > 0 and (step % every == 0 or step == total_steps)
+
+
+def step_folders(output: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoints/step-N`` entry, newest first (files included: they are
+    reported as not a checkpoint, not skipped silently)."""
+    folder = checkpoints_dir(output)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), child) for child in folder.iterdir() if (m := _STEP_RE.match(child.name))]
+    return sorted(found, reverse=True)
+
+
+def remove_old(output: Path, *, keep: int, newest: Path) -> None:
+    """Keep the ``keep`` newest complete checkpoints (``newest`` among them); remove older ones and
+    leftovers of interrupted saves. Never called before ``newest`` is complete."""
+    from memfit.training import manifest
+
+    newest_step = int(_STEP_RE.match(newest.name).group(1))
+    # Checkpoints of later steps than the new one were passed over by a resume as damaged: left as they are.
+    complete = [path for step, path in step_folders(output)
+                if step <= newest_step and path.is_dir() and manifest.has_manifest(path)]
+    for path in complete[max(keep, 1):]:
+        if path != newest:
+            shutil.rmtree(path, ignore_errors=True)
+    for leftover in checkpoints_dir(output).glob(".tmp-step-*"):
+        if leftover.name != f".tmp-{newest.name}":
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def load_checkpoint(accelerator, output: Path, path: Path | None = None, load_state=None) -> dict[str, Any]:
+    """Restore a verified checkpoint (``path``; default: the newest intact one) into the prepared
+    objects; return memfit's loop state. Only tensors and plain data are unpickled (``weights_only``)."""
+    from memfit.training import manifest
+
+    if path is None:
+        path, _ = manifest.pick_intact(output)
+    state = manifest.read_state(path)
+    try:
+        with warnings.catch_warnings():  # torch's note on a foreign pickle's protocol precedes a refusal anyway
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            (load_state or accelerator.load_state)(str(path))  # sharded: training.sharding.state_loader
+    except Exception as err:  # noqa: BLE001 - whatever the loader raises, the answer is one sentence
+        raise manifest.load_error(path, err) from None
     accelerator.step = 0  # checkpoints fall on optimizer-step boundaries, whatever the accumulation
-    return json.loads((path / STATE_FILE).read_text())
+    return state
 
 
 def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_preset: bool) -> list[str]:
@@ -133,14 +158,29 @@ def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_
     if not accelerator.is_main_process:
         return []
     written = []
-    tokenizer.save_pretrained(output)
+    staging = output / ".tmp-export"  # written whole, then moved into place: no half file under a final name
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tokenizer.save_pretrained(staging)
     with _quiet_transformers():
         if hasattr(model, "peft_config"):
-            written += _export_lora(model, output, merge=merge, base_is_preset=base_is_preset)
+            written += _export_lora(model, staging, merge=merge, base_is_preset=base_is_preset, final=output,
+                                    tokenizer=tokenizer)
         else:
-            model.save_pretrained(output)
+            model.save_pretrained(staging)
             written.append("model.safetensors")
+    _move_into_place(staging, output)
     return written
+
+
+def _move_into_place(staging: Path, output: Path) -> None:
+    """Move every file of ``staging`` to the same place under ``output`` (``os.replace``: atomic per file)."""
+    for src in sorted(staging.rglob("*")):
+        if src.is_file():
+            dst = output / src.relative_to(staging)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextmanager
@@ -157,8 +197,12 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool) -> list[str]:
+def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, final: Path | None = None,
+                 tokenizer=None) -> list[str]:
+    """The adapter (and a preset's random base, and the merged model) under ``output``; ``final`` is where
+    ``output``'s files end up, which the adapter's base path must name."""
     written = []
+    final = final or output
     if base_is_preset:
         # The base has random weights that exist nowhere else: save them and point the adapter at them,
         # so transformers' PEFT integration can rebuild base + adapter from this folder alone.
@@ -170,11 +214,20 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool) -> l
             cfg.base_model_name_or_path = str(base.resolve())
         written.append("base/")
     model.save_pretrained(output)
+    if base_is_preset and final != output:  # the adapter must name where the base ends up, not the staging folder
+        adapter_config = output / "adapter_config.json"
+        doc = json.loads(adapter_config.read_text())
+        doc["base_model_name_or_path"] = str((final / "base").resolve())
+        adapter_config.write_text(json.dumps(doc, indent=2, sort_keys=True))
+        for cfg in model.peft_config.values():
+            cfg.base_model_name_or_path = doc["base_model_name_or_path"]
     written.append("adapter_model.safetensors")
     if merge:
         import copy
 
         merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(output / "merged")
+        if tokenizer is not None:  # self-contained: from_pretrained(merged) needs no other folder
+            tokenizer.save_pretrained(output / "merged")
         written.append("merged/")
     return written

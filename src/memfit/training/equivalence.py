@@ -36,7 +36,7 @@ def check_equivalence(config: TrainConfig, steps: int = 3) -> dict[str, Any]:
             run = config.run.replace(micro_batch=micro, grad_accum=accum, mixed_precision="no", dtype="fp32")
             cfg = TrainConfig.from_flat({**config.to_flat(), **run.to_flat(), "max_steps": steps, "epochs": None,
                                          "batch": None, "budget": None, "eval_every": 0, "samples": 0,
-                                         "save_every": None, "tracker": None, "resume": False, "overwrite": True,
+                                         "save_every": 0, "tracker": None, "resume": False, "overwrite": True,
                                          "output": tmp, "check_equivalence": False, "log_every": 1})
             results.append(run_training(cfg, show=False))
     a, b = (r.model.state_dict() for r in results)

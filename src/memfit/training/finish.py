@@ -41,7 +41,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         wall_s=time.perf_counter() - s.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
         measured=measured, predicted=s.predicted,
         plan=plan_record(s.config, s.plan_result) if s.plan_result is not None else None,
-        fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks,
+        fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks, resumes=list(s.state.resumes),
         initial_run=s.initial_run,
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),

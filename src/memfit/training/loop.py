@@ -23,8 +23,9 @@ from memfit.config import TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
-from memfit.training import checkpoint, oom, sharding
+from memfit.training import checkpoint, oom, resume, sharding
 from memfit.training.finish import finish
+from memfit.training.guard import RunGuard
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.rollback import RngState, undo_step
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler
@@ -49,10 +50,11 @@ def train(config: TrainConfig, *, show: bool = True) -> dict:
 
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     """Build the run, loop over its optimizer steps, finish; the typed summary and the trained model."""
-    session = build_session(config, show=show)
-    run_loop(session)
-    summary, model = finish(session)
-    return TrainResult(summary=summary, model=model)
+    with RunGuard() as guard:  # Ctrl-C, non-finite steps, failing writes, the run folder's lock
+        session = build_session(config, guard, show=show)
+        run_loop(session)
+        summary, model = finish(session)
+        return TrainResult(summary=summary, model=model)
 
 
 def run_loop(s: TrainSession) -> None:
@@ -63,6 +65,7 @@ def run_loop(s: TrainSession) -> None:
         while s.state.step < s.total_steps:
             t_step = time.perf_counter()
             result = run_step(s)
+            s.guard.check_finite(s.state.step + 1, result, s.model)  # a NaN/inf step stops the run before any save
             record_step(s, result, t_step)
             evaluated = evaluate_due(s)
             log_step(s, result, evaluated)
@@ -154,13 +157,17 @@ def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
 
 
 def save_due(s: TrainSession) -> None:
-    """A checkpoint every ``--save-every`` steps and at the end (when saving is on)."""
-    every = s.config.save_every
-    if not every or (s.state.step % every and not _is_last(s)):
-        return
-    with not_a_batch_problem("saving a checkpoint"):
-        checkpoint.save_checkpoint(s.accelerator, s.output, s.state.step,
-                                   {**s.state.to_dict(), "run": s.run.to_flat()}, save_state=s.save_state)
+    """A checkpoint when one is due (``checkpoint.due``) or Ctrl-C asked to stop at this step boundary."""
+    stop = s.guard.should_stop(s.accelerator)
+    if checkpoint.due(s.config, s.state.step, s.total_steps) or stop:
+        s.state.wall_s = time.perf_counter() - s.t_start
+        with not_a_batch_problem("saving a checkpoint"):
+            s.guard.last_checkpoint = checkpoint.save_checkpoint(
+                s.accelerator, s.output, s.state.step,
+                {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config)},
+                keep_last=s.config.keep_last, save_state=s.save_state)
+    if stop:
+        s.guard.stop(s.state.step)
 
 
 def show_step(s: TrainSession, result: StepResult) -> None:

@@ -18,8 +18,9 @@ from typing import Any
 
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.training import checkpoint, sharding
+from memfit.training import checkpoint, resume, sharding
 from memfit.training.budget import plan_line
+from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
 from memfit.training.sampler import StepSchedule
@@ -47,10 +48,14 @@ class LoopState:
     skipped_steps: int = 0
     tokens: int = 0
     train_s: float = 0.0
+    wall_s: float = 0.0
+    """Wall time of the run so far, over all its resumed parts (start-up included)."""
     last_loss: float = math.nan
     last_eval: float = math.nan
     best_eval: float = math.nan
     fallbacks: list[FallbackRecord] = field(default_factory=list)
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    """One record per ``--resume`` of this run: the step and checkpoint it continued from."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -88,6 +93,8 @@ class TrainSession:
     bar: LiveProgress
     metrics: MetricsLog
     t_start: float
+    guard: Any = None
+    """``training.guard.RunGuard``: Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
     source: Any = None
     """``setup.ModelSource``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
     save_state: Any = None
@@ -118,21 +125,26 @@ class TrainSession:
         return self.accelerator.unwrap_model(self.model).config.vocab_size
 
 
-def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
-    """Check the inputs, create the output folder, build and prepare everything, resume if asked."""
+def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) -> TrainSession:
+    """Check the inputs, create the output folder, build and prepare everything, resume if asked.
+
+    Everything the user can get wrong (model, tokenizer, data, length, a resume that does not match its
+    run) is checked before the output folder is created, so a bad input leaves nothing behind.
+    """
     t_start = time.perf_counter()
+    config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     run, plan_result = resolve_run(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = run.grad_accum
     source = resolve_model(config, run)
+    resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
     data = build_data(config, run, source.tokenizer)
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
     total_steps = _total_steps(config, schedule)
     output = Path(config.output)
-    checkpoint.prepare_output(output, resume=config.resume, overwrite=config.overwrite,
-                              is_main=accelerator.is_main_process)
+    guard.open_folder(config, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device)
     bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
@@ -142,7 +154,10 @@ def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
     state = LoopState()
     if config.resume:
         state = LoopState.from_dict(checkpoint.load_checkpoint(
-            accelerator, output, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
+            accelerator, output, resume_point.path, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
+        state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
+        guard.last_checkpoint = resume_point.path
+        t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run))
@@ -152,12 +167,14 @@ def build_session(config: TrainConfig, *, show: bool = True) -> TrainSession:
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
     if data.note:
         bar.note(data.note)
+    if resume_point is not None and resume_point.note:
+        bar.note(resume_point.note)
     predicted = predict(config.model, run, accelerator.device.type)
     bar.note(sharding.per_rank_line(config.model, run, predicted))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
-                        predicted=predicted, bar=bar, source=source,
+                        predicted=predicted, bar=bar, source=source, guard=guard,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
 

@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from memfit import validate
 from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.optimizers import check_device, row
@@ -35,6 +36,7 @@ def default_precision() -> Precision:
 def preflight(run: RunConfig) -> None:
     """Refuse, in one sentence, what cannot work on this machine before anything is built."""
     cuda = cuda_available()
+    validate.check_attention_available(run.attn_implementation)
     if run.mixed_precision is Precision.FP16 and run.dtype is DType.FP16 and not run.is_lora():
         raise UserError("fp16 mixed precision cannot train weights stored in fp16 (the loss scaler cannot unscale "
                         "fp16 gradients); use --dtype fp32, or --mixed-precision bf16 where the device supports it.")
@@ -133,10 +135,13 @@ def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
     modelspec.check_seq_len(run.seq_len, getattr(hf_config, "max_position_embeddings", None))
     tokenizer = data.load_tokenizer(config.tokenizer, config.model, is_preset=is_preset,
                                     trust_remote_code=config.trust_remote_code)
-    if len(tokenizer) > hf_config.vocab_size:
-        raise UserError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {hf_config.vocab_size}.")
+    validate.check_tokenizer_fits(len(tokenizer), hf_config.vocab_size)
     hf_config.use_cache = False  # training: no KV cache
-    random_init = is_preset or Path(config.model).expanduser().is_file()
+    random_init = is_preset or Path(config.model).expanduser().is_file() or config.init == "random"
+    if not random_init:
+        from memfit.training.weights import check_weights
+
+        check_weights(Path(config.model).expanduser())  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
     from memfit.resolved import resolve
@@ -170,9 +175,12 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     else:
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
-        model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
-                                                     local_files_only=True, trust_remote_code=config.trust_remote_code,
-                                                     **kwargs)
+        from memfit.training.weights import loading
+
+        with loading(Path(config.model).expanduser()):
+            model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
+                                                         local_files_only=True,
+                                                         trust_remote_code=config.trust_remote_code, **kwargs)
     if run.grad_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and is torch's recommended mode.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -90,6 +90,8 @@ class RunSummary:
     num_processes: int
     rank_peak_bytes: list[int]
     """Each rank's measured peak (one entry per process)."""
+    resumes: list[dict[str, Any]]
+    """One record per ``--resume`` of this run."""
     initial_run: RunConfig
     run: RunConfig
     """The settings the run ended with (after any OOM fallback)."""
@@ -123,7 +125,8 @@ class RunSummary:
             "measured": self.measured.to_dict(), "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted": self.predicted.to_dict() if self.predicted else None, "compared": self.compared,
             "plan": self.plan, "fallbacks": [fb.to_dict() for fb in self.fallbacks],
-            "num_processes": self.num_processes, "rank_peak_bytes": list(self.rank_peak_bytes), "initial_run": self.initial_run.to_flat(),
+            "num_processes": self.num_processes, "rank_peak_bytes": list(self.rank_peak_bytes),
+            "resumes": list(self.resumes), "initial_run": self.initial_run.to_flat(),
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),

@@ -1,0 +1,147 @@
+"""What keeps a run's saved work safe while it runs: Ctrl-C, non-finite numbers, failing writes.
+
+``RunGuard`` wraps one training run (``with RunGuard() as guard: ...``):
+
+- **Ctrl-C** (SIGINT): the first asks for a stop at the next optimizer-step boundary, where the loop
+  saves a checkpoint and stops with one sentence saying where it is and the command that resumes it
+  (exit 130); a second Ctrl-C stops at once and says which checkpoint is the newest.
+- **Non-finite numbers**: after every step ``check_finite`` stops the run, naming the step, when the
+  loss or the gradient norm is NaN/inf (a step the fp16 loss scaler skipped is not an error: the
+  scaler did not apply it). With clipping off there is no gradient norm, so the trained weights' norm
+  is checked instead. Nothing from that step on is saved, so the newest checkpoint stays the last good one.
+- **Failing writes** (full disk, quota, read-only or vanished file system): one sentence naming what
+  failed and what is saved and intact, with the command to resume; the half-written temporary folders
+  are removed (final names only ever hold complete files: see ``checkpoint`` and ``manifest``).
+- On any failure it releases the run folder's lock and, if the run failed before its first step,
+  removes the folder it created (``runfolder``).
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+from memfit.errors import UserError
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+class Interrupted(UserError):
+    """Stopped by Ctrl-C (exit status 130, the shell's convention for SIGINT)."""
+
+    exit_code = 130
+
+
+class RunGuard:
+    def __init__(self) -> None:
+        self.folder = None
+        """The ``runfolder.RunFolder`` once opened."""
+        self.output: Path | None = None
+        self.stop_requested = False
+        self._interrupts = 0
+        self._previous_handler = None
+        self.last_checkpoint: Path | None = None
+
+    # ---------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> RunGuard:
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+        if self.folder is not None:
+            self.folder.close(failed=exc is not None)
+        if exc is None or self.output is None:
+            return False
+        self._remove_partial_writes()
+        if isinstance(exc, KeyboardInterrupt) and self._interrupts:
+            raise Interrupted(f"Stopped at once by a second Ctrl-C; {self._saved_sentence()}") from None
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS and not isinstance(exc, FileNotFoundError):
+            what = Path(exc.filename).name if exc.filename else "a file"
+            reason = exc.strerror or errno.errorcode.get(exc.errno, "write failed")
+            raise UserError(f"Writing {what} under {self.output} failed ({reason}), so the run stopped; "
+                            f"{self._saved_sentence()}") from None
+        return False
+
+    def open_folder(self, config, *, is_main: bool):
+        """Check, create and lock ``config.output`` (``runfolder.RunFolder.open``)."""
+        from memfit.training.runfolder import RunFolder
+
+        self.output = Path(config.output)
+        self.folder = RunFolder(self.output).open(config, is_main=is_main)
+        return self.folder
+
+    def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._interrupts += 1
+        self.stop_requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C raises at once
+        import sys
+
+        print("\nCtrl-C: saving a checkpoint at the end of this step (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    # ---------------------------------------------------------------------------------- per step
+    def check_finite(self, step: int, result, model=None) -> None:
+        """Stop with one sentence when step ``step`` produced a non-finite loss or gradient norm."""
+        if self.folder is not None:
+            self.folder.started = True
+        if getattr(result, "skipped", False):
+            return  # fp16: the scaler found inf/NaN gradients and did not apply them
+        bad = None
+        if not math.isfinite(result.loss):
+            bad = f"the loss became {result.loss}"
+        elif result.grad_norm is not None and not math.isfinite(result.grad_norm):
+            bad = f"the gradient norm became {result.grad_norm}"
+        elif result.grad_norm is None and model is not None and not _weights_finite(model):
+            bad = "the weights became NaN/inf"
+        if bad:
+            raise UserError(f"At step {step} {bad}, so the run stopped without saving that step (lower --lr or "
+                            f"check the data); {self._saved_sentence()}")
+
+    def should_stop(self, accelerator) -> bool:
+        """Whether a Ctrl-C asked to stop (on any process: all stop at the same step)."""
+        if accelerator.num_processes == 1:
+            return self.stop_requested
+        import torch
+
+        flag = torch.tensor(float(self.stop_requested), device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    def stop(self, step: int) -> None:
+        """After the checkpoint the Ctrl-C asked for: stop with where it is and how to continue."""
+        raise Interrupted(f"Interrupted at step {step}; {self._saved_sentence()}")
+
+    # ---------------------------------------------------------------------------------- wording
+    def _saved_sentence(self) -> str:
+        from memfit.training.checkpoint import step_folders
+        from memfit.training.manifest import has_manifest
+
+        newest = self.last_checkpoint
+        if newest is None and self.output is not None:
+            newest = next((p for _, p in step_folders(self.output) if p.is_dir() and has_manifest(p)), None)
+        if newest is None:
+            return "no checkpoint was saved yet."
+        return (f"the newest complete checkpoint is {newest} (continue with: memfit train --output {self.output} "
+                "--resume).")
+
+    def _remove_partial_writes(self) -> None:
+        if self.output is None or not self.output.is_dir():
+            return
+        for leftover in [*(self.output / "checkpoints").glob(".tmp-step-*"), self.output / ".tmp-export"]:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _weights_finite(model) -> bool:
+    """Whether every trainable weight is finite (one reduction: the norm of all of them)."""
+    import torch
+
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    if not params:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(params)).item())

@@ -1,0 +1,184 @@
+"""``--resume``: continue exactly the run in ``--output``, or refuse in one sentence.
+
+Every checkpoint's ``trainer_state.json`` (covered by its manifest) records the run's settings (model,
+data, tokenizer, every flag that shapes the run, the schedule, the resolved memory settings) and a
+fingerprint of what it trained (the architecture, full or LoRA, optimizer, weight dtype). ``restore``
+reads them from the newest intact checkpoint before anything is built: settings the user did not give
+come from the run; settings the user gave may differ only where that is safe (more steps, eval/save/log
+cadence, the micro-batch split of the same effective batch); anything else is refused naming the
+setting. ``check_belongs`` compares the fingerprint with the model about to be built, so a checkpoint
+is never loaded into a model it does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UserError
+from memfit.validate import flag
+
+#: May differ from the saved run when resuming: they change how long, how often or how the same
+#: effective batch is split, never what is computed per optimizer step.
+SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last", "log_every", "samples",
+                  "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing", "attn_implementation"})
+#: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
+#: in particular is never switched on by a file: the user passes it again.
+NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
+                          "trust_remote_code", "pinned", "num_processes"})
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    """The checkpoint folder to load (verified)."""
+    state: dict[str, Any]
+    note: str | None
+    """Which newer checkpoints were passed over and why (None when the newest was intact)."""
+
+
+def _absolute(value: Any) -> Any:
+    """A path that exists, made absolute, so the run resumes from any working directory."""
+    if isinstance(value, str) and value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def settings(config, run) -> dict[str, Any]:
+    """The run's settings as saved in each checkpoint: flat train flags with the resolved memory settings."""
+    flat = {**config.to_flat(), **run.to_flat(), "budget": None, "batch": None}
+    for key in ("model", "data", "tokenizer"):
+        flat[key] = _absolute(flat.get(key))
+    return {k: v for k, v in flat.items() if k not in NOT_RESTORED or k == "num_processes"}
+
+
+def fingerprint(run, hf_config) -> dict[str, Any]:
+    """What a checkpoint's tensors fit: the architecture, what is trained, the optimizer, the weight dtype."""
+    arch = {k: getattr(hf_config, k, None) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                                     "num_hidden_layers", "num_attention_heads",
+                                                     "num_key_value_heads")}
+    trained = f"LoRA r={run.lora_r} on {','.join(run.lora_targets)}" if run.is_lora() else "full fine-tune"
+    return {"arch": arch, "trained": trained, "optimizer": str(run.optimizer), "dtype": str(run.dtype),
+            "quantize": str(run.quantize)}
+
+
+def record(config, run, hf_config) -> dict[str, Any]:
+    """What ``save_checkpoint`` adds to the loop state so ``--resume`` can continue this exact run."""
+    return {"run": run.to_flat(), "settings": settings(config, run), "fingerprint": fingerprint(run, hf_config)}
+
+
+def restore(config):
+    """``(config, ResumePoint)``: with ``--resume``, ``config`` with the saved run's settings; else ``(config, None)``."""
+    if not config.resume or not config.output:
+        return config, None
+    from memfit.training import manifest
+
+    output = Path(config.output).expanduser()
+    if not output.is_dir():
+        raise UserError(f"--resume found no checkpoint under {output}: it is not a run folder (it does not exist "
+                        "or is a file).")
+    path, note = manifest.pick_intact(output)
+    state = manifest.read_state(path)
+    point = ResumePoint(path, state, note)
+    saved = state.get("settings")
+    if not isinstance(saved, dict):  # a checkpoint from before settings were saved: keep the flags given
+        return config, point
+    return merge(config, saved, output), point
+
+
+def merge(config, saved: dict[str, Any], output: Path):
+    """The saved settings, with the user's given ones where they are safe; ``UserError`` naming the first unsafe one."""
+    from memfit.config import TrainConfig
+
+    current = config.to_flat()
+    current.update({k: _absolute(current.get(k)) for k in ("model", "data", "tokenizer")})
+    given = set(config.explicit) if config.explicit is not None else {
+        k for k in current if k in saved and current[k] != saved[k]}
+    merged = dict(current)
+    for key, value in saved.items():
+        if key in NOT_RESTORED or key not in current:
+            continue
+        if key in given and current[key] != value:
+            if key not in SAFE:
+                raise UserError(f"--resume continues the run in {output} with its own settings, and {flag(key)} "
+                                f"differs from them (the run has {value!r}, given {current[key]!r}); drop "
+                                f"{flag(key)}, or start a new run in another --output.")
+            continue
+        merged[key] = value
+    merged.pop("explicit", None)
+    restored = TrainConfig.from_flat({k: v for k, v in merged.items() if k != "pinned"})
+    return dataclasses.replace(restored, explicit=config.explicit, pinned=config.pinned)
+
+
+def check_belongs(point: ResumePoint | None, config, run, hf_config) -> None:
+    """Refuse, before anything is loaded, a checkpoint that does not fit this run (naming what differs)."""
+    if point is None:
+        return
+    state = point.state
+    saved_fp = state.get("fingerprint")
+    now = fingerprint(run, hf_config)
+    if isinstance(saved_fp, dict):
+        for key, label in (("arch", "the model's architecture"), ("trained", "what is trained"),
+                           ("optimizer", "the optimizer"), ("dtype", "the weight dtype"),
+                           ("quantize", "the quantization")):
+            if key in saved_fp and saved_fp[key] != now[key]:
+                raise UserError(f"{point.path} does not belong to this run: {label} differs "
+                                f"({_describe(saved_fp[key])} in the checkpoint, {_describe(now[key])} now).")
+    saved_run = state.get("run")
+    if isinstance(saved_run, dict):  # older checkpoints: at least what changes tensor shapes
+        for key in ("lora_r", "lora_targets", "optimizer", "dtype", "quantize"):
+            if key in saved_run and str(saved_run[key]) != str(run.to_flat()[key]):
+                raise UserError(f"{point.path} does not belong to this run: {flag(key)} is {saved_run[key]!r} "
+                                f"in the checkpoint and {run.to_flat()[key]!r} now.")
+        try:
+            saved_batch = int(saved_run["micro_batch"]) * int(saved_run["grad_accum"]) * int(saved_run["num_processes"])
+        except (KeyError, TypeError, ValueError):
+            saved_batch = None
+        if saved_batch and saved_batch != run.effective_batch():
+            raise UserError(f"--resume keeps the run's effective batch of {saved_batch} sequences, but micro-batch "
+                            f"{run.micro_batch} x accumulation {run.grad_accum} x {run.num_processes} process(es) "
+                            f"is {run.effective_batch()}; choose --micro-batch and --grad-accum whose product with "
+                            "the processes is the same.")
+    step = state.get("step", 0)
+    total = config.max_steps
+    if total is not None and total < step and not config.epochs:  # equal: nothing to train, export again
+        raise UserError(f"--resume: the checkpoint is at step {step}, beyond --max-steps {total}; give --max-steps "
+                        f"{step} or more.")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items() if v is not None)
+    return str(value)
+
+
+def note_resume(output: Path, point: ResumePoint | None, is_main: bool) -> dict[str, Any] | None:
+    """Record a resume: drop ``metrics.jsonl`` records logged after the checkpoint (they will be logged
+    again, so no step appears twice) and append a ``{"event": "resume"}`` record. Returns the record."""
+    if point is None:
+        return None
+    step = int(point.state.get("step", 0))
+    event = {"event": "resume", "step": step, "checkpoint": point.path.name, "time": time.time()}
+    if point.note:
+        event["note"] = point.note
+    if not is_main:
+        return event
+    from memfit.training.manifest import write_file
+
+    path = output / "metrics.jsonl"
+    kept = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill: drop it
+            if isinstance(rec, dict) and (rec.get("event") or int(rec.get("step", 0)) <= step):
+                kept.append(json.dumps(rec))
+    kept.append(json.dumps(event))
+    write_file(path, "\n".join(kept) + "\n")
+    return event
