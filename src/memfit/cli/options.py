@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from memfit.config import Attention, DType, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.config import Attention, DType, Loss, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 
 _DEFAULT = RunConfig()
 
@@ -48,6 +48,10 @@ def memory_options(func):
         click.option("--offload", type=_choice(Offload), default=_DEFAULT.offload.value, show_default=True),
         click.option("--attn-implementation", type=_choice(Attention), default=_DEFAULT.attn_implementation.value,
                      show_default=True),
+        click.option("--loss", type=_choice(Loss), default=_DEFAULT.loss.value, show_default=True,
+                     help="LM head + cross-entropy: chunked never builds the full logits."),
+        click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=_DEFAULT.optimizer_in_backward,
+                     show_default=True, help="Step each parameter as its gradient arrives (needs --grad-accum 1)."),
     ]
     for opt in reversed(opts):
         func = opt(func)

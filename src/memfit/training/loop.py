@@ -36,6 +36,7 @@ from memfit.training.setup import (
     preflight,
     resolve_model,
 )
+from memfit.training import optim_in_backward
 from memfit.training.step import evaluate, train_step
 
 
@@ -74,6 +75,7 @@ def train(config: TrainConfig, *, show: bool = True) -> dict[str, Any]:
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     t_start = time.perf_counter()
     preflight(config.run)
+    optim_in_backward.check(config.run, config.max_grad_norm)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     run, plan_result = resolve_run(config, accelerator.num_processes)
@@ -90,6 +92,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device)
     optimizer = build_optimizer(bundle.model, run, config)
+    in_backward = optimizer if run.optimizer_in_backward else None  # it steps during backward (no clip, no step)
     scheduler = build_scheduler(optimizer, config, total_steps)
     model, optimizer, scheduler = accelerator.prepare(bundle.model, optimizer, scheduler)
     state = LoopState()
@@ -116,7 +119,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             micro = [next(batches) for _ in range(run.grad_accum)]
             try:
                 result = train_step(accelerator, model, optimizer, micro, max_grad_norm=config.max_grad_norm,
-                                    uses_model_loss=bundle.uses_model_loss, vocab_size=vocab)
+                                    uses_model_loss=bundle.uses_model_loss, vocab_size=vocab, loss=run.loss,
+                                    in_backward=in_backward, activations_on_cpu=str(run.offload) == "activations")
             except (RuntimeError, MemoryError) as err:
                 if not oom.is_oom(err):
                     raise

@@ -46,7 +46,13 @@ def preflight(run: RunConfig) -> None:
         raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
     if run.optimizer is Optimizer.ADAMW_8BIT and not cuda:
         raise UserError("--optimizer adamw-8bit needs bitsandbytes on a CUDA GPU; use adamw here.")
-    if run.sharding is not Sharding.DDP or str(run.offload) != "none":
+    if str(run.offload) == "activations" and not cuda:
+        raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
+                        "only runs) on a CUDA GPU; drop it on this machine.")
+    from memfit.losses import check_loss_runnable
+
+    check_loss_runnable(run, cuda)
+    if run.sharding is not Sharding.DDP or str(run.offload) not in ("none", "activations"):
         raise UserError("memfit train runs data-parallel (--sharding ddp, --offload none) for now; "
                         "FSDP/ZeRO and offload are modelled by estimate and plan only.")
 
@@ -157,6 +163,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if run.is_lora():
         model = _add_lora(model, run)
+    if str(run.loss) != "standard":
+        from memfit.losses import check_model_supports
+
+        check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -255,6 +265,16 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    if run.optimizer_in_backward:  # one optimizer per parameter, stepped from backward's gradient hooks
+        from memfit.training.optim_in_backward import OptimizerInBackward
+
+        return OptimizerInBackward(groups, lambda one: _make_optimizer(one, run, config))
+    return _make_optimizer(groups, run, config)
+
+
+def _make_optimizer(groups: list[dict], run: RunConfig, config: TrainConfig):
+    import torch
+
     lr = config.optimizer_lr
     name = run.optimizer
     if name is Optimizer.SGD:
