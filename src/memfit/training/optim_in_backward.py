@@ -57,6 +57,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
         first = self._per_param[0]
         super().__init__([p for opt in self._per_param for p in opt.param_groups[0]["params"]], first.defaults)
         self._link(from_self=False)
+        self._handles: list = []
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """(Re-)register the step hooks; hooks run in registration order, so re-installing puts them last
+        (the exact tracer needs MemTracker's gradient hooks, which read ``.grad``, to run first)."""
+        self.remove_hooks()
         self._handles = [opt.param_groups[0]["params"][0].register_post_accumulate_grad_hook(self._hook(opt))
                          for opt in self._per_param]
 
