@@ -94,6 +94,13 @@ def _chunk_logits(torch, h, weight_c, bias, cdtype, softcap):
     return t * softcap, t
 
 
+def _logsumexp(z):
+    """``log(sum(exp(z)))`` per row with its one (n, V) fp32 temporary explicit (``torch.logsumexp`` makes
+    the same inside its kernel, where neither the tracer nor the CPU tracker can see it)."""
+    top = z.amax(dim=-1, keepdim=True)  # (n, 1)
+    return (z - top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))  # (n,)
+
+
 def _make_function():
     import torch
 
@@ -111,7 +118,7 @@ def _make_function():
                 total = torch.zeros((), dtype=torch.float32, device=hidden.device)
                 for s in range(0, hidden.shape[0], chunk):
                     z, _t = _chunk_logits(torch, hidden[s:s + chunk], weight_c, bias, cdtype, softcap)
-                    lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+                    lse[s:s + chunk] = _logsumexp(z)
                     picked = z.gather(1, safe[s:s + chunk, None]).squeeze(1)
                     total += ((lse[s:s + chunk] - picked) * valid[s:s + chunk]).sum()
                     del z, _t, picked
@@ -248,7 +255,7 @@ def final_hidden_states(model, batch: dict):
     handle = body.register_forward_hook(hook)
     try:
         nothing = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=nothing,
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), logits_to_keep=nothing,
               use_cache=False)
     finally:
         handle.remove()

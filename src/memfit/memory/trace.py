@@ -395,14 +395,13 @@ def _micro_loss(t: _Traced, input_ids, labels):
         return t.forward(input_ids=input_ids, labels=labels, use_cache=False).loss
     from memfit.losses import chunked_micro_loss
 
-    mask = torch.ones_like(input_ids)
     autocast = contextlib.nullcontext
     if t.run.mixed_precision is not Precision.NO:
         dtype = torch.bfloat16 if t.run.mixed_precision is Precision.BF16 else torch.float16
         autocast = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731 - accelerator.autocast's CPU twin
     t.model.forward = t.forward  # as Accelerate's prepare patches it
     try:
-        batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+        batch = {"input_ids": input_ids, "labels": labels}  # no mask, as above: the unpadded path
         return chunked_micro_loss(t.model, batch, input_ids.numel(), autocast, t.run.loss)
     finally:
         del t.model.forward
