@@ -270,7 +270,7 @@ def chunked_micro_loss(model, batch: dict, num_items, autocast=contextlib.nullco
     """
     hidden = final_hidden_states(model, batch)  # (B, T, H)
     weight, bias, softcap = head_of(model)
-    with autocast():
+    with (autocast or contextlib.nullcontext)():
         if loss is Loss.CHUNKED:
             return chunked_linear_cross_entropy(hidden, weight, bias, batch["labels"], num_items, softcap=softcap)
         return _fused_kernel_loss(loss, hidden, weight, bias, batch["labels"], num_items, softcap)

@@ -101,6 +101,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     copies = (autocast_weight_copies(spec, run, prec), autocast_copies_saved(spec, run, prec))
 
     activations = acts.all_layers + outside
+    if run.offload is Offload.ACTIVATIONS:
+        activations, acts = offloaded_activations(acts, outside)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer
@@ -216,7 +218,7 @@ def model_states(spec: ModelSpec, run: RunConfig) -> ModelStates:
         gradients //= n
         optimizer //= n
         step_temp //= n
-    if run.offload is not Offload.NONE:
+    if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
     if run.offload is Offload.PARAMS:
         gathered = max(gathered, 2 * _layer_params(spec) * w)
@@ -304,6 +306,19 @@ def _layer_params(spec: ModelSpec) -> int:
 
 def _weight_bytes(run: RunConfig) -> int:
     return int(2 if str(run.dtype) in ("bf16", "fp16") else 4)
+
+
+def offloaded_activations(acts, outside: int):
+    """``--offload activations`` (torch's ``save_on_cpu``): saved tensors wait in pinned CPU memory.
+
+    On the GPU stay the tensors outside the decoder layers (counted whole: conservative) and the layer
+    being computed; in backward one layer's saved set is copied back while it runs (added to its
+    transient). Source: ``torch.autograd.graph.save_on_cpu`` packs every saved tensor to CPU in forward
+    and unpacks it to the device on use. Ignores: the CPU copies of parameters it also makes (host RAM).
+    """
+    resident = acts.saved + outside
+    back = dataclasses.replace(acts, backward_transient=acts.backward_transient + acts.saved)
+    return resident, back
 
 
 def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:

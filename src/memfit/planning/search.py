@@ -121,6 +121,10 @@ def describe(run: RunConfig) -> str:
     parts += [f"micro-batch {run.micro_batch} x {run.grad_accum} accumulation", str(run.optimizer)]
     if run.offload is not Offload.NONE:
         parts.append(f"offload {run.offload}")
+    if str(run.loss) != "standard":
+        parts.append(f"{run.loss} loss")
+    if run.optimizer_in_backward:
+        parts.append("optimizer in backward")
     if run.num_processes > 1:
         parts.append(f"{run.sharding} over {run.num_processes} processes")
     return ", ".join(parts)
