@@ -5,7 +5,7 @@ measured with torch's ``MemTracker`` on real tensors (every tensor's bytes, not 
 ``memfit.estimate(..., device="cpu")``, which models the same CPU kernels. Reported per case: measured
 tensor peak, predicted peak, bytes saved (measured vs predicted), tokens/s of the measured step.
 
-1. ``--loss chunked`` vs standard on a 2-layer Llama (hidden 256) at vocabularies 32K, 128K and 256K:
+1. ``--loss chunked`` vs standard on a 2-layer Llama (hidden 128, 128 tokens) at vocabularies 32K, 128K, 256K:
    the logits term (12 bytes x B x T x V at backward start) is most of the step.
 2. ``--optimizer-in-backward`` vs a plain foreach AdamW step on a ~134 M-parameter Llama (12 layers,
    hidden 768, vocab 32K): the plain step holds every gradient plus a foreach temporary.
@@ -20,7 +20,6 @@ import argparse
 import time
 
 import _common  # noqa: F401 - puts bench/ on sys.path for running from a checkout
-
 from memfit.config import RunConfig, TrainConfig
 
 
@@ -105,24 +104,28 @@ def main(argv: list[str] | None = None) -> dict:
         vocabs, ce = (4096,), dict(hidden=64, layers=2, inter=128, seq=64, batch=2)
         big = dict(hidden=64, layers=2, inter=128, vocab=512, seq=16)
     else:
-        vocabs, ce = (32_000, 128_256, 256_000), dict(hidden=256, layers=2, inter=688, seq=256, batch=1)
+        vocabs, ce = (32_000, 128_256, 256_000), dict(hidden=128, layers=2, inter=344, seq=128, batch=1)
         big = dict(hidden=768, layers=12, inter=2048, vocab=32_000, seq=64)
     base = RunConfig(seq_len=ce["seq"], micro_batch=ce["batch"], optimizer="adamw-foreach")
     for vocab in vocabs:
         config = _llama(vocab, ce["hidden"], ce["layers"], ce["inter"])
         results.append(case(f"chunked-ce-v{vocab}", config, base, base.replace(loss="chunked")))
+        _print(results[-1])
     config = _llama(big["vocab"], big["hidden"], big["layers"], big["inter"])
     plain = RunConfig(seq_len=big["seq"], micro_batch=1, optimizer="adamw-foreach")
     results.append(case("optimizer-in-backward", config, plain, plain.replace(optimizer_in_backward=True)))
+    _print(results[-1])
     data = {"bench": "memory_techniques", "quick": args.quick, "machine": _common.machine_info(), "cases": results}
-    for r in results:
-        print(f"{r['case']:<24} params {r['params'] / 1e6:7.1f} M  peak {r['base']['measured_peak'] / 2**20:8.1f} -> "
-              f"{r['variant']['measured_peak'] / 2**20:8.1f} MiB  saved {r['saved_measured'] / 2**20:7.1f} MiB "
-              f"(predicted {r['saved_predicted'] / 2**20:7.1f}, {r['saved_error']:+.1%})  "
-              f"speed x{r['speed_ratio']:.2f}" + (f"  drop/logits {r['drop_over_logits']:.0%}"
-                                                  if "drop_over_logits" in r else ""))
     _common.write_json(args.out, data)
     return data
+
+
+def _print(r: dict) -> None:
+    print(f"{r['case']:<24} params {r['params'] / 1e6:7.1f} M  peak {r['base']['measured_peak'] / 2**20:8.1f} -> "
+          f"{r['variant']['measured_peak'] / 2**20:8.1f} MiB  saved {r['saved_measured'] / 2**20:7.1f} MiB "
+          f"(predicted {r['saved_predicted'] / 2**20:7.1f}, {r['saved_error']:+.1%})  "
+          f"speed x{r['speed_ratio']:.2f}" + (f"  drop/logits {r['drop_over_logits']:.0%}"
+                                              if "drop_over_logits" in r else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _train_helpers import max_diff, metrics, tiny_config
 
+from _train_helpers import max_diff, metrics, tiny_config
 from memfit.config import RunConfig
 from memfit.errors import UserError
 from memfit.training import checkpoint

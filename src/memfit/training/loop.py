@@ -22,7 +22,7 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, oom
+from memfit.training import checkpoint, oom, optim_in_backward
 from memfit.training.budget import plan_line, plan_record
 from memfit.training.progress import LiveProgress
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler, StepSchedule
@@ -36,7 +36,6 @@ from memfit.training.setup import (
     preflight,
     resolve_model,
 )
-from memfit.training import optim_in_backward
 from memfit.training.step import evaluate, train_step
 
 
