@@ -10,6 +10,15 @@ from memfit.errors import UserError
 from memfit.losses import LOSSES, check_loss_runnable, chunk_tokens, chunked_micro_loss
 
 
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Drop memfit's 128-token floor so the 51-token test batches run Liger's rule: chunks of 16 tokens,
+    the last one partial (3 + 1 chunks), which is what the equality tests must cover."""
+    import memfit.losses
+
+    monkeypatch.setattr(memfit.losses, "MIN_CHUNK_TOKENS", 1)
+
+
 def _model(kind: str, **extra):
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
@@ -97,12 +106,17 @@ def test_chunked_refuses_lora_on_the_head():
         chunked_micro_loss(model, _batch(300), torch.tensor(10))
 
 
-def test_chunk_rule_is_liger_s():
+def test_chunk_rule_is_liger_s(monkeypatch):
+    import memfit.losses
+
+    monkeypatch.setattr(memfit.losses, "MIN_CHUNK_TOKENS", 128)
     # Llama 3 8B, 8 x 2,048 tokens: ceil(128,256 / 4,096) = 32 -> 16,384 / 32 = 512 tokens per chunk.
     assert chunk_tokens(16_384, 128_256, 4_096) == 512
-    # the tiny test model: ceil(300/64) = 5 -> 51 / 5 = 10.2 -> next power of two 16.
-    assert chunk_tokens(51, 300, 64) == 16
-    assert chunk_tokens(3, 300, 64) == 1
+    # 4,096 tokens of the tiny test model: ceil(300/64) = 5 -> 4,096 / 5 = 819.2 -> next power of two 1,024.
+    assert chunk_tokens(4096, 300, 64) == 1024
+    # few tokens: memfit's floor of 128 tokens per chunk (restored here from the fixture's 1) (Liger's rule alone would give 16), capped at the total
+    assert chunk_tokens(1000, 300, 64) == 256 and chunk_tokens(600, 300, 64) == 128
+    assert chunk_tokens(51, 300, 64) == 51
 
 
 def test_fused_kernels_are_refused_without_cuda():

@@ -32,6 +32,10 @@ from memfit.errors import UserError
 
 IGNORE_INDEX = -100
 
+#: Fewest tokens per chunk: one chunk of a 256K vocabulary is then >= 128 MB of fp32 logits, and the
+#: Python loop's per-chunk cost stays small next to the chunk's matmul.
+MIN_CHUNK_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class LossImpl:
@@ -75,10 +79,11 @@ def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
 
     ``2 ** ceil(log2(ceil(tokens / ceil(V / H))))``, capped at ``tokens``: with V = 128,256 and H = 4,096
     (Llama 3 8B) one chunk is 1/32 of the micro-batch's tokens. Source: Liger kernel's
-    ``fused_linear_cross_entropy_forward`` (``inc_factor = ceil(V / H)``).
+    ``fused_linear_cross_entropy_forward`` (``inc_factor = ceil(V / H)``). At least ``MIN_CHUNK_TOKENS``
+    (memfit's floor, not Liger's): small micro-batches would otherwise loop over one-token chunks.
     """
     per = max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
-    return max(1, min(tokens, 2 ** math.ceil(math.log2(per))))
+    return max(1, min(tokens, max(MIN_CHUNK_TOKENS, 2 ** math.ceil(math.log2(per)))))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -257,7 +257,6 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     Weight decay applies to matrices only (not norms or biases), the usual convention. ``sgd`` is
     plain SGD without momentum (no optimizer state).
     """
-
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
