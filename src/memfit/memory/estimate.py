@@ -107,6 +107,10 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") ->
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer
     forward = base + grads_in_fwd + activations + logit.forward + copies[0] + states.gathered
+    if str(run.loss) != "standard":
+        # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
+        # end holds the cache, the loss only the copies saved for backward (the head's included).
+        forward = base + grads_in_fwd + activations + states.gathered + max(copies[0], copies[1] + logit.forward)
     # backward start: logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
