@@ -72,6 +72,16 @@ class Offload(StrEnum):
     NONE = "none"
     OPTIMIZER = "optimizer"  # optimizer state (and step) on CPU
     PARAMS = "params"  # parameters and optimizer state on CPU
+    ACTIVATIONS = "activations"  # tensors saved for backward kept in pinned CPU memory (CUDA only)
+
+
+class Loss(StrEnum):
+    """How the LM head and cross-entropy run; the table of what each costs is ``memfit.losses.LOSSES``."""
+
+    STANDARD = "standard"  # transformers' head + ForCausalLMLoss: full (B, T, V) logits and their gradient
+    CHUNKED = "chunked"  # memfit's pure-PyTorch chunked linear cross-entropy (any device)
+    LIGER = "liger"  # Liger kernel's fused linear cross-entropy (CUDA, optional extra)
+    CCE = "cce"  # Apple's Cut Cross-Entropy (CUDA, optional extra)
 
 
 class Attention(StrEnum):
@@ -149,6 +159,10 @@ class RunConfig:
     """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
     packing: Packing = Packing.DOCUMENTS
     """How documents fill rows; ``documents`` makes transformers build a block-causal (B, 1, T, T) mask."""
+    loss: Loss = Loss.STANDARD
+    """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.losses``)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter as soon as its gradient is ready and free it (no full set of gradients)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -160,6 +174,7 @@ class RunConfig:
         set_(self, "sharding", _enum(Sharding, self.sharding, "--sharding"))
         set_(self, "attn_implementation", _enum(Attention, self.attn_implementation, "--attn-implementation"))
         set_(self, "packing", parse_packing(self.packing))
+        set_(self, "loss", _enum(Loss, self.loss, "--loss"))
         if isinstance(self.lora_targets, str):
             set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
         elif isinstance(self.lora_targets, (list, tuple)) and all(isinstance(t, str) for t in self.lora_targets):
@@ -170,6 +185,9 @@ class RunConfig:
             set_(self, name, value)
         if self.quantize is not Quantize.NONE and self.lora_r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise UserError("--optimizer-in-backward steps each parameter during backward, so it cannot accumulate "
+                            "gradients over micro-batches; use --grad-accum 1 (a larger --micro-batch).")
 
     # derived numbers -------------------------------------------------------------------------
     def effective_batch(self) -> int:

@@ -13,6 +13,7 @@ import click
 from memfit.config import (
     Attention,
     DType,
+    Loss,
     Offload,
     Optimizer,
     Packing,
@@ -62,6 +63,10 @@ def memory_options(func):
                      help="documents: whole documents per row, each attending only to itself (position ids "
                      "restart; a block-causal mask); concat: cut one stream, documents see the ones before; "
                      "none: one document per row, padded."),
+        click.option("--loss", type=_choice(Loss), default=_DEFAULT.loss.value, show_default=True,
+                     help="LM head + cross-entropy: chunked never builds the full logits."),
+        click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=_DEFAULT.optimizer_in_backward,
+                     show_default=True, help="Step each parameter as its gradient arrives (needs --grad-accum 1)."),
     ]
     for opt in reversed(opts):
         func = opt(func)

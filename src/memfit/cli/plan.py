@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from memfit.config import Attention, DType, Offload, Optimizer, Precision, Quantize, Sharding
+from memfit.config import Attention, DType, Loss, Offload, Optimizer, Precision, Quantize, Sharding
 from memfit.errors import UserError
 
 
@@ -61,6 +61,9 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 @click.option("--sharding", type=_choice(Sharding))
 @click.option("--micro-batch", type=int, help="Pin the micro-batch (grad-accum follows from --batch).")
 @click.option("--attn-implementation", type=_choice(Attention))
+@click.option("--loss", type=_choice(Loss), help="Pin the loss (default: try standard and chunked).")
+@click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=None,
+              help="Pin the optimizer step in backward on or off (default: try both where possible).")
 @click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the chosen plan as YAML for "
                                                                          "memfit train --config.")

@@ -322,7 +322,9 @@ def outside_layer_activations(spec, run: RunConfig, prec: Precisions, device: st
         total += ctx.rms_norm(h, w, gemma=spec.family == "gemma2") * bt
         if spec.family == "gemma2" and ctx.full:
             total += FP32 * h
-    if ctx.full:
+    if str(run.loss) != "standard":
+        total += w * h * bt  # the chunked loss saves the head's input itself (it casts per chunk)
+    elif ctx.full:
         total += (prec.c if prec.amp else w) * h * bt
     return int(total)
 
@@ -351,7 +353,43 @@ def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     too: + c N in both.
     Checked against the exact tracer to the byte (transformers 5.24, torch 2.13).
     """
+    if str(run.loss) != "standard":
+        return chunked_logits_terms(spec, run, prec)
     n = run.micro_batch * run.seq_len * spec.vocab_size
     forward = n * (FP32 + FP32) if prec.c == FP32 else n * (prec.c + FP32 + FP32)
     cap = prec.c * n if spec.final_logit_softcapping else 0
     return LogitsTerms(forward=forward + cap, backward=3 * FP32 * n + cap)
+
+
+def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
+    """Bytes of the head + loss with ``--loss chunked`` (``memfit.losses``): one chunk of ``n`` tokens at a time.
+
+    ``N = B * T`` tokens, ``n`` = ``chunk_tokens`` (Liger's rule), ``Vn = n * V`` elements of one chunk's logits.
+    Forward, inside the function: the per-token log-sum-exp (fp32, 4 N, kept for backward), the int64
+    clamped targets and bool mask (9 N, freed at the end), and one chunk: its fp32 logits and
+    ``exp(z - max)`` (8 Vn; under autocast the c-byte logits die as their fp32 copy is made: c + 4 <= 8),
+    + 4 Vn for Gemma 2's soft-capping (``tanh`` output and the capped logits alive together).
+    Backward, inside the function: log-sum-exp and targets as above, the gradient buffers of the hidden
+    states (``w * N * H``) and, when the head is trained, of the head's weight (``w * V * H``; it becomes
+    the head's ``.grad``), and one chunk: fp32 logits turned into the logits' gradient in place (4 Vn;
+    + 4 Vn of ``tanh`` with soft-capping), its c copy under autocast (c Vn, alive with the fp32 one), the
+    chunk's input-gradient product (c n H) and input cast (c n H when w != c), and under autocast with a
+    trained head the chunk's (V, H) weight-gradient product in c before it is added to the fp32 buffer.
+    Exact on the tracer (every tensor is explicit); what CUDA kernels allocate inside matmuls is not counted.
+    """
+    from memfit.losses import chunk_tokens
+
+    tokens = run.micro_batch * run.seq_len
+    n = chunk_tokens(tokens, spec.vocab_size, spec.hidden_size)
+    vn = n * spec.vocab_size
+    cap = bool(spec.final_logit_softcapping)
+    vh = spec.vocab_size * spec.hidden_size
+    trained_head = not run.is_lora()
+    forward = 4 * tokens + 9 * tokens + (12 if cap else 8) * vn
+    chunk_back = max(8 if cap else 4, 4 + (prec.c if prec.c != FP32 else 0)) * vn
+    chunk_back += prec.c * n * spec.hidden_size * (2 if prec.w != prec.c else 1)
+    if trained_head and prec.c != prec.w:
+        chunk_back += prec.c * vh
+    buffers = prec.w * tokens * spec.hidden_size + (prec.w * vh if trained_head else 0)
+    backward = 4 * tokens + 9 * tokens + buffers + chunk_back
+    return LogitsTerms(forward=int(forward), backward=int(backward))

@@ -18,6 +18,7 @@ per-family recipes live in ``memory/activations.py``. They were checked tensor b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from memfit import versions
@@ -113,10 +114,16 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     copies = (autocast_weight_copies(spec, run, prec), autocast_copies_saved(spec, run, prec))
 
     activations = acts.all_layers + outside
+    if run.offload is Offload.ACTIVATIONS:
+        activations, acts = offloaded_activations(acts, outside)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer
     forward = base + grads_in_fwd + activations + logit.forward + copies[0] + states.gathered
+    if str(run.loss) != "standard":
+        # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
+        # end holds the cache, the loss only the copies saved for backward (the head's included).
+        forward = base + grads_in_fwd + activations + states.gathered + max(copies[0], copies[1] + logit.forward)
     # backward start: logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
@@ -126,6 +133,19 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                       + acts.backward_transient + states.gathered)
     backward_end = base + states.gradients + outside + logit.retained + states.gathered
     optimizer = base + states.gradients + states.step_temporary + logit.retained
+    if run.optimizer_in_backward:
+        # No full set of gradients: each is stepped and freed as it lands (grad_accum is 1).
+        step_one = in_backward_step_bytes(spec, run, prec)
+        hidden_grad = prec.w * run.micro_batch * run.seq_len * spec.hidden_size
+        # the head (first gradient) is stepped while every activation is alive; one layer's backward
+        # transient as without the technique; the embedding (tied: the head too) at the end.
+        if step_one + hidden_grad >= acts.backward_transient:
+            head_grads, acts = step_one + hidden_grad, dataclasses.replace(acts, backward_transient=0)
+        else:
+            head_grads = 0  # a layer's weight gradients come after its recompute peak (+2.8% on the grid without)
+        backward_layer = base + activations + copies[1] + states.gathered + head_grads + acts.backward_transient
+        backward_end = base + outside + step_one + states.gathered
+        optimizer = base + logit.retained
     phases = {
         "forward": forward,
         "backward": max(backward_start, backward_layer, backward_end),
@@ -176,9 +196,10 @@ def _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, he
         out.logits = logit.retained
         out.temporary = copies[1] + acts.backward_transient + states.gathered
     else:
-        out.gradients = states.gradients
+        in_bw = run.optimizer_in_backward  # stepped in backward: no gradients, no temporaries left
+        out.gradients = 0 if in_bw else states.gradients
         out.logits = logit.retained
-        out.temporary = states.step_temporary
+        out.temporary = 0 if in_bw else states.step_temporary
     return out
 
 
@@ -222,7 +243,7 @@ def model_states(spec: ModelSpec, run: RunConfig) -> ModelStates:
         gradients //= n
         optimizer //= n
         step_temp //= n
-    if run.offload is not Offload.NONE:
+    if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
     if run.offload is Offload.PARAMS:
         gathered = max(gathered, 2 * _layer_params(spec) * w)
@@ -306,6 +327,34 @@ def _layer_params(spec: ModelSpec) -> int:
 
 def _weight_bytes(run: RunConfig) -> int:
     return int(2 if str(run.dtype) in ("bf16", "fp16") else 4)
+
+
+def offloaded_activations(acts, outside: int):
+    """``--offload activations`` (torch's ``save_on_cpu``): saved tensors wait in pinned CPU memory.
+
+    On the GPU stay the tensors outside the decoder layers (counted whole: conservative) and the layer
+    being computed; in backward one layer's saved set is copied back while it runs (added to its
+    transient). Source: ``torch.autograd.graph.save_on_cpu`` packs every saved tensor to CPU in forward
+    and unpacks it to the device on use. Ignores: the CPU copies of parameters it also makes (host RAM).
+    """
+    resident = acts.saved + outside
+    back = dataclasses.replace(acts, backward_transient=acts.backward_transient + acts.saved)
+    return resident, back
+
+
+def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+    """``--optimizer-in-backward``: the most gradient + step-temporary bytes alive at once in backward.
+
+    Each parameter's gradient lives from its accumulation to the end of its own ``step()``, which (a
+    per-parameter foreach AdamW) adds one temporary its size; taken for the largest trainable tensor
+    (the head or embedding for a full fine-tune), the upper bound of what one step holds. Ignores the
+    overlap of a gradient being written while the previous one is stepped (hooks run synchronously).
+    """
+    grad_bytes = 4 if run.is_lora() else prec.w
+    largest = _largest_trainable(spec, run) * grad_bytes
+    # The optimizer's row says what its step allocates; per parameter a foreach "group" is that one tensor.
+    copies = {"group": 1, "largest-x2": 2, "none": 0}[row(run.optimizer).step_temporary]
+    return int(largest + copies * largest)
 
 
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,9 @@ def check_supported(run: RunConfig) -> None:
                         "on fake tensors); use the analytic estimate.")
     if run.offload is not Offload.NONE:
         raise UserError("--offload is not supported in exact mode; use the analytic estimate.")
+    if run.loss.value in ("liger", "cce"):
+        raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
+                        "analytic estimate, or --loss chunked.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
         raise UserError("Exact mode traces a single process; drop --num-processes/--sharding or use the analytic "
                         "estimate for per-rank numbers.")
@@ -212,8 +216,14 @@ def _to_fake(model, fake_mode) -> None:
 
 def _build_optimizer(model, run: RunConfig):
     """The optimizer's row builder, with the implementation torch picks on CUDA (``cuda_like``: CPU
-    tensors would get single-tensor AdamW), over the trainable parameters."""
+    tensors would get single-tensor AdamW), over the trainable parameters; with ``optimizer_in_backward``
+    one per parameter, as ``training/setup.py`` builds it."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if run.optimizer_in_backward:
+        from memfit.training.optim_in_backward import OptimizerInBackward
+
+        return OptimizerInBackward([{"params": params}],
+                                   lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=True))
     return row(run.optimizer).build(params, 1e-4, cuda_like=True)
 
 
@@ -243,7 +253,7 @@ class _Marks:
         return out
 
 
-def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_weight):
+def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_weight, rows: frozenset = frozenset()):
     """A dispatch mode above MemTracker that labels logits/casts and samples categories after each op.
 
     Logits are recognised by lineage and shape: an op output with B*T*V elements and last dimension V
@@ -256,7 +266,8 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
     storages_of = api["get_untyped_storages"]
     to_copy = torch.ops.aten._to_copy.default
     vocab = int(head_weight.shape[0])
-    logits_numel = shape[0] * shape[1] * vocab
+    # (B, T, V) logits, or (chunked loss) one chunk's (rows, V)
+    logits_numels = {shape[0] * shape[1] * vocab} | {r * vocab for r in rows}
 
     class Recorder(api["TorchDispatchMode"]):
         def __init__(self) -> None:
@@ -285,7 +296,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                     if from_head:
                         self.head.add(st, None)
                 return
-            logits_like = [t for t in outputs if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() == logits_numel]
+            logits_like = [t for t in outputs if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() in logits_numels]
             if not logits_like:
                 return
             sources = [st for t in inputs for st in storages_of(t)]
@@ -373,7 +384,7 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
         input_ids = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         labels = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         # use_cache=False: a training step keeps no KV cache; only the loss is kept (outputs are dropped).
-        loss = t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
+        loss = _micro_loss(t, input_ids, labels)
         # accelerator.backward divides by the accumulation steps before backward.
         loss = loss / t.run.grad_accum if t.run.grad_accum > 1 else loss
         rec.phase = "backward"
@@ -384,6 +395,37 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
     rec.phase = "optimizer"
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
+
+
+def _micro_loss(t: _Traced, input_ids, labels):
+    """The loss as ``training/step.py`` computes it: the model's own, or (``--loss chunked``) memfit's."""
+    import torch
+
+    if t.run.loss.value == "standard":
+        return t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
+    from memfit.losses import chunked_micro_loss
+
+    autocast = contextlib.nullcontext
+    if t.run.mixed_precision is not Precision.NO:
+        dtype = torch.bfloat16 if t.run.mixed_precision is Precision.BF16 else torch.float16
+        autocast = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731 - accelerator.autocast's CPU twin
+    t.model.forward = t.forward  # as Accelerate's prepare patches it
+    try:
+        batch = {"input_ids": input_ids, "labels": labels, **_packed_positions(t.run)}  # no mask, as above
+        return chunked_micro_loss(t.model, batch, input_ids.numel(), autocast, t.run.loss)
+    finally:
+        del t.model.forward
+
+
+def _loss_rows(run: RunConfig, vocab: int, hidden: int) -> frozenset:
+    """Token rows of one chunk's logits (the last chunk may be shorter); empty for the standard loss."""
+    if run.loss.value == "standard":
+        return frozenset()
+    from memfit.losses import chunk_tokens
+
+    tokens = run.micro_batch * run.seq_len
+    chunk = chunk_tokens(tokens, vocab, hidden)
+    return frozenset({chunk, tokens % chunk} - {0})
 
 
 def _state_bytes(optimizer, storages_of) -> int:
@@ -579,13 +621,20 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     tracker._update_peak_stats = lambda _state: None
     _skip_frozen_grad_hooks(tracker, net)
     tracker.track_external(net, optimizer)
-    recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight)
+    rows = _loss_rows(run, vocab, int(head_weight.shape[1]))
+    recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight, rows)
     _mark_layers(net, recorder)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     with _attention_path(run), fake_mode, tracker, recorder:
         if steps > 1:
-            _one_step(traced, micro_batches)
+            with warnings.catch_warnings():
+                # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
+                # first forward), which then read a freed .grad and warn; re-installed below, they run after.
+                warnings.simplefilter("ignore", UserWarning)
+                _one_step(traced, micro_batches)
+        if run.optimizer_in_backward:
+            optimizer.install_hooks()
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         recorder.recording = True
         _one_step(traced, micro_batches, optimizer_step=steps > 1)

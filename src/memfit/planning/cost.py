@@ -24,14 +24,18 @@ the compute/bandwidth crossover and much less away from it). Per micro-batch of 
    is dequantised each pass (reads 0.5 / 1 B, writes 2 B per parameter); a full fine-tune reads and
    writes its gradients once per micro-batch (accumulation). This is why tiny micro-batches are slow:
    the weights are streamed once per micro-batch whatever its size.
-3. **Loss**: the logits, their fp32 upcast and the gradient: ``LOGIT_BYTES`` per token per vocab entry.
+3. **Loss**: the logits, their fp32 upcast and the gradient: ``LOGIT_BYTES`` per token per vocab entry;
+   ``--loss chunked`` writes the same bytes chunk by chunk and recomputes the head's forward in backward
+   (``2 H V`` FLOPs per token more, ``memfit.losses.LOSSES``). ``--offload activations`` moves every
+   saved tensor over PCIe twice per micro-batch.
 4. **Kernel launches**: ``KERNELS_PER_LAYER`` per layer and micro-batch (x4/3 with checkpointing),
    plus ``KERNELS_PER_LORA_MODULE`` per adapted projection, ``LAUNCH_S`` each: the fixed cost per
    micro-batch that makes gradient accumulation of tiny micro-batches slower than one large one.
 
 Once per optimizer step:
 
-5. **Optimizer step**, bandwidth-bound: bytes read and written per trainable parameter
+5. **Optimizer step**, bandwidth-bound (with ``optimizer_in_backward``: the same bytes, plus
+   ``KERNELS_PER_PARAM_STEP`` launches per trainable tensor, stepped one by one in backward): bytes read and written per trainable parameter
    (``optimizer_bytes``); torch's foreach AdamW makes ~``memfit.optimizers.FOREACH_PASSES`` passes over the state, fused
    one. With offload the step runs on the CPU at ``CPU_BANDWIDTH`` and gradients go down and
    weights come up over PCIe (ZeRO-Offload, Ren et al. 2021); offloading the parameters also streams
@@ -52,6 +56,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memfit.config import DType, Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.losses import loss_impl
 from memfit.optimizers import row
 from memfit.planning.gpus import GPU
 from memfit.units import GB, dtype_bytes
@@ -72,6 +77,9 @@ KERNELS_PER_LAYER = 60
 KERNELS_PER_LORA_MODULE = 10
 #: Seconds per kernel launch (CUDA launch + PyTorch dispatch, eager mode).
 LAUNCH_S = 5e-6
+#: Kernels per parameter tensor of a per-parameter (optimizer-in-backward) AdamW step (torch's
+#: single-tensor path: ~10 elementwise ops), each paying ``LAUNCH_S``.
+KERNELS_PER_PARAM_STEP = 10
 #: Host memory bandwidth for an offloaded optimizer step (a workstation's DDR4/DDR5, bytes/s).
 CPU_BANDWIDTH = 50 * GB
 
@@ -149,6 +157,8 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
         traffic += 2 * spec.params * dtype_bytes(run.dtype)  # gradient accumulate: read + write
     traffic += tokens * spec.vocab_size * LOGIT_BYTES
     memory = traffic / (gpu.bytes_per_s("device") * BANDWIDTH_EFFICIENCY)
+    # Chunked/CCE recompute each chunk's logits in backward: one more head matmul (memfit.losses.LOSSES).
+    compute += tokens * 2 * spec.hidden_size * spec.vocab_size * loss_impl(run).extra_head_matmuls / peak
 
     kernels = KERNELS_PER_LAYER * (4 / 3 if run.grad_checkpointing else 1) * spec.num_layers
     if run.is_lora():
@@ -176,7 +186,9 @@ def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, flo
     opt_bytes = trainable * optimizer_bytes(run)
     grad_b = 4 if run.is_lora() else dtype_bytes(run.dtype)
     offload = 0.0
-    if run.offload is Offload.NONE:
+    if run.offload is Offload.ACTIVATIONS:
+        offload = _activation_offload_seconds(spec, run, gpu)
+    if run.offload in (Offload.NONE, Offload.ACTIVATIONS):
         optimizer = opt_bytes / (gpu.bytes_per_s("device") * BANDWIDTH_EFFICIENCY)
     else:
         optimizer = opt_bytes / CPU_BANDWIDTH
@@ -185,7 +197,25 @@ def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, flo
         passes = 3 if run.grad_checkpointing else 2
         streamed = passes * spec.params * 2 * run.grad_accum  # half weights up, every pass, every micro-batch
         offload += streamed / (gpu.bytes_per_s("host") * BANDWIDTH_EFFICIENCY)
+    if run.optimizer_in_backward:  # the same bytes, stepped one tensor at a time
+        optimizer += _trainable_tensors(spec, run) * KERNELS_PER_PARAM_STEP * LAUNCH_S
     return optimizer, offload, _comm_seconds(spec, run, gpu, grad_b)
+
+
+def _trainable_tensors(spec, run: RunConfig) -> int:
+    """Trainable tensors (LoRA: A and B per adapted projection; full: 2 norms + projections per layer + 3)."""
+    if run.is_lora():
+        return 2 * sum(lin.count for lin in spec.lora_linears(run.lora_targets))
+    return sum(lin.count for lin in spec.linears) + 2 * spec.num_layers + 3
+
+
+def _activation_offload_seconds(spec, run: RunConfig, gpu: GPU) -> float:
+    """``--offload activations``: every saved tensor goes down to pinned host memory in forward and up
+    in backward, per micro-batch, over PCIe (not overlapped with compute here: pessimistic)."""
+    from memfit.memory.activations import Precisions, layer_activations
+
+    saved = layer_activations(spec, run, Precisions.of(run), "cuda").all_layers
+    return run.grad_accum * 2 * saved / (gpu.bytes_per_s("host") * BANDWIDTH_EFFICIENCY)
 
 
 def _comm_seconds(spec, run: RunConfig, gpu: GPU, grad_b: float) -> float:

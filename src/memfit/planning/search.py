@@ -122,6 +122,10 @@ def describe(run: RunConfig) -> str:
     parts += [f"micro-batch {run.micro_batch} x {run.grad_accum} accumulation", str(run.optimizer)]
     if run.offload is not Offload.NONE:
         parts.append(f"offload {run.offload}")
+    if str(run.loss) != "standard":
+        parts.append(f"{run.loss} loss")
+    if run.optimizer_in_backward:
+        parts.append("optimizer in backward")
     if run.num_processes > 1:
         parts.append(f"{run.sharding} over {run.num_processes} processes")
     return ", ".join(parts)
@@ -211,18 +215,40 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
     from memfit.training.sharding import refusal
 
     plans, refused = [], []
+    plain_plans: dict[RunConfig, Plan] = {}
     for run in runs:
         reason = refusal(run, cuda=True)  # only what `memfit train` runs on a GPU (e.g. no optimizer-only offload)
         if reason:
             refused.append(UserError(reason))
             continue
+        plain = run.replace(loss="standard", optimizer_in_backward=False)
+        if run != plain and plain in plain_plans and not _technique_can_help(plain_plans[plain], run, budget, margin):
+            continue
         try:
             plans.append(evaluate(spec, run, gpu, budget, margin))
         except UserError as err:
             refused.append(err)
+            continue
+        if run == plain:
+            plain_plans[run] = plans[-1]
     if not plans:
         raise refused[0]
     return plans
+
+
+def _technique_can_help(plain: Plan, run: RunConfig, budget: int, margin: float) -> bool:
+    """Whether ``run`` (``plain`` + chunked loss and/or optimizer-in-backward) can be worth evaluating.
+
+    Both cost time (planning/cost.py), so they matter only where ``plain`` does not fit; and they remove at
+    most the logits (chunked) and the gradients + step temporaries (in backward) of ``plain``'s peak, so
+    where even that would not fit they are skipped unevaluated (this keeps the search under a second).
+    """
+    if plain.fits:
+        return False
+    b = plain.breakdown
+    cut = (b.logits if str(run.loss) != "standard" else 0)
+    cut += (b.gradients + b.temporary) if run.optimizer_in_backward else 0
+    return fits(plain.peak_bytes - cut, budget, margin)
 
 
 def nothing_fits_message(result: PlanResult) -> str:

@@ -9,6 +9,8 @@ A candidate is a ``RunConfig``. The grid is the product of
   the algorithm, so they are only used when the user pins them),
 - offload of optimizer state or parameters to the CPU (full fine-tunes only: LoRA states are tiny),
 - sharding across ranks (only when ``num_processes > 1``),
+- the loss (standard, chunked: ``memfit.losses``) and the optimizer step in backward or after it
+  (only with one micro-batch per step and one process),
 - the micro-batch: every divisor of ``batch / num_processes``, with
   ``grad_accum = batch / (micro_batch * num_processes)`` exactly, so the effective batch never changes.
 
@@ -25,6 +27,7 @@ from memfit.config import (
     DEFAULT_LORA_TARGETS,
     Attention,
     DType,
+    Loss,
     Offload,
     Optimizer,
     Precision,
@@ -44,7 +47,11 @@ ADAMW_VARIANTS = (Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH, Optimizer.ADAM
 
 
 _ENUMS = {"mixed_precision": Precision, "dtype": DType, "optimizer": Optimizer, "quantize": Quantize,
-          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention}
+          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention, "loss": Loss}
+
+#: Losses the planner tries unless one is pinned: the fused kernels (Liger, CCE) need optional packages,
+#: so a plan never proposes them by itself.
+PLANNED_LOSSES = (Loss.STANDARD, Loss.CHUNKED)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class Constraints:
     lora_dropout: float | None = None
     lora_targets: tuple[str, ...] | None = None
     attn_implementation: Attention | None = None
+    loss: Loss | None = None
+    optimizer_in_backward: bool | None = None
 
     def __post_init__(self) -> None:
         for name, cls in _ENUMS.items():
@@ -163,6 +172,13 @@ def micro_batches(batch: int, num_processes: int, c: Constraints) -> list[tuple[
     return pairs
 
 
+def _in_backward_possible(accum: int, num_processes: int, offload: Offload, regime: Regime) -> bool:
+    """Optimizer-in-backward needs one micro-batch per step, one process, the step on the GPU, and no fp16
+    loss scaler (``training/optim_in_backward.py`` says why); it is not tried for LoRA (nothing to gain)."""
+    return (accum == 1 and num_processes == 1 and offload in (Offload.NONE, Offload.ACTIVATIONS)
+            and regime.mixed_precision is not Precision.FP16 and not regime.lora)  # LoRA: its gradients are tiny
+
+
 def _choices(pinned, default: tuple) -> tuple:
     return (pinned,) if pinned is not None else default
 
@@ -180,8 +196,11 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
         offloads = (Offload.NONE,) if regime.lora else tuple(Offload) if c.allow_offload else (Offload.NONE,)
         grid = itertools.product(_choices(c.grad_checkpointing, (False, True)),
                                  _choices(c.optimizer, ADAMW_VARIANTS),
-                                 _choices(c.offload, offloads), shardings, pairs)
-        for gc, opt, offload, sharding, (micro, accum) in grid:
+                                 _choices(c.offload, offloads), shardings, pairs,
+                                 _choices(c.loss, PLANNED_LOSSES), _choices(c.optimizer_in_backward, (False, True)))
+        for gc, opt, offload, sharding, (micro, accum), loss, in_bw in grid:
+            if in_bw and not _in_backward_possible(accum, num_processes, offload, regime):
+                continue
             if offload is not Offload.NONE and opt is Optimizer.ADAMW_8BIT and c.optimizer is None:
                 continue  # offloaded steps run on the CPU, where bitsandbytes' 8-bit AdamW does not
             if offload is Offload.PARAMS and regime.quantize is not Quantize.NONE:
@@ -191,7 +210,8 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
-                attn_implementation=c.attn_implementation or Attention.AUTO, **lora))
+                attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
+                optimizer_in_backward=in_bw, **lora))
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

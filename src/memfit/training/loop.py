@@ -84,7 +84,9 @@ def run_step(s: TrainSession) -> StepResult:
         micro = [next(s.batches) for _ in range(s.run.grad_accum)]
         try:
             return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
-                              uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot)
+                              uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
+                              loss=s.run.loss, in_backward=s.in_backward,
+                              activations_on_cpu=str(s.run.offload) == "activations")
         except StepOutOfMemory as err:
             sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
             del micro
@@ -97,6 +99,10 @@ def run_step(s: TrainSession) -> StepResult:
 def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:
     """Switch to a configuration that lowers the phase that ran out (same effective batch), and record it."""
     step = s.state.step + 1
+    if not err.restored and err.phase == "backward":  # --optimizer-in-backward had stepped some parameters
+        raise UserError(f"Out of memory in the backward pass of step {step} with --optimizer-in-backward, which had "
+                        "already updated some parameters, so memfit stopped instead of redoing the step; lower "
+                        "--micro-batch or add --grad-checkpointing.") from None
     if not err.restored:
         raise UserError(f"Out of memory inside the optimizer step of step {step}, and the host had no room for the "
                         "copy that undoes a half-applied step, so memfit stopped instead of redoing it; lower "

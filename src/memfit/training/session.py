@@ -18,7 +18,7 @@ from typing import Any
 
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.training import checkpoint, resume, sharding
+from memfit.training import checkpoint, optim_in_backward, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
@@ -95,6 +95,8 @@ class TrainSession:
     t_start: float
     guard: Any = None
     """``training.guard.RunGuard``: Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
+    in_backward: Any = None
+    """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
     source: Any = None
     """``setup.ModelSource``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
     save_state: Any = None
@@ -134,6 +136,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     t_start = time.perf_counter()
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
+    optim_in_backward.check(config.run, config.max_grad_norm)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     run, plan_result = resolve_run(config, accelerator.num_processes)
@@ -175,6 +178,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
                         predicted=predicted, bar=bar, source=source, guard=guard,
+                        in_backward=optimizer if run.optimizer_in_backward else None,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
 

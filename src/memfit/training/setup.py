@@ -47,6 +47,12 @@ def preflight(run: RunConfig) -> None:
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
     if run.quantize is not Quantize.NONE and not cuda:
         raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
+    if str(run.offload) == "activations" and not cuda:
+        raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
+                        "only runs) on a CUDA GPU; drop it on this machine.")
+    from memfit.losses import check_loss_runnable
+
+    check_loss_runnable(run, cuda)
     check_device(run.optimizer, "cuda" if cuda else "cpu")
     from memfit.training import sharding
 
@@ -186,6 +192,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if run.is_lora():
         model = _add_lora(model, run, resolved.lora.peft_targets)
+    if str(run.loss) != "standard":
+        from memfit.losses import check_model_supports
+
+        check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -288,6 +298,10 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     ]
     groups = [g for g in groups if g["params"]]
     # The optimizer's row of memfit.optimizers builds it: what estimate and plan priced.
+    if run.optimizer_in_backward:  # one optimizer per parameter, stepped from backward's gradient hooks
+        from memfit.training.optim_in_backward import OptimizerInBackward
+
+        return OptimizerInBackward(groups, lambda one: row(run.optimizer).build(one, config.optimizer_lr))
     return row(run.optimizer).build(groups, config.optimizer_lr)
 
 

@@ -58,6 +58,8 @@ def reshard_after_forward(run: RunConfig) -> bool:
 def refusal(run: RunConfig, *, cuda: bool) -> str | None:
     """Why no engine here runs ``run``'s sharding/offload (one sentence), or None. Read by ``memfit train``'s
     preflight and by the planner, which proposes only what train runs."""
+    if run.offload is Offload.ACTIVATIONS:
+        return None  # saved tensors to host memory: any engine, CUDA only (training.setup.preflight)
     if run.offload is not Offload.NONE and not is_sharded(run):
         return (f"--offload {run.offload} runs under FSDP2 only; add --sharding fsdp (or zero2/zero3) "
                 "and launch 2 or more processes.")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.config import Loss
 from memfit.data import collate, count_target_tokens, model_inputs
 from memfit.training.oom import is_oom
 from memfit.training.rollback import OptimizerSnapshot
@@ -41,14 +42,16 @@ class StepOutOfMemory(Exception):
 
 
 @contextmanager
-def phase(name: str, snapshot: OptimizerSnapshot | None = None) -> Iterator[None]:
-    """Label an out-of-memory error raised inside with the phase ``name``; other errors pass through."""
+def phase(name: str, snapshot: OptimizerSnapshot | None = None, restorable: bool = True) -> Iterator[None]:
+    """Label an out-of-memory error raised inside with the phase ``name``; other errors pass through.
+
+    ``restorable=False``: parameters may have changed inside (optimizer-in-backward), so it cannot be undone."""
     try:
         yield
     except (RuntimeError, MemoryError) as err:
         if not is_oom(err):
             raise
-        raise StepOutOfMemory(name, err, restored=snapshot is None or snapshot.available) from err
+        raise StepOutOfMemory(name, err, restored=restorable and (snapshot is None or snapshot.available)) from err
 
 
 @dataclass
@@ -63,9 +66,15 @@ class StepResult:
     grad_norm: float | None
 
 
-def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int):
+def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int,
+               loss: Loss = Loss.STANDARD, autocast=None):
     """``S_i / N`` for one micro-batch: the model's loss with ``num_items_in_batch``, or the same
-    function applied to its logits for models whose forward does not take loss kwargs."""
+    function applied to its logits for models whose forward does not take loss kwargs, or (``loss`` not
+    standard) the same sum over target tokens divided by ``N`` without the full logits (``memfit.losses``)."""
+    if loss is not Loss.STANDARD:
+        from memfit.losses import chunked_micro_loss
+
+        return chunked_micro_loss(model, batch, num_items, autocast, loss)
     if uses_model_loss:
         return model(**model_inputs(batch), num_items_in_batch=num_items).loss
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -76,13 +85,20 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
 
 
 def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_norm: float,
-               uses_model_loss: bool, vocab_size: int, snapshot: OptimizerSnapshot | None = None) -> StepResult:
+               uses_model_loss: bool, vocab_size: int, snapshot: OptimizerSnapshot | None = None,
+               loss: Loss = Loss.STANDARD, in_backward=None, activations_on_cpu: bool = False) -> StepResult:
     """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
     clip, and step the optimizer.
 
+    ``in_backward``: an ``OptimizerInBackward`` (``training/optim_in_backward.py``) that already stepped
+    every parameter during ``backward``; then there is no clipping, and ``optimizer.step()`` does nothing.
+    ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
+    to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
+
     Raises:
         StepOutOfMemory: out of memory in one of ``PHASES``; with ``snapshot``, an OOM inside the
-            optimizer step leaves the optimizer and parameters as they were before it.
+            optimizer step leaves the optimizer and parameters as they were before it. With
+            ``in_backward`` an OOM in backward may follow parameter updates: it is marked not restored.
     """
     device = accelerator.device
     local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
@@ -94,13 +110,13 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     snapshot = snapshot or OptimizerSnapshot()
     for batch in batches:
         with accelerator.accumulate(model):
-            with phase("forward"):
-                loss = micro_loss(model, batch, num_items, uses_model_loss, vocab_size)
-            with phase("backward"):
-                accelerator.backward(loss * scale)
-            loss_sum += loss.detach().float()
+            with phase("forward"), _saved_tensors_place(activations_on_cpu):
+                value = micro_loss(model, batch, num_items, uses_model_loss, vocab_size, loss, accelerator.autocast)
+            with phase("backward", restorable=in_backward is None):
+                accelerator.backward(value * scale)
+            loss_sum += value.detach().float()
     grad_norm = None
-    if max_grad_norm > 0:
+    if max_grad_norm > 0 and in_backward is None:
         with phase("clip"):
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
     with phase("optimizer", snapshot), snapshot.guard(optimizer):
@@ -109,6 +125,13 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     total = float(accelerator.reduce(loss_sum, reduction="sum"))
     return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
                       skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
+
+
+def _saved_tensors_place(on_cpu: bool):
+    """Where forward's saved tensors live: the device, or pinned CPU memory (copied back in backward)."""
+    import contextlib
+
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if on_cpu else contextlib.nullcontext()
 
 
 @torch.no_grad()
