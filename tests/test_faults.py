@@ -128,7 +128,7 @@ def test_bad_flag_is_one_sentence(tmp_path, inputs, extra, pattern):
 @pytest.mark.parametrize("text, pattern", [
     ("lr: fast\n", "--lr must be a finite positive number, got 'fast'"),
     ("max_steps: ten\n", "--max-steps must be a positive whole number, got 'ten'"),
-    ("packing: 3\n", "--packing must be true or false, got 3"),
+    ("packing: 3\n", "Unknown --packing 3; choose one of: documents, concat, none."),
     ("seq_len: 3.5\n", "--seq-len must be a positive whole number, got 3.5"),
     ("max_step: 5\n", "max_step (did you mean max_steps?)"),
 ])
@@ -253,7 +253,7 @@ def test_bare_resume_continues_the_runs_own_model_data_and_schedule(tmp_path, ba
     doc = json.loads((run / "run.json").read_text())
     settings = doc["settings"]
     assert settings["data"] == str(Path(data).resolve()) and settings["model"] == str(Path(model).resolve())
-    assert settings["seq_len"] == 32 and settings["optimizer"] == "adamw" and settings["packing"] is False
+    assert settings["seq_len"] == 32 and settings["optimizer"] == "adamw" and settings["packing"] == "none"
     assert doc["steps"] == 6
     logged = [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines())]
     steps = [r["step"] for r in logged if "loss" in r]
