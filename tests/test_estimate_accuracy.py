@@ -62,8 +62,15 @@ GRID = [
 
 _SLOW = pytest.mark.slow
 #: The larger grid (``pytest -m slow``): the other regimes on every family, two sizes each.
+#: Known to fail (measured 2026-11-30, not yet understood): fp32 + checkpointing at seq 256 x 2 on these
+#: families is off by more than 3% (Gemma 2's hand-written forward peak -6%; the derived recipes of
+#: Mistral-beyond-window, GPT-2 with dropout, OLMo 2, StableLM on the tensor peak). strict: a fix shows.
+_KNOWN_GC_MISS = pytest.mark.xfail(strict=True, reason="fp32 + checkpointing at T256 B2: off by > 3%, open")
+_GC_MISSES = {"mistral", "gemma2", "gpt2", "olmo2", "stablelm"}
+
 SLOW_GRID = [
-    _case(family, seq, batch, *parts, marks=_SLOW)
+    _case(family, seq, batch, *parts,
+          marks=(_SLOW, _KNOWN_GC_MISS) if GC in parts and family in _GC_MISSES else _SLOW)
     for family in FAMILIES
     for seq, batch, parts in ((512, 4, (AMP,)), (256, 2, (FP32, GC)), (384, 2, (PURE, LORA)))
 ] + [
