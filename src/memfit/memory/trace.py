@@ -41,6 +41,7 @@ from typing import Any
 
 from memfit.config import Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.modelspec import check_seq_len
 
@@ -156,7 +157,7 @@ def _build_model(config, run: RunConfig):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
         if run.grad_checkpointing:
             # As training/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if run.is_lora():
             from peft import LoraConfig, get_peft_model
 
@@ -165,7 +166,8 @@ def _build_model(config, run: RunConfig):
                               target_modules=targets, task_type="CAUSAL_LM")
             # autocast_adapter_dtype=True (PEFT's default) keeps adapters in fp32 over a bf16/fp16 base.
             try:
-                model = get_peft_model(model, lora)
+                with peft_wrap_quietly():
+                    model = get_peft_model(model, lora)
             except ValueError as err:
                 raise UserError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
     model.train()

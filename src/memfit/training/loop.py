@@ -21,6 +21,7 @@ from typing import Any
 
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.hf_compat import enable_checkpointing
 from memfit.memory import measure
 from memfit.training import checkpoint, oom
 from memfit.training.budget import plan_line, plan_record
@@ -288,8 +289,7 @@ def _fall_back(accelerator, model, run: RunConfig, state: LoopState, err: BaseEx
                         "--lora-r.") from None
     accelerator.gradient_accumulation_steps = nxt.grad_accum
     if nxt.grad_checkpointing and not run.grad_checkpointing:
-        accelerator.unwrap_model(model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(accelerator.unwrap_model(model))
     keys = ("micro_batch", "grad_accum", "grad_checkpointing")
     state.fallbacks.append({"step": state.step + 1, "error": str(err).strip().splitlines()[0][:200],
                             "from": {k: getattr(run, k) for k in keys}, "to": {k: getattr(nxt, k) for k in keys}})
