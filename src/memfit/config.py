@@ -229,6 +229,8 @@ class TrainConfig:
     """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
     check_equivalence: bool = False
     json: bool = False
+    threads: int | None = None
+    """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
 
     def to_flat(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}

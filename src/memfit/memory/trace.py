@@ -9,6 +9,8 @@ second step is the steady state (optimizer state exists) and is the one reported
 
 This is the only module of memfit that imports torch's private APIs (``FakeTensorMode``,
 ``torch.distributed._tools.mem_tracker``); ``_private_api()`` turns their absence into a ``UserError``.
+``dispatch_mode_base()`` hands ``TorchDispatchMode`` to ``memory.measure`` (the CPU tensor peak of a
+real training step) through the same door.
 
 Categories (same as the analytic estimate, see ``memory/breakdown.py``), derived from MemTracker's:
 
@@ -102,6 +104,15 @@ def _private_api() -> dict[str, Any]:
             f"({err}); install torch >= 2.5 or use the analytic estimate."
         ) from None
     return api
+
+
+def dispatch_mode_base():
+    """torch's ``TorchDispatchMode`` (the base class of ``memory.measure``'s live-tensor counter), or
+    None when this torch lacks it. Imported here so torch's private modules keep one door."""
+    try:
+        return importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
+    except (ImportError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------

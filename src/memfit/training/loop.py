@@ -38,6 +38,7 @@ from memfit.training.setup import (
     resolve_model,
 )
 from memfit.training.step import evaluate, train_step
+from memfit.training.threads import apply_threads
 
 
 @dataclass
@@ -75,6 +76,7 @@ def train(config: TrainConfig, *, show: bool = True) -> dict[str, Any]:
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     t_start = time.perf_counter()
     preflight(config.run)
+    threads = apply_threads(config.threads)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     run, plan_result = resolve_run(config, accelerator.num_processes)
@@ -108,6 +110,8 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=device == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    bar.note(threads.describe())
+    tensor_peak = measure.StepPeak(device, total_steps - state.step)
     metrics = MetricsLog(output / "metrics.jsonl", is_main)
     batches = _micro_batches(accelerator, data.train, pad_id, schedule, state, run, total_steps)
     measure.reset_peak(device)
@@ -116,8 +120,9 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
             t_step = time.perf_counter()
             micro = [next(batches) for _ in range(run.grad_accum)]
             try:
-                result = train_step(accelerator, model, optimizer, micro, max_grad_norm=config.max_grad_norm,
-                                    uses_model_loss=bundle.uses_model_loss, vocab_size=vocab)
+                with tensor_peak.watch(state.step + 1, model, optimizer, micro):
+                    result = train_step(accelerator, model, optimizer, micro, max_grad_norm=config.max_grad_norm,
+                                        uses_model_loss=bundle.uses_model_loss, vocab_size=vocab)
             except (RuntimeError, MemoryError) as err:
                 if not oom.is_oom(err):
                     raise
@@ -157,8 +162,9 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
                 with not_a_batch_problem("saving a checkpoint"):
                     checkpoint.save_checkpoint(accelerator, output, state.step, {**asdict(state), "run": run.to_flat()})
             bar.update(state.step, loss=result.loss, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_s,
-                       memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval)
-    peak_mem = measure.peak(device)
+                       memory=measure.in_use(device), skipped=state.skipped_steps, eval_loss=state.last_eval,
+                       memory_label="rss" if device == "cpu" else "mem")
+    peak_mem = measure.peak(device, tensor_peak)
     net = accelerator.unwrap_model(model)
     measured = measure.measured_breakdown(peak_mem, net, optimizer, trainable_params=bundle.trainable_params)
     with not_a_batch_problem("saving the model"):
@@ -178,8 +184,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
         "peak_memory": peak_mem.to_dict(), "measured": measured.to_dict(),
         "predicted_peak_bytes": predicted.peak_bytes if predicted else None,
         "predicted": predicted.to_dict() if predicted else None,
-        "compared": "CUDA max allocated vs predicted peak" if device == "cuda" else
-                    "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)",
+        "compared": peak_mem.compared,
         "plan": plan_record(config, plan_result) if plan_result is not None else None,
         "fallbacks": state.fallbacks, "num_processes": accelerator.num_processes,
         "initial_run": initial_run.to_flat(), "run": run.to_flat(),
