@@ -93,12 +93,16 @@ def to_gb(n_bytes: float) -> float:
 
 
 def fmt_gib(n_bytes: float, digits: int = 2) -> str:
-    """``"24.00 GiB"``: the unit GPU memory is sold in."""
+    """``"24.00 GiB"``: the unit GPU memory is sold in; below 1 GiB it scales down: ``"165.1 MiB"``."""
+    if 0 < abs(n_bytes) < GiB:
+        return f"{n_bytes / MiB:.1f} MiB"
     return f"{n_bytes / GiB:.{digits}f} GiB"
 
 
 def fmt_gb(n_bytes: float, digits: int = 2) -> str:
-    """``"25.77 GB"`` (decimal, 1e9 bytes)."""
+    """``"25.77 GB"`` (decimal, 1e9 bytes); below 1 GB it scales down: ``"173.1 MB"``."""
+    if 0 < abs(n_bytes) < GB:
+        return f"{n_bytes / MB:.1f} MB"
     return f"{n_bytes / GB:.{digits}f} GB"
 
 

@@ -127,11 +127,11 @@ class LiveProgress:
     It also watches the step time (``threads.LoadWatch``) and says once when the machine seems loaded.
     """
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None) -> None:
         from memfit.training.threads import LoadWatch
 
         self.enabled = enabled
-        self.console = Console(stderr=True)
+        self.console = console or Console(stderr=True)
         self.progress = Progress(_LineColumn(self.console), console=self.console, disable=not enabled,
                                  transient=False)
         self.task = self.progress.add_task("train", total=total, completed=start,
