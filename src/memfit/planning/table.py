@@ -8,7 +8,7 @@ from rich.table import Table
 from memfit.report.fit import Col, fitted_table
 
 from memfit.planning.search import PlanResult, method, precision
-from memfit.units import fmt_gib
+from memfit.units import binary_scale, fmt_gib
 
 
 def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Table, list[str]]:
@@ -25,7 +25,8 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
     cols = [Col("", "center"), Col("method"), Col("precision"), Col("micro x acc", "right"), Col("ckpt", "center"),
             Col("optimizer", priority=2)]
     cols += [Col("offload", priority=1)] * offload + [Col("sharding", priority=1)] * multi
-    cols += [Col("peak", "right"), Col("headroom", "right", 3), Col("tokens/s", "right")]
+    unit, size = binary_scale(max((p.peak_bytes for p in shown), default=0))
+    cols += [Col(f"peak {unit}", "right"), Col("headroom", "right", 3), Col("tokens/s", "right")]
     rows, styles = [], []
     for i, p in enumerate(shown):
         run = p.config
@@ -37,8 +38,7 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
             row.append(str(run.offload))
         if multi:
             row.append(str(run.sharding))
-        row += [fmt_gib(p.peak_bytes), ("+" if headroom >= 0 else "-") + fmt_gib(abs(headroom)),
-                f"{p.tokens_per_s:,.0f}"]
+        row += [f"{p.peak_bytes / size:.2f}", f"{headroom / size:+.2f}", f"{p.tokens_per_s:,.0f}"]
         rows.append(row)
         styles.append("bold green" if i == result.chosen else None if p.fits else "dim")
     title = (f"{result.model}: budget {fmt_gib(result.budget_bytes)} (fits = peak + {result.safety_margin:.0%} "
