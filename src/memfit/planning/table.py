@@ -22,7 +22,7 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
     multi = any(p.config.num_processes > 1 for p in shown)
     offload = any(p.config.offload.value != "none" for p in shown)
     gpu = result.gpu.name if result.gpu else "?"
-    cols = [Col("", "center"), Col("method"), Col("precision"), Col("micro x acc", "right"), Col("ckpt", "center"),
+    cols = [Col("", "center"), Col("method"), Col("precision"), Col("mb x acc", "right"), Col("ckpt", "center"),
             Col("optimizer", priority=2)]
     cols += [Col("offload", priority=1)] * offload + [Col("sharding", priority=1)] * multi
     unit, size = binary_scale(max((p.peak_bytes for p in shown), default=0))

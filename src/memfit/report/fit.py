@@ -48,7 +48,7 @@ def fitted_table(title: str, cols: list[Col], rows: list[list[str] | None], widt
         table.title = None  # a long title wraps; it never decides the width
         natural = console.measure(table).maximum + sum(cols[i].wrap_min + 3 for i in keep if i not in fixed)
         droppable = [i for i in keep if cols[i].priority > 0]
-        if natural <= width or not droppable:
+        if natural <= width - 2 or not droppable:  # rich needs a little slack at the exact width
             break
         keep.remove(max(droppable, key=lambda i: (cols[i].priority, i)))
     table = _build(title, cols, rows, keep, styles, table_kw)
