@@ -5,9 +5,8 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from memfit.report.fit import Col, fitted_table
-
 from memfit.planning.search import PlanResult, method, precision
+from memfit.report.fit import Col, fitted_table
 from memfit.units import binary_scale, fmt_gib
 
 
