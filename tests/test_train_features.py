@@ -78,7 +78,7 @@ def test_budget_keeps_lora_rank_when_given(tmp_path):
 def test_impossible_budget_is_the_planners_sentence_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = _error_line(_run(_args(tmp_path, "--budget", "64MiB", "--output", str(tmp_path / "out"))))
-    assert "Nothing fits in 0.06 GiB with a 5% safety margin: the smallest peak reached is" in line
+    assert "Nothing fits in 64.0 MiB with a 5% safety margin: the smallest peak reached is" in line
     assert "smallest listed GPU that would hold it" in line
     assert not (tmp_path / "out").exists()
     _error_line(_run(_args(tmp_path, "--budget", "64MiB")))  # the default folder is not created either

@@ -292,6 +292,8 @@ class TrainConfig:
     messages_field: str | None = None
     num_proc: int = 1
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
+    threads: int | None = None
+    """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
 
     explicit: tuple[str, ...] | None = None
     """Settings the user gave (flags typed or in ``--config``); None for library callers, whose whole

@@ -93,22 +93,47 @@ def to_gb(n_bytes: float) -> float:
 
 
 def fmt_gib(n_bytes: float, digits: int = 2) -> str:
-    """``"24.00 GiB"``: the unit GPU memory is sold in."""
+    """``"24.00 GiB"``: the unit GPU memory is sold in; below 1 GiB it scales down: ``"165.1 MiB"``."""
+    if 0 < abs(n_bytes) < GiB:
+        return f"{n_bytes / MiB:.1f} MiB"
     return f"{n_bytes / GiB:.{digits}f} GiB"
 
 
 def fmt_gb(n_bytes: float, digits: int = 2) -> str:
-    """``"25.77 GB"`` (decimal, 1e9 bytes)."""
+    """``"25.77 GB"`` (decimal, 1e9 bytes); below 1 GB it scales down: ``"173.1 MB"``."""
+    if 0 < abs(n_bytes) < GB:
+        return f"{n_bytes / MB:.1f} MB"
     return f"{n_bytes / GB:.{digits}f} GB"
 
 
-def fmt_bytes(n_bytes: float) -> str:
-    """Human size with a binary unit chosen to fit: ``"512.0 MiB"``, ``"1.25 GiB"``."""
+def fmt_bytes(n_bytes: float, digits: int | None = None) -> str:
+    """Human size with a binary unit chosen to fit: ``"512.0 MiB"``, ``"1.25 GiB"``.
+
+    ``digits`` overrides the default decimals (2 for GiB, 1 below): the progress line uses 0.
+    """
     n = float(n_bytes)
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+            places = digits if digits is not None else (2 if unit == "GiB" else 1)
+            return f"{n / size:.{places}f} {unit}"
     return f"{int(n)} B"
+
+
+def binary_scale(n_bytes: float) -> tuple[str, int]:
+    """``("GiB", 2**30)`` for figures of a GiB or more, else ``("MiB", 2**20)``: the unit a column of
+    sizes up to ``n_bytes`` is shown in, so small models do not print 0.00 GiB everywhere."""
+    return ("GiB", GiB) if abs(n_bytes) >= GiB else ("MiB", MiB)
+
+
+def decimal_scale(n_bytes: float) -> tuple[str, int]:
+    """``("GB", 1e9)`` or ``("MB", 1e6)``: the decimal twin of ``binary_scale``."""
+    return ("GB", GB) if abs(n_bytes) >= GB else ("MB", MB)
+
+
+def fmt_scaled(n_bytes: float, scale: tuple[str, int], digits: int = 2, unit: bool = True) -> str:
+    """``n_bytes`` in a unit picked by ``binary_scale``/``decimal_scale``: ``"165.10 MiB"``."""
+    name, size = scale
+    return f"{n_bytes / size:.{digits}f}" + (f" {name}" if unit else "")
 
 
 def fmt_count(n: float) -> str:

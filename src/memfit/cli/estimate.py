@@ -95,20 +95,26 @@ def _render(spec, run, rows, compare, as_json, plot_path) -> None:
         return
     from rich.console import Console
 
-    from memfit.report.tables import breakdown_table, compare_table
+    from memfit.report.fit import dropped_note
+    from memfit.report.tables import breakdown_table, compare_table, legend
     from memfit.units import fmt_count
 
-    console = Console(width=max(Console().width, 132 if compare else 90))
+    console = Console()
     head = (f"{spec.name}: {fmt_count(spec.params)} params, seq {run.seq_len} x micro-batch {run.micro_batch} "
             f"= {run.seq_len * run.micro_batch:,} tokens per micro-batch")
     if compare:
-        console.print(compare_table(rows, head + " (per rank, peak of one step)"))
-        console.print("[dim]GiB = 2^30 bytes (how GPU memory is sold); 'yes' = peak fits that much device memory. "
-                      "Categories are the composition at the peak; 'backward GiB' is the largest total during "
-                      "backward, where checkpointing saves.[/]")
+        table, dropped = compare_table(rows, head + " (per rank, peak of one step)", console.width)
+        console.print(table)
+        console.print("[dim]GiB = 2^30 bytes (how GPU memory is sold). grad+opt: gradients and optimizer state; "
+                      "act: activations; temp: temporaries; bwd: the largest total during backward, where "
+                      "checkpointing saves; fits: the smallest of 16/24/40/80 GiB that holds the peak. The "
+                      "categories are the composition at the peak.[/]")
+        if dropped:
+            console.print(f"[dim]{dropped_note(dropped)}[/]")
     else:
         name, b = rows[0]
         console.print(breakdown_table(b, f"{head} ({name})"))
+        console.print(f"[dim]{legend(b)}[/]")
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
     if plot_path:

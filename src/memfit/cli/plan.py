@@ -125,13 +125,18 @@ def _print(result, top, elapsed: float, output) -> None:
     console = Console()
     best = result.best
     tokens = best.config.tokens_per_step()
-    console.print(plan_table(result, top or len(result.plans)))
+    table, dropped = plan_table(result, top or len(result.plans), console.width)
+    console.print(table)
     console.print(f"{len(result.fitting)} of {len(result.plans)} candidates fit; searched in {elapsed * 1000:.0f} ms; "
                   f"tokens per optimizer step: {tokens:,}.")
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
                   f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
     if result.gpu is not None and not result.gpu.listed:
         console.print(f"{result.gpu.name} is not in the GPU table: its speeds are the reference GPU's.")
+    if dropped:
+        from memfit.report.fit import dropped_note
+
+        console.print(dropped_note(dropped), style="dim")
     if output:
         console.print(f"Wrote {output}; train with: memfit train --config {output}", highlight=False)
 

@@ -44,22 +44,22 @@ def command(as_json):
         click.echo(json.dumps({"models": models, "gpus": gpus}, indent=2))
         return
     from rich.console import Console
-    from rich.table import Table
 
+    from memfit.report.fit import Col, dropped_note, fitted_table
     from memfit.units import fmt_count, fmt_gib
 
-    table = Table(title="Architecture presets (config facts only; no weights are downloaded)", title_justify="left")
-    for col in ("name", "params", "type", "vocab", "description"):
-        table.add_column(col, justify="right" if col in ("params", "vocab") else "left")
-    for r in models:
-        params = f"{fmt_count(r['params'])} ({r['params']:,})" if r["params"] else "-"
-        table.add_row(r["name"], params, str(r["model_type"]), f"{r['vocab_size']:,}", r["description"])
     console = Console()
+    cols = [Col("name"), Col("params", "right"), Col("exact", "right", 2), Col("type", priority=3),
+            Col("vocab", "right", 1), Col("description", priority=4, wrap_min=36)]
+    rows = [[r["name"], fmt_count(r["params"]) if r["params"] else "-", f"{r['params']:,}" if r["params"] else "-",
+             str(r["model_type"]), f"{r['vocab_size']:,}", r["description"]] for r in models]
+    table, dropped = fitted_table("Architecture presets (config facts only; no weights are downloaded)", cols, rows,
+                                  console.width)
     console.print(table)
+    if dropped:
+        console.print(dropped_note(dropped), style="dim")
     if gpus:
-        gt = Table(title="GPUs (memory in GiB, as sold)", title_justify="left")
-        for col in ("name", "memory", "bf16 TFLOP/s", "bandwidth GB/s"):
-            gt.add_column(col, justify="left" if col == "name" else "right")
-        for g in gpus:
-            gt.add_row(g["name"], fmt_gib(g["memory_bytes"], 0), f"{g['half_tflops']:g}", f"{g['bandwidth_gbs']:g}")
-        console.print(gt)
+        gcols = [Col("name"), Col("memory", "right"), Col("bf16 TFLOP/s", "right"), Col("bandwidth GB/s", "right")]
+        grows = [[g["name"], fmt_gib(g["memory_bytes"], 0), f"{g['half_tflops']:g}", f"{g['bandwidth_gbs']:g}"]
+                 for g in gpus]
+        console.print(fitted_table("GPUs (memory in GiB, as sold)", gcols, grows, console.width)[0])

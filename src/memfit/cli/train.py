@@ -83,6 +83,9 @@ def _train_options(func):
         click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                      help="YAML file with any of these settings; flags typed here override it."),
         click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON on stdout."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle and "
+                     "available to this process (affinity, cgroup quota)."),
     ]
     for opt in reversed(opts):
         func = opt(func)

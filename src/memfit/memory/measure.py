@@ -4,10 +4,17 @@
   ``max_memory_reserved`` (what the caching allocator took from the driver). The breakdown's
   ``other`` is reserved minus allocated (allocator slack); the CUDA context (~300-600 MiB) is in
   neither and is not counted.
-- CPU: the process's peak resident set size (``resource.getrusage``, kilobytes on Linux, bytes on
-  macOS). It includes the Python interpreter, the imported libraries and the torch runtime
-  (typically 300-600 MiB before any tensor exists), so it is larger than any tensor estimate; that
-  remainder is reported as ``other``.
+- CPU: the tensor peak of one representative training step (the second this process runs, when
+  the optimizer state exists), counted on the real tensors by ``StepPeak``: every storage live when
+  the step starts (weights, buffers, optimizer state, the micro-batches) plus every storage an
+  operator creates during the step, minus each one when it is freed; the maximum is the tensor peak,
+  the quantity the estimate predicts (tensors vs tensors). Only that one step runs under the counter
+  (a Python call per operator; the other steps run at full speed). It sees every tensor created by a
+  torch operator, including autograd's and the optimizer's; it does not see memory torch's kernels
+  take outside tensors (oneDNN scratch buffers) or allocator overhead.
+  Next to it, on its own line: the process's peak resident set size (``resource.getrusage``, KiB on
+  Linux, bytes on macOS), which also holds the Python interpreter, the imported libraries and the
+  torch runtime (typically 300-600 MiB before any tensor exists).
 
 Weights, gradients and optimizer state are counted exactly from the live tensors; what the peak
 holds beyond them (activations, logits, temporaries) cannot be told apart from allocator statistics,
@@ -16,8 +23,11 @@ so it is reported as ``activations`` with a note saying so.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from memfit.memory.breakdown import MemoryBreakdown
@@ -31,11 +41,25 @@ class PeakMemory:
     cuda_max_allocated: int = 0
     cuda_max_reserved: int = 0
     cpu_peak_rss: int = 0
+    cpu_tensor_peak: int = 0
+    """CPU: tensor peak of the measured step (``StepPeak``); 0 when not measured."""
+    cpu_tensor_peak_step: int = 0
+    """Which step of the run that was (1-based)."""
 
     @property
     def peak_bytes(self) -> int:
-        """The number compared with the prediction: CUDA max allocated, or CPU peak RSS."""
-        return self.cuda_max_allocated if self.device == "cuda" else self.cpu_peak_rss
+        """The number compared with the prediction: CUDA max allocated, or the CPU tensor peak (0: none)."""
+        return self.cuda_max_allocated if self.device == "cuda" else self.cpu_tensor_peak
+
+    @property
+    def compared(self) -> str:
+        """What ``peak_bytes`` is, in words (``run.json``'s ``compared``)."""
+        if self.device == "cuda":
+            return "CUDA max allocated vs predicted peak (both tensor bytes)"
+        if self.cpu_tensor_peak:
+            return (f"CPU tensor peak of step {self.cpu_tensor_peak_step} (live tensors, counted) vs predicted "
+                    "peak (tensors); cpu_peak_rss is the whole process")
+        return "nothing measured on tensors (cpu_peak_rss is the whole process, not comparable)"
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -43,6 +67,8 @@ class PeakMemory:
             "cuda_max_allocated": self.cuda_max_allocated,
             "cuda_max_reserved": self.cuda_max_reserved,
             "cpu_peak_rss": self.cpu_peak_rss,
+            "cpu_tensor_peak": self.cpu_tensor_peak,
+            "cpu_tensor_peak_step": self.cpu_tensor_peak_step,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -72,8 +98,10 @@ def in_use(device_type: str) -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def peak(device_type: str) -> PeakMemory:
+def peak(device_type: str, step_peak: StepPeak | None = None) -> PeakMemory:
     out = PeakMemory(device=device_type, cpu_peak_rss=cpu_peak_rss())
+    if step_peak is not None and step_peak.peak_bytes:
+        out.cpu_tensor_peak, out.cpu_tensor_peak_step = step_peak.peak_bytes, step_peak.measured_step
     if device_type == "cuda":
         import torch
 
@@ -115,6 +143,13 @@ def measured_breakdown(peak_mem: PeakMemory, model, optimizer, *, trainable_para
         notes.append("activations = CUDA max allocated minus weights, gradients and optimizer state "
                      "(activations, logits and temporaries together).")
         notes.append("other = max reserved minus max allocated (allocator slack); the CUDA context is not counted.")
+    elif peak_mem.cpu_tensor_peak:
+        rest = max(peak_mem.cpu_tensor_peak - states, 0)
+        other = 0
+        notes.append(f"CPU: tensor peak of step {peak_mem.cpu_tensor_peak_step}, counted on live tensors; "
+                     "activations = that peak minus weights, gradients and optimizer state.")
+        notes.append(f"The process' peak RSS ({peak_mem.cpu_peak_rss:,} B) also holds the Python/torch runtime; "
+                     "it is not part of this breakdown.")
     else:
         rest = 0
         other = max(peak_mem.cpu_peak_rss - states, 0)
@@ -123,3 +158,112 @@ def measured_breakdown(peak_mem: PeakMemory, model, optimizer, *, trainable_para
     return MemoryBreakdown(weights=weights, gradients=grads, optimizer=moments, activations=rest, other=other,
                            method="measured", params=sum(p.numel() for p in model.parameters()),
                            trainable_params=trainable_params, notes=notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the tensor peak of one real training step
+# ------------------------------------------------------------------------------------------------
+def _tensors(obj) -> Iterator:
+    """The tensors in an operator's output (a tensor, or tuples/lists/dicts of them)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class _LiveBytes:
+    """Bytes of distinct live storages: added when first seen, removed by a weakref callback when freed.
+
+    torch keeps one Python object per storage alive as long as the storage (PyObject preservation),
+    so a weak reference to ``tensor.untyped_storage()`` dies exactly when the memory is released; views
+    share their base's storage and are counted once. The same technique as torch's MemTracker.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.seen = WeakIdKeyDictionary()
+        self.current = 0
+        self.peak = 0
+
+    def add(self, tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage in self.seen:
+            return
+        nbytes = storage.nbytes()
+        self.seen[storage] = weakref.ref(storage, lambda _ref, n=nbytes: self._freed(n))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+
+def _counting_mode(live: _LiveBytes):
+    """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API)."""
+    from memfit.memory.trace import dispatch_mode_base
+
+    base = dispatch_mode_base()
+    if base is None:
+        return None
+
+    class _Counting(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in _tensors(out):
+                live.add(tensor)
+            return out
+
+    return _Counting()
+
+
+class StepPeak:
+    """Counts the tensor peak of one representative step of a CPU run (``watch`` around every step).
+
+    The second step this process runs is measured (the first creates the optimizer state and runs
+    one-off work), or the first when the run has only one; on CUDA nothing is counted (the
+    allocator's ``max_memory_allocated`` is exact and free).
+    """
+
+    def __init__(self, device_type: str, steps_to_run: int) -> None:
+        self.enabled = device_type == "cpu" and steps_to_run > 0
+        self.target = 2 if steps_to_run >= 2 else 1
+        self.calls = 0
+        self.peak_bytes = 0
+        self.measured_step = 0
+
+    @contextlib.contextmanager
+    def watch(self, step: int, model, optimizer, batches: list[dict]) -> Iterator[None]:
+        """Around one training step (``step``: the 1-based number of the step about to run)."""
+        self.calls += 1
+        if not self.enabled or self.calls != self.target:
+            yield
+            return
+        import torch
+
+        live = _LiveBytes()
+        mode = _counting_mode(live)
+        if mode is None:
+            yield
+            return
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for t in (*model.parameters(), *model.buffers(), *(b for batch in batches for b in batch.values())):
+            if isinstance(t, torch.Tensor):
+                live.add(t)
+                if t.grad is not None:
+                    live.add(t.grad)
+        for state in inner.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    live.add(t)
+        with mode:
+            yield
+        self.peak_bytes, self.measured_step = live.peak, step

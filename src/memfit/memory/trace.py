@@ -9,6 +9,8 @@ second step is the steady state (optimizer state exists) and is the one reported
 
 This is the only module of memfit that imports torch's private APIs (``FakeTensorMode``,
 ``torch.distributed._tools.mem_tracker``); ``_private_api()`` turns their absence into a ``UserError``.
+``dispatch_mode_base()`` hands ``TorchDispatchMode`` to ``memory.measure`` (the CPU tensor peak of a
+real training step) through the same door.
 
 Categories (same as the analytic estimate, see ``memory/breakdown.py``), derived from MemTracker's:
 
@@ -43,6 +45,7 @@ from typing import Any
 from memfit import versions
 from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.modelspec import check_seq_len
 from memfit.optimizers import row
@@ -108,6 +111,15 @@ def _private_api() -> dict[str, Any]:
             f"({err}); install torch >= 2.5 or use the analytic estimate."
         ) from None
     return api
+
+
+def dispatch_mode_base():
+    """torch's ``TorchDispatchMode`` (the base class of ``memory.measure``'s live-tensor counter), or
+    None when this torch lacks it. Imported here so torch's private modules keep one door."""
+    try:
+        return importlib.import_module("torch.utils._python_dispatch").TorchDispatchMode
+    except (ImportError, AttributeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,7 +191,7 @@ def _build_model(config, resolved: ResolvedRun):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype)
         if run.grad_checkpointing:
             # As training/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if run.is_lora():
             from peft import LoraConfig, get_peft_model
 
@@ -188,7 +200,8 @@ def _build_model(config, resolved: ResolvedRun):
                               target_modules=list(resolved.lora.peft_targets), task_type="CAUSAL_LM")
             # autocast_adapter_dtype=True (PEFT's default) keeps adapters in fp32 over a bf16/fp16 base.
             try:
-                model = get_peft_model(model, lora)
+                with peft_wrap_quietly():
+                    model = get_peft_model(model, lora)
             except ValueError as err:
                 raise UserError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
     model.train()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
-from memfit.units import GiB, fmt_gb, fmt_gib
+from memfit.report.fit import Col, fitted_table
+from memfit.units import GiB, binary_scale, decimal_scale, fmt_scaled
 
 #: What each category holds, shown next to its bytes.
 MEANING = {
@@ -23,60 +25,59 @@ FIT_SIZES_GIB = (16, 24, 40, 80)
 
 
 def breakdown_table(b: MemoryBreakdown, title: str) -> Table:
-    """One breakdown: bytes, GiB and GB per category, the peak and its phase."""
+    """One breakdown: bytes, then binary and decimal units scaled to the peak (GiB/GB, or MiB/MB for a
+    peak under 1 GiB, so small models do not show 0.00 everywhere), share, the peak and its phase."""
+    binary, decimal = binary_scale(b.peak_bytes), decimal_scale(b.peak_bytes)
+    exponent = {"GiB": "2^30", "MiB": "2^20", "GB": "10^9", "MB": "10^6"}
     table = Table(title=title, title_justify="left")
     table.add_column("category")
     table.add_column("bytes", justify="right")
-    table.add_column("GiB (2^30 B)", justify="right")
-    table.add_column("GB (10^9 B)", justify="right")
+    table.add_column(f"{binary[0]} ({exponent[binary[0]]} B)", justify="right")
+    table.add_column(f"{decimal[0]} ({exponent[decimal[0]]} B)", justify="right")
     table.add_column("share", justify="right")
     peak = b.peak_bytes or 1
     for cat in CATEGORIES:
         n = getattr(b, cat)
-        table.add_row(cat, f"{n:,}", fmt_gib(n).removesuffix(" GiB"), fmt_gb(n).removesuffix(" GB"),
+        table.add_row(cat, f"{n:,}", fmt_scaled(n, binary, unit=False), fmt_scaled(n, decimal, unit=False),
                       f"{n / peak:.0%}")
     table.add_section()
-    table.add_row(f"[bold]peak ({b.phase})[/]", f"[bold]{b.peak_bytes:,}[/]", f"[bold]{fmt_gib(b.peak_bytes)}[/]",
-                  f"[bold]{fmt_gb(b.peak_bytes)}[/]", "100%")
-    table.caption = f"{b.params:,} params, {b.trainable_params:,} trainable; " + "; ".join(
-        f"{k}: {v}" for k, v in MEANING.items())
-    table.caption_justify = "left"
+    table.add_row(f"[bold]peak ({b.phase})[/]", f"[bold]{b.peak_bytes:,}[/]", f"[bold]{fmt_scaled(b.peak_bytes, binary)}[/]",
+                  f"[bold]{fmt_scaled(b.peak_bytes, decimal)}[/]", "100%")
     return table
 
 
-def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str) -> Table:
+def legend(b: MemoryBreakdown) -> str:
+    """What each category holds (printed under the breakdown table)."""
+    return f"{b.params:,} params, {b.trainable_params:,} trainable; " + "; ".join(
+        f"{k}: {v}" for k, v in MEANING.items())
+
+
+def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str, width: int = 200) -> tuple[Table, list[str]]:
     """Regimes side by side: model states, activations+logits, peak, and which GPU sizes it fits.
 
     The category columns are the composition at the step's peak. A full fine-tune peaks in the
     optimizer step, when activations are already freed, so checkpointing does not move its peak; the
     "backward" column (the largest total during backward, ``phase_peaks`` plus ``other``) shows what
-    checkpointing saves.
+    checkpointing saves. Sizes are in GiB, or MiB when every peak is under 1 GiB; ``fits`` is the
+    smallest of 16/24/40/80 GiB that holds the peak. On a terminal narrower than the table the least
+    important columns go first (the per-size yes/no columns, which ``fits`` sums up, then temporary,
+    logits, phase); the returned list names them.
     """
-    table = Table(title=title, title_justify="left")
-    table.add_column("regime", no_wrap=True)
-    table.add_column("weights", justify="right")
-    table.add_column("grads+optim", justify="right")
-    table.add_column("activations", justify="right")
-    table.add_column("logits", justify="right")
-    table.add_column("temporary", justify="right")
-    table.add_column("backward GiB", justify="right")
-    table.add_column("peak GiB", justify="right")
-    table.add_column("phase")
-    for size in FIT_SIZES_GIB:
-        table.add_column(f"{size} GiB", justify="center")
-    for name, b in rows:
-        fits = ["[green]yes[/]" if b.peak_bytes <= size * GiB else "[red]no[/]" for size in FIT_SIZES_GIB]
-        table.add_row(name, _g(b.weights), _g(b.gradients + b.optimizer), _g(b.activations), _g(b.logits),
-                      _g(b.temporary), _backward(b), f"[bold]{b.peak_bytes / GiB:.2f}[/]", b.phase, *fits)
-    return table
+    name, size = binary_scale(max((b.peak_bytes for _, b in rows), default=0))
+    fit_sizes = list(FIT_SIZES_GIB)
+    cols = [Col("regime"), Col("weights", "right"), Col("grad+opt", "right"), Col("act", "right"),
+            Col("logits", "right", 3), Col("temp", "right", 4), Col("bwd", "right"), Col("peak", "right"),
+            Col("phase", priority=2), Col("fits", "right")]
+    cols += [Col(f"{s} GiB", "center", 5) for s in fit_sizes]
+    def g(n: int) -> str:
+        return f"{n / size:.2f}" if name == "GiB" else f"{n / size:.1f}"
 
-
-def _backward(b: MemoryBreakdown) -> str:
-    """Largest total during backward (phase peaks count tensors only, so ``other`` is added back)."""
-    if "backward" not in b.phase_peaks:
-        return "-"
-    return _g(b.phase_peaks["backward"] + b.other)
-
-
-def _g(n: int) -> str:
-    return f"{n / GiB:.2f}"
+    body = []
+    for regime, b in rows:
+        fits = ["[green]yes[/]" if b.peak_bytes <= s * GiB else "[red]no[/]" for s in fit_sizes]
+        smallest = next((f"{s}" for s in fit_sizes if b.peak_bytes <= s * GiB), "none")
+        backward = "-" if "backward" not in b.phase_peaks else g(b.phase_peaks["backward"] + b.other)
+        body.append([regime, g(b.weights), g(b.gradients + b.optimizer), g(b.activations), g(b.logits),
+                     g(b.temporary), backward, f"[bold]{g(b.peak_bytes)}[/]", b.phase, smallest, *fits])
+    return fitted_table(f"{title}, {name}", cols, body, width, box=box.SIMPLE_HEAD, show_edge=False,
+                        pad_edge=False)

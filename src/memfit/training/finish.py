@@ -24,7 +24,7 @@ from memfit.training.summary import RunSummary
 
 def finish(s: TrainSession) -> tuple[RunSummary, object]:
     """Export, samples, summary and run files; returns the summary and the unwrapped model."""
-    peak_mem = measure.peak(s.device)
+    peak_mem = measure.peak(s.device, s.tensor_peak)
     rank_peaks = sharding.rank_peaks(s.accelerator, peak_mem.peak_bytes)
     net = s.accelerator.unwrap_model(s.model)
     measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)

@@ -83,10 +83,11 @@ def run_step(s: TrainSession) -> StepResult:
         rng = RngState.capture()
         micro = [next(s.batches) for _ in range(s.run.grad_accum)]
         try:
-            return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
-                              uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
-                              loss=s.run.loss, in_backward=s.in_backward,
-                              activations_on_cpu=str(s.run.offload) == "activations")
+            with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro):  # CPU: live tensor bytes
+                return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
+                                  uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
+                                  loss=s.run.loss, in_backward=s.in_backward,
+                                  activations_on_cpu=str(s.run.offload) == "activations")
         except StepOutOfMemory as err:
             sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
             del micro
@@ -179,7 +180,8 @@ def save_due(s: TrainSession) -> None:
 def show_step(s: TrainSession, result: StepResult) -> None:
     s.bar.update(s.state.step, loss=result.loss, lr=s.scheduler.get_last_lr()[0],
                  tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), memory=measure.in_use(s.device),
-                 skipped=s.state.skipped_steps, eval_loss=s.state.last_eval)
+                 skipped=s.state.skipped_steps, eval_loss=s.state.last_eval,
+                 memory_label="rss" if s.device == "cpu" else "mem")
 
 
 def micro_batches(s: TrainSession):

@@ -135,8 +135,9 @@ def switch_live(accelerator, model, optimizer, before: RunConfig, after: RunConf
     """Apply ``after`` to the running objects: accumulation, checkpointing, the optimizer implementation."""
     accelerator.gradient_accumulation_steps = after.grad_accum
     if after.grad_checkpointing and not before.grad_checkpointing:
-        accelerator.unwrap_model(model).gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        from memfit.hf_compat import enable_checkpointing
+
+        enable_checkpointing(accelerator.unwrap_model(model))
     if after.optimizer is Optimizer.ADAMW_FUSED and before.optimizer is not Optimizer.ADAMW_FUSED:
         use_fused_adamw(optimizer)
 

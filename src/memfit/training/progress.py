@@ -1,40 +1,148 @@
-"""What a training run shows: the live progress bar (stderr) and the end summary (stdout). Render only."""
+"""What a training run shows: the live progress line (stderr) and the end summary (stdout). Render only.
+
+Both fit an 80-column terminal without cutting a field. The progress line is built by
+``progress_line`` for the console's width: step/total and the ETA are always there; the other fields
+join in order of importance (loss, fp16 skipped steps, held-out loss, elapsed time, tokens/s, memory,
+the bar, the learning rate) while they fit, so a narrow terminal drops the least important ones whole
+instead of truncating the line with an ellipsis.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 from rich.text import Text
 
-from memfit.units import fmt_bytes, fmt_count, fmt_gib
+from memfit.units import fmt_bytes, fmt_count
+
+#: Separator between the progress line's fields.
+SEP = "  "
+#: The bar is shown only when it can be at least this wide; it grows up to BAR_MAX into spare room.
+BAR_MIN, BAR_MAX = 10, 30
+
+
+@dataclass
+class StepFields:
+    """What the progress line reports after a step (``None``: not known yet)."""
+
+    step: int
+    total: int
+    loss: float | None = None
+    eval_loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    memory: int | None = None
+    memory_label: str = "mem"
+    skipped: int = 0
+    elapsed_s: float | None = None
+    remaining_s: float | None = None
+
+
+def clock(seconds: float | None) -> str:
+    """``"1:05"`` (m:ss), ``"2:03:04"`` (h:mm:ss) past an hour, ``"-:--"`` when unknown."""
+    if seconds is None or math.isnan(seconds):
+        return "-:--"
+    s = int(round(seconds))
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def _known(value: float | None) -> bool:
+    return value is not None and not math.isnan(value)
+
+
+def _parts(f: StepFields) -> list[tuple[str, int, str]]:
+    """(name, priority, text) in display order; priority 0 is never dropped, higher drops first."""
+    parts = [("step", 0, f"step {f.step}/{f.total}"), ("bar", 7, "")]
+    if _known(f.loss):
+        parts.append(("loss", 1, f"loss {f.loss:.3f}"))
+    if _known(f.eval_loss):
+        parts.append(("eval", 3, f"eval {f.eval_loss:.3f}"))
+    if f.skipped:
+        parts.append(("skipped", 2, f"skipped {f.skipped}"))
+    if _known(f.tokens_per_s):
+        parts.append(("tok/s", 5, f"{fmt_count(f.tokens_per_s)} tok/s"))
+    if f.memory is not None:
+        parts.append(("mem", 6, f"{f.memory_label} {fmt_bytes(f.memory, digits=0)}"))
+    if _known(f.lr):
+        parts.append(("lr", 8, f"lr {f.lr:.1e}"))
+    parts.append(("elapsed", 4, clock(f.elapsed_s)))
+    parts.append(("eta", 0, f"eta {clock(f.remaining_s)}"))
+    return parts
+
+
+def progress_line(f: StepFields, width: int) -> Text:
+    """The progress line for a terminal ``width`` columns wide (see the module docstring)."""
+    parts = _parts(f)
+    kept = {name for name, prio, _ in parts if prio == 0}
+
+    def length(names: set[str], bar: int) -> int:
+        texts = [text if name != "bar" else "x" * bar for name, _, text in parts if name in names]
+        return sum(map(len, texts)) + len(SEP) * (len(texts) - 1)
+
+    for name, _, _ in sorted(parts, key=lambda p: p[1]):
+        if name not in kept and length(kept | {name}, BAR_MIN) <= width:
+            kept.add(name)
+    bar = 0
+    if "bar" in kept:
+        bar = min(BAR_MAX, BAR_MIN + width - length(kept, BAR_MIN))
+    line = Text()
+    for name, _, text in parts:
+        if name not in kept:
+            continue
+        if line:
+            line.append(SEP)
+        if name == "bar":
+            done = round(bar * f.step / f.total) if f.total else bar
+            line.append("━" * done, style="magenta")
+            line.append("━" * (bar - done), style="grey23")
+        else:
+            line.append(text, style="bold" if name in ("step", "loss") else None)
+    return line
+
+
+class _LineColumn(ProgressColumn):
+    """The whole progress line as one column, sized to the console's width at every refresh."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def render(self, task) -> Text:
+        fields: StepFields = task.fields["stats"]
+        fields.elapsed_s = task.elapsed
+        fields.remaining_s = task.time_remaining
+        return progress_line(fields, self.console.width)
+
+from memfit.training.summary import FallbackRecord
 
 if TYPE_CHECKING:
     from memfit.training.summary import RunSummary
 
 
 class LiveProgress:
-    """rich progress bar: step, loss, lr, tokens/s, memory in use, fp16 skipped steps."""
+    """The live progress line: step, loss, held-out loss, lr, tokens/s, memory in use, fp16 skipped steps.
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    It also watches the step time (``threads.LoadWatch``) and says once when the machine seems loaded.
+    """
+
+    def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None) -> None:
+        from memfit.training.threads import LoadWatch
+
         self.enabled = enabled
-        self.console = Console(stderr=True)
-        self.progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=self.console, disable=not enabled, transient=False,
-        )
-        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(_LineColumn(self.console), console=self.console, disable=not enabled,
+                                 transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=start,
+                                           stats=StepFields(step=start, total=total))
+        self.watch = LoadWatch()
+        self._last_eval: float | None = None
 
     def __enter__(self) -> LiveProgress:
         self.progress.__enter__()
@@ -44,59 +152,100 @@ class LiveProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, *, loss: float, lr: float, tokens_per_s: float, memory: int, skipped: int,
-               eval_loss: float | None) -> None:
-        info = f"loss {loss:.3f}  lr {lr:.2e}  {fmt_count(tokens_per_s)} tok/s  mem {fmt_bytes(memory)}"
-        if eval_loss is not None and not math.isnan(eval_loss):
-            info += f"  eval {eval_loss:.3f}"
-        if skipped:
-            info += f"  skipped {skipped}"
-        self.progress.update(self.task, completed=step, info=info)
+               eval_loss: float | None, memory_label: str = "mem") -> None:
+        stats = StepFields(step=step, total=self.progress.tasks[0].total or step, loss=loss, eval_loss=eval_loss,
+                           lr=lr, tokens_per_s=tokens_per_s, memory=memory, memory_label=memory_label,
+                           skipped=skipped)
+        evaluated = _known(eval_loss) and eval_loss != self._last_eval  # this step's time includes an evaluation
+        self._last_eval = eval_loss
+        message = self.watch.observe(step, time.perf_counter(), skip=evaluated)
+        if message:
+            self.note(message)
+        self.progress.update(self.task, completed=step, stats=stats)
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, highlight=False)
 
 
+# ------------------------------------------------------------------------------------------------
+# the end-of-run summary
+# ------------------------------------------------------------------------------------------------
 def _loss(value: float | None) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.3f} nats/token"
+    return "n/a" if not _known(value) else f"{value:.3f} nats/token"
 
 
-def summary_table(summary: RunSummary) -> Table:
-    """The end-of-run table: losses against the unigram baseline, speed, memory measured vs predicted."""
-    table = Table(title="memfit train: summary", show_header=False, title_justify="left")
-    table.add_column("what", style="bold")
-    table.add_column("value")
-    table.add_row("steps", f"{summary.steps} optimizer steps, {summary.sequences:,} sequences")
-    if summary.plan:
-        table.add_row("plan", f"{summary.plan['description']} (for {summary.plan['budget']})")
-    table.add_row("final eval loss", _loss(summary.final_eval_loss))
-    table.add_row("best eval loss", _loss(summary.best_eval_loss))
-    table.add_row("unigram baseline", _loss(summary.unigram_loss))
-    table.add_row("final train loss", _loss(summary.final_train_loss))
-    table.add_row("throughput", f"{summary.tokens_per_s:,.0f} tokens/s")
-    table.add_row("wall time", f"{summary.wall_s:.1f} s (training loop {summary.train_s:.1f} s)")
-    mem = summary.peak_memory
-    if mem.device == "cuda":
-        table.add_row("peak memory (measured)", f"{fmt_gib(mem.cuda_max_allocated)} max allocated, "
-                      f"{fmt_gib(mem.cuda_max_reserved)} max reserved")
+def _plain(summary: RunSummary | dict[str, Any]) -> dict[str, Any]:
+    """The summary's JSON form (``RunSummary.to_dict``), what the table renders, like run.json and --json."""
+    return summary if isinstance(summary, dict) else summary.to_dict()
+
+
+def baseline_warning(summary: RunSummary | dict[str, Any]) -> str | None:
+    """One plain sentence when the held-out loss is not below the unigram baseline (None otherwise)."""
+    summary = _plain(summary)
+    held, unigram = summary.get("final_eval_loss"), summary.get("unigram_loss")
+    if not (_known(held) and _known(unigram)) or held < unigram:
+        return None
+    return (f"warning: the held-out loss {held:.3f} is not below the unigram baseline {unigram:.3f} nats/token: "
+            "the model predicts the held-out text no better than token frequencies do. Train longer, "
+            "check --lr, or check that the data has structure to learn.")
+
+
+def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Measured next to predicted, like for like (tensor bytes vs tensor bytes); RSS on its own line."""
+    mem = summary["peak_memory"]
+    predicted = summary.get("predicted_peak_bytes")
+    measured = mem.get("peak_bytes") or 0
+    rows = []
+    if mem["device"] == "cuda":
+        rows.append(("peak tensors (measured)", f"{fmt_bytes(mem['cuda_max_allocated'])} CUDA max allocated"))
+        rows.append(("CUDA max reserved", fmt_bytes(mem["cuda_max_reserved"])))
+    elif mem.get("cpu_tensor_peak"):
+        rows.append(("peak tensors (measured)", f"{fmt_bytes(mem['cpu_tensor_peak'])} "
+                                                f"(step {mem.get('cpu_tensor_peak_step', '?')}, live tensors)"))
+    if predicted:
+        diff = f" ({(measured - predicted) / predicted:+.1%} measured)" if measured and rows else ""
+        rows.append(("peak tensors (predicted)", fmt_bytes(predicted) + diff))
     else:
-        table.add_row("peak memory (measured)", f"{fmt_bytes(mem.cpu_peak_rss)} CPU peak RSS "
-                      "(includes the Python/torch runtime)")
-    if len(summary.rank_peak_bytes) > 1:
-        table.add_row("peak per rank (measured)", ", ".join(fmt_bytes(b) for b in summary.rank_peak_bytes))
-    predicted = summary.predicted_peak_bytes
-    table.add_row("peak memory (predicted)", fmt_bytes(predicted) if predicted else "n/a (estimator unavailable)")
-    if summary.skipped_steps:
-        table.add_row("fp16 skipped steps", str(summary.skipped_steps))
-    for fb in summary.fallbacks:
-        table.add_row("OOM fallback", fb.describe())
-    table.add_row("output", summary.output)
+        rows.append(("peak tensors (predicted)", "n/a (estimator unavailable)"))
+    if mem["device"] != "cuda":
+        rows.append(("process peak RSS", f"{fmt_bytes(mem['cpu_peak_rss'])} (tensors + Python/torch runtime)"))
+    return rows
+
+
+def summary_table(summary: RunSummary | dict[str, Any]) -> Table:
+    """The end-of-run table: losses against the unigram baseline, speed, memory measured vs predicted."""
+    summary = _plain(summary)
+    table = Table(title="memfit train: summary", show_header=False, title_justify="left")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value")
+    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} sequences")
+    if summary.get("plan"):
+        table.add_row("plan", f"{summary['plan']['description']} (for {summary['plan']['budget']})")
+    table.add_row("held-out loss", f"{_loss(summary['final_eval_loss'])} (best "
+                  f"{'n/a' if not _known(summary['best_eval_loss']) else format(summary['best_eval_loss'], '.3f')})")
+    table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
+    table.add_row("final train loss", _loss(summary["final_train_loss"]))
+    table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
+    table.add_row("wall time", f"{summary['wall_s']:.1f} s (training loop {summary['train_s']:.1f} s)")
+    for row in _memory_rows(summary):
+        table.add_row(*row)
+    if len(summary.get("rank_peak_bytes") or []) > 1:
+        table.add_row("peak per rank (measured)", ", ".join(fmt_bytes(b) for b in summary["rank_peak_bytes"]))
+    if summary["skipped_steps"]:
+        table.add_row("fp16 skipped steps", str(summary["skipped_steps"]))
+    for fb in summary["fallbacks"]:
+        table.add_row("OOM fallback", FallbackRecord.from_dict(fb).describe())
+    table.add_row("output", summary["output"])
     return table
 
 
-def print_summary(summary: RunSummary, console: Console | None = None) -> None:
+def print_summary(summary: RunSummary | dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     console.print(summary_table(summary))
-    for i, sample in enumerate(summary.samples, start=1):
+    warning = baseline_warning(summary)
+    if warning:
+        console.print(Text(warning, style="bold yellow"))
+    for i, sample in enumerate(_plain(summary).get("samples") or [], start=1):
         console.print(Text.assemble((f"sample {i}: ", "bold"), (sample["prompt"], "bold cyan"),
                                     sample["completion"]))

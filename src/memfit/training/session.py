@@ -18,6 +18,7 @@ from typing import Any
 
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.memory import measure
 from memfit.training import checkpoint, optim_in_backward, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
@@ -36,6 +37,7 @@ from memfit.training.setup import (
     resolve_model,
 )
 from memfit.training.summary import FallbackRecord
+from memfit.training.threads import apply_threads
 
 
 @dataclass
@@ -95,6 +97,8 @@ class TrainSession:
     t_start: float
     guard: Any = None
     """``training.guard.RunGuard``: Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
+    tensor_peak: Any = None
+    """``measure.StepPeak``: on CPU, the live tensor bytes of one training step (compared with the prediction)."""
     in_backward: Any = None
     """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
     source: Any = None
@@ -136,6 +140,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     t_start = time.perf_counter()
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
+    threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.max_grad_norm)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
@@ -168,6 +173,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    bar.note(threads.describe())
     if data.note:
         bar.note(data.note)
     if resume_point is not None and resume_point.note:
@@ -178,6 +184,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
                         predicted=predicted, bar=bar, source=source, guard=guard,
+                        tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step),
                         in_backward=optimizer if run.optimizer_in_backward else None,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)

@@ -13,6 +13,7 @@ from pathlib import Path
 from memfit import validate
 from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.hf_compat import enable_checkpointing, no_loading_bar, peft_wrap_quietly
 from memfit.optimizers import check_device, row
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -183,13 +184,12 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             kwargs["device_map"] = {"": torch.device(device)}
         from memfit.training.weights import loading
 
-        with loading(Path(config.model).expanduser()):
+        with loading(Path(config.model).expanduser()), no_loading_bar():
             model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
                                                          local_files_only=True,
                                                          trust_remote_code=config.trust_remote_code, **kwargs)
     if run.grad_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and is torch's recommended mode.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
     if run.is_lora():
         model = _add_lora(model, run, resolved.lora.peft_targets)
     if str(run.loss) != "standard":
@@ -220,11 +220,13 @@ def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if run.quantize is not Quantize.NONE:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=run.grad_checkpointing)
+        with peft_wrap_quietly():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=run.grad_checkpointing)
     lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
                       target_modules=list(targets), task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        with peft_wrap_quietly():
+            return get_peft_model(model, lora)
     except ValueError as err:
         raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
                         f"{str(err).splitlines()[0]}") from None

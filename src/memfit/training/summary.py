@@ -1,3 +1,8 @@
+    @property
+    def compared(self) -> str:
+        """What the measured and predicted peaks are (``measure.PeakMemory.compared``)."""
+        return self.peak_memory.compared
+
 """What a finished training run reports: one typed object, rendered three ways.
 
 ``RunSummary`` is built once by ``training.finish``; the rich table (``progress.summary_table``),

@@ -1,0 +1,44 @@
+"""The terminal output shown in README.md and docs/*.md is what the tool prints at 80 columns.
+
+``scripts/doc_outputs.py`` finds every fenced ``$ memfit estimate|plan|presets ...`` block (the cheap,
+deterministic commands) and reruns it; ``python scripts/doc_outputs.py`` rewrites the docs when the
+output changes on purpose. Other figures the docs quote come from runs and are dated there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "scripts" / "doc_outputs.py")
+doc_outputs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(doc_outputs)
+
+CASES = [(path.relative_to(ROOT).as_posix(), argv, shown)
+         for path in doc_outputs.doc_files() for _, _, argv, shown in doc_outputs.blocks(path.read_text())]
+
+
+def test_the_docs_show_command_outputs():
+    files = {case[0] for case in CASES}
+    assert {"README.md", "docs/estimate.md", "docs/plan.md"} <= files, files
+
+
+@pytest.mark.parametrize("where, argv, shown", CASES, ids=[f"{c[0]}: memfit {' '.join(c[1])}" for c in CASES])
+def test_doc_output_matches_the_tool(where, argv, shown):
+    fresh = doc_outputs.run(argv)
+    assert doc_outputs.normalise(shown) == fresh, (
+        f"{where} shows an output of `memfit {' '.join(argv)}` that the tool no longer prints; "
+        "run `python scripts/doc_outputs.py` and review the diff")
+    assert "…" not in fresh  # nothing cut at 80 columns
+    # and nothing wider than the terminal (a one-sentence error is a single line the terminal wraps)
+    assert all(len(line) <= doc_outputs.WIDTH for line in fresh.splitlines() if not line.startswith("error: "))
+
+
+def test_held_out_fraction_in_the_docs_is_the_default():
+    from memfit.config import TrainConfig
+
+    data_md = (ROOT / "docs" / "data.md").read_text()
+    assert f"default {TrainConfig().eval_fraction:g}" in data_md
