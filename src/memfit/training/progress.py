@@ -19,6 +19,7 @@ from rich.progress import Progress, ProgressColumn
 from rich.table import Table
 from rich.text import Text
 
+from memfit.training.summary import FallbackRecord
 from memfit.units import fmt_bytes, fmt_count
 
 #: Separator between the progress line's fields.
@@ -120,7 +121,6 @@ class _LineColumn(ProgressColumn):
         fields.remaining_s = task.time_remaining
         return progress_line(fields, self.console.width)
 
-from memfit.training.summary import FallbackRecord
 
 if TYPE_CHECKING:
     from memfit.training.summary import RunSummary

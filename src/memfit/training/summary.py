@@ -1,8 +1,3 @@
-    @property
-    def compared(self) -> str:
-        """What the measured and predicted peaks are (``measure.PeakMemory.compared``)."""
-        return self.peak_memory.compared
-
 """What a finished training run reports: one typed object, rendered three ways.
 
 ``RunSummary`` is built once by ``training.finish``; the rich table (``progress.summary_table``),
@@ -115,10 +110,8 @@ class RunSummary:
 
     @property
     def compared(self) -> str:
-        """What the measured and predicted peaks are (they are not the same quantity on CPU)."""
-        if self.peak_memory.device == "cuda":
-            return "CUDA max allocated vs predicted peak"
-        return "CPU peak RSS (includes the Python/torch runtime) vs predicted peak (tensors only)"
+        """What the measured and predicted peaks are (``measure.PeakMemory.compared``)."""
+        return self.peak_memory.compared
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``run.json`` and ``--json``): plain values, NaN as ``None``."""
