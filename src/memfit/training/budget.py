@@ -45,6 +45,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import plan
     from memfit.planning.space import Constraints
+    from memfit.training import optim_in_backward
     from memfit.training.setup import cuda_available, preflight
 
     constraints = Constraints.from_flat(constraints_for(config, run))
@@ -56,6 +57,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
             break
         try:
             preflight(candidate.config)
+            optim_in_backward.check(candidate.config, config.max_grad_norm)  # e.g. it cannot clip
         except UserError:
             continue
         result.chosen = index
