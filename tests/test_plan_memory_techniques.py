@@ -20,8 +20,10 @@ from memfit.planning.space import Constraints, candidates
 def test_full_fine_tune_of_llama3_8b_gets_a_larger_micro_batch_with_chunked_loss():
     spec = load_spec("llama-3-8b")
     kw = dict(seq_len=2048, batch=8, gpu="a100-80gb")
-    before = plan(spec, "80GiB", constraints=Constraints(full=True, loss="standard", optimizer_in_backward=False), **kw)
-    after = plan(spec, "80GiB", constraints=Constraints(full=True), **kw)
+    # concat packing: no block-causal mask, so the logits alone decide between micro-batch 1 and 2
+    before = plan(spec, "80GiB", constraints=Constraints(full=True, loss="standard", optimizer_in_backward=False,
+                                                         packing="concat"), **kw)
+    after = plan(spec, "80GiB", constraints=Constraints(full=True, packing="concat"), **kw)
     b, a = before.plans[before.chosen], after.plans[after.chosen]
     assert b.config.micro_batch == 1 and str(b.config.loss) == "standard"
     # 128,256-token logits of 2 x 2,048 tokens are what kept the micro-batch at 1

@@ -30,6 +30,7 @@ from memfit.config import (
     Loss,
     Offload,
     Optimizer,
+    Packing,
     Precision,
     Quantize,
     RunConfig,
@@ -47,7 +48,8 @@ ADAMW_VARIANTS = (Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH, Optimizer.ADAM
 
 
 _ENUMS = {"mixed_precision": Precision, "dtype": DType, "optimizer": Optimizer, "quantize": Quantize,
-          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention, "loss": Loss}
+          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention, "loss": Loss,
+          "packing": Packing}
 
 #: Losses the planner tries unless one is pinned: the fused kernels (Liger, CCE) need optional packages,
 #: so a plan never proposes them by itself.
@@ -90,6 +92,8 @@ class Constraints:
     attn_implementation: Attention | None = None
     loss: Loss | None = None
     optimizer_in_backward: bool | None = None
+    packing: Packing | None = None
+    """How the data fills rows (not searched: it is the data's, not a memory technique); default documents."""
 
     def __post_init__(self) -> None:
         for name, cls in _ENUMS.items():
@@ -211,6 +215,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
+                packing=c.packing or Packing.DOCUMENTS,
                 optimizer_in_backward=in_bw, **lora))
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
