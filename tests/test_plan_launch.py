@@ -73,8 +73,8 @@ def test_cli_prints_the_launch_command_and_writes_the_config(tmp_path):
     res = CliRunner().invoke(cli, ["plan", "tiny", "--budget", "4GiB", "--seq-len", "128", "--batch", "8",
                                    "--num-processes", "2", "--sharding", "fsdp", "--accelerate-config", str(path)])
     assert res.exit_code == 0, res.output
-    line = next(x for x in res.output.splitlines() if x.startswith("Launch: "))
-    words = shlex.split(line.removeprefix("Launch: "))
+    shown = res.output.split("Launch:\n", 1)[1].split("\n(", 1)[0].split("\nWrote", 1)[0]
+    words = shlex.split(shown.replace("\\\n", " "))  # the shell joins the continued lines
     assert words[:4] == ["accelerate", "launch", "--config_file", str(path)]
     assert words[4:7] == ["-m", "memfit", "train"] and words[words.index("--sharding") + 1] == "fsdp"
     assert yaml.safe_load(path.read_text())["fsdp_config"]["fsdp_reshard_after_forward"] is True
@@ -111,3 +111,15 @@ def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeyp
     big = outside.OutsideStep(evaluation=real.evaluation, save_device=step.peak_bytes + 2**30, save_host=0)
     monkeypatch.setattr(outside, "outside_step", lambda spec, run: big)
     assert not evaluate(tiny, run, a100, budget).fits
+
+
+def test_launch_command_is_folded_to_80_columns_and_pastes_as_the_same_command():
+    run = RunConfig(seq_len=2048, micro_batch=4, grad_accum=4, num_processes=2, sharding="fsdp", lora_r=16)
+    command = launch.launch_command("llama-3-8b", run, "acc.yaml")
+    assert len(command) > 200  # one line would be cut or wrapped mid-flag by the terminal
+    folded = launch.shell_lines(command)
+    assert all(len(line) <= 80 for line in folded.splitlines())
+    assert all(line.endswith(" \\") for line in folded.splitlines()[:-1])
+    assert shlex.split(folded.replace("\\\n", " ")) == shlex.split(command)
+    lines = folded.splitlines()
+    assert not any(line.rstrip(" \\").endswith("--seq-len") for line in lines)  # a flag stays with its value

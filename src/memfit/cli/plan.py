@@ -108,7 +108,7 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
                                "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
         return
     _print(result, shown, elapsed, output)
-    click.echo(f"Launch: {command_line}")
+    click.echo("Launch:\n" + launch.shell_lines(command_line))
     if accelerate_config:
         click.echo(f"Wrote {accelerate_config} (Accelerate config).")
     elif "accelerate launch" in command_line:
