@@ -2,7 +2,7 @@
 # Set up memfit in ./.venv and keep any torch the machine already has.
 #
 # - The venv sees the system's site-packages, so a GPU build of torch that the user already
-#   installed satisfies memfit's `torch>=2.4` and is kept (pip installs nothing over it).
+#   installed satisfies memfit's `torch>=2.5` and is kept (pip installs nothing over it).
 # - With no torch at all, it installs torch==2.13.0: on this project's machines that is the CPU
 #   wheel lying on disk; elsewhere set TORCH_SPEC (e.g. a CPU index via PIP_INDEX_URL) first.
 # Idempotent: a second run only checks.
