@@ -42,8 +42,9 @@ def test_golden_fp32_full(tiny):
     #   total 4,376 bytes/token x 32 tokens = 140,032 bytes per layer
     assert b.activations_per_layer == 140_032
     # logits: N = 32 x 384 = 12,288; backward start holds log_softmax out + its grad + logits grad, fp32: 12 N
-    # optimizer step (foreach AdamW): weights + grads + 2 moments + one param-sized temporary (the sqrt)
-    assert b.phase_peaks["optimizer"] == (4 * p + 64) + 4 * p + 8 * p + 4 * p
+    # optimizer step: on CPU torch's default AdamW is the single-tensor loop (foreach only on CUDA):
+    # weights + grads + 2 moments + the sqrt and the quotient of the largest parameter (embedding 384 x 64)
+    assert b.phase_peaks["optimizer"] == (4 * p + 64) + 4 * p + 8 * p + 2 * 24_576 * 4
     # backward start: weights + moments + 2 layers + outside (ids 256 + targets 256 + cos/sin 2x16x16x4=2048
     #   + final norm x, rsqrt, h 32 x 516 + head input 32 x 256 = 16,512 + 8,192) + logits 12 N
     outside = 256 + 256 + 2048 + 16_512 + 8_192
