@@ -69,9 +69,10 @@ class OptimizerRow:
     trainable tensor), or ``"none"`` (in place). For a row whose builder leaves the implementation to
     torch (``torch_default``), this is the foreach implementation's; see ``step_temporary_on``."""
     single_tensor_temporary: str = "none"
-    """What the single-tensor loop torch runs instead of foreach (on CPU) allocates, same vocabulary:
-    AdamW's ``_single_tensor_adam`` computes ``denom = exp_avg_sq.sqrt() / bias_correction2_sqrt`` per
-    parameter, so the square root and the quotient (two tensors of that parameter's size) coexist: ``"largest-x2"``."""
+    """What the single-tensor loop torch runs instead of foreach (on CPU) allocates: ``"per-tensor"`` for
+    AdamW's ``_single_tensor_adam``, which computes ``denom = exp_avg_sq.sqrt() / bias_correction2_sqrt``
+    per parameter (the square root and the quotient coexist) while the previous parameter's ``denom``
+    is still bound to the loop variable: previous + 2 x current, in parameter order."""
     torch_default: bool = False
     """The builder passes neither ``foreach`` nor ``fused`` (except under ``cuda_like``): torch picks by device."""
     traffic: Callable[[float], float] = lambda p: 0.0
@@ -137,9 +138,9 @@ def _adam_traffic(state: Callable[[float], float], passes: float) -> Callable[[f
 OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
     # torch.optim.AdamW; moments zeros_like(p) (torch/optim/adam.py _init_group). The default picks
     # foreach on CUDA (_multi_tensor_adam's _foreach_sqrt: one param-sized temporary per group), the
-    # single-tensor loop on CPU (two temporaries the size of the largest parameter).
+    # single-tensor loop on CPU (per parameter: its sqrt and quotient, next to the previous quotient).
     Optimizer.ADAMW: OptimizerRow(Optimizer.ADAMW, "AdamW moments", moments=2, step_temporary="group",
-                                  single_tensor_temporary="largest-x2", torch_default=True,
+                                  single_tensor_temporary="per-tensor", torch_default=True,
                                   traffic=_adam_traffic(lambda p: p, FOREACH_PASSES), build=_adamw({})),
     Optimizer.ADAMW_FOREACH: OptimizerRow(Optimizer.ADAMW_FOREACH, "AdamW moments", moments=2,
                                           step_temporary="group", traffic=_adam_traffic(lambda p: p, FOREACH_PASSES),

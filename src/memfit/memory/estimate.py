@@ -314,10 +314,13 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
       its backward, so at the end of forward all of them.
 
     At the end of backward the last unit to finish (tied: the tail with the embedding; untied: the
-    embedding unit) holds its full parameters, its unsharded gradient and the reduce-scatter input
-    (a full-size copy of that gradient), the sharded outputs being the gradients already counted.
-    Frozen (LoRA) parameters have no gradient there. Measured on CPU/gloo with FSDPMemTracker
-    (bench/sharding_memory.py); ignores the all-gather's flat output buffer (freed after copy-out).
+    embedding unit) holds its full parameters and full-size gradients: tied, the head's unsharded
+    gradient, the embedding's and their sum (``AccumulateGrad``), 3 copies; untied, the embedding's
+    gradient and the reduce-scatter input, 2; its sharded gradient does not exist yet, while the first
+    layer's reduce-scatter buffer (a full layer's gradient) is still in flight. Frozen (LoRA) parameters
+    have no gradient there. Measured on CPU/gloo with FSDPMemTracker (bench/sharding_memory.py: smollm2-135m
+    on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
+    output buffer (freed after copy-out).
     """
     w = _weight_bytes(run)
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
@@ -329,7 +332,9 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
     gathered = (tail + layers + untied_embed) * w
     last = tail if spec.tie_word_embeddings else embed
     grad_bytes = 0 if run.is_lora() else w  # adapters live in the layers; the tail's base is frozen
-    gathered_end = last * w + 2 * last * grad_bytes
+    copies = 3 if spec.tie_word_embeddings else 2
+    in_flight = _layer_params(spec) * grad_bytes  # LoRA: the adapters' reduce-scatter, negligible
+    gathered_end = last * w + (copies * last - last // run.num_processes) * grad_bytes + in_flight
     return int(gathered), int(gathered_end)
 
 
@@ -395,7 +400,28 @@ def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, gr
         return trainable * grad_bytes
     if kind == "largest-x2":
         return _largest_trainable(spec, run) * grad_bytes * 2
+    if kind == "per-tensor":
+        return _per_tensor_peak(spec, run) * grad_bytes
     return 0
+
+
+def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
+    """Elements a per-parameter loop holding ``previous + 2 x current`` peaks at (single-tensor AdamW).
+
+    Parameter order as transformers registers it: the token embedding (and learned positions), each
+    layer's projections in ``spec.linears`` order (its norms, hidden-sized, between), the final norm,
+    the untied head. LoRA: the largest adapter matrix twice (adapters are small and alike). Checked to the
+    byte against the exact trace on CPU (tiny Llama: final norm then head; GPT-2: wte then wpe).
+    """
+    if run.is_lora():
+        return 2 * _largest_trainable(spec, run)
+    tokens = spec.vocab_size * spec.hidden_size
+    order = [tokens, max((spec.embedding_params or tokens) - tokens, 0)]
+    order += [lin.in_features * lin.out_features for lin in spec.linears] + [spec.hidden_size]
+    if not spec.tie_word_embeddings:
+        order += [spec.lm_head_params or tokens]
+    sizes = [n for n in order if n]
+    return max(prev + 2 * cur for prev, cur in zip([0] + sizes, sizes, strict=False))
 
 
 def _largest_trainable(spec: ModelSpec, run: RunConfig) -> int:
@@ -437,7 +463,7 @@ def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, de
     grad_bytes = 4 if run.is_lora() else prec.w
     largest = _largest_trainable(spec, run) * grad_bytes
     # The optimizer's row says what its step allocates; per parameter a foreach "group" is that one tensor.
-    copies = {"group": 1, "largest-x2": 2, "none": 0}[row(run.optimizer).step_temporary_on(device)]
+    copies = {"group": 1, "largest-x2": 2, "per-tensor": 2, "none": 0}[row(run.optimizer).step_temporary_on(device)]
     return int(largest + copies * largest)
 
 
