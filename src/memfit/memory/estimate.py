@@ -311,13 +311,15 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
       reduced (tied: from the embedding at forward start to the end of backward);
     - ``fsdp``/``zero3`` (reshard): the layer computing and the prefetched next one, 2 layers;
       ``zero2`` (no reshard): every layer (and an untied embedding) stays gathered from its forward to
-      its backward, so at the end of forward all of them.
+      its backward, so at the end of forward all of them; and at backward's start FSDPMemTracker shows
+      one more tail-sized all-gather buffer (smollm2-135m on 2 ranks: 113 MB under ``ALL_GATHER`` next to
+      the 538 MB of unsharded parameters; measured, its cause in FSDP2 not pinned down), counted here.
 
     At the end of backward the last unit to finish (tied: the tail with the embedding; untied: the
     embedding unit) holds its full parameters and full-size gradients: tied, the head's unsharded
     gradient, the embedding's and their sum (``AccumulateGrad``), 3 copies; untied, the embedding's
-    gradient and the reduce-scatter input, 2; its sharded gradient does not exist yet, while the first
-    layer's reduce-scatter buffer (a full layer's gradient) is still in flight. Frozen (LoRA) parameters
+    gradient and the reduce-scatter input, 2; its sharded gradient does not exist yet, while (tied) the
+    first layer's reduce-scatter buffer (a full layer's gradient) is still in flight. Frozen (LoRA) parameters
     have no gradient there. Measured on CPU/gloo with FSDPMemTracker (bench/sharding_memory.py: smollm2-135m
     on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
     output buffer (freed after copy-out).
@@ -329,11 +331,14 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
     tail = head + norm + (embed if spec.tie_word_embeddings else 0)
     layers = (2 if run.sharding is not Sharding.ZERO2 else spec.num_layers) * _layer_params(spec)
     untied_embed = embed if run.sharding is Sharding.ZERO2 and not spec.tie_word_embeddings else 0
-    gathered = (tail + layers + untied_embed) * w
+    all_gather_buffer = tail if run.sharding is Sharding.ZERO2 else 0
+    gathered = (tail + layers + untied_embed + all_gather_buffer) * w
     last = tail if spec.tie_word_embeddings else embed
     grad_bytes = 0 if run.is_lora() else w  # adapters live in the layers; the tail's base is frozen
     copies = 3 if spec.tie_word_embeddings else 2
-    in_flight = _layer_params(spec) * grad_bytes  # LoRA: the adapters' reduce-scatter, negligible
+    # tied: the first layer's reduce-scatter is still in flight when the tail's embedding backward runs
+    # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
+    in_flight = _layer_params(spec) * grad_bytes if spec.tie_word_embeddings else 0
     gathered_end = last * w + (copies * last - last // run.num_processes) * grad_bytes + in_flight
     return int(gathered), int(gathered_end)
 
