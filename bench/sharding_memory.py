@@ -75,6 +75,7 @@ def main() -> None:
     from memfit.config import RunConfig, TrainConfig
     from memfit.memory.estimate import estimate, rollback_snapshot_bytes
     from memfit.training import sharding
+    from memfit.training.rollback import OptimizerSnapshot
     from memfit.training.setup import (
         ModelSource,
         build_accelerator,
@@ -82,7 +83,6 @@ def main() -> None:
         build_optimizer,
         build_scheduler,
     )
-    from memfit.training.rollback import OptimizerSnapshot
     from memfit.training.step import train_step
 
     model_name = "tiny" if args.dry_run else args.model
