@@ -73,8 +73,9 @@ def main() -> None:
 
     from memfit import modelspec
     from memfit.config import RunConfig, TrainConfig
-    from memfit.memory.estimate import estimate
+    from memfit.memory.estimate import estimate, rollback_snapshot_bytes
     from memfit.training import sharding
+    from memfit.training.rollback import OptimizerSnapshot
     from memfit.training.setup import (
         ModelSource,
         build_accelerator,
@@ -92,7 +93,10 @@ def main() -> None:
     run = run.replace(num_processes=accelerator.num_processes)
     hf_config = modelspec.resolve_config(model_name)
     hf_config.use_cache = False
-    bundle = build_model(config, run, ModelSource(hf_config, None, True))
+    from memfit.resolved import resolve
+
+    resolved = resolve(modelspec.load_spec(model_name), run)  # what build_model builds (attention, optimizer row)
+    bundle = build_model(config, run, ModelSource(hf_config, None, True, resolved))
     model = sharding.shard_model(bundle.model, run, accelerator)
     optimizer = build_optimizer(model, run, config)
     scheduler = build_scheduler(optimizer, config, args.steps)
@@ -100,6 +104,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(accelerator.process_index)
     tracker = _tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
                        sharding.is_sharded(run)) if not args.no_track else _NoTracker()
+    # memfit train keeps one rollback snapshot for the whole run (training/session.py): host buffers,
+    # which on CPU are the device, so they count in the measured peak and in the prediction.
+    snapshot = OptimizerSnapshot()
     tokens = 0
     t0 = time.perf_counter()
     with tracker:
@@ -108,14 +115,20 @@ def main() -> None:
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
             tokens += train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0,
-                                 uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size).tokens
+                                 uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size,
+                                 snapshot=snapshot).tokens
     seconds = time.perf_counter() - t0
     peaks = tracker.get_tracker_snapshot("peak")
     device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
     measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == device))
     all_measured = gather_object([measured])
+    # what the tensors at rank 0's peak were (the tracker's categories: Parameter, Gradient, Optstate, ...)
+    at_peak = {str(k): int(v) for d, cats in peaks.items() if torch.device(d).type == device
+               for k, v in cats.items() if k != "Total"}
     predicted = estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
     tensors_peak = predicted.peak_bytes - predicted.other  # the tracker counts tensors, not the CUDA context
+    if device == "cpu":
+        tensors_peak += rollback_snapshot_bytes(modelspec.load_spec(model_name), run)  # host = device
     if accelerator.is_main_process:
         worst = max(abs(tensors_peak - m) / m for m in all_measured) if all(all_measured) else None
         print(json.dumps({
@@ -124,6 +137,7 @@ def main() -> None:
             "seq_len": run.seq_len, "micro_batch": run.micro_batch, "steps": args.steps,
             "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,
             "measured_peak_bytes_per_rank": all_measured, "worst_error": worst,
+            "predicted_phase_peaks": predicted.phase_peaks, "measured_at_peak_rank0": at_peak,
             "tokens_per_s": tokens * accelerator.num_processes / seconds}))
     accelerator.end_training()
 

@@ -63,7 +63,7 @@ def test_a_row_change_is_seen_by_estimate_cost_trace_and_train(member, tiny, mon
         return "built by the row"
 
     fake = dataclasses.replace(optimizers.row(member), moments=5, fixed_state_bytes=0.0, factored=False,
-                               step_temporary="none", traffic=lambda p: 77.0 * p, devices=("cuda", "cpu"),
+                               step_temporary="none", single_tensor_temporary="none", traffic=lambda p: 77.0 * p, devices=("cuda", "cpu"),
                                traceable=True, build=spy)
     monkeypatch.setitem(optimizers.OPTIMIZERS, member, fake)
     run = RunConfig(seq_len=16, micro_batch=2, optimizer=member)

@@ -28,6 +28,23 @@ ADAM8BIT_BYTES_PER_PARAM = 2 + 8 / 2048
 #: (foreach runs one kernel per elementwise op over all tensors; fused does the update in one).
 FOREACH_PASSES = 2.5
 
+#: Device types on which torch's optimizers, given neither ``foreach`` nor ``fused``, run the foreach
+#: (multi-tensor) implementation; elsewhere (CPU) they run the single-tensor loop. Source: torch 2.13
+#: ``torch/optim/optimizer.py`` ``_default_to_fused_or_foreach`` (foreach only where every parameter is on a
+#: device of ``torch/utils/_foreach_utils.py`` ``_get_foreach_kernels_supported_devices``: cuda, xpu, mtia,
+#: the privateuse1 backend; never cpu; fused is never the default). DTensor parameters (FSDP2) count as
+#: plain tensors there (``torch/distributed/tensor/__init__.py`` registers DTensor as foreach-supported).
+FOREACH_DEFAULT_DEVICES = ("cuda",)
+
+
+def torch_default_is_foreach(device: str) -> bool:
+    """Whether torch's default optimizer implementation on ``device`` (``cuda`` or ``cpu``) is foreach.
+
+    The one place memfit decides it: the estimator's step temporaries (``OptimizerRow.step_temporary_on``)
+    and the builders' ``cuda_like`` flag (the exact tracer runs CPU kernels but models a CUDA run) read it.
+    """
+    return device in FOREACH_DEFAULT_DEVICES
+
 
 @dataclass(frozen=True)
 class OptimizerRow:
@@ -49,7 +66,15 @@ class OptimizerRow:
     step_temporary: str = "none"
     """What ``step()`` allocates beyond the state: ``"group"`` (foreach: one parameter-sized tensor for
     every parameter of the group at once), ``"largest-x2"`` (per-tensor update: two copies of the largest
-    trainable tensor), or ``"none"`` (in place)."""
+    trainable tensor), or ``"none"`` (in place). For a row whose builder leaves the implementation to
+    torch (``torch_default``), this is the foreach implementation's; see ``step_temporary_on``."""
+    single_tensor_temporary: str = "none"
+    """What the single-tensor loop torch runs instead of foreach (on CPU) allocates: ``"per-tensor"`` for
+    AdamW's ``_single_tensor_adam``, which computes ``denom = exp_avg_sq.sqrt() / bias_correction2_sqrt``
+    per parameter (the square root and the quotient coexist) while the previous parameter's ``denom``
+    is still bound to the loop variable: previous + 2 x current, in parameter order."""
+    torch_default: bool = False
+    """The builder passes neither ``foreach`` nor ``fused`` (except under ``cuda_like``): torch picks by device."""
     traffic: Callable[[float], float] = lambda p: 0.0
     """Bytes read + written per trainable parameter by one step (cost model), given ``p``."""
     devices: tuple[str, ...] = ("cuda", "cpu")
@@ -64,6 +89,12 @@ class OptimizerRow:
         """State bytes per trainable parameter (0 for the factored part, counted from shapes)."""
         return self.moments * p + self.fixed_state_bytes
 
+    def step_temporary_on(self, device: str) -> str:
+        """``step_temporary`` of the implementation that runs on ``device`` (``cuda`` or ``cpu``)."""
+        if self.torch_default and not torch_default_is_foreach(device):
+            return self.single_tensor_temporary
+        return self.step_temporary
+
 
 def _adamw(flags: dict[str, bool]):
     def build(groups, lr: float, cuda_like: bool = False):
@@ -71,7 +102,8 @@ def _adamw(flags: dict[str, bool]):
 
         kwargs = dict(flags)
         if cuda_like and not kwargs:
-            kwargs["foreach"] = True  # torch's default on CUDA; on CPU tensors it would pick single-tensor
+            # torch's default on CUDA; on CPU tensors it would pick single-tensor
+            kwargs["foreach"] = torch_default_is_foreach("cuda")
         return torch.optim.AdamW(groups, lr=lr, **kwargs)
 
     return build
@@ -81,7 +113,7 @@ def _sgd(groups, lr: float, cuda_like: bool = False):
     """Plain SGD, momentum 0: no state (``momentum_buffer`` stays None)."""
     import torch
 
-    return torch.optim.SGD(groups, lr=lr, foreach=True if cuda_like else None)
+    return torch.optim.SGD(groups, lr=lr, foreach=torch_default_is_foreach("cuda") if cuda_like else None)
 
 
 def _adafactor(groups, lr: float, cuda_like: bool = False):
@@ -105,8 +137,10 @@ def _adam_traffic(state: Callable[[float], float], passes: float) -> Callable[[f
 #: One row per ``Optimizer`` member.
 OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
     # torch.optim.AdamW; moments zeros_like(p) (torch/optim/adam.py _init_group). The default picks
-    # foreach on CUDA (_multi_tensor_adam's _foreach_sqrt: one param-sized temporary per group).
+    # foreach on CUDA (_multi_tensor_adam's _foreach_sqrt: one param-sized temporary per group), the
+    # single-tensor loop on CPU (per parameter: its sqrt and quotient, next to the previous quotient).
     Optimizer.ADAMW: OptimizerRow(Optimizer.ADAMW, "AdamW moments", moments=2, step_temporary="group",
+                                  single_tensor_temporary="per-tensor", torch_default=True,
                                   traffic=_adam_traffic(lambda p: p, FOREACH_PASSES), build=_adamw({})),
     Optimizer.ADAMW_FOREACH: OptimizerRow(Optimizer.ADAMW_FOREACH, "AdamW moments", moments=2,
                                           step_temporary="group", traffic=_adam_traffic(lambda p: p, FOREACH_PASSES),

@@ -402,7 +402,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
     from memfit.memory.estimate import cuda_other, model_states, notes
 
     recipe = derived_recipe(spec, run)
-    states = model_states(spec, run)
+    states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer
     accum = run.grad_accum > 1
     at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len)

@@ -73,7 +73,11 @@ class ModelStates:
     step_temporary: int
     """Extra bytes alive only inside ``optimizer.step()`` (foreach temporaries)."""
     gathered: int
-    """FSDP/ZeRO-3: unsharded parameters of the layers being computed (temporary)."""
+    """FSDP/ZeRO: unsharded parameters alive while forward and backward compute (temporary)."""
+    gathered_end: int = 0
+    """FSDP/ZeRO: what the last unit to finish backward holds at the end of backward (temporary)."""
+    buckets: int = 0
+    """DDP: the gradient buckets' flat buffers, resident for the whole run (counted as gradients)."""
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
@@ -107,7 +111,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if derived or (family is None and derived is None):
         return _described(derived_estimate(spec, run, device), resolved)
     prec = Precisions.of(run)
-    states = model_states(spec, run)
+    states = model_states(spec, run, device)
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
@@ -118,7 +122,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         activations, acts = offloaded_activations(acts, outside)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
-    base = states.weights + states.optimizer
+    base = states.weights + states.optimizer + states.buckets
     forward = base + grads_in_fwd + activations + logit.forward + copies[0] + states.gathered
     if str(run.loss) != "standard":
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
@@ -131,11 +135,12 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     head_grads = _head_grad_bytes(spec, run, prec) if not grads_in_fwd else 0
     backward_layer = (base + grads_in_fwd + head_grads + activations + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
-    backward_end = base + states.gradients + outside + logit.retained + states.gathered
+    backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
+    step_one = 0
     if run.optimizer_in_backward:
         # No full set of gradients: each is stepped and freed as it lands (grad_accum is 1).
-        step_one = in_backward_step_bytes(spec, run, prec)
+        step_one = in_backward_step_bytes(spec, run, prec, device)
         hidden_grad = prec.w * run.micro_batch * run.seq_len * spec.hidden_size
         # the head (first gradient) is stepped while every activation is alive; one layer's backward
         # transient as without the technique; the embedding (tied: the head too) at the end.
@@ -144,7 +149,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         else:
             head_grads = 0  # a layer's weight gradients come after its recompute peak (+2.8% on the grid without)
         backward_layer = base + activations + copies[1] + states.gathered + head_grads + acts.backward_transient
-        backward_end = base + outside + step_one + states.gathered
+        backward_end = base + outside + step_one + states.gathered_end
         optimizer = base + logit.retained
     phases = {
         "forward": forward,
@@ -152,8 +157,11 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         "optimizer": optimizer,
     }
     phase = max(phases, key=lambda k: phases[k])
-    out = _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, head_grads,
-                        backward_start >= backward_layer)
+    moment = max((backward_start, "start"), (backward_layer, "layer"), (backward_end, "end"),
+                 key=lambda m: m[0])[1]  # ties: the earlier moment, as before
+    end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
+    out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
+                        (head_grads, end_temporary), moment)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
     if device == "cuda":
@@ -171,21 +179,30 @@ def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
     return out
 
 
-def _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, head_grads,
-                  start_is_peak) -> MemoryBreakdown:
-    """Assign the bytes of the peak phase to categories (``copies``: autocast weight copies in forward,
-    and those saved for backward)."""
+def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment) -> MemoryBreakdown:
+    """Assign the bytes of the peak phase to categories (``saved``: all activations and those outside the
+    layers; ``copies``: autocast weight copies in forward, and those saved for backward; ``moment``: which
+    of backward's ``start``/``layer``/``end`` is its peak; ``grads_and_end``: the weight gradients one layer
+    into backward and the temporaries at backward's end)."""
+    activations, outside = saved
+    head_grads, end_temporary = grads_and_end
     out = MemoryBreakdown(method="analytic", phase=phase, params=spec.params,
                           trainable_params=spec.trainable_params(run))
     out.weights = states.weights
     out.optimizer = states.optimizer
-    grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
+    grads_in_fwd = (states.gradients if run.grad_accum > 1 else 0) + states.buckets
     if phase == "forward":
         out.gradients = grads_in_fwd
         out.activations = activations
         out.logits = logit.forward
         out.temporary = copies[0] + states.gathered
-    elif phase == "backward" and start_is_peak:
+    elif phase == "backward" and moment == "end":
+        in_bw = run.optimizer_in_backward
+        out.gradients = states.buckets + (0 if in_bw else states.gradients)
+        out.activations = outside
+        out.logits = 0 if in_bw else logit.retained
+        out.temporary = end_temporary
+    elif phase == "backward" and moment == "start":
         out.gradients = grads_in_fwd
         out.activations = activations
         out.logits = logit.backward
@@ -197,7 +214,7 @@ def _breakdown_at(phase, spec, run, states, activations, logit, copies, acts, he
         out.temporary = copies[1] + acts.backward_transient + states.gathered
     else:
         in_bw = run.optimizer_in_backward  # stepped in backward: no gradients, no temporaries left
-        out.gradients = 0 if in_bw else states.gradients
+        out.gradients = states.buckets + (0 if in_bw else states.gradients)
         out.logits = logit.retained
         out.temporary = 0 if in_bw else states.step_temporary
     return out
@@ -213,15 +230,17 @@ def _check(spec: ModelSpec, run: RunConfig, device: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Model states
 # ----------------------------------------------------------------------------------------------
-def model_states(spec: ModelSpec, run: RunConfig) -> ModelStates:
+def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> ModelStates:
     """Weights, gradients and optimizer state per rank.
 
     Full fine-tune: weights and grads at the stored dtype (fp32 stays fp32 under AMP: autocast casts
     on the fly, it never changes ``param.dtype``), optimizer state from ``optimizer_state_bytes``.
     LoRA: frozen base at its dtype (or quantized), adapters in fp32 (PEFT's ``autocast_adapter_dtype=True``
     upcasts bf16/fp16 adapters to fp32), grads and optimizer state for adapters only.
-    Sharding (``num_processes`` > 1): FSDP/ZeRO-3 divide all three by N, ZeRO-2 divides grads and optimizer
-    state; DDP divides nothing. Offload moves optimizer state (and with ``params`` the weights) to CPU.
+    Sharding (``num_processes`` > 1): FSDP/ZeRO-3/ZeRO-2 (all FSDP2) divide all three by N and gather
+    parameters while computing (``fsdp2_gathered``); DDP divides nothing and keeps gradient buckets
+    (``ddp_bucket_bytes``). Offload moves optimizer state (and with ``params`` the weights) to CPU.
+    ``device`` picks the optimizer implementation torch runs there (its step temporaries).
     Ignores: FSDP's flat-parameter padding (< N elements per tensor), the optimizer's ``step`` scalars
     (fp32, one per tensor: < 1 MiB).
     """
@@ -231,15 +250,14 @@ def model_states(spec: ModelSpec, run: RunConfig) -> ModelStates:
     weights = base_weight_bytes(spec, run) + (spec.lora_params(run) * 4 if run.is_lora() else 0)
     gradients = trainable * grad_bytes
     optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
-    step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes)
+    step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
-    gathered = 0
-    if n > 1 and run.sharding in (Sharding.FSDP, Sharding.ZERO3):
-        # The all-gathered (unsharded) parameters of the layer computing now and the prefetched next one
-        # (FSDP's default forward/backward prefetch): 2 layers at the stored dtype.
-        gathered = 2 * _layer_params(spec) * w
-        weights //= n
+    gathered, gathered_end, buckets = 0, 0, 0
+    if n > 1 and run.sharding is Sharding.DDP:
+        buckets = ddp_bucket_bytes(gradients)
     if n > 1 and run.sharding is not Sharding.DDP:
+        gathered, gathered_end = fsdp2_gathered(spec, run)
+        weights //= n
         gradients //= n
         optimizer //= n
         step_temp //= n
@@ -248,7 +266,81 @@ def model_states(spec: ModelSpec, run: RunConfig) -> ModelStates:
     if run.offload is Offload.PARAMS:
         gathered = max(gathered, 2 * _layer_params(spec) * w)
         weights = 0
-    return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered))
+    return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
+                       int(gathered_end), int(buckets))
+
+
+def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig) -> int:
+    """Host bytes per rank of ``memfit train``'s step-rollback snapshot (``training/rollback.py``).
+
+    Before every ``optimizer.step()`` memfit copies what the step mutates (each trainable parameter's
+    local shard and its optimizer state tensors) into host buffers it keeps for the whole run, so an
+    out-of-memory step can be undone. On a GPU this is host RAM, not device memory (``estimate`` leaves
+    it out); on CPU the host is the device, so a CPU run's tensor peak is ``estimate(..., "cpu")`` plus
+    this (resident from the first step on). Equals the per-rank gradient bytes (a parameter and its
+    gradient share the dtype) plus the optimizer state; offloaded state is counted too (it is copied from
+    the host). Measured: bench/sharding_memory.py (+807 MB per rank for smollm2-135m fp32 AdamW, FSDP on 2).
+    """
+    trainable = spec.trainable_params(run)
+    grad_bytes = 4 if run.is_lora() else _weight_bytes(run)
+    total = trainable * grad_bytes + optimizer_state_bytes(spec, run, trainable, grad_bytes)
+    shards = run.num_processes if run.num_processes > 1 and run.sharding is not Sharding.DDP else 1
+    return int(total // shards)
+
+
+def ddp_bucket_bytes(gradients: int) -> int:
+    """DDP's gradient buckets: flat buffers the size of all trainable gradients, for the whole run.
+
+    torch's ``Reducer`` allocates each bucket's flat tensor when DDP is built (``initialize_buckets``)
+    and, with ``gradient_as_bucket_view=False`` (``DistributedDataParallelKwargs``' default in Accelerate
+    1.15; memfit passes none), copies every gradient into it to all-reduce and back, so the buffers
+    and ``param.grad`` coexist: a second copy of the gradients on every rank, from the first step to the
+    last. Measured on CPU/gloo (bench/sharding_memory.py): +538 MB per rank for smollm2-135m fp32.
+    """
+    return int(gradients)
+
+
+def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
+    """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, and at backward's end.
+
+    Accelerate's ``fsdp2_prepare_model`` makes a unit of each decoder layer, one of the input embedding
+    (untied only), one of [final norm, output head] (tied: and the embedding) with
+    ``reshard_after_forward=False``, then the root. So while forward and backward compute:
+
+    - the tail unit's full parameters, gathered at its first use and kept until its gradients are
+      reduced (tied: from the embedding at forward start to the end of backward);
+    - ``fsdp``/``zero3`` (reshard): the layer computing and the prefetched next one, 2 layers;
+      ``zero2`` (no reshard): every layer (and an untied embedding) stays gathered from its forward to
+      its backward, so at the end of forward all of them; and at backward's start FSDPMemTracker shows
+      one more tail-sized all-gather buffer (smollm2-135m on 2 ranks: 113 MB under ``ALL_GATHER`` next to
+      the 538 MB of unsharded parameters; measured, its cause in FSDP2 not pinned down), counted here.
+
+    At the end of backward the last unit to finish (tied: the tail with the embedding; untied: the
+    embedding unit) holds its full parameters and full-size gradients: tied, the head's unsharded
+    gradient, the embedding's and their sum (``AccumulateGrad``), 3 copies; untied, the embedding's
+    gradient and the reduce-scatter input, 2; its sharded gradient does not exist yet, while (tied) the
+    first layer's reduce-scatter buffer (a full layer's gradient) is still in flight. Frozen (LoRA) parameters
+    have no gradient there. Measured on CPU/gloo with FSDPMemTracker (bench/sharding_memory.py: smollm2-135m
+    on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
+    output buffer (freed after copy-out).
+    """
+    w = _weight_bytes(run)
+    embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
+    head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
+    norm = spec.hidden_size  # the final norm's weight
+    tail = head + norm + (embed if spec.tie_word_embeddings else 0)
+    layers = (2 if run.sharding is not Sharding.ZERO2 else spec.num_layers) * _layer_params(spec)
+    untied_embed = embed if run.sharding is Sharding.ZERO2 and not spec.tie_word_embeddings else 0
+    all_gather_buffer = tail if run.sharding is Sharding.ZERO2 else 0
+    gathered = (tail + layers + untied_embed + all_gather_buffer) * w
+    last = tail if spec.tie_word_embeddings else embed
+    grad_bytes = 0 if run.is_lora() else w  # adapters live in the layers; the tail's base is frozen
+    copies = 3 if spec.tie_word_embeddings else 2
+    # tied: the first layer's reduce-scatter is still in flight when the tail's embedding backward runs
+    # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
+    in_flight = _layer_params(spec) * grad_bytes if spec.tie_word_embeddings else 0
+    gathered_end = last * w + (copies * last - last // run.num_processes) * grad_bytes + in_flight
+    return int(gathered), int(gathered_end)
 
 
 def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
@@ -298,20 +390,43 @@ def _adafactor_elements(spec: ModelSpec, run: RunConfig) -> int:
     return int(mats + embed + head + max(vectors, 0))
 
 
-def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:
-    """Bytes alive only inside ``optimizer.step()``, from the optimizer row's ``step_temporary``.
+def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int,
+                             device: str = "cuda") -> int:
+    """Bytes alive only inside ``optimizer.step()``, from the optimizer row's ``step_temporary_on(device)``.
 
     ``group``: torch's foreach Adam(W) (``_multi_tensor_adam``) computes ``exp_avg_sq_sqrt =
     _foreach_sqrt(...)`` for every parameter of the group at once: one param-sized temporary in the
     state dtype (``adamw``, torch's default, is foreach on CUDA). ``largest-x2``: a per-tensor update
-    (Adafactor) bounded by two copies of the largest trainable tensor. ``none``: in place (fused, 8-bit, SGD).
+    (Adafactor; ``adamw`` on CPU, where torch runs the single-tensor loop) bounded by two copies of the
+    largest trainable tensor. ``none``: in place (fused, 8-bit, SGD).
     """
-    kind = row(run.optimizer).step_temporary
+    kind = row(run.optimizer).step_temporary_on(device)
     if kind == "group":
         return trainable * grad_bytes
     if kind == "largest-x2":
         return _largest_trainable(spec, run) * grad_bytes * 2
+    if kind == "per-tensor":
+        return _per_tensor_peak(spec, run) * grad_bytes
     return 0
+
+
+def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
+    """Elements a per-parameter loop holding ``previous + 2 x current`` peaks at (single-tensor AdamW).
+
+    Parameter order as transformers registers it: the token embedding (and learned positions), each
+    layer's projections in ``spec.linears`` order (its norms, hidden-sized, between), the final norm,
+    the untied head. LoRA: the largest adapter matrix twice (adapters are small and alike). Checked to the
+    byte against the exact trace on CPU (tiny Llama: final norm then head; GPT-2: wte then wpe).
+    """
+    if run.is_lora():
+        return 2 * _largest_trainable(spec, run)
+    tokens = spec.vocab_size * spec.hidden_size
+    order = [tokens, max((spec.embedding_params or tokens) - tokens, 0)]
+    order += [lin.in_features * lin.out_features for lin in spec.linears] + [spec.hidden_size]
+    if not spec.tie_word_embeddings:
+        order += [spec.lm_head_params or tokens]
+    sizes = [n for n in order if n]
+    return max(prev + 2 * cur for prev, cur in zip([0] + sizes, sizes, strict=False))
 
 
 def _largest_trainable(spec: ModelSpec, run: RunConfig) -> int:
@@ -342,7 +457,7 @@ def offloaded_activations(acts, outside: int):
     return resident, back
 
 
-def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str = "cuda") -> int:
     """``--optimizer-in-backward``: the most gradient + step-temporary bytes alive at once in backward.
 
     Each parameter's gradient lives from its accumulation to the end of its own ``step()``, which (a
@@ -353,7 +468,7 @@ def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) ->
     grad_bytes = 4 if run.is_lora() else prec.w
     largest = _largest_trainable(spec, run) * grad_bytes
     # The optimizer's row says what its step allocates; per parameter a foreach "group" is that one tensor.
-    copies = {"group": 1, "largest-x2": 2, "none": 0}[row(run.optimizer).step_temporary]
+    copies = {"group": 1, "largest-x2": 2, "per-tensor": 2, "none": 0}[row(run.optimizer).step_temporary_on(device)]
     return int(largest + copies * largest)
 
 

@@ -59,7 +59,7 @@ def outside_step(spec, run: RunConfig) -> OutsideStep:
     from memfit.memory.estimate import base_weight_bytes, model_states
 
     states = model_states(spec, run)
-    resident = states.weights + states.optimizer
+    resident = states.weights + states.optimizer + states.buckets  # DDP's buckets stay allocated
     prec = Precisions.of(run)
     eval_run = run.replace(micro_batch=eval_batch(run))
     evaluation = resident + states.gathered + logits_terms(spec, eval_run, prec).forward

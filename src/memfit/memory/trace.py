@@ -227,17 +227,19 @@ def _to_fake(model, fake_mode) -> None:
                     module._buffers[name] = done[id(b)]
 
 
-def _build_optimizer(model, run: RunConfig):
-    """The optimizer's row builder, with the implementation torch picks on CUDA (``cuda_like``: CPU
-    tensors would get single-tensor AdamW), over the trainable parameters; with ``optimizer_in_backward``
-    one per parameter, as ``training/setup.py`` builds it."""
+def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
+    """The optimizer's row builder, with the implementation torch picks on ``device`` (``cuda_like``:
+    the fake tensors are CPU tensors, on which torch would pick single-tensor AdamW; a CUDA run gets
+    foreach, ``optimizers.torch_default_is_foreach``), over the trainable parameters; with
+    ``optimizer_in_backward`` one per parameter, as ``training/setup.py`` builds it."""
     params = [p for p in model.parameters() if p.requires_grad]
+    cuda_like = device == "cuda"
     if run.optimizer_in_backward:
         from memfit.training.optim_in_backward import OptimizerInBackward
 
         return OptimizerInBackward([{"params": params}],
-                                   lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=True))
-    return row(run.optimizer).build(params, 1e-4, cuda_like=True)
+                                   lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=cuda_like))
+    return row(run.optimizer).build(params, 1e-4, cuda_like=cuda_like)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -625,7 +627,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     net = _build_model(config, resolved)
     _to_fake(net, fake_mode)
     with fake_mode:
-        optimizer = _build_optimizer(net, run)
+        optimizer = _build_optimizer(net, run, device)
     head_weight = net.get_output_embeddings().weight
     vocab = int(head_weight.shape[0])
     tracker = api["MemTracker"]()

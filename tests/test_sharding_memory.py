@@ -1,0 +1,88 @@
+"""Per-rank prediction of sharded training against the measured tensor peak (issue 13: within 3%).
+
+Each case launches ``bench/sharding_memory.py`` on 2 CPU processes (gloo, torchrun): every rank builds
+the tiny preset with memfit's own builders, runs 2 real training steps inside torch's memory tracker
+(``MemTracker``; ``FSDPMemTracker`` for FSDP2) and rank 0 prints the analytic per-rank prediction
+(``estimate(..., device="cpu")``) next to every rank's measured peak of the bytes tensors hold. The
+terms these cases hold the estimator to: DDP's gradient buckets, FSDP2's units kept gathered (the tail
+[norm, head, tied embedding], every layer under ZeRO-2) and the reduce-scatter at the end of backward,
+and the single-tensor AdamW torch runs on CPU. ~20-40 s per launch on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit.config import RunConfig
+from memfit.memory.estimate import estimate, model_states
+from memfit.modelspec import load_spec
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
+TOLERANCE = 0.03
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _measure(sharding: str) -> dict:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(BENCH), "--model", "tiny", "--seq-len", "32", "--steps", "2",
+           "--sharding", sharding]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-2000:]
+    return json.loads(lines[-1])
+
+
+ZERO2_OPEN = pytest.mark.xfail(strict=True, reason=(
+    "tiny preset (untied, 8 layers) under zero2: the measured peak is the optimizer step (the same bytes as "
+    "fsdp), so no layer stays gathered from forward to backward there, while on smollm2-135m (tied, 30 layers) "
+    "FSDPMemTracker shows every layer gathered at backward's start, which the estimator models (+0.3% there); "
+    "+21% here. Cause not found yet (issue 13)."))
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp", pytest.param("zero2", marks=ZERO2_OPEN)])
+def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sharding):
+    got = _measure(sharding)
+    assert got["processes"] == 2 and got["sharding"] == sharding
+    predicted = got["predicted_peak_bytes"]
+    for measured in got["measured_peak_bytes_per_rank"]:
+        error = (predicted - measured) / measured
+        assert abs(error) <= TOLERANCE, (f"{sharding}: predicted {predicted:,} B vs measured {measured:,} B "
+                                         f"({error:+.1%}); at rank 0's peak: {got['measured_at_peak_rank0']}")
+
+
+def test_ddp_keeps_a_second_copy_of_the_gradients_in_its_buckets():
+    # Hand check: tiny's trainable parameters x 4 bytes (fp32) of buckets on each of 2 DDP ranks, none
+    # on one process or under FSDP (which reduce-scatters into the sharded gradients instead).
+    spec = load_spec("tiny")
+    run = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw", sharding="ddp", num_processes=2)
+    assert model_states(spec, run).buckets == spec.trainable_params(run) * 4
+    assert model_states(spec, run.replace(num_processes=1)).buckets == 0
+    assert model_states(spec, run.replace(sharding="fsdp")).buckets == 0
+
+
+def test_adamw_on_cpu_charges_the_single_tensor_loop_not_the_foreach_group():
+    # torch's default AdamW is foreach on CUDA (one temporary the size of every parameter) and the
+    # single-tensor loop on CPU: per parameter its sqrt and quotient next to the previous one's quotient;
+    # tiny's largest pair is up_proj after gate_proj (768 x 256 = 196,608 elements each): 3 x 196,608, fp32.
+    spec = load_spec("tiny")
+    run = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")
+    cuda = model_states(spec, run, "cuda").step_temporary
+    cpu = model_states(spec, run, "cpu").step_temporary
+    assert cuda == spec.trainable_params(run) * 4
+    assert cpu == 3 * 196_608 * 4
+    assert estimate(spec, run, device="cpu").phase_peaks["optimizer"] < estimate(
+        spec, run, device="cuda").phase_peaks["optimizer"]
