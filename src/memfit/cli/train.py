@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +134,6 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     return TrainConfig.from_flat(merged)
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe: NaN becomes null."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 # train's own, demo-sized defaults for the shared memory flags (shown in --help, not "typed").
 _RUN_DEFAULTS = {"seq_len": _D.run.seq_len, "micro_batch": _D.run.micro_batch}
 
@@ -164,10 +152,11 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
         from memfit.training.equivalence import check_equivalence
+        from memfit.training.summary import json_safe
 
         result = check_equivalence(config)
         if config.json:
-            click.echo(json.dumps(_plain(result), indent=2))
+            click.echo(json.dumps(json_safe(result), indent=2))
         else:
             big, acc = result["big"], result["accumulated"]
             click.echo(f"{result['steps']} steps of {big['micro_batch']} x {big['grad_accum']} vs "

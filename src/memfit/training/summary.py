@@ -129,15 +129,15 @@ class RunSummary:
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
         }
-        return _json_safe(out)
+        return json_safe(out)
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN becomes ``None`` (JSON has no NaN), recursively."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
