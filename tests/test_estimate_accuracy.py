@@ -58,6 +58,7 @@ GRID = [
     _case("olmo2", 256, 4, AMP),
     _case("stablelm", 512, 2, PURE, LORA),
     _case("granite", 256, 4, FP32, GC),
+    _case("qwen3", 256, 4, FP32),
 ]
 
 _SLOW = pytest.mark.slow
@@ -81,7 +82,7 @@ SLOW_GRID = [
 # alive into the second (a real CPU run frees them, docs/estimate.md), which moves the optimizer phase
 # peak by more than 3% at these sizes; the estimate models the real run.
 
-DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite"}
+DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite", "qwen3"}
 
 _SPECS: dict[str, tuple] = {}
 
