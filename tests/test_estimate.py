@@ -144,6 +144,19 @@ def test_sharding_divides_model_states():
     assert fsdp.peak_bytes < one.peak_bytes
 
 
+def test_offloaded_fsdp_keeps_no_sharded_gradient_on_the_gpu():
+    # FSDP2's CPUOffloadPolicy copies each reduce-scattered gradient shard to the host. tiny: 6,492,416
+    # parameters, bf16 weights, fsdp over 2: 6,492,416 x 2 B / 2 = 6,492,416 B of sharded gradients per
+    # rank without offload, none with it (the unsharded ones of the unit being reduced are temporaries).
+    from memfit.memory.estimate import model_states
+
+    spec = load_spec("tiny")
+    run = RunConfig(seq_len=64, micro_batch=1, dtype="bf16", mixed_precision="no", num_processes=2, sharding="fsdp")
+    assert model_states(spec, run).gradients == 6_492_416
+    offloaded = model_states(spec, run.replace(offload="params"))
+    assert offloaded.gradients == 0 and offloaded.weights == 0 and offloaded.optimizer == 0
+
+
 def test_qlora_weights_are_nf4():
     spec = load_spec("llama-2-7b")
     b = estimate(spec, RunConfig(lora_r=16, quantize="4bit", dtype="bf16"))
@@ -155,10 +168,10 @@ def test_speed_under_5ms():
     spec = load_spec("llama-3-8b")
     run = RunConfig(mixed_precision="bf16", lora_r=16)
     estimate(spec, run)  # once per model: asks transformers which attention it runs (a meta build, cached)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: wall time on a loaded shared machine says more about the machine
     for _ in range(200):
         estimate(spec, run)
-    assert (time.perf_counter() - start) / 200 < 5e-3
+    assert (time.process_time() - start) / 200 < 5e-3
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -205,12 +205,14 @@ def test_tighter_budgets_never_give_faster_plans(qwen):
 
 
 def test_plan_search_is_fast(qwen):
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: on a shared, loaded machine (load 13 on 2 cores) the wall
+    # time of the same search was 1.1-1.7 s while its CPU time stayed 0.27-0.36 s.
+    start = time.process_time()
     result = plan(qwen, 24 * GiB, seq_len=512, batch=128, gpu="rtx-4090")
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(candidates(512, 128, 1, None, bf16_ok=True)) >= 500  # all searched; the runnable ones kept
     assert len(result.plans) >= 300
-    assert elapsed < 1.0, elapsed  # issue 5: a full search of >= 500 candidates in under 1 s
+    assert elapsed < 1.0, elapsed  # issue 5: a full search of >= 500 candidates in under 1 s of CPU
 
 
 def test_public_api_functions_are_not_shadowed_by_subpackages():

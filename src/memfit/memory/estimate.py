@@ -266,6 +266,11 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     if run.offload is Offload.PARAMS:
         gathered = max(gathered, 2 * _layer_params(spec) * w)
         weights = 0
+        # FSDP2's CPUOffloadPolicy copies every reduce-scattered gradient shard to the host
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: ``.to("cpu")``), and
+        # the optimizer steps there: no sharded gradient stays on the GPU. The unsharded gradients of the
+        # unit being reduced are in ``gathered_end`` and the layers' backward transients.
+        gradients = 0
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
                        int(gathered_end), int(buckets))
 
