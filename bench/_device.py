@@ -120,6 +120,8 @@ class StepResult:
     params: int
     trainable_params: int
     loss: float
+    cpu_tensor_peak_bytes: int | None = None
+    """CPU: tensor peak of the second step, counted on live tensors (``memory.measure.StepPeak``); None on CUDA."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -133,11 +135,16 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     target tokens, backward, clipping, optimizer step, zero_grad to None): the sequence
     ``memfit estimate --exact`` simulates. The CUDA peak is reset before the last step, so
     ``last_step_max_allocated_bytes`` is the steady state that the trace's second step predicts.
+    ``run``'s memory techniques are passed to the step as ``memfit train`` passes them (``--loss``,
+    ``--optimizer-in-backward``, which cannot clip, and ``--offload activations``); each step holds
+    ``run.grad_accum`` micro-batches. On CPU the second step's tensor peak is counted on the live tensors
+    (``memory.measure.StepPeak``, as ``memfit train`` does on CPU).
     """
     import torch
 
-    from memfit.config import TrainConfig
+    from memfit.config import Offload, TrainConfig
     from memfit.data import collate
+    from memfit.memory.measure import StepPeak
     from memfit.training import setup
     from memfit.training.step import train_step
 
@@ -149,19 +156,25 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     net, optimizer = accelerator.prepare(bundle.model, optimizer)
     net.train()
     vocab = bundle.model.config.vocab_size
-    blocks = common.token_blocks(vocab, steps * run.micro_batch, run.seq_len, seed)  # (steps * B, T)
+    micro = run.micro_batch
+    blocks = common.token_blocks(vocab, steps * micro * run.grad_accum, run.seq_len, seed)  # (steps * k * B, T)
     rows = [{"input_ids": ids, "labels": ids} for ids in blocks.tolist()]
-    tokens_per_step = run.micro_batch * run.seq_len
+    tokens_per_step = micro * run.grad_accum * run.seq_len
+    tensor_peak = StepPeak(accelerator.device.type, steps)
+    techniques = {"loss": run.loss, "in_backward": optimizer if run.optimizer_in_backward else None,
+                  "activations_on_cpu": run.offload is Offload.ACTIVATIONS}
     ends, start, earlier = [], time.perf_counter(), cuda_peaks()
     for step in range(steps):
         if step == steps - 1 and torch.cuda.is_available():
             torch.cuda.synchronize()
             earlier = cuda_peaks()  # the steps before the last one
             torch.cuda.reset_peak_memory_stats()
-        batch = collate(rows[step * run.micro_batch:(step + 1) * run.micro_batch], pad_id=0)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        stepped = train_step(accelerator, net, optimizer, [batch], max_grad_norm=1.0,
-                            uses_model_loss=bundle.uses_model_loss, vocab_size=vocab)
+        first = step * run.grad_accum
+        batches = [collate(rows[(first + i) * micro:(first + i + 1) * micro], pad_id=0) for i in range(run.grad_accum)]
+        batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
+        with tensor_peak.watch(step + 1, net, optimizer, batches):
+            stepped = train_step(accelerator, net, optimizer, batches, max_grad_norm=0.0 if run.optimizer_in_backward
+                                 else 1.0, uses_model_loss=bundle.uses_model_loss, vocab_size=vocab, **techniques)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
@@ -172,8 +185,11 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
         max_allocated_bytes=peaks["max_allocated_bytes"], max_reserved_bytes=peaks["max_reserved_bytes"],
         last_step_max_allocated_bytes=last["max_allocated_bytes"], params=bundle.params,
         trainable_params=bundle.trainable_params, loss=stepped.loss,
+        cpu_tensor_peak_bytes=tensor_peak.peak_bytes or None,
     )
-    del net, optimizer, bundle, accelerator, batch
+    if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "remove_hooks"):
+        optimizer.optimizer.remove_hooks()  # optimizer-in-backward: the next run's model must not step this one
+    del net, optimizer, bundle, accelerator, batches, techniques
     free_memory()
     return result
 

@@ -97,13 +97,56 @@ def case(name: str, config, base: RunConfig, variant: RunConfig) -> dict:
     return out
 
 
+def speed(config, base: RunConfig, variant: RunConfig, repeats: int, seed: int = 0) -> dict:
+    """Tokens/s of ``base`` and ``variant`` in interleaved pairs (base, variant, base, ...) on one model, so
+    a load change on a shared machine hits both; the ratio is taken per pair and its median reported."""
+    import torch
+
+    from memfit.training.setup import build_optimizer
+    from memfit.training.step import micro_loss
+
+    model = _common.build_model(config, seed=seed)
+    model.train()
+    ids = _common.token_blocks(config.vocab_size, base.micro_batch, base.seq_len, seed)  # (B, T)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    n = torch.tensor(ids.numel())
+
+    def timed(run: RunConfig) -> float:
+        optimizer = build_optimizer(model, run, TrainConfig(run=run))
+        start = time.perf_counter()
+        loss = micro_loss(model, batch, n, True, config.vocab_size, run.loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return ids.numel() / (time.perf_counter() - start)
+
+    timed(base), timed(variant)  # warm-up: first-call allocations and kernel selection
+    pairs = [(timed(base), timed(variant)) for _ in range(repeats)]
+    ratios = sorted(v / b for b, v in pairs)
+    return {"vocab": config.vocab_size, "hidden": config.hidden_size, "tokens": ids.numel(),
+            "base": str(base.loss), "variant": str(variant.loss), "pairs": pairs,
+            "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CI): seconds, same code path")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--speed", type=int, metavar="PAIRS", default=0,
+                    help="only tokens/s of chunked vs standard CE at vocab 128,256 (hidden 256, 512 tokens), "
+                         "PAIRS interleaved runs")
     args = ap.parse_args(argv)
     _common.set_threads(args.threads)
+    if args.speed:
+        run = RunConfig(seq_len=512, micro_batch=1, optimizer="sgd")
+        result = speed(_llama(128_256, 256, 2, 688), run, run.replace(loss="chunked"), args.speed)
+        print(f"vocab {result['vocab']:,}, hidden {result['hidden']}, {result['tokens']} tokens: chunked/standard "
+              f"tokens/s median x{result['median_ratio']:.2f} (min {result['min_ratio']:.2f}, max "
+              f"{result['max_ratio']:.2f}) over {args.speed} interleaved pairs", flush=True)
+        data = {"bench": "memory_techniques.speed", "machine": _common.machine_info(), **result}
+        _common.write_json(args.out, data)
+        return data
     results = []
     if args.quick:
         vocabs, ce = (4096,), dict(hidden=64, layers=2, inter=128, seq=256, batch=2)

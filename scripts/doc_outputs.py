@@ -30,7 +30,8 @@ def checked_command(line: str) -> list[str] | None:
     if not line.startswith(tuple(f"$ memfit {c}" for c in CHECKED)) or line.endswith("\\"):
         return None
     argv = shlex.split(line[2:])
-    if any(flag in line for flag in _UNCHECKED_FLAGS):
+    padded = f" {line} "  # whole flags only: "-o" must not match "--offload" or "--no-optimizer-in-backward"
+    if any(f" {flag} " in padded or f" {flag}=" in padded for flag in _UNCHECKED_FLAGS):
         return None
     return argv[1:]
 

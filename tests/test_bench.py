@@ -211,3 +211,49 @@ def test_sharding_memory_dry_run_measures_and_predicts():
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["processes"] == 1 and row["measured_peak_bytes_per_rank"][0] > 0 and row["predicted_peak_bytes"] > 0
+
+
+def test_gpu_techniques_dry_run(tmp_path, keep_threads):
+    """Every case of the techniques bench comes back with numbers on CPU; those CPU cannot run say why.
+
+    The dry-run model: 2-layer Llama, hidden 64, vocabulary 8,192, 2 x 256 = 512 tokens a step. Its standard
+    logits term at backward start is 12 B x 512 x 8,192 = 50,331,648 B (fp32 logits, their log-softmax and the
+    gradient), the largest single term of the step; chunked CE must remove most of it, measured on the live
+    tensors of memfit's real CPU step.
+    """
+    import gpu_techniques as tech
+
+    out = tmp_path / "techniques.json"
+    assert tech.main(["--dry-run", "--no-exact", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {r["case"]: r for r in results["rows"]}
+    assert list(rows) == list(tech.CASES)
+    for name, row in rows.items():
+        assert row["analytic"]["tensor_peak_bytes"] > 0, (name, row["analytic"])
+    # CPU cannot run the fused kernels or activation offload: refused by memfit train's own checks, in words.
+    for name in ("liger", "cce", "offload-activations"):
+        assert "CUDA" in rows[name]["memfit"]["skipped"], rows[name]["memfit"]
+    measured = {}
+    for name in ("standard", "chunked", "optimizer-in-backward", "chunked+in-backward"):
+        row = rows[name]
+        measured[name] = row["memfit"]["peak_bytes"]
+        assert measured[name] > 0 and row["trainer"]["peak_bytes"] > 0, row
+    # Where the peak is in backward the CPU estimate holds to the live tensors. Not checked for chunked, whose
+    # peak moves to the optimizer step, where memfit's CPU step also holds its rollback snapshot (12 B per
+    # trainable parameter, host memory on CUDA; the CPU prediction of it is issue 13's).
+    for name in ("standard", "optimizer-in-backward", "chunked+in-backward"):
+        assert abs(rows[name]["analytic_error"]) < 0.02, (name, rows[name]["analytic_error"])
+    # Chunked CE's peak moves to the optimizer step (it then holds the CPU rollback snapshot, see above); with the
+    # step in backward too, both peaks are in backward and the drop is the logits term less one chunk's work:
+    # 80.8% of it in this configuration (the issue's bar at 128K is 80%, bench/memory_techniques.py).
+    logits = 12 * 512 * 8192
+    assert measured["chunked"] < 0.6 * measured["standard"], measured
+    assert measured["standard"] - measured["chunked+in-backward"] >= 0.75 * logits, measured
+    # With the standard loss the logits set the peak (backward start, before any gradient): stepping in backward
+    # changes nothing there. Once chunked CE removes them the peak is the optimizer step, which in-backward removes.
+    assert measured["optimizer-in-backward"] == pytest.approx(measured["standard"], rel=0.01), measured
+    assert measured["chunked+in-backward"] < 0.9 * measured["chunked"], measured
+    # One Trainer run serves every case with the standard loss's settings (same batch, length, precision).
+    assert rows["chunked"]["trainer"] == rows["standard"]["trainer"]
+    # memfit's standard step and the Trainer's hold the same tensors, within 10%.
+    assert 0.9 < rows["standard"]["memfit_over_trainer"] < 1.1, rows["standard"]["memfit_over_trainer"]

@@ -160,8 +160,8 @@ def check_supported(run: RunConfig) -> None:
     if not row(run.optimizer).traceable:
         raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode (its kernels cannot run "
                         "on fake tensors); use the analytic estimate.")
-    if run.offload is not Offload.NONE:
-        raise UserError("--offload is not supported in exact mode; use the analytic estimate.")
+    if run.offload not in (Offload.NONE, Offload.ACTIVATIONS):  # activations: memory/offload_trace.py
+        raise UserError(f"--offload {run.offload} is not supported in exact mode; use the analytic estimate.")
     if run.loss.value in ("liger", "cce"):
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")
@@ -399,7 +399,8 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
         input_ids = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         labels = torch.randint(0, t.vocab, (t.run.micro_batch, t.run.seq_len))  # (B, T)
         # use_cache=False: a training step keeps no KV cache; only the loss is kept (outputs are dropped).
-        loss = _micro_loss(t, input_ids, labels)
+        with _saved_tensors_place(t.run):  # where training/step.py puts forward's saved tensors
+            loss = _micro_loss(t, input_ids, labels)
         # accelerator.backward divides by the accumulation steps before backward.
         loss = loss / t.run.grad_accum if t.run.grad_accum > 1 else loss
         rec.phase = "backward"
@@ -410,6 +411,15 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
     rec.phase = "optimizer"
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
+
+
+def _saved_tensors_place(run: RunConfig):
+    """``--offload activations``: saved tensors off the device while saved (``memory/offload_trace.py``)."""
+    if run.offload is Offload.ACTIVATIONS:
+        from memfit.memory.offload_trace import saved_tensors_off_device
+
+        return saved_tensors_off_device()
+    return contextlib.nullcontext()
 
 
 def _micro_loss(t: _Traced, input_ids, labels):
