@@ -211,3 +211,18 @@ def test_sharding_memory_dry_run_measures_and_predicts():
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["processes"] == 1 and row["measured_peak_bytes_per_rank"][0] > 0 and row["predicted_peak_bytes"] > 0
+
+
+def test_gpu_sharding_check_dry_run(tmp_path):
+    # 2 gloo processes on CPU, the tiny preset, 2 steps under torch's CPU tensor tracker, one config
+    # (~20-40 s): the per-rank rows come back from torchrun and are compared with the prediction.
+    import gpu_sharding_check as check
+
+    out = tmp_path / "sharding.json"
+    assert check.main(["--dry-run", "--configs", "fsdp", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["dry_run"] is True and results["nproc"] == 2 and results["model"] == "tiny"
+    (row,) = results["rows"]
+    assert (row["config"], row["sharding"], row["processes"], row["device"]) == ("fsdp", "fsdp", 2, "cpu")
+    assert len(row["measured_peak_bytes_per_rank"]) == 2 and all(m > 0 for m in row["measured_peak_bytes_per_rank"])
+    assert results["worst_error"] == row["worst_error"] and abs(row["worst_error"]) <= 0.03  # tests/test_sharding_memory.py

@@ -64,14 +64,28 @@ def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sha
                                          f"({error:+.1%}); at rank 0's peak: {got['measured_at_peak_rank0']}")
 
 
-def test_ddp_keeps_a_second_copy_of_the_gradients_in_its_buckets():
-    # Hand check: tiny's trainable parameters x 4 bytes (fp32) of buckets on each of 2 DDP ranks, none
-    # on one process or under FSDP (which reduce-scatters into the sharded gradients instead).
+def test_ddp_gradients_live_in_its_buckets_one_copy_all_run():
+    # memfit builds DDP with gradient_as_bucket_view=True: param.grad are views into the buckets. Hand
+    # check: tiny's trainable parameters x 4 bytes (fp32) of buckets on each of 2 DDP ranks and no
+    # separate gradients; none on one process or under FSDP (which reduce-scatters into sharded grads).
     spec = load_spec("tiny")
     run = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw", sharding="ddp", num_processes=2)
-    assert model_states(spec, run).buckets == spec.trainable_params(run) * 4
+    states = model_states(spec, run)
+    assert (states.buckets, states.gradients) == (spec.trainable_params(run) * 4, 0)
     assert model_states(spec, run.replace(num_processes=1)).buckets == 0
     assert model_states(spec, run.replace(sharding="fsdp")).buckets == 0
+    # One copy: at the optimizer step 2 DDP ranks hold what 1 process holds; in forward (grad_accum 1,
+    # where 1 process holds no gradients) the buckets are the difference.
+    one = estimate(spec, run.replace(num_processes=1), device="cpu").phase_peaks
+    two = estimate(spec, run, device="cpu").phase_peaks
+    assert two["optimizer"] == one["optimizer"]
+    assert two["forward"] - one["forward"] == states.buckets
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from memfit.training.sharding import accelerator_kwargs
+
+    (handler,) = accelerator_kwargs(run, cuda=False)["kwargs_handlers"]
+    assert isinstance(handler, DistributedDataParallelKwargs) and handler.to_kwargs() == {"gradient_as_bucket_view": True}
 
 
 def test_adamw_on_cpu_charges_the_single_tensor_loop_not_the_foreach_group():
