@@ -63,7 +63,13 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     from memfit.config import RunConfig, TrainConfig
     from memfit.resolved import resolve
     from memfit.training import sharding
-    from memfit.training.setup import ModelSource, build_accelerator, build_model, build_optimizer, build_scheduler
+    from memfit.training.setup import (
+        ModelSource,
+        build_accelerator,
+        build_model,
+        build_optimizer,
+        build_scheduler,
+    )
 
     run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
                     sharding=sharding_flag, offload=offload)

@@ -157,7 +157,6 @@ class OptimizerSnapshot:
             return current
         return value.to(device=device, dtype=dtype, copy=True)
 
-
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held between steps (what the snapshot costs in memory)."""
         return list(self._buffers.values())

@@ -279,10 +279,14 @@ def _save_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     from accelerate.checkpointing import save_accelerator_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from collections import OrderedDict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, _inner(optimizer), options=options)
     main = accelerator.is_main_process
-    save_accelerator_state(folder, [model_sd] if main else [], [_Given(_by_index(optim_sd))] if main else [],
+    # OrderedDict: Accelerate's save then drops a tied weight's second name, as safetensors requires
+    save_accelerator_state(folder, [OrderedDict(model_sd)] if main else [],
+                           [_Given(_by_index(optim_sd))] if main else [],
                            [scheduler], [], accelerator.process_index, accelerator.step)
 
 
@@ -320,8 +324,11 @@ def _load_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     opt = _inner(optimizer)
     model_sd = load_file(str(Path(folder) / "model.safetensors"))
     optim_sd = torch.load(Path(folder) / "optimizer.bin", map_location="cpu", weights_only=True)
+    # a tied output head was saved under the input embedding's name only (safetensors keeps one name per
+    # storage), so a tied model loads it non-strictly (untested: the tests' models are untied)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=_by_name(optim_sd, model, opt),
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=not tied))
     load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
 
 
