@@ -284,6 +284,7 @@ def _save_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, _inner(optimizer), options=options)
     main = accelerator.is_main_process
+    Path(folder).mkdir(parents=True, exist_ok=True)  # save_state makes it; save_accelerator_state does not
     # OrderedDict: Accelerate's save then drops a tied weight's second name, as safetensors requires
     save_accelerator_state(folder, [OrderedDict(model_sd)] if main else [],
                            [_Given(_by_index(optim_sd))] if main else [],
