@@ -16,7 +16,8 @@ Examples::
     python bench/gpu_sharding_check.py --dry-run --out /tmp/sharding-dry.json   # CPU, gloo, 2 processes
 
 ``--dry-run`` checks the plumbing on CPU: 2 gloo processes (``ACCELERATE_USE_CPU=true``), the tiny
-preset, a short sequence, and torch's CPU tensor tracker (``MemTracker``/``FSDPMemTracker``) in place
+preset, a short sequence, 3 steps (the steady state: the rollback snapshot holds optimizer state from
+the second), and torch's CPU tensor tracker (``MemTracker``/``FSDPMemTracker``) in place
 of ``max_memory_allocated``; its numbers are CPU numbers (the rollback snapshot counts there).
 """
 
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CONFIGS = {"ddp": ("ddp", "none"), "fsdp": ("fsdp", "none"), "zero2": ("zero2", "none"),
            "fsdp+offload": ("fsdp", "params")}
 GPU_DEFAULTS = {"model": "qwen2.5-0.5b", "seq_len": 512, "micro_batch": 2, "steps": 3}
-DRY_DEFAULTS = {"model": "tiny", "seq_len": 32, "micro_batch": 1, "steps": 2}
+DRY_DEFAULTS = {"model": "tiny", "seq_len": 32, "micro_batch": 1, "steps": 3}  # 3: the steady state
 
 
 def relative_error(predicted: int, measured: int) -> float | None:

@@ -214,7 +214,7 @@ def test_sharding_memory_dry_run_measures_and_predicts():
 
 
 def test_gpu_sharding_check_dry_run(tmp_path):
-    # 2 gloo processes on CPU, the tiny preset, 2 steps under torch's CPU tensor tracker, one config
+    # 2 gloo processes on CPU, the tiny preset, 3 steps under torch's CPU tensor tracker, one config
     # (~20-40 s): the per-rank rows come back from torchrun and are compared with the prediction.
     import gpu_sharding_check as check
 
