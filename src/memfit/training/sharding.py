@@ -276,10 +276,10 @@ def _save_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     RNG file. An unsharded run resumes it with ``accelerator.load_state``; a sharded one with
     ``_load_full`` (any number of ranks).
     """
+    from collections import OrderedDict
+
     from accelerate.checkpointing import save_accelerator_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    from collections import OrderedDict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, _inner(optimizer), options=options)
