@@ -112,14 +112,13 @@ def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: in
 
 def predicted_tensor_peak(model_name: str, run, device: str):
     """memfit's per-rank prediction of the bytes tensors hold at the peak on ``device`` (``cpu``/``cuda``):
-    the estimate with the rollback snapshot where it lives there, without the CUDA context (``other``),
+    the estimate as the device holds it (``memory.snapshot.device_estimate``: on CPU the rollback snapshot
+    and offloaded state count), without the CUDA context (``other``),
     which no tensor tracker or ``max_memory_allocated`` sees. ``(bytes, breakdown)``."""
     from memfit import modelspec
-    from memfit.memory.estimate import estimate
-    from memfit.memory.snapshot import with_rollback_snapshot
+    from memfit.memory.snapshot import device_estimate
 
-    predicted = with_rollback_snapshot(modelspec.load_spec(model_name), run,
-                                       estimate(model_name, run, device=device), device)
+    predicted = device_estimate(modelspec.load_spec(model_name), run, device)
     return predicted.peak_bytes - predicted.other, predicted
 
 

@@ -106,3 +106,15 @@ def test_fused_adamw_first_step_snapshot_is_released_once_the_state_exists():
         p.grad = torch.ones_like(p)
     snapshot.take(opt)
     assert snapshot.buffers() == [] and snapshot.available
+
+
+def test_offload_on_cpu_moves_nothing_off_the_device():
+    # Measured (bench/README.md): smollm2-135m fsdp on 2 and 4 CPU ranks holds the same bytes with
+    # --offload params as without; on a GPU the offloaded state leaves the device.
+    from memfit.memory.snapshot import device_estimate
+
+    spec = load_spec("tiny")
+    fsdp = RUN.replace(sharding="fsdp", num_processes=2)
+    offload = fsdp.replace(offload="params")
+    assert device_estimate(spec, offload, "cpu").peak_bytes == device_estimate(spec, fsdp, "cpu").peak_bytes
+    assert device_estimate(spec, offload, "cuda").peak_bytes < device_estimate(spec, fsdp, "cuda").peak_bytes

@@ -1,6 +1,10 @@
-"""Where ``memfit train``'s rollback snapshot adds to the predicted peak: the one place estimate's
-callers (``memfit train``'s prediction line, the planner behind ``memfit train --budget``, the
-sharding bench) ask.
+"""What a device holds when the host is the device (CPU), and where ``memfit train``'s rollback
+snapshot adds to the predicted peak: the one place estimate's callers (``memfit train``'s prediction
+line, the planner behind ``memfit train --budget``, the sharding benches) ask (``device_estimate``).
+
+On CPU ``--offload params`` moves nothing (FSDP2's ``CPUOffloadPolicy`` keeps the sharded state on the
+CPU, which is where it already is): the device holds what the run without offload holds (measured:
+bench/sharding_memory.py, smollm2-135m fsdp on 2 and 4 ranks, the same bytes with and without).
 
 Before ``optimizer.step()`` memfit copies what the step mutates into host buffers, so a step that runs
 out of memory half way can be undone (``training/rollback.py``). On a GPU that is host RAM, outside the
@@ -26,8 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.config import RunConfig
+from memfit.config import Offload, RunConfig
 from memfit.units import fmt_bytes
+
+
+def device_estimate(spec, run: RunConfig, device: str):
+    """``estimate(spec, run, device=device)`` as the device holds it: on CPU, offloaded state stays in
+    the same memory (the run without offload is estimated) and the rollback snapshot counts."""
+    from memfit.memory.estimate import estimate
+
+    held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
+        Offload.PARAMS, Offload.OPTIMIZER) else run
+    return with_rollback_snapshot(spec, run, estimate(spec, held, device=device), device)
 
 
 def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str):

@@ -140,12 +140,10 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
              cpu: bool = False) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``)."""
-    from memfit.memory.estimate import estimate
     from memfit.memory.outside import outside_step
-    from memfit.memory.snapshot import with_rollback_snapshot
+    from memfit.memory.snapshot import device_estimate
 
-    device = "cpu" if cpu else "cuda"
-    breakdown = with_rollback_snapshot(spec, run, estimate(spec, run, device=device), device)
+    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda")
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
     outside = outside_step(spec, run).device_peak() + breakdown.other

@@ -266,15 +266,13 @@ def predict(model_name: str, run: RunConfig, device: str = "cuda"):
     """The estimator's predicted peak for this run on ``device`` (None when unavailable or failing).
 
     On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms, and the
-    rollback snapshot counts (``memory.snapshot``: the host is the device).
+    rollback snapshot and offloaded state count (``memory.snapshot``: the host is the device).
     """
     try:
-        from memfit.memory.estimate import estimate
-        from memfit.memory.snapshot import with_rollback_snapshot
+        from memfit.memory.snapshot import device_estimate
         from memfit.modelspec import load_spec
 
-        device = "cpu" if device == "cpu" else "cuda"
-        return with_rollback_snapshot(load_spec(model_name), run, estimate(model_name, run, device=device), device)
+        return device_estimate(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
     except ImportError:
         return None
     except Exception:  # noqa: BLE001 - a prediction must never stop a training run
