@@ -1,7 +1,7 @@
 """Per-rank prediction of sharded training against the measured tensor peak (issue 13: within 3%).
 
 Each case launches ``bench/sharding_memory.py`` on 2 CPU processes (gloo, torchrun): every rank builds
-the tiny preset with memfit's own builders, runs 2 real training steps inside torch's memory tracker
+the tiny preset with memfit's own builders, runs 3 real training steps inside torch's memory tracker
 (``MemTracker``; ``FSDPMemTracker`` for FSDP2) and rank 0 prints the analytic per-rank prediction
 (``estimate(..., device="cpu")``) next to every rank's measured peak of the bytes tensors hold. The
 terms these cases hold the estimator to: DDP's gradient buckets, FSDP2's units kept gathered (the tail
