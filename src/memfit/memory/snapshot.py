@@ -1,6 +1,6 @@
 """What a device holds when the host is the device (CPU), and where ``memfit train``'s rollback
 snapshot adds to the predicted peak: the one place estimate's callers (``memfit train``'s prediction
-line, the planner behind ``memfit train --budget``, the sharding benches) ask (``device_estimate``).
+line, the planner for a CPU budget (``plan(..., cpu=True)``), the sharding benches) ask (``device_estimate``).
 
 On CPU ``--offload params`` moves nothing (FSDP2's ``CPUOffloadPolicy`` keeps the sharded state on the
 CPU, which is where it already is): the device holds what the run without offload holds (measured:
