@@ -56,6 +56,72 @@ class _NoTracker:
         return {}
 
 
+def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro_batch: int, steps: int):
+    """memfit's own builders for one rank of a ``--sharding`` run (as ``memfit train`` builds it):
+    ``(accelerator, run, model, optimizer, bundle, hf_config)``, the model sharded and prepared."""
+    from memfit import modelspec
+    from memfit.config import RunConfig, TrainConfig
+    from memfit.resolved import resolve
+    from memfit.training import sharding
+    from memfit.training.setup import (
+        ModelSource,
+        build_accelerator,
+        build_model,
+        build_optimizer,
+        build_scheduler,
+    )
+
+    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
+                    sharding=sharding_flag, offload=offload)
+    config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0)
+    accelerator = build_accelerator(run, config)
+    run = run.replace(num_processes=accelerator.num_processes)
+    hf_config = modelspec.resolve_config(model_name)
+    hf_config.use_cache = False
+    resolved = resolve(modelspec.load_spec(model_name), run)  # what build_model builds (attention, optimizer row)
+    bundle = build_model(config, run, ModelSource(hf_config, None, True, resolved))
+    model = sharding.shard_model(bundle.model, run, accelerator)
+    optimizer = build_optimizer(model, run, config)
+    scheduler = build_scheduler(optimizer, config, steps)
+    model, optimizer, _ = sharding.prepare(accelerator, run, model, optimizer, scheduler)
+    return accelerator, run, model, optimizer, bundle, hf_config
+
+
+def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: int, tracker=None) -> int:
+    """``steps`` real ``memfit train`` steps on random tokens (inside ``tracker``, if any); the tokens run.
+    memfit train keeps one rollback snapshot for the whole run (training/session.py): host buffers,
+    which on CPU are the device, so they count in the measured peak and in the prediction."""
+    from memfit.training.rollback import OptimizerSnapshot
+    from memfit.training.step import train_step
+
+    gen = torch.Generator().manual_seed(accelerator.process_index)
+    tracker = tracker or _NoTracker()
+    snapshot = OptimizerSnapshot()
+    tokens = 0
+    with tracker:
+        for _ in range(steps):
+            ids = torch.randint(3, hf_config.vocab_size, (run.micro_batch, run.seq_len), generator=gen)
+            ids = ids.to(accelerator.device)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
+            tokens += train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0,
+                                 uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size,
+                                 snapshot=snapshot).tokens
+    return tokens
+
+
+def predicted_tensor_peak(model_name: str, run, device: str):
+    """memfit's per-rank prediction of the bytes tensors hold at the peak on ``device`` (``cpu``/``cuda``):
+    the estimate as the device holds it (``memory.snapshot.device_estimate``: on CPU the rollback snapshot
+    and offloaded state count), without the CUDA context (``other``),
+    which no tensor tracker or ``max_memory_allocated`` sees. ``(bytes, breakdown)``."""
+    from memfit import modelspec
+    from memfit.memory.snapshot import device_estimate
+
+    predicted = device_estimate(modelspec.load_spec(model_name), run, device)
+    return predicted.peak_bytes - predicted.other, predicted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -71,52 +137,15 @@ def main() -> None:
 
     from accelerate.utils import gather_object
 
-    from memfit import modelspec
-    from memfit.config import RunConfig, TrainConfig
-    from memfit.memory.estimate import estimate, rollback_snapshot_bytes
     from memfit.training import sharding
-    from memfit.training.rollback import OptimizerSnapshot
-    from memfit.training.setup import (
-        ModelSource,
-        build_accelerator,
-        build_model,
-        build_optimizer,
-        build_scheduler,
-    )
-    from memfit.training.step import train_step
 
     model_name = "tiny" if args.dry_run else args.model
-    run = RunConfig(seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=1, optimizer="adamw",
-                    sharding="ddp" if args.dry_run else args.sharding, offload=args.offload)
-    config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0)
-    accelerator = build_accelerator(run, config)
-    run = run.replace(num_processes=accelerator.num_processes)
-    hf_config = modelspec.resolve_config(model_name)
-    hf_config.use_cache = False
-    from memfit.resolved import resolve
-
-    resolved = resolve(modelspec.load_spec(model_name), run)  # what build_model builds (attention, optimizer row)
-    bundle = build_model(config, run, ModelSource(hf_config, None, True, resolved))
-    model = sharding.shard_model(bundle.model, run, accelerator)
-    optimizer = build_optimizer(model, run, config)
-    scheduler = build_scheduler(optimizer, config, args.steps)
-    model, optimizer, scheduler = sharding.prepare(accelerator, run, model, optimizer, scheduler)
-    gen = torch.Generator().manual_seed(accelerator.process_index)
+    accelerator, run, model, optimizer, bundle, hf_config = build(
+        model_name, "ddp" if args.dry_run else args.sharding, args.offload, args.seq_len, args.micro_batch, args.steps)
     tracker = _tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
                        sharding.is_sharded(run)) if not args.no_track else _NoTracker()
-    # memfit train keeps one rollback snapshot for the whole run (training/session.py): host buffers,
-    # which on CPU are the device, so they count in the measured peak and in the prediction.
-    snapshot = OptimizerSnapshot()
-    tokens = 0
     t0 = time.perf_counter()
-    with tracker:
-        for _ in range(args.steps):
-            ids = torch.randint(3, hf_config.vocab_size, (run.micro_batch, run.seq_len), generator=gen)
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-            tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
-            tokens += train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0,
-                                 uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size,
-                                 snapshot=snapshot).tokens
+    tokens = train_steps(accelerator, run, model, optimizer, bundle, hf_config, args.steps, tracker)
     seconds = time.perf_counter() - t0
     peaks = tracker.get_tracker_snapshot("peak")
     device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
@@ -125,10 +154,7 @@ def main() -> None:
     # what the tensors at rank 0's peak were (the tracker's categories: Parameter, Gradient, Optstate, ...)
     at_peak = {str(k): int(v) for d, cats in peaks.items() if torch.device(d).type == device
                for k, v in cats.items() if k != "Total"}
-    predicted = estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
-    tensors_peak = predicted.peak_bytes - predicted.other  # the tracker counts tensors, not the CUDA context
-    if device == "cpu":
-        tensors_peak += rollback_snapshot_bytes(modelspec.load_spec(model_name), run)  # host = device
+    tensors_peak, predicted = predicted_tensor_peak(model_name, run, "cpu" if device == "cpu" else "cuda")
     if accelerator.is_main_process:
         worst = max(abs(tensors_peak - m) / m for m in all_measured) if all(all_measured) else None
         print(json.dumps({

@@ -257,3 +257,18 @@ def test_gpu_techniques_dry_run(tmp_path, keep_threads):
     assert rows["chunked"]["trainer"] == rows["standard"]["trainer"]
     # memfit's standard step and the Trainer's hold the same tensors, within 10%.
     assert 0.9 < rows["standard"]["memfit_over_trainer"] < 1.1, rows["standard"]["memfit_over_trainer"]
+
+
+def test_gpu_sharding_check_dry_run(tmp_path):
+    # 2 gloo processes on CPU, the tiny preset, 3 steps under torch's CPU tensor tracker, one config
+    # (~20-40 s): the per-rank rows come back from torchrun and are compared with the prediction.
+    import gpu_sharding_check as check
+
+    out = tmp_path / "sharding.json"
+    assert check.main(["--dry-run", "--configs", "fsdp", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["dry_run"] is True and results["nproc"] == 2 and results["model"] == "tiny"
+    (row,) = results["rows"]
+    assert (row["config"], row["sharding"], row["processes"], row["device"]) == ("fsdp", "fsdp", 2, "cpu")
+    assert len(row["measured_peak_bytes_per_rank"]) == 2 and all(m > 0 for m in row["measured_peak_bytes_per_rank"])
+    assert results["worst_error"] == row["worst_error"] and abs(row["worst_error"]) <= 0.03  # tests/test_sharding_memory.py

@@ -40,14 +40,15 @@ def _launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
-def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str], n: int = 22, **loop):
+def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str], n: int = 22, nproc: int = 2,
+                        **loop):
     # 22 samples, effective batch 4: the 6th step holds 2 samples (rank 1 runs dummy rows then).
     data = write_qa(tmp_path, n=n)
     common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
     proc = _launch("--model", two.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
-                   "--output", two.output)
+                   "--output", two.output, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return one, two
 
@@ -100,6 +101,76 @@ def test_sharded_checkpoint_resumes_on_two_processes(tmp_path):
     assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-6
 
 
+@pytest.mark.slow
+def test_full_state_dict_resumes_on_another_number_of_processes(tmp_path):
+    # Data order across rank counts: every optimizer step takes the same samples of the run's schedule
+    # (training.sampler.StepBatchSampler splits them over micro-batches and ranks), and the loss is
+    # normalised by the step's target tokens over all ranks, so a step's gradient is the same sum on 1, 2
+    # or 4 processes, up to float summation order: weights within 1e-6, not bitwise.
+    # 1 -> 2: an unsharded single-process run's step-3 checkpoint resumed under FSDP on 2 processes,
+    # saving full checkpoints; 2 -> 1: that run's step-5 checkpoint resumed on 1 process.
+    data = write_qa(tmp_path, n=22)
+    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    reference = run_training(tiny_config(tmp_path / "ref", run={"optimizer": "adamw"}, **common), show=False)
+    one = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, save_every=3, **common)
+    run_training(one, show=False)
+    checkpoints = Path(one.output) / "checkpoints"
+    shutil.rmtree(checkpoints / "step-6")
+    proc = _launch("--model", one.model, "--data", data, *ARGS, "--sharding", "fsdp", "--state-dict", "full",
+                   "--save-every", "1", "--resume", "--output", one.output)
+    rank0 = [line for line in (proc.stdout + proc.stderr).splitlines() if "rank0]" in line]
+    assert proc.returncode == 0, "\n".join(rank0)[-3000:]  # rank 0's traceback, not torchrun's summary
+    from transformers import AutoModelForCausalLM
+
+    assert max_diff(reference.model, AutoModelForCausalLM.from_pretrained(one.output)) < 1e-6
+    step5 = checkpoints / "step-5"
+    assert (step5 / "model.safetensors").is_file() and (step5 / "optimizer.bin").is_file()
+    assert not (step5 / sharding.SHARDED_MARKER).exists() and not (step5 / sharding.DCP_DIR).exists()
+
+    shutil.rmtree(checkpoints / "step-6")
+    resumed = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", "sharding": "ddp"}, resume=True,
+                                       **common), show=False)
+    assert resumed.summary.sequences == 22
+    assert max_diff(reference.model, resumed.model) < 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp_full_finetune_on_four_processes_matches_one(tmp_path):
+    # 22 samples, effective batch 4 = micro-batch 1 x accumulation 1 x 4 ranks: the 6th step's 2 samples
+    # go to ranks 0 and 1, ranks 2 and 3 run dummy rows (training.sampler).
+    one, four = _single_and_sharded(tmp_path, "fsdp", {}, ["--grad-accum", "1"], nproc=4)
+    from transformers import AutoModelForCausalLM
+
+    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(four.output)) < 1e-5
+    assert [m["loss"] for m in metrics(four.output)] == pytest.approx(
+        [m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
+
+
+def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
+    # The full checkpoint's optimizer.bin must be what a plain optimizer's state_dict() is, so that an
+    # unsharded run loads it with accelerator.load_state: torch's name-keyed state dict, renumbered.
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from _train_helpers import write_model
+    from memfit.config import TrainConfig
+    from memfit.training.setup import build_optimizer
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(write_model(tmp_path)))
+    optimizer = build_optimizer(model, RunConfig(optimizer="adamw"), TrainConfig(weight_decay=0.1))
+    model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+    optimizer.step()
+    _, by_name = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    by_index = sharding._by_index(by_name)
+    plain = optimizer.state_dict()
+    assert [g["params"] for g in by_index["param_groups"]] == [g["params"] for g in plain["param_groups"]]
+    assert [g["weight_decay"] for g in by_index["param_groups"]] == [0.1, 0.0]
+    for i, state in plain["state"].items():
+        assert all(torch.equal(state[k], by_index["state"][i][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert sharding._by_name(plain, model, optimizer)["param_groups"] == by_name["param_groups"]
+
+
 # ------------------------------------------------------------------------------------------- bad input
 def test_one_process_cannot_shard():
     with pytest.raises(UserError, match="needs 2 or more processes"):
@@ -137,12 +208,15 @@ def test_combinations_no_engine_runs_are_refused(run, message):
 
 
 def test_sharded_checkpoint_is_refused_by_an_unsharded_run(tmp_path):
+    # e.g. a 2-process FSDP run's DCP checkpoint resumed on 1 process (DCP itself reshards between
+    # sharded runs of any size; a full checkpoint, --state-dict full, loads anywhere)
     (tmp_path / sharding.SHARDED_MARKER).write_text("{}")
     load = sharding.state_loader(None, RunConfig(), None, None, None)
-    with pytest.raises(UserError, match="is a sharded"):
+    with pytest.raises(UserError, match=r"is a sharded \(FSDP\) checkpoint, which only a sharded run can resume.*"
+                                        r"--state-dict full"):
         load(str(tmp_path))
-    with pytest.raises(UserError, match="saved by an unsharded run"):
-        sharding.state_loader(None, RunConfig(sharding="fsdp"), None, None, None)(str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="--state-dict must be sharded or full"):
+        sharding.state_saver(None, RunConfig(sharding="fsdp"), None, None, None, "both")
 
 
 def test_an_oom_on_one_of_several_ranks_stops_them_all_in_one_sentence():
@@ -160,3 +234,16 @@ def test_preamble_names_the_per_rank_prediction_and_the_peaks_outside_the_step()
     line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
     assert line.startswith("predicted per-rank peak ") and "zero2 over 2 processes" in line
     assert "evaluation " in line and "full-state save " in line and "host RAM on rank 0" in line
+    ddp = sharding.per_rank_line("tiny", run.replace(sharding="ddp"), estimate("tiny", run.replace(sharding="ddp"),
+                                                                               device="cpu"))
+    assert ddp.startswith("predicted per-rank peak ") and "2 processes, unsharded" in ddp
+
+
+def test_preamble_of_one_process_says_predicted_peak_without_ranks():
+    from memfit.memory.estimate import estimate
+
+    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw")
+    line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
+    assert line.startswith("predicted peak ") and "rank" not in line and "process" not in line
+    assert "evaluation " in line and "full-state save" not in line
+    assert sharding.per_rank_line("tiny", run, None) == "predicted peak: n/a (estimator unavailable for this model)"

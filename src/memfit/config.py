@@ -253,6 +253,10 @@ class TrainConfig:
     """Checkpoint every N optimizer steps (and at the end); None: automatically, ten times per run; 0: never."""
     keep_last: int = 2
     """Checkpoints kept: older ones are removed only after a newer one is complete and verified."""
+    state_dict: str = "sharded"
+    """Sharded runs' checkpoints: ``sharded`` (each rank writes its shards; resumes on any number of ranks
+    of a sharded run) or ``full`` (gathered on rank 0 into an unsharded run's files; resumes on any
+    number of processes, sharded or not). ``training.sharding``."""
     init: str = "pretrained"
     """``random``: train a model folder that holds only a config.json from random initialisation."""
     log_every: int = 5

@@ -77,6 +77,24 @@ class OptimizerRow:
     """The builder passes neither ``foreach`` nor ``fused`` (except under ``cuda_like``): torch picks by device."""
     traffic: Callable[[float], float] = lambda p: 0.0
     """Bytes read + written per trainable parameter by one step (cost model), given ``p``."""
+    rollback: str = "every-step"
+    """When an out-of-memory error inside ``step()`` can leave the step half applied, so that memfit's
+    rollback snapshot (``training/rollback.py``) must copy what it mutates first (``memory/snapshot.py``
+    prices it). torch 2.13, ``torch/optim/adam.py``:
+
+    - ``"every-step"``: the step mutates, then allocates. ``_multi_tensor_adam`` (foreach) adds 1 to every
+      step count, decays every parameter and updates both moments in place, then allocates
+      ``_foreach_sqrt(exp_avg_sqs)`` for the whole group; ``_single_tensor_adam`` (torch's default on CPU)
+      does the same per parameter (``step_t += 1``, ``param.mul_``, ``exp_avg.lerp_``, ``exp_avg_sq.mul_``)
+      and then allocates ``denom = exp_avg_sq.sqrt() / ...``, after every earlier parameter has been
+      updated. Adafactor and bitsandbytes loop over parameters the same way.
+    - ``"first-step"``: ``_fused_adam`` adds 1 to the step counts and runs one in-place kernel per
+      device/dtype group (``torch._fused_adamw_``): nothing is allocated once the state exists. Only the
+      step that creates it can half apply: ``Adam.step`` runs ``_init_group`` (``zeros_like`` moments)
+      group by group, after the earlier param groups have stepped.
+    - ``"never"``: plain SGD (momentum 0, no weight decay: ``param.add_(grad, alpha=-lr)``, nothing
+      allocated and no state). With weight decay ``_single_tensor_sgd`` allocates ``grad.add(param, ...)``
+      per parameter, so the live check (``rollback.snapshot_needed``) keeps the snapshot then."""
     devices: tuple[str, ...] = ("cuda", "cpu")
     """Devices the optimizer's kernels run on."""
     traceable: bool = True
@@ -146,14 +164,15 @@ OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
                                           step_temporary="group", traffic=_adam_traffic(lambda p: p, FOREACH_PASSES),
                                           build=_adamw({"foreach": True})),
     # fused=True updates each tensor in place in one kernel: no temporary.
-    Optimizer.ADAMW_FUSED: OptimizerRow(Optimizer.ADAMW_FUSED, "AdamW moments", moments=2,
+    Optimizer.ADAMW_FUSED: OptimizerRow(Optimizer.ADAMW_FUSED, "AdamW moments", moments=2, rollback="first-step",
                                         traffic=_adam_traffic(lambda p: p, 1.0), build=_adamw({"fused": True})),
     Optimizer.ADAMW_8BIT: OptimizerRow(Optimizer.ADAMW_8BIT, "8-bit AdamW moments", moments=0,
                                        fixed_state_bytes=ADAM8BIT_BYTES_PER_PARAM,
                                        traffic=_adam_traffic(lambda p: 1, 1.0), devices=("cuda",),
                                        traceable=False, build=_adamw_8bit),
     # SGD without momentum: param r/w + grad r.
-    Optimizer.SGD: OptimizerRow(Optimizer.SGD, "no state", moments=0, traffic=lambda p: 3 * p, build=_sgd),
+    Optimizer.SGD: OptimizerRow(Optimizer.SGD, "no state", moments=0, rollback="never", traffic=lambda p: 3 * p,
+                                build=_sgd),
     # Adafactor reads/writes the update once on top of param and grad (factored moments: negligible);
     # its per-tensor update holds two copies of the largest tensor.
     Optimizer.ADAFACTOR: OptimizerRow(Optimizer.ADAFACTOR, "Adafactor factored second moment", moments=0,

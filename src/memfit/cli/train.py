@@ -59,6 +59,9 @@ def _train_options(func):
                      help="Checkpoint every N steps (and at the end); default: ten times per run; 0: never."),
         click.option("--keep-last", type=int, default=_D.keep_last, show_default=True,
                      help="Checkpoints kept (older ones go only once a newer one is complete)."),
+        click.option("--state-dict", type=click.Choice(["sharded", "full"]), default=_D.state_dict,
+                     show_default=True, help="Checkpoints of a sharded run: each rank's shards, or the full state "
+                     "gathered on rank 0 (resumes on any number of processes, --sharding ddp on 1 included)."),
         click.option("--init", type=click.Choice(["pretrained", "random"]), default=_D.init, show_default=True,
                      help="random: train a model folder that holds only config.json from random weights."),
         click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True,

@@ -403,7 +403,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
 
     recipe = derived_recipe(spec, run)
     states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
-    base = states.weights + states.optimizer
+    base = states.weights + states.optimizer + states.buckets  # DDP: the gradients' buckets
     accum = run.grad_accum > 1
     at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len)
 

@@ -77,7 +77,8 @@ class ModelStates:
     gathered_end: int = 0
     """FSDP/ZeRO: what the last unit to finish backward holds at the end of backward (temporary)."""
     buckets: int = 0
-    """DDP: the gradient buckets' flat buffers, resident for the whole run (counted as gradients)."""
+    """DDP: the gradient buckets' flat buffers, resident for the whole run (counted as gradients); the
+    gradients are views into them (``gradients`` is then 0: ``ddp_bucket_bytes``)."""
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
@@ -134,7 +135,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
-    head_grads = _head_grad_bytes(spec, run, prec) if not grads_in_fwd else 0
+    head_grads = _head_grad_bytes(spec, run, prec) if not (grads_in_fwd or states.buckets) else 0
     backward_layer = (base + grads_in_fwd + head_grads + activations + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
     backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
@@ -256,7 +257,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     n = run.num_processes
     gathered, gathered_end, buckets = 0, 0, 0
     if n > 1 and run.sharding is Sharding.DDP:
-        buckets = ddp_bucket_bytes(gradients)
+        buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
+        gathered_end = ddp_embedding_grad_end(spec, run)
     if n > 1 and run.sharding is not Sharding.DDP:
         gathered, gathered_end = fsdp2_gathered(spec, run)
         weights //= n
@@ -277,7 +279,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
                        int(gathered_end), int(buckets))
 
 
-def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig) -> int:
+def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = True) -> int:
     """Host bytes per rank of ``memfit train``'s step-rollback snapshot (``training/rollback.py``).
 
     Before every ``optimizer.step()`` memfit copies what the step mutates (each trainable parameter's
@@ -287,22 +289,40 @@ def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig) -> int:
     this (resident from the first step on). Equals the per-rank gradient bytes (a parameter and its
     gradient share the dtype) plus the optimizer state; offloaded state is counted too (it is copied from
     the host). Measured: bench/sharding_memory.py (+807 MB per rank for smollm2-135m fp32 AdamW, FSDP on 2).
+    ``state=False``: the parameters alone (a step before any state exists). Which runs keep it, and where it
+    adds to a peak: ``memory.snapshot``.
     """
     trainable = spec.trainable_params(run)
     grad_bytes = 4 if run.is_lora() else _weight_bytes(run)
-    total = trainable * grad_bytes + optimizer_state_bytes(spec, run, trainable, grad_bytes)
+    total = trainable * grad_bytes + (optimizer_state_bytes(spec, run, trainable, grad_bytes) if state else 0)
     shards = run.num_processes if run.num_processes > 1 and run.sharding is not Sharding.DDP else 1
     return int(total // shards)
+
+
+def ddp_embedding_grad_end(spec: ModelSpec, run: RunConfig) -> int:
+    """DDP with bucket views at the end of backward: the input embedding's gradient is computed outside
+    its bucket and copied in by DDP's hook, so for a moment it exists beside the bucket. Tied: the head's
+    contribution, the embedding's and their sum, 3 copies (measured: smollm2-135m ddp on 2 CPU ranks,
+    3 x 113 MB of TEMP at the peak, the end of backward; -2.8% without, +1.6% with: the estimate keeps the
+    last activations alive there); untied: the gradient and its accumulated copy, 2 (not measured;
+    tiny's embedding is too small to show). LoRA: a frozen embedding has no gradient."""
+    if run.is_lora():
+        return 0
+    embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
+    return int((3 if spec.tie_word_embeddings else 2) * embed * _weight_bytes(run))
 
 
 def ddp_bucket_bytes(gradients: int) -> int:
     """DDP's gradient buckets: flat buffers the size of all trainable gradients, for the whole run.
 
-    torch's ``Reducer`` allocates each bucket's flat tensor when DDP is built (``initialize_buckets``)
-    and, with ``gradient_as_bucket_view=False`` (``DistributedDataParallelKwargs``' default in Accelerate
-    1.15; memfit passes none), copies every gradient into it to all-reduce and back, so the buffers
-    and ``param.grad`` coexist: a second copy of the gradients on every rank, from the first step to the
-    last. Measured on CPU/gloo (bench/sharding_memory.py): +538 MB per rank for smollm2-135m fp32.
+    torch's ``Reducer`` allocates each bucket's flat tensor when DDP is built (``initialize_buckets``).
+    memfit passes ``gradient_as_bucket_view=True`` (``training.sharding.accelerator_kwargs``), so every
+    ``param.grad`` is a view into its bucket: the gradients live in these buffers (``model_states`` counts
+    them here and 0 as ``gradients``), resident from the first step to the last, in forward too, where
+    one process holds no gradients (grad_accum 1). A gradient autograd has just accumulated is copied
+    into its bucket by DDP's hook and freed at once: one parameter's gradient transient, ignored (so
+    backward's head/embedding gradients add nothing). Without views (torch's default) the buckets were a
+    second copy: +538 MB per rank measured for smollm2-135m fp32 (bench/sharding_memory.py, 2026-11-29).
     """
     return int(gradients)
 
@@ -347,7 +367,14 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
     # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
     in_flight = _layer_params(spec) * grad_bytes if spec.tie_word_embeddings else 0
     gathered_end = last * w + (copies * last - last // run.num_processes) * grad_bytes + in_flight
-    return int(gathered), int(gathered_end)
+    # Late in backward, any layer's: its full parameters and the next layer's all-gathered ahead, its
+    # full-size gradients and the previous layer's reduce-scatter input in flight, while the last 2 layers'
+    # sharded gradients do not exist yet (FSDPMemTracker, tiny preset on 2 ranks, steady state: 4 x 3.15 MB
+    # of UNSHARDED_PARAM, ALL_GATHER, TEMP, REDUCE_SCATTER; the peak there, -8.9% without). Below the tied
+    # tail's end (smollm2-135m) it changes nothing.
+    layer = _layer_params(spec)
+    late_layer = 2 * layer * w + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
+    return int(gathered), int(max(gathered_end, late_layer))
 
 
 def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
@@ -555,7 +582,7 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         # The full states, not their composition at the peak: at a backward peak the grads are partial.
         states = model_states(spec, run)
         shards = max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1)
-        per = (states.weights + states.gradients + states.optimizer) * shards / n
+        per = (states.weights + states.gradients + states.buckets + states.optimizer) * shards / n
         opt = row(run.optimizer)
         state = opt.state_bytes_per_param(4)
         lines.append(f"model states: {per:.1f} bytes/param (weights 4 + grads 4 + {opt.label} {state:g})."

@@ -241,8 +241,9 @@ class StepPeak:
         self.measured_step = 0
 
     @contextlib.contextmanager
-    def watch(self, step: int, model, optimizer, batches: list[dict]) -> Iterator[None]:
-        """Around one training step (``step``: the 1-based number of the step about to run)."""
+    def watch(self, step: int, model, optimizer, batches: list[dict], resident=()) -> Iterator[None]:
+        """Around one training step (``step``: the 1-based number of the step about to run); ``resident``:
+        other tensors alive when it starts (the rollback snapshot's host buffers: on CPU, device memory)."""
         self.calls += 1
         if not self.enabled or self.calls != self.target:
             yield
@@ -255,7 +256,8 @@ class StepPeak:
             yield
             return
         inner = getattr(optimizer, "optimizer", optimizer)
-        for t in (*model.parameters(), *model.buffers(), *(b for batch in batches for b in batch.values())):
+        for t in (*model.parameters(), *model.buffers(), *(b for batch in batches for b in batch.values()),
+                  *resident):
             if isinstance(t, torch.Tensor):
                 live.add(t)
                 if t.grad is not None:

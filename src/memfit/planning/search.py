@@ -136,12 +136,14 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
     return peak_bytes * (1.0 + margin) <= budget_bytes
 
 
-def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN) -> Plan:
-    """Estimate and time one configuration."""
-    from memfit.memory.estimate import estimate
+def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN, *,
+             cpu: bool = False) -> Plan:
+    """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
+    context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``)."""
     from memfit.memory.outside import outside_step
+    from memfit.memory.snapshot import device_estimate
 
-    breakdown = estimate(spec, run)
+    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda")
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
     outside = outside_step(spec, run).device_peak() + breakdown.other
@@ -176,7 +178,7 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
-         safety_margin: float = SAFETY_MARGIN) -> PlanResult:
+         safety_margin: float = SAFETY_MARGIN, cpu: bool = False) -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -189,6 +191,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
             bf16 on devices without bf16).
         constraints: settings the user pinned.
         safety_margin: fits iff ``peak * (1 + safety_margin) <= budget``.
+        cpu: the budget is a CPU's memory (``memfit train --budget`` without CUDA; see ``evaluate``).
 
     Raises:
         NothingFitsError: one sentence with the smallest peak reached, its settings and the smallest
@@ -202,14 +205,14 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     # instead of every candidate being skipped for it.
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
     attention(spec, runs[0].attn_implementation)
-    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin))
+    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu))
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
     return result
 
 
-def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float) -> list[Plan]:
+def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float, cpu: bool = False) -> list[Plan]:
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error."""
     from memfit.training.sharding import refusal
@@ -225,7 +228,7 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         if run != plain and plain in plain_plans and not _technique_can_help(plain_plans[plain], run, budget, margin):
             continue
         try:
-            plans.append(evaluate(spec, run, gpu, budget, margin))
+            plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu))
         except UserError as err:
             refused.append(err)
             continue

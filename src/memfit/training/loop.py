@@ -83,7 +83,8 @@ def run_step(s: TrainSession) -> StepResult:
         rng = RngState.capture()
         micro = [next(s.batches) for _ in range(s.run.grad_accum)]
         try:
-            with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro):  # CPU: live tensor bytes
+            with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro,  # CPU: live tensor bytes
+                                     resident=s.snapshot.buffers()):
                 return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
                                   uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
                                   loss=s.run.loss, in_backward=s.in_backward,

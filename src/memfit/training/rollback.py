@@ -25,6 +25,12 @@ costs the transfer time on the device timeline, about 12 B x trainable params / 
 goes to the host rather than the device because an OOM in the optimizer step means device memory
 is already the scarce resource. If the host cannot hold the snapshot, the step runs without one
 and an OOM inside it stops the run (one sentence) instead of redoing it wrongly.
+
+**Only where a step can half apply** (``snapshot_needed``, from the optimizer table's ``rollback``,
+justified there against torch's code): fused AdamW steps in place once its state exists, and plain
+SGD never allocates inside its step, so they are copied only on the step that creates the state
+(fused AdamW's first) or never, and the buffers are released: no host memory for the rest of the run.
+``memory/snapshot.py`` prices the same rule.
 """
 
 from __future__ import annotations
@@ -78,10 +84,15 @@ class OptimizerSnapshot:
             raise
 
     def take(self, optimizer) -> None:
-        """Copy the parameters that have gradients (the ones the step updates) and their state."""
+        """Copy the parameters that have gradients (the ones the step updates) and their state; nothing
+        (and the buffers released) when this step cannot half apply (``snapshot_needed``)."""
         opt = inner_optimizer(optimizer)
         self._saved.clear()
         self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        if not snapshot_needed(opt):
+            self._buffers.clear()
+            self.available = True  # an OOM cannot leave this step half applied: redoing it is exact
+            return
         try:
             for index, p in enumerate(q for g in opt.param_groups for q in g["params"]):
                 if p.grad is None:
@@ -145,6 +156,35 @@ class OptimizerSnapshot:
                 target.copy_(value)  # in place: no new device memory while memory is tight
             return current
         return value.to(device=device, dtype=dtype, copy=True)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers held between steps (what the snapshot costs in memory)."""
+        return list(self._buffers.values())
+
+
+def rollback_kind(opt) -> str:
+    """The optimizer table's ``rollback`` for the live torch optimizer ``opt``: fused AdamW's row when every
+    group is fused (``oom.use_fused_adamw`` may switch a run to it), SGD's when no group has momentum or
+    weight decay (then nothing is allocated inside its step); ``"every-step"`` for anything else."""
+    from memfit.config import Optimizer
+    from memfit.optimizers import row
+
+    groups = opt.param_groups
+    if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and groups and all(g.get("fused") for g in groups):
+        return row(Optimizer.ADAMW_FUSED).rollback
+    if type(opt) is torch.optim.SGD and all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in groups):
+        return row(Optimizer.SGD).rollback
+    return "every-step"
+
+
+def snapshot_needed(opt) -> bool:
+    """Whether an out-of-memory error inside ``opt.step()``, about to run, could leave it half applied."""
+    kind = rollback_kind(opt)
+    if kind == "never":
+        return False
+    if kind == "first-step":  # a parameter the step updates has no state yet: the step creates it
+        return any(p.grad is not None and not opt.state.get(p) for g in opt.param_groups for p in g["params"])
+    return True
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         predicted=predicted, bar=bar, source=source, guard=guard,
                         tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step),
                         in_backward=optimizer if run.optimizer_in_backward else None,
-                        save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler),
+                        save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
+                                                        config.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
 
 
@@ -264,12 +265,14 @@ def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:
 def predict(model_name: str, run: RunConfig, device: str = "cuda"):
     """The estimator's predicted peak for this run on ``device`` (None when unavailable or failing).
 
-    On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms.
+    On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms, and the
+    rollback snapshot and offloaded state count (``memory.snapshot``: the host is the device).
     """
     try:
-        from memfit.memory.estimate import estimate
+        from memfit.memory.snapshot import device_estimate
+        from memfit.modelspec import load_spec
 
-        return estimate(model_name, run, device="cpu" if device == "cpu" else "cuda")
+        return device_estimate(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
     except ImportError:
         return None
     except Exception:  # noqa: BLE001 - a prediction must never stop a training run

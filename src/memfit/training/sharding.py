@@ -131,11 +131,24 @@ def fsdp2_plugin(run: RunConfig, *, cuda: bool):
 
 
 def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
-    """``Accelerator(**kwargs)`` for a sharded run on GPU: Accelerate's FSDP2 plugin. Nothing on CPU
-    (where Accelerate would fall back to DDP; see the module docstring)."""
-    if not (cuda and is_sharded(run)):
-        return {}
-    return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)}
+    """``Accelerator(**kwargs)``: for a sharded run on GPU, Accelerate's FSDP2 plugin (nothing on CPU,
+    where Accelerate would fall back to DDP; see the module docstring); for an unsharded run, DDP with
+    ``gradient_as_bucket_view=True``.
+
+    Why bucket views: torch's DDP ``Reducer`` allocates flat bucket buffers the size of all trainable
+    gradients when DDP is built and, with ``gradient_as_bucket_view=False`` (the default of torch and of
+    Accelerate's ``DistributedDataParallelKwargs``), copies every gradient into its bucket to all-reduce
+    it and back, so the buckets and ``param.grad`` are two copies of the gradients. With views each
+    ``param.grad`` is a view into its bucket (the gradient autograd accumulated is copied in once and
+    freed), one copy in all (``memory.estimate.ddp_bucket_bytes``). Accelerate passes the kwargs to
+    ``DistributedDataParallel`` in ``prepare_model`` (only on 2+ processes; ignored otherwise). The sum is
+    the same, so the weights are too (tests/test_train_dp.py: 2 processes within 1e-6 of 1).
+    """
+    if is_sharded(run):
+        return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)} if cuda else {}
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return {"kwargs_handlers": [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]}
 
 
 def shards_itself(accelerator, run: RunConfig) -> bool:
@@ -217,11 +230,17 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # unwrap Accelerate's AcceleratedOptimizer
 
 
-def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler) -> Callable[[str], None] | None:
+def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler,
+                state_dict: str = "sharded") -> Callable[[str], None] | None:
     """What writes a checkpoint's training state into a folder: ``None`` (Accelerate's ``save_state``)
-    for unsharded runs, DCP for sharded ones."""
+    for unsharded runs; for sharded ones DCP (``state_dict="sharded"``) or the full state gathered on
+    rank 0 into the files an unsharded run writes (``"full"``)."""
+    if state_dict not in ("sharded", "full"):
+        raise UserError(f"--state-dict must be sharded or full, not {state_dict!r}.")
     if not is_sharded(run):
         return None
+    if state_dict == "full":
+        return lambda folder: _save_full(folder, accelerator, model, optimizer, scheduler)
 
     def save(folder: str) -> None:
         import json
@@ -238,19 +257,98 @@ def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler) -> Cal
     return save
 
 
+class _Given:
+    """Hands a ready state dict to Accelerate's ``save_accelerator_state`` (which calls ``.state_dict()``)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def _save_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
+    """A sharded run's full checkpoint: the files ``accelerator.save_state`` writes for one process.
+
+    ``get_state_dict(full_state_dict=True, cpu_offload=True)`` (a collective) gathers model and optimizer
+    state to rank 0's CPU; rank 0 writes them with Accelerate's ``save_accelerator_state``
+    (``model.safetensors``, ``optimizer.bin`` in torch's own numbering, ``scheduler.bin``), every rank its
+    RNG file. An unsharded run resumes it with ``accelerator.load_state``; a sharded one with
+    ``_load_full`` (any number of ranks).
+    """
+    from collections import OrderedDict
+
+    from accelerate.checkpointing import save_accelerator_state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, _inner(optimizer), options=options)
+    main = accelerator.is_main_process
+    Path(folder).mkdir(parents=True, exist_ok=True)  # save_state makes it; save_accelerator_state does not
+    # OrderedDict: Accelerate's save then drops a tied weight's second name, as safetensors requires
+    save_accelerator_state(folder, [OrderedDict(model_sd)] if main else [],
+                           [_Given(_by_index(optim_sd))] if main else [],
+                           [scheduler], [], accelerator.process_index, accelerator.step)
+
+
+def _by_index(optim_sd: dict) -> dict:
+    """torch.distributed's optimizer state dict (keyed by parameter name) in ``Optimizer.state_dict()``'s
+    numbering: parameters counted from 0 across the param groups, in group order (what a plain
+    optimizer built by ``training.setup.build_optimizer`` over the same model has)."""
+    order = [name for group in optim_sd["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    return {"state": {index[name]: value for name, value in optim_sd["state"].items()},
+            "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                             for group in optim_sd["param_groups"]]}
+
+
+def _by_name(optim_sd: dict, model, optimizer) -> dict:
+    """``Optimizer.state_dict()``'s numbering back to parameter names, for ``set_state_dict``: number
+    ``i`` is the ``i``-th parameter of ``optimizer``'s groups (the same build order on every run)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[int(i)]: value for i, value in optim_sd["state"].items()},
+            "param_groups": [{**group, "params": [order[int(i)] for i in group["params"]]}
+                             for group in optim_sd["param_groups"]]}
+
+
+def _load_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
+    """A full checkpoint (an unsharded run's, or a sharded run's ``--state-dict full``) into a sharded run
+    on any number of ranks: every rank reads the full files and ``set_state_dict(full_state_dict=True)``
+    keeps its own shard of each tensor; then the scheduler and this rank's RNG (a rank the saving run
+    did not have keeps its own: Accelerate skips a missing RNG file)."""
+    import torch
+    from accelerate.checkpointing import load_accelerator_state
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    opt = _inner(optimizer)
+    model_sd = load_file(str(Path(folder) / "model.safetensors"))
+    optim_sd = torch.load(Path(folder) / "optimizer.bin", map_location="cpu", weights_only=True)
+    # a tied output head was saved under the input embedding's name only (safetensors keeps one name per
+    # storage), so a tied model loads it non-strictly (untested: the tests' models are untied)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=_by_name(optim_sd, model, opt),
+                   options=StateDictOptions(full_state_dict=True, strict=not tied))
+    load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
+
+
 def state_loader(accelerator, run: RunConfig, model, optimizer, scheduler) -> Callable[[str], None]:
-    """What restores a checkpoint folder into the prepared objects; refuses a sharded checkpoint for an
-    unsharded run and the other way round, in one sentence."""
+    """What restores a checkpoint folder into the prepared objects. A full checkpoint (no DCP shards)
+    loads into any run; a sharded one only into a sharded run (DCP reshards it onto any number of
+    ranks); an unsharded run given a sharded checkpoint is refused in one sentence."""
 
     def load(folder: str) -> None:
         saved_sharded = (Path(folder) / SHARDED_MARKER).is_file()
         if saved_sharded and not is_sharded(run):
-            raise UserError(f"{folder} is a sharded (FSDP) checkpoint; resume it with --sharding fsdp/zero2/zero3 "
-                            "on 2 or more processes.")
-        if is_sharded(run) and not saved_sharded:
-            raise UserError(f"{folder} was saved by an unsharded run; resume it with --sharding ddp.")
+            raise UserError(f"{folder} is a sharded (FSDP) checkpoint, which only a sharded run can resume: resume "
+                            "it with --sharding fsdp/zero2/zero3 on 2 or more processes (save with --state-dict "
+                            "full to resume on any number of processes).")
         if not is_sharded(run):
             accelerator.load_state(folder)
+            return
+        if not saved_sharded:
+            _load_full(folder, accelerator, model, optimizer, scheduler)
             return
         import torch.distributed.checkpoint as dcp
         from accelerate.checkpointing import load_accelerator_state
@@ -280,21 +378,28 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
 
 
 def per_rank_line(model_name: str, run: RunConfig, predicted) -> str:
-    """The preamble's prediction, per rank: the step's peak and the peaks outside it."""
+    """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
+    is more than one (several processes, or a sharded run); one process says "predicted peak"."""
     from memfit.memory.outside import outside_step
     from memfit.modelspec import load_spec
     from memfit.units import fmt_bytes
 
+    several = run.num_processes > 1 or is_sharded(run)
+    label = "predicted per-rank peak" if several else "predicted peak"
     if predicted is None:
-        return "predicted per-rank peak: n/a (estimator unavailable for this model)"
-    how = (f"{run.sharding} over {run.num_processes} processes" if is_sharded(run)
-           else f"{run.num_processes} process(es), unsharded")
-    line = f"predicted per-rank peak {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}; {how})"
+        return f"{label}: n/a (estimator unavailable for this model)"
+    line = f"{label} {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}"
+    if several:
+        line += f"; {run.sharding} over {run.num_processes} processes" if is_sharded(run) else \
+            f"; {run.num_processes} processes, unsharded"
+    line += ")"
     try:
         outside = outside_step(load_spec(model_name), run)
     except Exception:  # noqa: BLE001 - a prediction must never stop a training run
         return line
-    line += f"; evaluation {fmt_bytes(outside.evaluation)}, full-state save {fmt_bytes(outside.save_device)}"
+    line += f"; evaluation {fmt_bytes(outside.evaluation)}"
+    if several:
+        line += f", full-state save {fmt_bytes(outside.save_device)}"
     if outside.save_host:
         line += f" (+ {fmt_bytes(outside.save_host)} host RAM on rank 0)"
     return line

@@ -1,0 +1,77 @@
+"""What a device holds when the host is the device (CPU), and where ``memfit train``'s rollback
+snapshot adds to the predicted peak: the one place estimate's callers (``memfit train``'s prediction
+line, the planner for a CPU budget (``plan(..., cpu=True)``), the sharding benches) ask (``device_estimate``).
+
+On CPU ``--offload params`` moves nothing (FSDP2's ``CPUOffloadPolicy`` keeps the sharded state on the
+CPU, which is where it already is): the device holds what the run without offload holds (measured:
+bench/sharding_memory.py, smollm2-135m fsdp on 2 and 4 ranks, the same bytes with and without).
+
+Before ``optimizer.step()`` memfit copies what the step mutates into host buffers, so a step that runs
+out of memory half way can be undone (``training/rollback.py``). On a GPU that is host RAM, outside the
+device's budget; on CPU the host is the device, so the copy counts. How much and when follows the
+optimizer table's ``rollback`` (``memfit.optimizers.OptimizerRow.rollback``: when an OOM can leave the
+step half applied):
+
+- ``every-step`` (torch's foreach and single-tensor AdamW, Adafactor, 8-bit AdamW): the copy of the
+  trainable parameters and their state (``estimate.rollback_snapshot_bytes``) is taken every step into
+  buffers kept for the run: it adds to every phase of the steady-state step.
+- ``first-step`` (fused AdamW): only the first step needs it (a later param group's state is created
+  after an earlier group stepped); no state exists yet, so the copy is the parameters alone, alive
+  during that step's optimizer phase and freed after it: ``max(peak, optimizer phase + parameters)``.
+- ``never`` (SGD without momentum or weight decay) and ``--optimizer-in-backward`` (no gradients left
+  at ``step()``: nothing is copied): no snapshot.
+
+Known error: the ``first-step`` case takes the steady-state optimizer phase (all state allocated) for the
+first step's, which is exact for fused AdamW (its state is allocated inside that step, before the peak)
+and reports the rise under ``optimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memfit.config import Offload, RunConfig
+from memfit.units import fmt_bytes
+
+
+def device_estimate(spec, run: RunConfig, device: str):
+    """``estimate(spec, run, device=device)`` as the device holds it: on CPU, offloaded state stays in
+    the same memory (the run without offload is estimated) and the rollback snapshot counts."""
+    from memfit.memory.estimate import estimate
+
+    held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
+        Offload.PARAMS, Offload.OPTIMIZER) else run
+    return with_rollback_snapshot(spec, run, estimate(spec, held, device=device), device)
+
+
+def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str):
+    """``breakdown`` (from ``estimate(spec, run, device=device)``) with the snapshot's bytes where they
+    live on ``device`` (CPU only), added to the ``optimizer`` category and the phase peaks, with a note;
+    ``breakdown`` itself when nothing is added."""
+    from memfit.memory.estimate import rollback_snapshot_bytes
+    from memfit.optimizers import row
+
+    if breakdown is None or device != "cpu" or run.optimizer_in_backward:
+        return breakdown
+    kind = row(run.optimizer).rollback
+    if kind == "never":
+        return breakdown
+    phases = dict(breakdown.phase_peaks)
+    if kind == "every-step":
+        copy = rollback_snapshot_bytes(spec, run)
+        rise = copy
+        phases = {k: v + copy for k, v in phases.items()}
+        note = f"optimizer: + {fmt_bytes(copy)} rollback snapshot (a host copy of the trainable parameters and " \
+               "their state, to undo a step that runs out of memory; on CPU the host is the device)."
+    else:
+        copy = rollback_snapshot_bytes(spec, run, state=False)
+        first = phases.get("optimizer", 0) + copy
+        rise = max(first - breakdown.peak_bytes, 0)
+        phases["optimizer"] = max(phases.get("optimizer", 0), first)
+        note = f"optimizer: the first step's rollback snapshot ({fmt_bytes(copy)}, the trainable parameters) " \
+               "is alive during its optimizer step only (fused AdamW steps in place afterwards)."
+    out = dataclasses.replace(breakdown, optimizer=breakdown.optimizer + rise, phase_peaks=phases,
+                              notes=[*breakdown.notes, note])
+    if phases:
+        out.phase = max(phases, key=lambda k: phases[k]) if rise else breakdown.phase
+    return out
