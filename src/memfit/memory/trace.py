@@ -64,8 +64,9 @@ class Timeline:
     other: int = 0
     title: str = ""
     layer_marks: list[tuple[int, str, int]] = field(default_factory=list)
-    """``(layer index, "pre"|"post", number of samples so far)`` at each decoder layer's forward hooks
-    (recompute under checkpointing too); ``memory/derive.py`` reads one layer's bytes off them."""
+    """``(layer index, "pre"|"post"|"grad", number of samples so far)``: "pre"/"post" at each decoder
+    layer's forward hooks (not at a checkpoint's recompute), "grad" when backward reaches the layer's
+    output (the start of that layer's backward); ``memory/derive.py`` reads one layer's bytes off them."""
 
     def totals(self) -> list[int]:
         return [sum(s.values()) + self.other for s in self.samples]
@@ -325,7 +326,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             }
 
         def mark(self, layer: int, when: str) -> None:
-            if self.recording and self.phase == "forward":
+            if self.recording and self.phase == ("backward" if when == "grad" else "forward"):
                 self.timeline.layer_marks.append((layer, when, len(self.timeline.samples)))
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -465,9 +466,20 @@ def _decoder_layers(model) -> list:
 
 
 def _mark_layers(model, recorder) -> None:
+    """Mark each decoder layer's forward (module hooks) and the start of its backward: a hook on the
+    gradient of its output, which allocates nothing (it returns None) and fires once that gradient is
+    complete, after the layers above finished their backward."""
+    import torch
+
+    def after_forward(i: int, output) -> None:
+        recorder.mark(i, "post")
+        first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+        if recorder.recording and first is not None and first.requires_grad:
+            first.register_hook(lambda _grad, i=i: recorder.mark(i, "grad"))
+
     for i, layer in enumerate(_decoder_layers(model)):
         layer.register_forward_pre_hook(lambda *_args, i=i: recorder.mark(i, "pre"))
-        layer.register_forward_hook(lambda *_args, i=i: recorder.mark(i, "post"))
+        layer.register_forward_hook(lambda _module, _args, output, i=i: after_forward(i, output))
 
 
 def _state(tracker, name: str):
