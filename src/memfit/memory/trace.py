@@ -4,8 +4,12 @@
 storage sizes, no data: a 7 B model costs no RAM), applies what ``memfit train`` would apply (dtype,
 LoRA via PEFT, gradient checkpointing, the optimizer with the ``foreach``/``fused`` choice torch makes
 on CUDA), and runs two full steps (forward under Accelerate's autocast wrapper, the transformers loss,
-backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``) inside torch's ``MemTracker``. The
-second step is the steady state (optimizer state exists) and is the one reported.
+backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``). The second step is the steady state
+(optimizer state exists) and is the one reported, run inside torch's ``MemTracker``; the first only
+creates the optimizer state and runs outside it (half a trace's time), its state then handed to the
+tracker (with ``optimizer_in_backward``, whose per-parameter optimizers step in MemTracker's hooks, both
+steps run inside). Nothing else of the first step outlives it in a real run; an untracked first step
+also drops what the tracker used to keep alive from it under LoRA + checkpointing.
 
 This is the only module of memfit that imports torch's private APIs (``FakeTensorMode``,
 ``torch.distributed._tools.mem_tracker``); ``_private_api()`` turns their absence into a ``UserError``.
@@ -638,8 +642,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     _mark_layers(net, recorder)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
+    untracked_warm_up = steps > 1 and not run.optimizer_in_backward
+    if untracked_warm_up:
+        # The first step only creates the optimizer state the second one holds: run it without the
+        # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
+        with _attention_path(run), fake_mode:
+            _one_step(traced, micro_batches)
+        tracker.track_external(optimizer)
     with _attention_path(run), fake_mode, tracker, recorder:
-        if steps > 1:
+        if steps > 1 and not untracked_warm_up:
             with warnings.catch_warnings():
                 # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
                 # first forward), which then read a freed .grad and warn; re-installed below, they run after.
