@@ -138,7 +138,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth).
     below = 0
-    if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS:
+    # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
+    if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS and not run.optimizer_in_backward:
         below = _layers_below_top(spec, run, states, acts)
         freed = masks_freed_above_first_layer(spec, run, prec)
         below -= freed
