@@ -27,8 +27,10 @@ from memfit.errors import UserError
 from memfit.memory.activations import (
     ATTN_IN,
     Precisions,
+    head_side_activations,
     layer_activations,
     logits_terms,
+    masks_freed_above_first_layer,
     outside_layer_activations,
 )
 from memfit.memory.breakdown import MemoryBreakdown
@@ -133,8 +135,22 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
     head_grads = _head_grad_bytes(spec, run, prec) if not grads_in_fwd else 0
-    backward_layer = (base + grads_in_fwd + head_grads + activations + copies[1] + logit.retained
+    # the head's and the loss' saved tensors are freed before the first layer's backward
+    head_side = 0 if run.offload is Offload.ACTIVATIONS else head_side_activations(spec, run, prec, device)
+    backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
+    # the first layer's backward: the layers above hold their weight gradients instead of their saved
+    # tensors (a middle layer's moment lies between the two, linear in its depth).
+    below = 0
+    # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
+    if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS and not run.optimizer_in_backward:
+        below = _layers_below_top(spec, run, states, acts)
+        freed = masks_freed_above_first_layer(spec, run, prec)
+        below -= freed
+    if below > 0:
+        backward_layer += below
+        head_grads += below + freed + (spec.num_layers - 1) * acts.saved  # shown as gradients
+        head_side += freed + (spec.num_layers - 1) * acts.saved  # shown as freed activations
     backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
     step_one = 0
@@ -161,7 +177,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                  key=lambda m: m[0])[1]  # ties: the earlier moment, as before
     end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
     out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
-                        (head_grads, end_temporary), moment)
+                        (head_grads, end_temporary), moment, head_side)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
     if device == "cuda":
@@ -179,11 +195,13 @@ def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
     return out
 
 
-def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment) -> MemoryBreakdown:
+def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment,
+                  head_side=0) -> MemoryBreakdown:
     """Assign the bytes of the peak phase to categories (``saved``: all activations and those outside the
     layers; ``copies``: autocast weight copies in forward, and those saved for backward; ``moment``: which
     of backward's ``start``/``layer``/``end`` is its peak; ``grads_and_end``: the weight gradients one layer
-    into backward and the temporaries at backward's end)."""
+    into backward and the temporaries at backward's end; ``head_side``: activations freed before the first
+    layer's backward)."""
     activations, outside = saved
     head_grads, end_temporary = grads_and_end
     out = MemoryBreakdown(method="analytic", phase=phase, params=spec.params,
@@ -209,7 +227,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.temporary = copies[1] + states.gathered
     elif phase == "backward":
         out.gradients = grads_in_fwd + head_grads
-        out.activations = activations
+        out.activations = activations - head_side
         out.logits = logit.retained
         out.temporary = copies[1] + acts.backward_transient + states.gathered
     else:
@@ -472,12 +490,27 @@ def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, de
     return int(largest + copies * largest)
 
 
+def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts) -> int:
+    """How many more bytes the first layer's backward holds than the top layer's: N - 1 layers' weight
+    gradients (trainable parameters outside the embedding and an untied head, shared by N layers, at the
+    gradients' bytes per parameter) less their saved tensors; negative when saved tensors outweigh
+    gradients (without checkpointing). Ignores: norms outside the layers (H parameters)."""
+    trainable = spec.trainable_params(run)
+    if trainable == 0 or spec.num_layers < 2:
+        return 0
+    outside = 0 if run.is_lora() else spec.vocab_size * spec.hidden_size + spec.lm_head_params
+    per_layer = max(0, trainable - outside) / spec.num_layers * states.gradients / trainable
+    return int((spec.num_layers - 1) * (per_layer - acts.saved))
+
+
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
     """Weight gradients that exist one layer into backward (full fine-tune): the output head's (produced
-    first) and the last layer's down projection's (the first weight gradient of a layer's backward)."""
+    first; a head tied to the embedding gets its gradient only with the embedding's, at the end of
+    backward, as autograd sums both uses first) and the last layer's down projection's (the first weight
+    gradient of a layer's backward)."""
     if run.is_lora():
         return 0
-    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    head = 0 if spec.tie_word_embeddings else spec.lm_head_params or spec.vocab_size * spec.hidden_size
     down = spec.intermediate_size * spec.hidden_size
     return (head + down) * prec.w
 
