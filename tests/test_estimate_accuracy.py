@@ -58,6 +58,7 @@ GRID = [
     _case("olmo2", 256, 4, AMP),
     _case("stablelm", 512, 2, PURE, LORA),
     _case("granite", 256, 4, FP32, GC),
+    _case("qwen3", 256, 4, FP32),
 ]
 
 _SLOW = pytest.mark.slow
@@ -75,7 +76,7 @@ SLOW_GRID = [
 # Not in either grid: LoRA + checkpointing together (docs/estimate.md: the trace's old first-step leftovers
 # are gone since its first step runs untracked; not re-run against the bound yet).
 
-DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite"}
+DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite", "qwen3"}
 
 _SPECS: dict[str, tuple] = {}
 

@@ -200,7 +200,7 @@ def check_attention_available(attn: str) -> None:
     """``flash_attention_2`` needs the flash-attn package (and CUDA); say so before transformers does."""
     if str(attn) == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("--attn-implementation flash_attention_2 needs the flash-attn package, which is not "
-                        "installed; use --attn-implementation sdpa (the default).")
+                        "installed; use --attn-implementation auto (the default: transformers chooses) or sdpa.")
 
 
 def check_writable_target(path: Path, *, flag_name: str, is_dir: bool) -> None:
