@@ -117,7 +117,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
-    copies = (autocast_weight_copies(spec, run, prec), autocast_copies_saved(spec, run, prec))
+    saved_copies = autocast_copies_saved(spec, run, prec)
+    # in forward; saved for backward; alive one layer into backward (fewer at the first layer's moment)
+    copies = (autocast_weight_copies(spec, run, prec), saved_copies, saved_copies)
 
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
@@ -146,11 +148,14 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS and not run.optimizer_in_backward:
         below = _layers_below_top(spec, run, states, acts)
         freed = masks_freed_above_first_layer(spec, run, prec)
-        below -= freed
+        # AMP: the layers above also freed the half weight copies their linears saved for backward
+        copies_freed = (spec.num_layers - 1) * autocast_copies_saved_per_layer(spec, run, prec)
+        below -= freed + copies_freed
     if below > 0:
         backward_layer += below
-        head_grads += below + freed + (spec.num_layers - 1) * acts.saved  # shown as gradients
+        head_grads += below + freed + copies_freed + (spec.num_layers - 1) * acts.saved  # shown as gradients
         head_side += freed + (spec.num_layers - 1) * acts.saved  # shown as freed activations
+        copies = (copies[0], copies[1], copies[1] - copies_freed)  # shown as freed temporaries
     backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
     step_one = 0
@@ -198,7 +203,8 @@ def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
 def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment,
                   head_side=0) -> MemoryBreakdown:
     """Assign the bytes of the peak phase to categories (``saved``: all activations and those outside the
-    layers; ``copies``: autocast weight copies in forward, and those saved for backward; ``moment``: which
+    layers; ``copies``: autocast weight copies in forward, those saved for backward and those alive one
+    layer into backward; ``moment``: which
     of backward's ``start``/``layer``/``end`` is its peak; ``grads_and_end``: the weight gradients one layer
     into backward and the temporaries at backward's end; ``head_side``: activations freed before the first
     layer's backward)."""
@@ -229,7 +235,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.gradients = grads_in_fwd + head_grads
         out.activations = activations - head_side
         out.logits = logit.retained
-        out.temporary = copies[1] + acts.backward_transient + states.gathered
+        out.temporary = copies[2] + acts.backward_transient + states.gathered
     else:
         in_bw = run.optimizer_in_backward  # stepped in backward: no gradients, no temporaries left
         out.gradients = states.buckets + (0 if in_bw else states.gradients)
@@ -556,6 +562,17 @@ def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> 
         layers -= first
         layers += spec.lora_params(run)
     return int((layers + head) * prec.c)
+
+
+def autocast_copies_saved_per_layer(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+    """Of ``autocast_copies_saved``, those one decoder layer above the first holds (its projections' and
+    adapters' half weight copies: ``linear`` saves its cast weight), freed when that layer's backward is
+    done. 0 with checkpointing (a layer saves only its input; its recompute's copies are its backward's
+    transient) and without autocast."""
+    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE or run.grad_checkpointing:
+        return 0
+    layers = spec.linear_params + (spec.lora_params(run) if run.is_lora() else 0)
+    return int(layers * prec.c / max(spec.num_layers, 1))
 
 
 def cuda_other(allocated_peak: int) -> int:
