@@ -27,6 +27,7 @@ REGIMES = {
     "pure-bf16": {"mixed_precision": "no", "dtype": "bf16"},
     "lora": {"mixed_precision": "no", "dtype": "bf16", "lora_r": 16},
     "amp-ckpt": {"mixed_precision": "bf16", "dtype": "fp32", "grad_checkpointing": True},
+    "fp32-ckpt": {"mixed_precision": "no", "dtype": "fp32", "grad_checkpointing": True},
 }
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "temporary")
 

@@ -18,7 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 80
 CHECKED = ("estimate", "plan", "presets")
 _UNCHECKED_FLAGS = ("--exact", "--plot", "--output", "-o", "--timeline", "--gpu auto")
-_VARYING = [(re.compile(r"searched in \d+ ms"), "searched in N ms")]
+_VARYING = [
+    # the line wraps after "step:" or not depending on how many digits the search time has
+    (re.compile(r"searched in \d+ ms; tokens per optimizer step:\s+"), "searched in N ms; tokens per optimizer step: "),
+    (re.compile(r"searched in \d+ ms"), "searched in N ms"),
+]
 
 
 def doc_files() -> list[Path]:

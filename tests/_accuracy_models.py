@@ -58,3 +58,24 @@ def accuracy_config(family: str):
 
 FAMILIES = ("llama-mha", "llama-gqa", "mistral", "qwen2", "phi3", "gemma2", "gpt2", "gpt_neox", "olmo2",
             "stablelm", "granite", "qwen3")
+
+
+def wide_config(family: str):
+    """A wide (hidden 512), 4-layer config of a family: at a short sequence each layer's weight gradients
+    outweigh the tensors it saves, so the first layer's backward (all layers above it holding their
+    gradients) sets the backward peak, as in llama-2-7b at 2,048 tokens; fake tensors cost the same at any
+    width. Used by the AMP cases of tests/test_estimate_accuracy.py."""
+    import transformers as tf
+
+    common = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_hidden_layers=4,
+                  max_position_embeddings=1024)
+    if family == "llama":
+        return tf.LlamaConfig(vocab_size=1031, num_key_value_heads=8, tie_word_embeddings=False, **common)
+    if family == "qwen2":  # tied: the head's gradient only comes with the embedding's
+        return tf.Qwen2Config(vocab_size=1049, num_key_value_heads=4, tie_word_embeddings=True, **common)
+    if family == "olmo2":  # derived
+        return tf.Olmo2Config(vocab_size=1087, num_key_value_heads=4, pad_token_id=0, **common)
+    if family == "gpt_neox":  # derived, parallel residual
+        return tf.GPTNeoXConfig(vocab_size=1069, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                num_hidden_layers=4, max_position_embeddings=1024)
+    raise ValueError(family)

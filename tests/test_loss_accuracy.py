@@ -23,6 +23,8 @@ IN_BW = {"optimizer_in_backward": True}
 #: activation alive plus the layer's recompute/gradients. Once chunked CE removes the logits (which used to
 #: set the backward peak), that term is the backward peak and is 3.2-5.2% high (the layer frees its saved
 #: tensors as its backward runs). Strict xfail: the test starts passing (and must be un-marked) when fixed.
+#: Since the head's and the loss' saved tensors are freed before the layers' backward (estimate.py), the
+#: Llama and Qwen2 cases pass; GPT-2 with checkpointing and optimizer-in-backward + checkpointing remain.
 LAYER_BACKWARD_GAP = pytest.mark.xfail(strict=True, reason="one-layer backward transient is an upper bound")
 
 
@@ -35,10 +37,10 @@ def _case(family, seq, batch, *parts, marks=()):
 
 
 GRID = [
-    _case("llama", 256, 4, CHUNKED, marks=LAYER_BACKWARD_GAP),  # backward +4.8%
+    _case("llama", 256, 4, CHUNKED),  # backward +4.8% until the head's saved tensors were freed before layers
     _case("llama", 256, 4, CHUNKED, {"mixed_precision": "bf16"}),
     _case("llama", 128, 2, CHUNKED, {"dtype": "bf16"}),
-    _case("qwen2", 128, 4, CHUNKED, {"lora_r": 8}, marks=LAYER_BACKWARD_GAP),  # tied, frozen head; bwd +4.9%
+    _case("qwen2", 128, 4, CHUNKED, {"lora_r": 8}),  # tied, frozen head (was +4.9% backward, as above)
     _case("gemma2", 128, 2, CHUNKED, {"mixed_precision": "bf16"}),  # final-logit soft-capping per chunk
     _case("gpt2", 128, 2, CHUNKED, {"grad_checkpointing": True}, marks=LAYER_BACKWARD_GAP),  # backward -3.2%
     _case("llama", 128, 4, IN_BW),

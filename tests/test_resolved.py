@@ -150,7 +150,8 @@ def test_flash_attention_without_its_package_is_one_sentence(tiny):
         pytest.skip("flash-attn is installed here")
     except ImportError:
         pass
-    with pytest.raises(UserError, match="cannot run --attn-implementation flash_attention_2"):
+    # the same sentence as memfit train's preflight (validate.check_attention_available): said in one place
+    with pytest.raises(UserError, match="flash_attention_2 needs the flash-attn package, which is not installed"):
         attention(tiny, "flash_attention_2")
 
 

@@ -78,6 +78,18 @@ def test_second_step_is_traced(full_fp32):
     assert out.activations_per_layer > 0
 
 
+def test_layer_marks_bracket_each_layers_backward(full_fp32):
+    """The "grad" marks (where backward reaches a layer's output) come top layer first, in backward, and
+    between the top layer's and the first layer's lie exactly the top layer's weight gradients
+    (36,992 parameters, fp32: see the module docstring), which memory/derive.py reads off them."""
+    _, line = full_fp32
+    grad = {i: n for i, when, n in line.layer_marks if when == "grad"}
+    assert sorted(grad) == [0, 1] and grad[1] < grad[0]
+    assert all(line.phases[n - 1] == "backward" for n in grad.values())
+    between = line.samples[grad[0] - 1]["gradients"] - line.samples[grad[1] - 1]["gradients"]
+    assert between == 36_992 * 4
+
+
 def test_lora_grads_only_for_adapters(lora_bf16):
     out, line = lora_bf16
     assert out.trainable_params == LORA_PARAMS

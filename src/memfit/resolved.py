@@ -21,6 +21,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from memfit import validate
 from memfit.config import Attention, RunConfig
 from memfit.errors import UserError
 from memfit.optimizers import OptimizerRow, check_device, row
@@ -135,10 +136,12 @@ def attention(spec, requested: Attention | str, compute_dtype: str = "bf16") -> 
     ``attn_implementation=requested`` (``auto``: None, transformers' own default, which the spec's own
     meta build already asked: ``ModelSpec.default_attention``), and its ``config._attn_implementation``
     is read back. transformers refuses what the model cannot run (SDPA
-    for Gemma 2, whose soft-capping SDPA cannot apply; flash-attention without its package); that
-    refusal becomes one sentence. Flash attention also needs half-precision compute.
+    for Gemma 2, whose soft-capping SDPA cannot apply); that refusal becomes one sentence. Flash
+    attention without its package is refused before (``validate.check_attention_available``, the one
+    sentence ``memfit train``'s preflight also says), and it needs half-precision compute.
     """
     requested = Attention(str(requested).lower())
+    validate.check_attention_available(requested.value)  # the flash-attn package: refused in one place
     config = getattr(spec, "hf_config", None)
     if config is None:  # a hand-made spec: nothing to ask, take the request (auto: transformers' default)
         return "sdpa" if requested is Attention.AUTO else requested.value

@@ -304,11 +304,12 @@ def outside_layer_activations(spec, run: RunConfig, prec: Precisions, device: st
     The embedding saves the int64 input ids (and GPT-2's position embedding its (1, T) position ids)
     when its weight is trained; the loss saves the shifted int64 targets; RoPE's cos/sin (T x head_dim
     each, in the stream dtype, shared by all layers); GPT-2's embedding dropout mask; the final norm;
-    the head's input (cast per autocast; nothing when the head is frozen: LoRA).
+    the head's input (cast per autocast; nothing when the head is frozen: LoRA): ``head_side_activations``;
+    the attention masks checkpointing keeps (``checkpointed_masks``).
     """
     ctx = _Ctx(spec, run, prec, device)
     bt, h, w = ctx.bt, spec.hidden_size, prec.w
-    total = 8 * bt  # loss targets
+    total = 0
     if ctx.full:
         total += 8 * bt
     if spec.family == "gpt2":
@@ -316,17 +317,58 @@ def outside_layer_activations(spec, run: RunConfig, prec: Precisions, device: st
             total += 8 * run.seq_len
         if ctx.full or run.grad_checkpointing:
             total += ctx.dropout_mask(h, w, float(getattr(spec.hf_config, "embd_pdrop", 0.0) or 0.0)) * bt
-        total += (w * h + 2 * w) * bt  # ln_f
     else:
         total += 2 * w * run.seq_len * spec.head_dim
-        total += ctx.rms_norm(h, w, gemma=spec.family == "gemma2") * bt
         if spec.family == "gemma2" and ctx.full:
             total += FP32 * h
+    total += head_side_activations(spec, run, prec, device) + checkpointed_masks(spec, run, prec)
+    return int(total)
+
+
+def head_side_activations(spec, run: RunConfig, prec: Precisions, device: str) -> int:
+    """Saved tensors that the head's and the loss' backward free, before any decoder layer's backward:
+    the loss targets, the final norm's and the head's input (what ``outside_layer_activations`` counts
+    for them). Held to the trace's timeline: gone one layer into backward (Gemma 2, fp32, checkpointing)."""
+    ctx = _Ctx(spec, run, prec, device)
+    bt, h, w = ctx.bt, spec.hidden_size, prec.w
+    total = 8 * bt  # loss targets
+    if spec.family == "gpt2":
+        total += (w * h + 2 * w) * bt  # ln_f
+    else:
+        total += ctx.rms_norm(h, w, gemma=spec.family == "gemma2") * bt
     if str(run.loss) != "standard":
         total += w * h * bt  # the chunked loss saves the head's input itself (it casts per chunk)
     elif ctx.full:
         total += (prec.c if prec.amp else w) * h * bt
     return int(total)
+
+
+def checkpointed_masks(spec, run: RunConfig, prec: Precisions) -> int:
+    """Attention masks kept alive by checkpointing under eager attention, bytes.
+
+    Eager attention gets a materialised (B, 1, T, T) additive mask in the stream dtype, one per kind of
+    layer (Gemma 2: sliding and full). Non-reentrant checkpointing saves each layer's inputs, the mask
+    among them, so the masks live from the forward into backward (without checkpointing ``attn + mask``
+    saves nothing and they are freed when the decoder's forward returns). SDPA on CPU without a sliding
+    window gets no mask (``is_causal``). Read off transformers 5's ``create_causal_mask`` and the trace.
+    """
+    eager = run.attn_implementation is Attention.EAGER or spec.family == "gemma2"
+    if not (eager and run.grad_checkpointing):
+        return 0
+    return len(_mask_kinds(spec)) * run.micro_batch * run.seq_len * run.seq_len * prec.w
+
+
+def masks_freed_above_first_layer(spec, run: RunConfig, prec: Precisions) -> int:
+    """Of ``checkpointed_masks``, those no longer alive in the first layer's backward: the kinds only
+    layers above it use (Gemma 2: the full-attention mask; the first layer slides)."""
+    kinds = _mask_kinds(spec)
+    per_kind = checkpointed_masks(spec, run, prec) // len(kinds)
+    return per_kind * (len(kinds) - 1)
+
+
+def _mask_kinds(spec) -> list:
+    types = list(getattr(spec.hf_config, "layer_types", None) or ["full_attention"])[: spec.num_layers]
+    return sorted(set(types), key=types.index) or ["full_attention"]
 
 
 @dataclass(frozen=True)

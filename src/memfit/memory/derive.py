@@ -12,8 +12,12 @@ operator ``i`` are fitted exactly, category by category, as
 (constants: weight copies and gradients; T: RoPE tables; T^2: a causal mask broadcast over the batch;
 B T: per-token tensors; B T^2: attention scores). The estimate predicts the whole step at the run's B
 and T, picks the moments the hand-written estimate combines (the forward peak, the start of backward
-with the logits' gradients, one layer into backward, the end of backward) and adds N - 2 times one
-layer's bytes (the second layer's, read between its forward hooks: under LoRA the first layer differs).
+with the logits' gradients, one layer into backward, the end of backward) on the N-layer timeline:
+until backward reaches the first layer, N - 2 more layers hold what one layer keeps from its forward (the
+second layer's bytes, read between its forward hooks: under LoRA the first layer differs); from then on
+they hold their weight gradients instead (the second layer's, read between the starts of the second and
+the first layer's backward). Bytes while a middle layer runs its backward lie between those two, which
+is why a 2-layer trace suffices.
 Weights, gradients, optimizer state and the optimizer phase stay analytic (parameter counts only).
 Fake tensors cost the same at any width, so the five traces take seconds.
 
@@ -43,7 +47,7 @@ from memfit.errors import UserError
 from memfit.memory.breakdown import MemoryBreakdown
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 COMPONENTS = ("gradients", "activations", "logits", "temporary")
 MOMENTS = ("forward", "backward_start", "backward_layer", "backward_end")
@@ -82,6 +86,8 @@ class DerivedRecipe:
     phase_runs: list[tuple[str, int]]
     layer_span: tuple[int, int]
     """Sample indices before and at the end of the second layer's forward: one layer's bytes."""
+    grad_span: tuple[int, int]
+    """Sample indices before the second and before the first layer's backward: one layer's gradients."""
     derive_seconds: float
     from_cache: bool = field(default=False, compare=False)
 
@@ -96,6 +102,10 @@ class DerivedRecipe:
         self._phases = np.array([p for p, n in self.phase_runs for _ in range(n)])  # once: ~1 ms per estimate
         first, last = self.layer_span
         self._layer_coef = self._coef[:, last] - self._coef[:, first]  # (basis, components)
+        top, bottom = self.grad_span
+        grads = COMPONENTS.index("gradients")
+        self._grad_coef = np.zeros_like(self._layer_coef)
+        self._grad_coef[:, grads] = self._coef[:, bottom, grads] - self._coef[:, top, grads]
 
     @property
     def label(self) -> str:
@@ -107,20 +117,26 @@ class DerivedRecipe:
 
         return np.tensordot(np.array(_basis(batch, seq)), self._coef, axes=1)
 
-    def at(self, layers: int, batch: int, seq: int) -> dict[str, dict[str, int]]:
-        """Bytes of each component at each of ``MOMENTS`` for ``layers`` decoder layers.
-
-        The 2-layer prediction plus ``layers - 2`` times one (non-first) layer's bytes, which stay alive
-        from its forward to its backward; nothing per layer is left at the end of backward.
-        """
+    def timeline_of(self, layers: int, batch: int, seq: int):
+        """Predicted bytes (samples x components) of the step of a ``layers``-layer model, sample by
+        sample of the 2-layer step: ``layers - 2`` middle layers more, each holding what one (non-first)
+        layer keeps from its forward until backward reaches the first layer, and its weight gradients
+        from then on (the end of backward included: there the estimate counts all gradients anyway)."""
         import numpy as np
 
+        basis = np.array(_basis(batch, seq))
         pred = self.timeline_at(batch, seq)
-        layer = np.array(_basis(batch, seq)) @ self._layer_coef
+        extra = np.repeat((basis @ self._layer_coef)[None, :], len(pred), axis=0)
+        extra[self.grad_span[1] + 1:] = basis @ self._grad_coef
+        return pred + (layers - 2) * extra
+
+    def at(self, layers: int, batch: int, seq: int, accumulating: bool = False) -> dict[str, dict[str, int]]:
+        """Bytes of each component at each of ``MOMENTS`` for ``layers`` decoder layers (``timeline_of``);
+        ``accumulating``: all gradients exist throughout backward, so moments are picked without them."""
+        pred = self.timeline_of(layers, batch, seq)
         out = {}
-        for m, i in pick_moments(pred, self._phases).items():
-            v = pred[i] + (0 if m == "backward_end" else (layers - 2)) * layer
-            out[m] = {c: max(0, int(round(float(v[k])))) for k, c in enumerate(COMPONENTS)}
+        for m, i in pick_moments(pred, self._phases, accumulating).items():
+            out[m] = {c: max(0, int(round(float(pred[i][k])))) for k, c in enumerate(COMPONENTS)}
         return out
 
     def per_layer(self, component: str, batch: int, seq: int) -> int:
@@ -133,27 +149,29 @@ class DerivedRecipe:
     def to_json(self) -> dict:
         return {"version": RECIPE_VERSION, "model_type": self.model_type, "key": self.key,
                 "points": self.points, "timelines": self.timelines, "phase_runs": self.phase_runs,
-                "layer_span": self.layer_span, "derive_seconds": self.derive_seconds}
+                "layer_span": self.layer_span, "grad_span": self.grad_span,
+                "derive_seconds": self.derive_seconds}
 
     @classmethod
     def from_json(cls, data: dict) -> DerivedRecipe:
         return cls(data["model_type"], data["key"], [tuple(p) for p in data["points"]], data["timelines"],
                    [tuple(r) for r in data["phase_runs"]], tuple(data["layer_span"]),
-                   float(data["derive_seconds"]), from_cache=True)
+                   tuple(data["grad_span"]), float(data["derive_seconds"]), from_cache=True)
 
 
-def pick_moments(pred, phases) -> dict[str, int]:
+def pick_moments(pred, phases, accumulating: bool = False) -> dict[str, int]:
     """Sample index of each of ``MOMENTS`` in a (samples x components) timeline of one step.
 
     ``forward``: the forward sample with the largest total. ``backward_start``: the largest total while
-    logits (or their gradients) are alive in backward. ``backward_layer``: after that, the sample with
-    the most non-gradient bytes (a later one may hold more gradients: that is the end of backward,
-    where all gradients are counted analytically). ``backward_end``: the last backward sample.
+    logits (or their gradients) are alive in backward. ``backward_layer``: after that, the largest
+    total (``accumulating``: the most non-gradient bytes, since all gradients are counted then).
+    ``backward_end``: the last backward sample.
     """
     import numpy as np
 
     total = pred.sum(axis=1)
     no_grads = total - pred[:, COMPONENTS.index("gradients")]
+    ranked = no_grads if accumulating else total
     kind = np.asarray(phases)
     fwd = np.flatnonzero(kind == "forward")
     bwd = np.flatnonzero(kind == "backward")
@@ -165,7 +183,7 @@ def pick_moments(pred, phases) -> dict[str, int]:
     return {
         "forward": int(fwd[np.argmax(total[fwd])]),
         "backward_start": int(start[np.argmax(total[start])]),
-        "backward_layer": int(layer[np.argmax(no_grads[layer])]),
+        "backward_layer": int(layer[np.argmax(ranked[layer])]),
         "backward_end": int(bwd[-1]),
     }
 
@@ -334,8 +352,9 @@ def _segments(timeline) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
-def _align(lines) -> tuple[list[str], tuple[int, int]]:
-    """Check that every size ran the same operators; the phases and the second layer's span.
+def _align(lines) -> tuple[list[str], tuple[int, int], tuple[int, int]]:
+    """Check that every size ran the same operators; the phases, the second layer's forward span and
+    the span of its backward's gradients (``DerivedRecipe.layer_span``, ``grad_span``).
 
     Raises ``UserError`` when they differ (the per-operator fit would compare different moments).
     """
@@ -344,10 +363,11 @@ def _align(lines) -> tuple[list[str], tuple[int, int]]:
         raise UserError("Cannot derive a memory recipe for this model: its step runs different operators at "
                         "different sequence lengths or batch sizes; use --exact.")
     marks = {(i, when): n for i, when, n in lines[0].layer_marks}
-    if (1, "pre") not in marks or (1, "post") not in marks:
+    if not {(1, "pre"), (1, "post"), (1, "grad"), (0, "grad")} <= set(marks):
         raise UserError("Cannot derive a memory recipe for this model: its decoder layers were not found "
                         "(transformers lists none in _no_split_modules); use --exact.")
-    return list(lines[0].phases), (marks[(1, "pre")] - 1, marks[(1, "post")] - 1)
+    return (list(lines[0].phases), (marks[(1, "pre")] - 1, marks[(1, "post")] - 1),
+            (marks[(1, "grad")] - 1, marks[(0, "grad")] - 1))
 
 
 def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
@@ -370,12 +390,12 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
                             f"failed ({first}).") from None
         points.append((batch, seq))
         lines.append(line)
-    phases, span = _align(lines)
+    phases, span, grad_span = _align(lines)
     end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
     phases = phases[:end]
     return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases),
-                         span, round(time.perf_counter() - started, 2))
+                         span, grad_span, round(time.perf_counter() - started, 2))
 
 
 def _runs(phases: list[str]) -> list[tuple[str, int]]:
@@ -405,7 +425,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
     states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer + states.buckets  # DDP: the gradients' buckets
     accum = run.grad_accum > 1
-    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len)
+    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum)
 
     def categories(moment: str) -> dict[str, int]:
         got = dict(at[moment])

@@ -27,8 +27,10 @@ from memfit.errors import UserError
 from memfit.memory.activations import (
     ATTN_IN,
     Precisions,
+    head_side_activations,
     layer_activations,
     logits_terms,
+    masks_freed_above_first_layer,
     outside_layer_activations,
 )
 from memfit.memory.breakdown import MemoryBreakdown
@@ -116,13 +118,15 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
-    copies = (autocast_weight_copies(spec, run, prec), autocast_copies_saved(spec, run, prec))
+    saved_copies = autocast_copies_saved(spec, run, prec)
+    # in forward; saved for backward; alive one layer into backward (fewer at the first layer's moment)
+    copies = (autocast_weight_copies(spec, run, prec), saved_copies, saved_copies)
 
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
         activations, acts = offloaded_activations(acts, outside, run.grad_checkpointing)
         # autocast's weight copies saved for backward go to the host too; its cache (trainable weights) stays
-        copies = (0 if run.is_lora() else copies[0], 0)
+        copies = (0 if run.is_lora() else copies[0], 0, 0)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
@@ -135,9 +139,27 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
+    # (DDP: the gradients live in its buckets, counted in ``base`` from the first step)
     head_grads = _head_grad_bytes(spec, run, prec) if not (grads_in_fwd or states.buckets) else 0
-    backward_layer = (base + grads_in_fwd + head_grads + activations + copies[1] + logit.retained
+    # the head's and the loss' saved tensors are freed before the first layer's backward
+    head_side = 0 if run.offload is Offload.ACTIVATIONS else head_side_activations(spec, run, prec, device)
+    backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
+    # the first layer's backward: the layers above hold their weight gradients instead of their saved
+    # tensors (a middle layer's moment lies between the two, linear in its depth).
+    below = 0
+    # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
+    if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS and not run.optimizer_in_backward:
+        below = _layers_below_top(spec, run, states, acts)
+        freed = masks_freed_above_first_layer(spec, run, prec)
+        # AMP: the layers above also freed the half weight copies their linears saved for backward
+        copies_freed = (spec.num_layers - 1) * autocast_copies_saved_per_layer(spec, run, prec)
+        below -= freed + copies_freed
+    if below > 0:
+        backward_layer += below
+        head_grads += below + freed + copies_freed + (spec.num_layers - 1) * acts.saved  # shown as gradients
+        head_side += freed + (spec.num_layers - 1) * acts.saved  # shown as freed activations
+        copies = (copies[0], copies[1], copies[1] - copies_freed)  # shown as freed temporaries
     backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
     step_one = 0
@@ -164,7 +186,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                  key=lambda m: m[0])[1]  # ties: the earlier moment, as before
     end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
     out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
-                        (head_grads, end_temporary), moment)
+                        (head_grads, end_temporary), moment, head_side)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
     if device == "cuda":
@@ -182,11 +204,14 @@ def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
     return out
 
 
-def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment) -> MemoryBreakdown:
+def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment,
+                  head_side=0) -> MemoryBreakdown:
     """Assign the bytes of the peak phase to categories (``saved``: all activations and those outside the
-    layers; ``copies``: autocast weight copies in forward, and those saved for backward; ``moment``: which
+    layers; ``copies``: autocast weight copies in forward, those saved for backward and those alive one
+    layer into backward; ``moment``: which
     of backward's ``start``/``layer``/``end`` is its peak; ``grads_and_end``: the weight gradients one layer
-    into backward and the temporaries at backward's end)."""
+    into backward and the temporaries at backward's end; ``head_side``: activations freed before the first
+    layer's backward)."""
     activations, outside = saved
     head_grads, end_temporary = grads_and_end
     out = MemoryBreakdown(method="analytic", phase=phase, params=spec.params,
@@ -212,9 +237,9 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.temporary = copies[1] + states.gathered
     elif phase == "backward":
         out.gradients = grads_in_fwd + head_grads
-        out.activations = activations
+        out.activations = activations - head_side
         out.logits = logit.retained
-        out.temporary = copies[1] + acts.backward_transient + states.gathered
+        out.temporary = copies[2] + acts.backward_transient + states.gathered
     else:
         in_bw = run.optimizer_in_backward  # stepped in backward: no gradients, no temporaries left
         out.gradients = states.buckets + (0 if in_bw else states.gradients)
@@ -513,12 +538,27 @@ def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, de
     return int(largest + copies * largest)
 
 
+def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts) -> int:
+    """How many more bytes the first layer's backward holds than the top layer's: N - 1 layers' weight
+    gradients (trainable parameters outside the embedding and an untied head, shared by N layers, at the
+    gradients' bytes per parameter) less their saved tensors; negative when saved tensors outweigh
+    gradients (without checkpointing). Ignores: norms outside the layers (H parameters)."""
+    trainable = spec.trainable_params(run)
+    if trainable == 0 or spec.num_layers < 2:
+        return 0
+    outside = 0 if run.is_lora() else spec.vocab_size * spec.hidden_size + spec.lm_head_params
+    per_layer = max(0, trainable - outside) / spec.num_layers * states.gradients / trainable
+    return int((spec.num_layers - 1) * (per_layer - acts.saved))
+
+
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
     """Weight gradients that exist one layer into backward (full fine-tune): the output head's (produced
-    first) and the last layer's down projection's (the first weight gradient of a layer's backward)."""
+    first; a head tied to the embedding gets its gradient only with the embedding's, at the end of
+    backward, as autograd sums both uses first) and the last layer's down projection's (the first weight
+    gradient of a layer's backward)."""
     if run.is_lora():
         return 0
-    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    head = 0 if spec.tie_word_embeddings else spec.lm_head_params or spec.vocab_size * spec.hidden_size
     down = spec.intermediate_size * spec.hidden_size
     return (head + down) * prec.w
 
@@ -564,6 +604,17 @@ def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> 
         layers -= first
         layers += spec.lora_params(run)
     return int((layers + head) * prec.c)
+
+
+def autocast_copies_saved_per_layer(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+    """Of ``autocast_copies_saved``, those one decoder layer above the first holds (its projections' and
+    adapters' half weight copies: ``linear`` saves its cast weight), freed when that layer's backward is
+    done. 0 with checkpointing (a layer saves only its input; its recompute's copies are its backward's
+    transient) and without autocast."""
+    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE or run.grad_checkpointing:
+        return 0
+    layers = spec.linear_params + (spec.lora_params(run) if run.is_lora() else 0)
+    return int(layers * prec.c / max(spec.num_layers, 1))
 
 
 def cuda_other(allocated_peak: int) -> int:

@@ -4,8 +4,12 @@
 storage sizes, no data: a 7 B model costs no RAM), applies what ``memfit train`` would apply (dtype,
 LoRA via PEFT, gradient checkpointing, the optimizer with the ``foreach``/``fused`` choice torch makes
 on CUDA), and runs two full steps (forward under Accelerate's autocast wrapper, the transformers loss,
-backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``) inside torch's ``MemTracker``. The
-second step is the steady state (optimizer state exists) and is the one reported.
+backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``). The second step is the steady state
+(optimizer state exists) and is the one reported, run inside torch's ``MemTracker``; the first only
+creates the optimizer state and runs outside it (half a trace's time), its state then handed to the
+tracker (with ``optimizer_in_backward``, whose per-parameter optimizers step in MemTracker's hooks, both
+steps run inside). Nothing else of the first step outlives it in a real run; an untracked first step
+also drops what the tracker used to keep alive from it under LoRA + checkpointing.
 
 This is the only module of memfit that imports torch's private APIs (``FakeTensorMode``,
 ``torch.distributed._tools.mem_tracker``); ``_private_api()`` turns their absence into a ``UserError``.
@@ -67,8 +71,9 @@ class Timeline:
     other: int = 0
     title: str = ""
     layer_marks: list[tuple[int, str, int]] = field(default_factory=list)
-    """``(layer index, "pre"|"post", number of samples so far)`` at each decoder layer's forward hooks
-    (recompute under checkpointing too); ``memory/derive.py`` reads one layer's bytes off them."""
+    """``(layer index, "pre"|"post"|"grad", number of samples so far)``: "pre"/"post" at each decoder
+    layer's forward hooks (not at a checkpoint's recompute), "grad" when backward reaches the layer's
+    output (the start of that layer's backward); ``memory/derive.py`` reads one layer's bytes off them."""
 
     def totals(self) -> list[int]:
         return [sum(s.values()) + self.other for s in self.samples]
@@ -340,7 +345,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             }
 
         def mark(self, layer: int, when: str) -> None:
-            if self.recording and self.phase == "forward":
+            if self.recording and self.phase == ("backward" if when == "grad" else "forward"):
                 self.timeline.layer_marks.append((layer, when, len(self.timeline.samples)))
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -490,9 +495,20 @@ def _decoder_layers(model) -> list:
 
 
 def _mark_layers(model, recorder) -> None:
+    """Mark each decoder layer's forward (module hooks) and the start of its backward: a hook on the
+    gradient of its output, which allocates nothing (it returns None) and fires once that gradient is
+    complete, after the layers above finished their backward."""
+    import torch
+
+    def after_forward(i: int, output) -> None:
+        recorder.mark(i, "post")
+        first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+        if recorder.recording and first is not None and first.requires_grad:
+            first.register_hook(lambda _grad, i=i: recorder.mark(i, "grad"))
+
     for i, layer in enumerate(_decoder_layers(model)):
         layer.register_forward_pre_hook(lambda *_args, i=i: recorder.mark(i, "pre"))
-        layer.register_forward_hook(lambda *_args, i=i: recorder.mark(i, "post"))
+        layer.register_forward_hook(lambda _module, _args, output, i=i: after_forward(i, output))
 
 
 def _state(tracker, name: str):
@@ -651,8 +667,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     _mark_layers(net, recorder)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
+    untracked_warm_up = steps > 1 and not run.optimizer_in_backward
+    if untracked_warm_up:
+        # The first step only creates the optimizer state the second one holds: run it without the
+        # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
+        with _attention_path(run), fake_mode:
+            _one_step(traced, micro_batches)
+        tracker.track_external(optimizer)
     with _attention_path(run), fake_mode, tracker, recorder:
-        if steps > 1:
+        if steps > 1 and not untracked_warm_up:
             with warnings.catch_warnings():
                 # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
                 # first forward), which then read a freed .grad and warn; re-installed below, they run after.
