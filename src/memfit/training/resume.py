@@ -25,7 +25,7 @@ from memfit.validate import flag
 #: May differ from the saved run when resuming: they change how long, how often or how the same
 #: effective batch is split, never what is computed per optimizer step.
 SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last", "log_every", "samples",
-                  "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing", "attn_implementation"})
+                  "eval_samples", "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing", "attn_implementation"})
 #: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
 #: in particular is never switched on by a file: the user passes it again.
 NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
