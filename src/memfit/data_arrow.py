@@ -106,7 +106,10 @@ def _plain_files(ds) -> list[str] | None:
         tables = [row[0] for row in table.blocks]
     else:
         tables = [table]
-    if not all(isinstance(t, MemoryMappedTable) and not t.replays for t in tables):
+    # replays are the operations datasets re-applies to the mapped file; only a schema-metadata one
+    # leaves the file's rows as they are
+    if not all(isinstance(t, MemoryMappedTable) and all(op == "replace_schema_metadata" for op, *_ in t.replays)
+               for t in tables):
         return None
     return [t.path for t in tables]
 
