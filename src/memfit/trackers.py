@@ -4,8 +4,8 @@ Accelerate owns the integrations (``accelerate.tracking``); memfit only checks t
 installed before the run starts, so a missing one is one sentence naming the extra to install, not a
 traceback after the model is built. Local/offline use (``local_init_kwargs``): TensorBoard and Aim write
 under ``--output`` (Accelerate's ``logging_dir``); wandb writes its run under ``--output/wandb``
-(offline with ``WANDB_MODE=offline``); MLflow writes a file store ``--output/mlruns`` unless
-``MLFLOW_TRACKING_URI`` names a server; trackio keeps its local database (``TRACKIO_DIR``, default
+(offline with ``WANDB_MODE=offline``); MLflow writes a SQLite store ``--output/mlflow.db`` unless
+``MLFLOW_TRACKING_URI`` names another; trackio keeps its local database (``TRACKIO_DIR``, default
 ``~/.cache/huggingface/trackio``) unless a Space is set.
 """
 
@@ -43,5 +43,6 @@ def local_init_kwargs(name: str | None, output) -> dict:
     if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
         import mlflow
 
-        mlflow.set_tracking_uri((output / "mlruns").as_uri())
+        output.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(f"sqlite:///{output / 'mlflow.db'}")  # MLflow 3 refuses a file store
     return {}
