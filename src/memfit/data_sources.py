@@ -202,6 +202,8 @@ def _read_files(files: list[Path], where: str, fmt, fields) -> Part:
 
             for file in files:
                 find_bad_input(file, fmt, fields)
+                if file.stat().st_size < (1 << 20) and not file.read_text(encoding="utf-8-sig").strip():
+                    raise UserError(f"Data file {file} is empty.") from None  # datasets fails on no rows
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise UserError(f"{where} cannot be read as {builder} ({first}).") from None
     return Part(ds, where, files if suffix in LINE_BUILDERS else [])
