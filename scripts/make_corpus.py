@@ -15,6 +15,11 @@ checks this). Standard library only, so it runs without the package installed.
 
 Usage:
     python scripts/make_corpus.py [--out DIR] [--stories N] [--qa N] [--seed S]
+    python scripts/make_corpus.py --bytes 2e9 --out /tmp/big   # a large stories.txt only, streamed
+
+``--bytes B`` writes only ``stories.txt``, the same kind of documents until it holds at least B bytes,
+written a document at a time (memory stays flat whatever B): the corpus-larger-than-RAM measurement
+(``bench/data_scale.py``). Put it outside the repository (``/tmp``).
 """
 
 from __future__ import annotations
@@ -179,6 +184,21 @@ def generate(n_stories: int, n_qa: int, seed: int) -> tuple[str, str]:
     return "\n\n".join(docs) + "\n", "".join(json.dumps(r) + "\n" for r in records)
 
 
+def write_large(out: Path, n_bytes: int, seed: int) -> int:
+    """``stories.txt`` of at least ``n_bytes`` bytes (three stories for every fact paragraph, as ``generate``),
+    streamed to disk; returns the bytes written."""
+    rng = random.Random(seed)
+    written, i = 0, 0
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "stories.txt").open("w", encoding="utf-8") as fh:
+        while written < n_bytes:
+            doc = (facts(rng) if i % 4 == 3 else story(rng)) + "\n\n"
+            fh.write(doc)
+            written += len(doc.encode())
+            i += 1
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -187,7 +207,15 @@ def main() -> None:
     parser.add_argument("--stories", type=int, default=N_STORIES, help="documents in stories.txt")
     parser.add_argument("--qa", type=int, default=N_QA, help="records in qa.jsonl")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--bytes", type=float, default=None,
+                        help="write only stories.txt, at least this many bytes, streamed (e.g. 2e9)")
     args = parser.parse_args()
+    if args.bytes is not None:
+        if args.out == DEFAULT_OUT:
+            parser.error("--bytes needs --out DIR outside the package (e.g. /tmp/big)")
+        n = write_large(args.out, int(args.bytes), args.seed)
+        print(f"wrote {args.out}: stories.txt {n:,} bytes")
+        return
     stories, qa_lines = generate(args.stories, args.qa, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stories.txt").write_text(stories, encoding="utf-8")

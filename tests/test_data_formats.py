@@ -151,8 +151,13 @@ def test_data_preview_marks_the_spans_without_loss(tmp_path):
     (["--tracker", "aim"], "--tracker aim needs the aim package; install it with pip install 'memfit[aim]'."),
     (["--data-format", "text"], "has a text that is not a non-empty string"),
 ])
-def test_train_refuses_bad_input_and_writes_nothing(tmp_path, args, message):
+def test_train_refuses_bad_input_and_writes_nothing(tmp_path, args, message, monkeypatch):
+    import importlib.util
+
     from _train_helpers import write_model
+
+    real = importlib.util.find_spec  # aim may be installed: the refusal is checked as if it were not
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aim" else real(name, *a))
 
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps(CHAT) + "\n")

@@ -269,6 +269,8 @@ class TrainConfig:
     trust_remote_code: bool = False
     samples: int = 3
     """Generated samples printed at the end of the run."""
+    eval_samples: int = 0
+    """Samples generated after each ``--eval-every`` evaluation (``samples.jsonl``); 0: only at the end."""
     batch: int | None = None
     """Effective batch in sequences (all micro-batches and processes of one step); sets ``grad_accum``."""
     budget: str | None = None

@@ -16,14 +16,17 @@ import math
 import os
 import random
 import re
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from memfit.errors import UserError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
@@ -153,24 +156,53 @@ def _load_file(path: Path, fmt: str | None = None, fields=None) -> list[Example]
     return examples
 
 
-def _parse_txt(text: str) -> list[Example]:
-    # A blank line is a line holding only whitespace; runs of them separate documents.
+def txt_documents(text: str) -> list[str]:
+    """The documents of a ``.txt`` text: separated by blank lines (lines holding only whitespace), each
+    stripped, empty ones left out. ``datasets``' ``text`` builder (``sample_by="paragraph"``) cuts a file
+    at every ``"\\n\\n"``; this cuts each of its paragraphs further, so both readers give the same documents."""
     docs = (doc.strip() for doc in re.split(r"\n[ \t\r\f\v]*\n", text))
-    return [Example(text=doc) for doc in docs if doc]
+    return [doc for doc in docs if doc]
+
+
+def _parse_txt(text: str) -> list[Example]:
+    return [Example(text=doc) for doc in txt_documents(text)]
 
 
 def _parse_jsonl(text: str, path: Path, fmt: str | None = None, fields=None) -> list[Example]:
-    examples = []
     # split("\n"), not splitlines(): a JSON string may hold a raw U+2028, which splitlines() breaks on.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    return list(jsonl_records(text.split("\n"), path, fmt, fields))
+
+
+def jsonl_records(lines, path, fmt: str | None = None, fields=None):
+    """The ``Example`` of each non-blank line of a JSONL file, in order; a bad line is a ``UserError`` naming
+    the file and the line. ``lines`` may be an open file (read line by line: bounded memory)."""
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{path} line {lineno} is not valid JSON ({err.msg}).") from None
-        examples.append(record_to_example(record, f"{path} line {lineno}", fmt, fields))
-    return examples
+        yield record_to_example(record, f"{path} line {lineno}", fmt, fields)
+
+
+def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
+    """Raise the ``UserError`` naming the first bad line (``.jsonl``) or byte (``.txt``) of ``path``, if any.
+
+    Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data_sources``), whose errors name
+    neither; on an error, this streams the file once (a line, or 1 MiB of text, at a time) to say where."""
+    try:
+        with path.open(encoding="utf-8-sig", newline="\n") as f:  # newline: lines end at "\n" only
+            if path.suffix.lower() == ".jsonl":
+                for _ in jsonl_records(f, path, fmt, fields):
+                    pass
+            else:
+                while f.read(1 << 20):
+                    pass
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text.") from None
+    except OSError as err:
+        raise UserError(f"{path} cannot be read ({err.strerror or err}).") from None
 
 
 def record_to_example(record: object, where: str, fmt: str | None = None, fields=None) -> Example:
@@ -302,13 +334,24 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
     The held-out set is ``round(eval_fraction * n_docs)`` documents drawn with ``random.Random(seed)``,
     at least 1 when ``eval_fraction > 0`` and there are 2 or more documents, and never all of them.
     """
+    train, held = split_indices(n_docs, eval_fraction, seed)
+    return train.tolist(), held.tolist()
+
+
+def split_indices(n_docs: int, eval_fraction: float, seed: int):
+    """``split_documents`` as two int64 numpy arrays (8 bytes a document, not a Python int each: a corpus
+    of millions of documents is split without a list of millions of objects)."""
+    import numpy as np
+
     if not 0.0 <= eval_fraction < 1.0:
         raise UserError(f"The eval fraction must be in [0, 1); got {eval_fraction}.")
     n_eval = 0
     if eval_fraction > 0 and n_docs >= 2:
         n_eval = min(max(1, round(eval_fraction * n_docs)), n_docs - 1)
-    held = set(random.Random(seed).sample(range(n_docs), n_eval))
-    return [i for i in range(n_docs) if i not in held], sorted(held)
+    held = np.array(sorted(random.Random(seed).sample(range(n_docs), n_eval)), dtype=np.int64)
+    keep = np.ones(n_docs, dtype=bool)
+    keep[held] = False
+    return np.flatnonzero(keep).astype(np.int64), held
 
 
 def tokenize(
@@ -516,16 +559,48 @@ def unigram_loss(data: TokenizedData) -> float:
     Returns:
         The loss in nats per token, or ``nan`` when there are no held-out or no train targets.
     """
-    train_counts = Counter(_targets(data.train))
-    eval_counts = Counter(_targets(data.eval))
-    n_train, n_eval = sum(train_counts.values()), sum(eval_counts.values())
+    import numpy as np
+
+    train_counts, eval_counts = target_counts(data.train), target_counts(data.eval)
+    n_train, n_eval = int(train_counts.sum()), int(eval_counts.sum())
     if n_train == 0 or n_eval == 0:
         return math.nan
-    log_total = math.log(n_train + len(train_counts) + 1)
-    nll = sum(n * (log_total - math.log(train_counts.get(tok, 0) + 1)) for tok, n in eval_counts.items())
+    log_total = math.log(n_train + int(np.count_nonzero(train_counts)) + 1)
+    seen = np.zeros(max(len(train_counts), len(eval_counts)), dtype=np.int64)
+    seen[: len(train_counts)] = train_counts
+    held = np.flatnonzero(eval_counts)
+    nll = float(np.sum(eval_counts[held] * (log_total - np.log(seen[held] + 1.0))))
     return nll / n_eval
 
 
-def _targets(seqs: list[dict[str, list[int]]]):
-    for seq in seqs:
-        yield from (t for t in seq["labels"][1:] if t != IGNORE_INDEX)
+def target_counts(rows) -> np.ndarray:
+    """How often each token id is a target (a label after the causal shift that is not ``-100``), as an
+    int64 array indexed by token id. Rows are read a batch at a time (rows on disk, ``memfit.data_arrow.ArrowRows``,
+    count themselves and keep the counts next to their table), so memory stays bounded by the vocabulary,
+    not the corpus."""
+    if hasattr(rows, "target_counts"):
+        return rows.target_counts()
+    return count_targets(_target_batches(rows))
+
+
+def count_targets(batches) -> np.ndarray:
+    """Sum of ``np.bincount`` over batches of target ids (flat int64 arrays)."""
+    import numpy as np
+
+    counts = np.zeros(0, dtype=np.int64)
+    for targets in batches:
+        if targets.size:
+            batch = np.bincount(targets)
+            if len(batch) > len(counts):
+                counts = np.concatenate([counts, np.zeros(len(batch) - len(counts), dtype=np.int64)])
+            counts[: len(batch)] += batch
+    return counts
+
+
+def _target_batches(rows, batch_rows: int = 1024):
+    import numpy as np
+
+    for start in range(0, len(rows), batch_rows):
+        labels = [t for seq in rows[start : start + batch_rows] for t in seq["labels"][1:]]
+        flat = np.asarray(labels, dtype=np.int64)
+        yield flat[flat != IGNORE_INDEX]

@@ -1,19 +1,28 @@
-"""Tokenize and pack a ``datasets`` source on disk: ``datasets.map`` with its cache and ``--num-proc``.
+"""Tokenize and pack the data of a run on disk: ``datasets.map`` with its cache and ``--num-proc``.
 
-Used for the sources ``memfit.data_sources`` reads (json/csv/parquet/arrow files, ``save_to_disk``
-folders, Hub ids). The steps, each an Arrow table on disk (memory-mapped; rows are read when used):
+Every source of ``memfit train`` comes here (``memfit.data_sources.load_parts``: .txt, .jsonl, .json,
+.csv, .parquet, .arrow, ``save_to_disk`` folders, Hub ids), so a corpus larger than RAM trains: each
+step below is an Arrow table on disk, memory-mapped, read a batch or a row at a time, never whole.
 
 1. ``map``: every record -> ``input_ids``/``labels`` (the same ``memfit.data`` encoding as the
    in-memory path, chat templates included), cached by ``datasets`` under the source's cache folder
    with a fingerprint of the function, the tokenizer and the options; a second run on the same data
-   and tokenizer reuses it (and ``--num-proc N`` runs it in N processes).
-2. the held-out split by document (``memfit.data.split_documents``): ``select`` of row indices.
-3. packing in one streaming pass (``memfit.packing.pack_documents`` or the concat/none rules) written
-   by ``Dataset.from_generator``, cached under a fingerprint of step 1's table, the split and the
-   packing settings.
+   and tokenizer reuses it (and ``--num-proc N`` runs it in N processes). Token ids are stored as
+   int16 when the vocabulary allows (int32 otherwise): 2 bytes a token, not Arrow's default 8.
+2. the held-out split by document (``memfit.data.split_indices``) and the conversations longer than
+   ``seq_len`` (dropped), as two boolean masks over the documents (1 byte a document).
+3. packing in one streaming pass per split (``memfit.packing.pack_documents`` or the concat/none
+   rules) written by ``datasets``' ``ArrowWriter`` into its cache, keyed by step 1's fingerprint, the
+   mask and the packing settings.
 
-``ArrowRows`` gives the result the list interface the loop uses (``len``, ``rows[i]``, slices), so the
-loop's ``StepBatchSampler`` indexes rows lazily and exact resume lands on the same sample.
+The full passes (packing, the unigram baseline) read the Arrow files with plain reads
+(``stream_batches``), not through ``datasets``' memory map: every page a process reads through a map
+stays in its resident set (as file-backed pages) until the kernel needs the memory back, so a pass
+over a 10 GB table would show a 10 GB RSS; read batch by batch, the process holds one batch.
+
+``ArrowRows`` gives the result the list interface the loop uses (``len``, ``rows[i]``, lazy slices),
+so the loop's ``StepBatchSampler`` indexes rows lazily and exact resume lands on the same sample; the
+unigram baseline reads its labels in batches (``ArrowRows.target_batches``).
 """
 
 from __future__ import annotations
@@ -21,12 +30,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from functools import partial
+from pathlib import Path
 
 from memfit.errors import UserError
 
+BATCH_ROWS = 1000
+"""Rows per batch when a table is read through (``datasets``' default writer batch)."""
+
 
 class ArrowRows(Sequence):
-    """A ``datasets.Dataset`` of rows seen as a list of row dicts (slices materialise only the slice)."""
+    """A ``datasets.Dataset`` of rows seen as a list of row dicts; a slice is another ``ArrowRows``
+    (a view: nothing is read until a row is)."""
 
     def __init__(self, ds) -> None:
         self.ds = ds
@@ -36,11 +50,90 @@ class ArrowRows(Sequence):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self.ds[i] for i in range(*index.indices(len(self.ds)))]
-        return self.ds[index]
+            return ArrowRows(self.ds.select(range(*index.indices(len(self.ds)))))
+        return self.ds[int(index)]
 
     def __iter__(self) -> Iterator[dict]:
-        return iter(self.ds)
+        for batch in self.ds.iter(batch_size=BATCH_ROWS):
+            columns = list(batch)
+            yield from ({c: batch[c][i] for c in columns} for i in range(len(batch[columns[0]])))
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def target_counts(self):
+        """``memfit.data.target_counts`` of these rows, kept next to their Arrow file (``<file>.targets.npy``)
+        so that a second run on the same cached table does not read it through again."""
+        import numpy as np
+
+        from memfit.data import count_targets
+
+        files = _plain_files(self.ds)
+        cached = Path(files[0] + ".targets.npy") if files else None
+        if cached is not None and cached.is_file():
+            return np.load(cached)
+        counts = count_targets(self.target_batches())
+        if cached is not None:
+            try:
+                np.save(cached, counts)
+            except OSError:
+                pass  # a read-only cache: count again next time
+        return counts
+
+    def target_batches(self):
+        """The targets of each batch of rows (labels after the causal shift that are not -100) as a flat
+        int64 numpy array, read through Arrow (no Python object per token)."""
+        import pyarrow.compute as pc
+
+        if not len(self.ds):
+            return
+        for batch in stream_batches(self.ds, ["labels"]):
+            flat = pc.list_flatten(pc.list_slice(batch.column(0), 1)).to_numpy(zero_copy_only=False)
+            flat = flat.astype("int64")
+            yield flat[flat != -100]
+
+
+def _plain_files(ds) -> list[str] | None:
+    """The Arrow files ``ds`` is exactly (all their rows, in order, no selection), or None."""
+    from datasets.table import ConcatenationTable, MemoryMappedTable
+
+    if ds._indices is not None:
+        return None
+    table = ds._data
+    if isinstance(table, ConcatenationTable):
+        if any(len(row) != 1 for row in table.blocks):  # blocks side by side: columns from several files
+            return None
+        tables = [row[0] for row in table.blocks]
+    else:
+        tables = [table]
+    # replays are the operations datasets re-applies to the mapped file; only a schema-metadata one
+    # leaves the file's rows as they are
+    if not all(isinstance(t, MemoryMappedTable) and all(op == "replace_schema_metadata" for op, *_ in t.replays)
+               for t in tables):
+        return None
+    return [t.path for t in tables]
+
+
+def stream_batches(ds, columns: list[str]):
+    """Record batches of ``columns`` of ``ds``, in row order, read from its Arrow files with plain reads
+    (``pyarrow.OSFile``): one batch in memory at a time and no file page left mapped in the process (see
+    the module docstring). A dataset that is not exactly its files (in memory, a selection of rows) is
+    read with ``Dataset.iter`` instead."""
+    import pyarrow as pa
+
+    files = _plain_files(ds)
+    if files is None:
+        yield from ds.with_format("arrow").select_columns(columns).iter(batch_size=BATCH_ROWS)
+        return
+    for path in files:
+        with pa.OSFile(path) as source:
+            for batch in pa.ipc.open_stream(source):
+                yield batch.select(columns)
+
+
+def token_type(max_value: int) -> str:
+    """The smallest Arrow integer type for values in ``[-100, max_value]``: token ids, labels, positions."""
+    return "int16" if max_value < 2**15 else "int32"
 
 
 def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, train_on_prompt, where) -> dict:
@@ -57,33 +150,33 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
 
 def _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt) -> str:
     """The cache key of step 1: the source, the tokenizer (vocabulary and chat template), the options,
-    and the source code of the encoding. ``datasets`` hashes a module-level function by reference, so
-    without the code an upgraded memfit would reuse a cache its old encoding wrote."""
-    from pathlib import Path
-
+    and memfit's encoding code (``memfit.data_sources._code_fingerprint``)."""
     from datasets.fingerprint import Hasher
 
-    import memfit.data
-    import memfit.data_formats
+    from memfit.data_sources import _code_fingerprint
 
-    code = "".join(Path(m.__file__).read_text() for m in (memfit.data, memfit.data_formats)) + Path(__file__).read_text()
-    return Hasher.hash((ds._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None), fmt,
-                        fields, train_on_prompt, code))
+    return _code_fingerprint(ds._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None),
+                             fmt, fields, train_on_prompt)
 
 
-def tokenize_dataset(ds, tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int, fmt, fields,
-                     train_on_prompt: bool, num_proc: int, where: str):
-    """``TokenizedData`` whose ``train``/``eval`` are ``ArrowRows`` (see the module docstring)."""
-    from memfit.config import parse_packing
-    from memfit.data import TokenizedData, split_documents
+def _encoded_features(tokenizer):
+    from datasets import Features, List, Value
 
+    ids = token_type(len(tokenizer))
+    return Features({"input_ids": List(Value(ids)), "labels": List(Value(ids)), "conversation": Value("bool"),
+                     "length": Value("int64")})
+
+
+def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_proc: int, where: str):
+    """Step 1: the records of ``ds`` encoded, one row per document (cached; see the module docstring)."""
     encode = partial(_encode_batch, tokenizer=tokenizer, fmt=fmt, fields=fields,
                      train_on_prompt=train_on_prompt, where=where)
     fingerprint = _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt)
     try:
-        encoded = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                         num_proc=num_proc if num_proc > 1 else None, desc="tokenizing",
-                         new_fingerprint=fingerprint)
+        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
+                      batch_size=BATCH_ROWS, writer_batch_size=BATCH_ROWS,
+                      num_proc=num_proc if num_proc > 1 else None, desc="tokenizing",
+                      features=_encoded_features(tokenizer), new_fingerprint=fingerprint)
     except UserError:
         raise
     except Exception as err:  # a UserError raised in a worker process comes back wrapped
@@ -93,43 +186,128 @@ def tokenize_dataset(ds, tokenizer, *, seq_len: int, packing, eval_fraction: flo
         if cause is not None:
             raise UserError(str(cause)) from None
         raise
-    train_idx, eval_idx = split_documents(len(encoded), eval_fraction, seed)
-    mode = parse_packing(packing)
-    conversations = sum(encoded.select_columns(["conversation"])[:]["conversation"]) if len(encoded) else 0
-    train, dropped_train = _pack_split(encoded, train_idx, seq_len, mode, "train", seed)
-    held, dropped_eval = _pack_split(encoded, eval_idx, seq_len, mode, "eval", seed)
-    return TokenizedData(train=ArrowRows(train), eval=ArrowRows(held), conversations=conversations,
-                         dropped_long=dropped_train + dropped_eval)
 
 
-def _pack_split(encoded, indices: list[int], seq_len: int, mode, name: str, seed: int):
-    """The rows of one split, packed, as a cached Arrow table; and the conversations dropped as too long."""
+def tokenize_dataset(ds, tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int, fmt, fields,
+                     train_on_prompt: bool, num_proc: int, where: str):
+    """``TokenizedData`` whose ``train``/``eval`` are ``ArrowRows`` (see the module docstring).
+
+    ``ds`` is a ``datasets.Dataset`` or a list of parts of one source, in corpus order, each
+    ``(dataset, where, fmt, fields)``; their documents are split and packed as one corpus.
+    """
     import datasets
 
-    if not indices:
-        return datasets.Dataset.from_dict({"input_ids": [], "labels": []}), 0
-    part = encoded.select(indices)
-    meta = part.select_columns(["length", "conversation"])[:]  # two small columns, read at once
-    long = [i for i, (n, chat) in enumerate(zip(meta["length"], meta["conversation"], strict=True))
-            if chat and n > seq_len]
-    if long:
-        drop = set(long)
-        part = part.select([i for i in range(len(part)) if i not in drop])
-    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seed}|{len(indices)}|{indices[:64]}|{indices[-64:]}|"
-                            f"{seq_len}|{mode}".encode()).hexdigest()[:16]
-    packed = datasets.Dataset.from_generator(_rows, gen_kwargs={"part": part, "seq_len": seq_len,
-                                                               "mode": str(mode)}, fingerprint=digest)
-    return packed, len(long)
+    parts = ds if isinstance(ds, list) else [(ds, where, fmt, fields)]
+    encoded = [encode_dataset(part, tokenizer, fmt=part_fmt, fields=part_fields, train_on_prompt=train_on_prompt,
+                              num_proc=num_proc, where=name) for part, name, part_fmt, part_fields in parts]
+    encoded = encoded[0] if len(encoded) == 1 else datasets.concatenate_datasets(encoded)
+    return pack_encoded(encoded, seq_len=seq_len, packing=packing, eval_fraction=eval_fraction, seed=seed)
 
 
-def _rows(part, seq_len: int, mode: str):
+def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int):
+    """Steps 2-3 on an encoded table (one row per document)."""
+    import numpy as np
+
+    from memfit.config import parse_packing
+    from memfit.data import TokenizedData, split_indices
+
+    mode = parse_packing(packing)
+    n_docs = len(encoded)
+    _, eval_idx = split_indices(n_docs, eval_fraction, seed)
+    held = np.zeros(n_docs, dtype=bool)
+    held[eval_idx] = True
+    # two small columns (9 bytes a document), read through the memory map: it touches only their pages
+    columns = encoded.select_columns(["conversation", "length"]).with_format("arrow")[:]
+    conversation = columns.column("conversation").to_numpy().astype(bool)
+    too_long = conversation & (columns.column("length").to_numpy() > seq_len)
+    train = _pack_split(encoded, ~held & ~too_long, seq_len, mode, "train")
+    kept_eval = _pack_split(encoded, held & ~too_long, seq_len, mode, "eval")
+    return TokenizedData(train=ArrowRows(train), eval=ArrowRows(kept_eval), conversations=int(conversation.sum()),
+                         dropped_long=int(too_long.sum()))
+
+
+def _packed_features(encoded, mode: str, seq_len: int):
+    from datasets import Features, List, Value
+
+    ids = encoded.features["input_ids"].feature.dtype
+    columns = {"input_ids": List(Value(ids)), "labels": List(Value(ids))}
+    if mode == "documents":
+        columns["position_ids"] = List(Value(token_type(seq_len)))
+    return Features(columns)
+
+
+def _pack_split(encoded, keep, seq_len: int, mode, name: str):
+    """The documents of ``keep`` (a boolean mask), packed, as an Arrow file in the ``datasets`` cache
+    (``memfit-packed/<key>.arrow``, written by ``datasets``' ``ArrowWriter`` and read back memory-mapped);
+    the key covers step 1's fingerprint, the mask and the packing settings, so a second run reuses it."""
+    import os
+
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    if not keep.any():
+        return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
+    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode()
+                            + keep.tobytes()).hexdigest()[:24]
+    path = Path(datasets.config.HF_DATASETS_CACHE) / "memfit-packed" / f"{digest}.arrow"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        writer = ArrowWriter(features=_packed_features(encoded, str(mode), seq_len), path=str(partial_path))
+        try:
+            for batch in _packed_batches(encoded, keep, seq_len, str(mode)):
+                writer.write_table(batch)
+            writer.finalize()
+        finally:
+            writer.close()
+        os.replace(partial_path, path)  # whole or absent: a killed run leaves only a .partial file
+    return datasets.Dataset.from_file(str(path))
+
+
+def _packed_batches(encoded, keep, seq_len: int, mode: str):
+    """Tables of packed rows: ``documents`` with numpy (``memfit.packing.pack_arrow_documents``), the
+    others row by row in Python."""
+    import pyarrow as pa
+
+    from memfit.packing import pack_arrow_documents
+
+    if mode == "documents":
+        for batch in pack_arrow_documents(_kept_batches(encoded, keep), seq_len, rows_per_batch=BATCH_ROWS):
+            yield pa.Table.from_batches([batch])
+        return
+    features = _packed_features(encoded, mode, seq_len)
+    rows = []
+    for row in _rows(_kept_docs(encoded, keep), seq_len, mode):
+        rows.append(row)
+        if len(rows) >= BATCH_ROWS:
+            yield pa.Table.from_pylist(rows, schema=features.arrow_schema)
+            rows = []
+    if rows:
+        yield pa.Table.from_pylist(rows, schema=features.arrow_schema)
+
+
+def _kept_batches(encoded, keep):
+    """Record batches (``input_ids``, ``labels``) of the documents ``keep`` marks, in corpus order."""
+    import pyarrow as pa
+
+    start = 0
+    for batch in stream_batches(encoded, ["input_ids", "labels"]):
+        mask = keep[start : start + batch.num_rows]
+        start += batch.num_rows
+        if mask.any():
+            yield batch.filter(pa.array(mask))
+
+
+def _kept_docs(encoded, keep):
+    """``(input_ids, labels)`` of the documents ``keep`` marks, in corpus order, as Python lists."""
+    for batch in _kept_batches(encoded, keep):
+        yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
+
+
+def _rows(docs, seq_len: int, mode: str):
     from memfit.data import _n_targets
     from memfit.packing import pack_documents
 
-    # batches, not rows: datasets' per-row iteration costs a Python dict per row; 1,000 rows at a time
-    # keep memory bounded and read ~10x faster
-    docs = (doc for batch in part.select_columns(["input_ids", "labels"]).iter(batch_size=1000)
-            for doc in zip(batch["input_ids"], batch["labels"], strict=True))
     if mode == "documents":
         yield from pack_documents(docs, seq_len)
     elif mode == "none":

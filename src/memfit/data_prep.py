@@ -3,6 +3,7 @@ and ``memfit data preview`` so that the preview shows exactly what training sees
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from memfit.config import RunConfig, TrainConfig
@@ -22,27 +23,43 @@ def fields_of(config: TrainConfig):
 def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
     """``(examples, TokenizedData)`` for the run; the tokenizer gets ``--chat-template`` when given.
 
+    Every source is read through ``datasets`` and tokenized and packed on disk (``memfit.data_sources``,
+    ``memfit.data_arrow``): ``examples`` reads its records lazily, ``TokenizedData``'s rows are
+    memory-mapped, so a corpus larger than RAM trains.
+
     Raises:
         UserError: any bad input (see ``memfit.data``, ``memfit.data_formats``, ``memfit.data_sources``),
             or data that leaves no training sequence.
     """
-    from memfit import data
-    from memfit.data_formats import FORMATS, chat_template_of
+    from memfit import data_sources
+    from memfit.data import find_bad_input
+    from memfit.data_arrow import tokenize_dataset
+    from memfit.data_formats import FORMATS, Fields, chat_template_of
 
     if config.data_format is not None and config.data_format not in FORMATS:
         raise UserError(f"Unknown --data-format {config.data_format!r}; choose one of: {', '.join(FORMATS)}.")
     fields, named = fields_of(config)
-    from memfit import data_sources
-
-    if config.data is not None and data_sources.handles(config.data):
-        return _load_arrow(config, run, tokenizer, fields, named)
-    examples = data.load_examples(config.data, fmt=config.data_format, fields=fields, split=config.split,
-                                  data_config=config.data_config, named_fields=named)
-    has_chat = any(ex.is_conversation for ex in examples)
-    chat_template_of(tokenizer, config.chat_template, data_has_conversations=has_chat)
-    tokenized = data.tokenize(examples, tokenizer, seq_len=run.seq_len, packing=run.packing,
-                              eval_fraction=config.eval_fraction, seed=config.seed,
-                              train_on_prompt=config.train_on_prompt)
+    parts = data_sources.load_parts(config.data, split=config.split, data_config=config.data_config,
+                                    fmt=config.data_format, fields=fields)
+    plan = []  # (dataset, where, format, fields) per part
+    for part in parts:
+        if part.files and part.files[0].suffix.lower() == ".txt":  # one "text" column, whatever the options
+            plan.append((part.ds, part.where, "text", Fields()))
+            continue
+        data_sources.check_columns(part.ds, part.where, [getattr(fields, name) for name in named])
+        plan.append((part.ds, part.where, config.data_format, fields))
+    examples = LazyExamples(plan)
+    chat_template_of(tokenizer, config.chat_template, data_has_conversations=examples.has_conversations())
+    try:
+        tokenized = tokenize_dataset(plan, tokenizer, seq_len=run.seq_len,
+                                     packing=run.packing, eval_fraction=config.eval_fraction, seed=config.seed,
+                                     fmt=config.data_format, fields=fields, train_on_prompt=config.train_on_prompt,
+                                     num_proc=config.num_proc, where=str(config.data))
+    except UserError:
+        for part in parts:  # a bad record of a .jsonl file: name its line, as memfit's own reader does
+            for file in part.files:
+                find_bad_input(file, config.data_format, fields)
+        raise
     _check_not_empty(tokenized, run)
     return examples, tokenized
 
@@ -55,38 +72,32 @@ def _check_not_empty(tokenized, run: RunConfig) -> None:
 
 
 class LazyExamples(Sequence):
-    """The records of a ``datasets`` source as ``Example`` objects, converted when read."""
+    """The records of one or more ``datasets`` tables, in order, as ``Example`` objects converted when read
+    (a few are: the documents that prompt the samples)."""
 
-    def __init__(self, ds, where: str, fmt, fields) -> None:
-        self.ds, self.where, self.fmt, self.fields = ds, where, fmt, fields
+    def __init__(self, parts) -> None:
+        self.parts = list(parts)  # (dataset, where, format, fields)
+        self.starts = [0]
+        for ds, *_ in self.parts:
+            self.starts.append(self.starts[-1] + len(ds))
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return self.starts[-1]
 
     def __getitem__(self, index):
         from memfit.data import record_to_example
 
-        return record_to_example(self.ds[index], f"{self.where} row {index + 1}", self.fmt, self.fields)
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        part = bisect.bisect_right(self.starts, index) - 1
+        ds, where, fmt, fields = self.parts[part]
+        row = index - self.starts[part]
+        return record_to_example(ds[row], f"{where} row {row + 1}", fmt, fields)
 
-
-def _load_arrow(config: TrainConfig, run: RunConfig, tokenizer, fields, named):
-    """A ``datasets`` source tokenized and packed on disk (``memfit.data_arrow``)."""
-    from memfit import data_sources
-    from memfit.data_arrow import tokenize_dataset
-    from memfit.data_formats import chat_template_of
-
-    ds = data_sources.load_dataset(config.data, split=config.split, data_config=config.data_config)
-    data_sources.check_columns(ds, config.data, [getattr(fields, name) for name in named])
-    if len(ds) == 0:
-        raise UserError(f"Data source {config.data} is empty.")
-    examples = LazyExamples(ds, config.data, config.data_format, fields)
-    chat_template_of(tokenizer, config.chat_template, data_has_conversations=examples[0].is_conversation)
-    tokenized = tokenize_dataset(ds, tokenizer, seq_len=run.seq_len, packing=run.packing,
-                                 eval_fraction=config.eval_fraction, seed=config.seed, fmt=config.data_format,
-                                 fields=fields, train_on_prompt=config.train_on_prompt,
-                                 num_proc=config.num_proc, where=config.data)
-    _check_not_empty(tokenized, run)
-    return examples, tokenized
+    def has_conversations(self) -> bool:
+        """Whether a part's first record is a conversation (a table holds one format, by its columns)."""
+        return any(self[start].is_conversation for start in self.starts[:-1] if start < len(self))
 
 
 def data_note(tokenized, run: RunConfig) -> str:

@@ -2,24 +2,36 @@
 
 ``--data`` may be:
 
-* a ``.json``/``.csv``/``.parquet``/``.arrow`` file (``.jsonl`` and ``.txt`` keep memfit's own reader,
-  which names the line of a bad record), or a folder of such files;
+* a ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet``/``.arrow`` file, or a folder of such files;
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
 * a Hub dataset id (``org/name``) when online, with ``--split`` and ``--data-config``.
 
-Each row becomes a record for ``memfit.data.record_to_example`` (format detection, checks), named in
-messages as ``<source> row <n>`` (1-based).
+Training reads every source here (``load_parts``), so the records live in memory-mapped Arrow files
+under the ``datasets`` cache, never all in RAM: ``.txt`` through the ``text`` builder (paragraphs, cut
+further into memfit's documents by a cached ``map``), ``.jsonl`` through the ``json`` builder. Each row
+becomes a record for ``memfit.data.record_to_example`` (format detection, checks), named in messages
+as ``<source> row <n>`` (1-based); for ``.txt``/``.jsonl``, an error is traced back to the file's line
+or byte by ``memfit.data.find_bad_input``, as memfit's own reader (``memfit.data.load_examples``) names it.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-"""File suffix -> the ``datasets`` packaged builder that reads it."""
+"""File suffix -> the ``datasets`` packaged builder that reads it (``memfit.data.load_examples``)."""
+
+LINE_BUILDERS = {".txt": "text", ".jsonl": "json"}
+"""The suffixes ``memfit.data.load_examples`` reads itself, and the builder that reads them for training."""
+
+ALL_BUILDERS = {**BUILDERS, **LINE_BUILDERS}
+
+TEXT_CHUNK = 1 << 20
+"""Bytes of a .txt file the ``text`` builder reads at a time (its default is 10 MB)."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -101,3 +113,115 @@ def load_examples(path: str, *, fmt: str | None, fields, split: str = "train", d
     if len(ds) == 0:
         raise UserError(f"Data source {path} is empty.")
     return [record_to_example(row, f"{path} row {i}", fmt, fields) for i, row in enumerate(ds, start=1)]
+
+
+# ------------------------------------------------------------------------------ training: every source
+
+
+@dataclass
+class Part:
+    """Records of one builder, in corpus order: a file, a run of files of one type, or a whole source."""
+
+    ds: object
+    """A ``datasets.Dataset`` (memory-mapped); a ``.txt`` part holds one ``text`` row per document."""
+    where: str
+    """The source as the user named it, for messages."""
+    files: list[Path] = field(default_factory=list)
+    """The ``.txt``/``.jsonl`` files of the part (searched for the bad line when a record fails)."""
+
+
+def load_parts(path, *, split: str = "train", data_config: str | None = None, fmt: str | None = None,
+               fields=None) -> list[Part]:
+    """The records of ``--data`` (``None``: the shipped corpus) as datasets, in corpus order.
+
+    A folder's files are read sorted by path (as ``memfit.data.load_examples`` reads them); consecutive
+    files of one type form one part, read by one builder.
+
+    Raises:
+        UserError: a missing path, a folder with no data file, an unreadable file (naming the line or byte
+            of a ``.txt``/``.jsonl`` file where it can), an empty source.
+    """
+    from memfit.data import default_corpus_path
+
+    root = default_corpus_path() if path is None else Path(path).expanduser()
+    where = str(root if path is None else path)
+    if not root.exists() and path is not None and not _is_local_looking(str(path)):
+        return [Part(load_dataset(str(path), split=split, data_config=data_config), where)]
+    if not root.exists():
+        raise UserError(f"Data path {root} does not exist.")
+    if root.is_dir() and _is_saved_dataset(root):
+        return [Part(load_dataset(str(root), split=split), where)]
+    files = [root] if root.is_file() else _data_files(root)
+    if root.is_file() and root.suffix.lower() not in ALL_BUILDERS:
+        raise UserError(f"{root} is a {root.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, "
+                        ".parquet, .arrow or a folder of them.")
+    if not files:
+        raise UserError(f"Data folder {root} holds no .txt, .jsonl, .json, .csv, .parquet or .arrow files.")
+    parts, run = [], [files[0]]
+    for file in files[1:] + [None]:
+        if file is not None and file.suffix.lower() == run[0].suffix.lower():
+            run.append(file)
+            continue
+        parts.append(_read_files(run, where, fmt, fields))
+        run = [file]
+    if not sum(len(part.ds) for part in parts):
+        raise UserError(f"Data {'file' if root.is_file() else 'folder'} {root} is empty.")
+    return parts
+
+
+def _is_local_looking(path: str) -> bool:
+    return not _HUB_ID.match(path) or Path(path).suffix.lower() in ALL_BUILDERS
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in ALL_BUILDERS
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def _read_files(files: list[Path], where: str, fmt, fields) -> Part:
+    import datasets
+
+    from memfit import data_arrow
+
+    datasets.disable_progress_bars()
+    suffix = files[0].suffix.lower()
+    builder = ALL_BUILDERS[suffix]
+    names = [str(f) for f in files]
+    try:
+        if suffix == ".txt":  # paragraphs (cut at "\n\n"), then memfit's documents (blank lines, stripped)
+            raw = datasets.load_dataset("text", data_files=names, split="train", sample_by="paragraph",
+                                        encoding="utf-8-sig", chunksize=TEXT_CHUNK)
+            ds = raw.map(_documents_of_paragraphs, batched=True, remove_columns=raw.column_names,
+                         batch_size=data_arrow.BATCH_ROWS, writer_batch_size=data_arrow.BATCH_ROWS,
+                         new_fingerprint=_code_fingerprint(raw._fingerprint, "documents"), desc="documents")
+        else:
+            ds = datasets.load_dataset(builder, data_files=names, split="train")
+    except Exception as err:  # noqa: BLE001 - pyarrow/json/csv/unicode raise many types; all mean "cannot read"
+        if suffix in LINE_BUILDERS:
+            from memfit.data import find_bad_input
+
+            for file in files:
+                find_bad_input(file, fmt, fields)
+                if file.stat().st_size < (1 << 20) and not file.read_text(encoding="utf-8-sig").strip():
+                    raise UserError(f"Data file {file} is empty.") from None  # datasets fails on no rows
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{where} cannot be read as {builder} ({first}).") from None
+    return Part(ds, where, files if suffix in LINE_BUILDERS else [])
+
+
+def _documents_of_paragraphs(batch: dict) -> dict:
+    from memfit.data import txt_documents
+
+    return {"text": [doc for paragraph in batch["text"] for doc in txt_documents(paragraph)]}
+
+
+def _code_fingerprint(*keys) -> str:
+    """A ``datasets`` fingerprint over ``keys`` and memfit's data code (``datasets`` hashes a module-level
+    function by reference, so without the code an upgraded memfit would reuse a cache its old code wrote)."""
+    from datasets.fingerprint import Hasher
+
+    import memfit.data
+    import memfit.data_formats
+
+    code = "".join(Path(m.__file__).read_text() for m in (memfit.data, memfit.data_formats)) + Path(__file__).read_text()
+    return Hasher.hash((keys, code))

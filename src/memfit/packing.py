@@ -37,13 +37,43 @@ from collections.abc import Iterable, Iterator
 
 from memfit.config import Packing
 
-__all__ = ["Packing", "pack_documents", "padding_share"]
+__all__ = ["FirstFit", "Packing", "pack_arrow_documents", "pack_documents", "padding_share"]
 
 IGNORE_INDEX = -100
 
 OPEN_ROWS = 16
 """Rows kept open for first-fit; a document that fits none of them closes the fullest one. 16 keeps
 padding low on mixed lengths (see ``padding_share``) while packing in one streaming pass."""
+
+
+class FirstFit:
+    """The open rows of first-fit packing over pieces of known length: the one rule both packers follow
+    (``pack_documents`` on lists, ``pack_arrow_documents`` on Arrow batches).
+
+    ``add`` puts a piece into the first open row it fits; when it fits none and ``OPEN_ROWS`` rows are
+    open, the fullest (the first of equals) closes and is returned; ``rest`` gives the rows still open,
+    in the order they were opened.
+    """
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.rows: list[list] = []  # [length, [piece, ...]]
+
+    def add(self, piece, length: int) -> list | None:
+        for row in self.rows:
+            if row[0] + length <= self.seq_len:
+                row[0] += length
+                row[1].append(piece)
+                return None
+        closed = None
+        if len(self.rows) >= OPEN_ROWS:
+            fullest = max(range(len(self.rows)), key=lambda i: self.rows[i][0])
+            closed = self.rows.pop(fullest)[1]
+        self.rows.append([length, [piece]])
+        return closed
+
+    def rest(self) -> list[list]:
+        return [row[1] for row in self.rows]
 
 
 def pack_documents(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) -> Iterator[dict[str, list[int]]]:
@@ -57,30 +87,87 @@ def pack_documents(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) ->
         ``{"input_ids", "labels", "position_ids"}`` rows of at most ``seq_len`` tokens, each with at
         least one target; in a deterministic order (rows are emitted as they close).
     """
-    open_rows: list[dict[str, list[int]]] = []
+    rows = FirstFit(seq_len)
     for ids, labels in docs:
         for start in range(0, len(ids), seq_len):
             piece_ids, piece_labels = ids[start : start + seq_len], labels[start : start + seq_len]
             if not any(t != IGNORE_INDEX for t in piece_labels[1:]):
                 continue  # nothing to learn from it (a lone token, or prompt only)
-            row = _first_fit(open_rows, len(piece_ids), seq_len)
-            if row is None:
-                if len(open_rows) >= OPEN_ROWS:
-                    fullest = max(range(len(open_rows)), key=lambda i: len(open_rows[i]["input_ids"]))
-                    yield open_rows.pop(fullest)
-                row = {"input_ids": [], "labels": [], "position_ids": []}
-                open_rows.append(row)
-            row["input_ids"] += piece_ids
-            row["labels"] += [IGNORE_INDEX] + piece_labels[1:]  # the first token is never a target
-            row["position_ids"] += list(range(len(piece_ids)))
-    yield from open_rows
+            closed = rows.add((piece_ids, piece_labels), len(piece_ids))
+            if closed is not None:
+                yield _row(closed)
+    for pieces in rows.rest():
+        yield _row(pieces)
 
 
-def _first_fit(rows: list[dict[str, list[int]]], length: int, seq_len: int):
-    for row in rows:
-        if len(row["input_ids"]) + length <= seq_len:
-            return row
-    return None
+def _row(pieces) -> dict[str, list[int]]:
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for piece_ids, piece_labels in pieces:
+        row["input_ids"] += piece_ids
+        row["labels"] += [IGNORE_INDEX] + piece_labels[1:]  # the first token is never a target
+        row["position_ids"] += list(range(len(piece_ids)))
+    return row
+
+
+def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
+    """``pack_documents`` over Arrow record batches of documents (``input_ids``, ``labels`` list columns),
+    yielding ``pyarrow.RecordBatch`` es of packed rows: the same rows in the same order, but the tokens
+    move as numpy slices, never as Python ints (the Python work is per piece, not per token).
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    rows = FirstFit(seq_len)
+    done: list = []
+    id_type = None
+    for batch in batches:
+        ids_col, labels_col = (_one_array(batch.column(i)) for i in (0, 1))
+        id_type = ids_col.type.value_type
+        offsets = ids_col.offsets.to_numpy()
+        base = int(offsets[0])
+        flat = (ids_col.flatten().to_numpy(zero_copy_only=False),
+                labels_col.flatten().to_numpy(zero_copy_only=False))
+        targets = np.concatenate([[0], np.cumsum(flat[1] != IGNORE_INDEX)])  # targets before each position
+        bounds = (offsets - base).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            for start in range(a, b, seq_len):
+                stop = min(start + seq_len, b)
+                if stop - start < 2 or targets[stop] == targets[start + 1]:
+                    continue  # nothing to learn from it (a lone token, or prompt only)
+                closed = rows.add((flat, start, stop), stop - start)
+                if closed is not None:
+                    done.append(closed)
+        if len(done) >= rows_per_batch:
+            yield _arrow_rows(done, id_type, seq_len)
+            done = []
+    done += rows.rest()
+    if done:
+        yield _arrow_rows(done, id_type, seq_len)
+
+
+def _one_array(column):
+    return column.combine_chunks() if hasattr(column, "combine_chunks") else column
+
+
+def _arrow_rows(rows: list, id_type, seq_len: int):
+    """A record batch of packed rows (each a list of ``(flat arrays, start, stop)`` pieces)."""
+    import numpy as np
+    import pyarrow as pa
+
+    lengths = [b - a for pieces in rows for _, a, b in pieces]
+    ids = np.concatenate([flat[0][a:b] for pieces in rows for flat, a, b in pieces])
+    labels = np.concatenate([flat[1][a:b] for pieces in rows for flat, a, b in pieces])
+    piece_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    labels[piece_starts] = IGNORE_INDEX  # the first token of a piece is never a target
+    positions = np.arange(len(ids)) - np.repeat(piece_starts, lengths)
+    row_ends = np.cumsum([sum(b - a for _, a, b in pieces) for pieces in rows])
+    offsets = pa.array(np.concatenate([[0], row_ends]).astype(np.int32))
+    pos_type = pa.int16() if seq_len < 2**15 else pa.int32()
+    return pa.RecordBatch.from_arrays(
+        [pa.ListArray.from_arrays(offsets, pa.array(ids, type=id_type)),
+         pa.ListArray.from_arrays(offsets, pa.array(labels, type=id_type)),
+         pa.ListArray.from_arrays(offsets, pa.array(positions.astype(pos_type.to_pandas_dtype()), type=pos_type))],
+        names=["input_ids", "labels", "position_ids"])
 
 
 def padding_share(rows: Iterable[dict[str, list[int]]], seq_len: int, micro_batch: int) -> float:

@@ -2,9 +2,11 @@
 
 Accelerate owns the integrations (``accelerate.tracking``); memfit only checks that the package is
 installed before the run starts, so a missing one is one sentence naming the extra to install, not a
-traceback after the model is built. Local/offline use: TensorBoard and Aim write under ``--output``;
-MLflow writes a local ``mlruns`` store under ``--output`` (Accelerate passes ``logging_dir`` as its
-tracking URI); wandb and trackio run offline with ``WANDB_MODE=offline`` / without a Space set.
+traceback after the model is built. Local/offline use (``local_init_kwargs``): TensorBoard and Aim write
+under ``--output`` (Accelerate's ``logging_dir``); wandb writes its run under ``--output/wandb``
+(offline with ``WANDB_MODE=offline``); MLflow writes a SQLite store ``--output/mlflow.db`` unless
+``MLFLOW_TRACKING_URI`` names another; trackio keeps its local database (``TRACKIO_DIR``, default
+``~/.cache/huggingface/trackio``) unless a Space is set.
 """
 
 from __future__ import annotations
@@ -27,3 +29,20 @@ def check_tracker(name: str | None) -> None:
     if importlib.util.find_spec(TRACKERS[name]) is None:
         raise UserError(f"--tracker {name} needs the {TRACKERS[name]} package; install it with "
                         f"pip install 'memfit[{name}]'.")
+
+
+def local_init_kwargs(name: str | None, output) -> dict:
+    """``init_kwargs`` for ``Accelerator.init_trackers`` that keep a tracker's records under ``output``
+    where it would otherwise write to the current folder (wandb) or its own default store (MLflow)."""
+    import os
+    from pathlib import Path
+
+    output = Path(output).resolve()
+    if name == "wandb":
+        return {"wandb": {"dir": str(output)}}
+    if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow
+
+        output.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(f"sqlite:///{output / 'mlflow.db'}")  # MLflow 3 refuses a file store
+    return {}

@@ -74,6 +74,8 @@ def _train_options(func):
         click.option("--trust-remote-code", is_flag=True, help="Allow a local model's own Python code."),
         click.option("--samples", type=int, default=_D.samples, show_default=True,
                      help="Samples printed at the end: the model continues the beginnings of held-out documents."),
+        click.option("--eval-samples", type=click.IntRange(min=0), default=_D.eval_samples, show_default=True,
+                     help="Also generate N samples at each --eval-every evaluation (samples.jsonl in --output)."),
         click.option("--budget", default=None,
                      help="Memory budget (24GiB): plan the fastest settings that fit, then train them. Full "
                      "fine-tune unless --lora-r; --dtype/--mixed-precision kept when given."),

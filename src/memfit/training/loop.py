@@ -29,6 +29,7 @@ from memfit.training.guard import RunGuard
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.rollback import RngState, undo_step
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler
+from memfit.training.samples import samples_at_eval
 from memfit.training.session import LoopState, TrainSession, build_session, predict
 from memfit.training.step import StepOutOfMemory, StepResult, evaluate, train_step
 from memfit.training.summary import FallbackRecord, RunSummary
@@ -147,6 +148,8 @@ def evaluate_due(s: TrainSession) -> bool:
                                      batch_size=eval_batch(s.run), vocab_size=s.vocab)
     if math.isnan(s.state.best_eval) or s.state.last_eval < s.state.best_eval:
         s.state.best_eval = s.state.last_eval
+    with not_a_batch_problem("generating samples"):
+        samples_at_eval(s)  # --eval-samples
     return True
 
 

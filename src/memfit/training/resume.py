@@ -25,7 +25,8 @@ from memfit.validate import flag
 #: May differ from the saved run when resuming: they change how long, how often or how the same
 #: effective batch is split, never what is computed per optimizer step.
 SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last", "log_every", "samples",
-                  "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing", "attn_implementation",
+                  "eval_samples", "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing",
+                  "attn_implementation",
                   # how the same steps are spread over ranks and saved (the loader refuses a checkpoint
                   # format it cannot read, training.sharding.state_loader)
                   "sharding", "state_dict"})

@@ -22,6 +22,7 @@ The batch sampler yields the slots in the order Accelerate's ``BatchSamplerShard
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,13 +44,21 @@ class StepSchedule:
         return -(-self.num_samples // self.effective_batch)  # ceil
 
     def order(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=gen).tolist()
+        return _permutation(self.num_samples, self.seed + epoch).tolist()
 
     def step_samples(self, samples_done: int) -> list[int]:
         """Sample indices of the optimizer step that starts after ``samples_done`` samples."""
         epoch, pos = divmod(samples_done, self.num_samples)
-        return self.order(epoch)[pos : min(pos + self.effective_batch, self.num_samples)]
+        return _permutation(self.num_samples, self.seed + epoch)[pos : min(pos + self.effective_batch,
+                                                                              self.num_samples)].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(num_samples: int, seed: int) -> torch.Tensor:
+    """``randperm(num_samples)`` seeded with ``seed``, kept (an epoch's steps read slices of it): drawn once
+    an epoch, 8 bytes a sample as a tensor rather than a list of millions of Python ints every step."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_samples, generator=gen)
 
 
 def split_step(samples: list[int], micro_batch: int, grad_accum: int, num_processes: int) -> list[list[int]]:

@@ -79,3 +79,40 @@ def generate_samples(accelerator, net, tokenizer, examples: list, *, count: int,
             out.append({"prompt": text, "completion": completion})
     net.train(was_training)
     return out
+
+
+SAMPLES_FILE = "samples.jsonl"
+"""Samples taken during the run (``--eval-samples``), one JSON object per sample, appended."""
+
+
+def samples_at_eval(s) -> list[dict[str, Any]]:
+    """``--eval-samples N``: after an evaluation, N samples from the same held-out prompts as the end-of-run
+    samples (conversations through the chat template), appended to ``samples.jsonl`` as
+    ``{"step", "prompt", "completion"}`` and shown above the progress bar; the same seed each time, so
+    samples of successive evaluations differ only by what the model learned in between.
+
+    Main process only, and only when each process holds the whole model: a sharded model's forward is
+    collective, so its samples wait for the end of the run (where the gathered copy generates them).
+    """
+    import json
+
+    from memfit.training.sharding import is_sharded
+
+    count = getattr(s.config, "eval_samples", 0)
+    if count <= 0 or not s.is_main or is_sharded(s.run):
+        return []
+    from memfit.training.rollback import RngState
+
+    net = s.accelerator.unwrap_model(s.model)
+    rng = RngState.capture()  # sampling seeds the generators; training goes on with the state it had
+    try:
+        out = generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs, count=count,
+                               seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
+    finally:
+        rng.restore()
+    with (s.output / SAMPLES_FILE).open("a") as fh:
+        for sample in out:
+            fh.write(json.dumps({"step": s.state.step, **sample}) + "\n")
+    for sample in out:
+        s.bar.note(f"sample at step {s.state.step}: {sample['prompt']!r} -> {sample['completion']!r}")
+    return out

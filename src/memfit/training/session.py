@@ -168,7 +168,10 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         _reapply_schedule(optimizer, scheduler)
     if config.tracker:
-        accelerator.init_trackers("memfit", config=_tracker_config(config, run))
+        from memfit.trackers import local_init_kwargs
+
+        accelerator.init_trackers("memfit", config=_tracker_config(config, run),
+                                  init_kwargs=local_init_kwargs(config.tracker, output))
     bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process)
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))

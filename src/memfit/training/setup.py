@@ -269,8 +269,9 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     from memfit.data_prep import load_for_run
 
     examples, tokenized = load_for_run(config, run, tokenizer)
-    train_idx, held = data.split_documents(len(examples), config.eval_fraction, config.seed)  # tokenize's split
-    docs = [examples[i] for i in spread(held or train_idx, config.samples)]
+    train_idx, held = data.split_indices(len(examples), config.eval_fraction, config.seed)  # tokenize's split
+    count = max(config.samples, config.eval_samples)
+    docs = [examples[int(i)] for i in spread(held if len(held) else train_idx, count)]
     from memfit.data_prep import data_note
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,

@@ -139,20 +139,23 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
     """Mean loss per target token over the held-out rows (each rank takes every P-th row; sums reduced)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    if not rows:
+    if not len(rows):
         return float("nan")
     net = accelerator.unwrap_model(model)  # no DDP: ranks may hold different numbers of eval batches
     was_training = net.training
     net.eval()
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    # Row indices, not rows: held-out rows on disk (memfit.data_arrow) are read a batch at a time.
+    mine = range(accelerator.process_index, len(rows), accelerator.num_processes)
     # Every rank runs the same number of batches (FSDP2's forward is collective): a rank with fewer rows
     # pads with a copy of a row whose labels are all ignored (it adds no loss and no target token).
     per_rank = -(-len(rows) // accelerator.num_processes)
-    mine += [{**rows[0], "labels": [-100] * len(rows[0]["labels"])}] * (per_rank - len(mine))
+    filler = {**rows[0], "labels": [-100] * len(rows[0]["labels"])}
     sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, targets)
     one = torch.tensor(1, device=accelerator.device)
-    for start in range(0, len(mine), batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size], pad_id).items()}
+    for start in range(0, per_rank, batch_size):
+        chunk = [rows[i] for i in mine[start : start + batch_size]]
+        chunk += [filler] * (min(batch_size, per_rank - start) - len(chunk))
+        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
         with accelerator.autocast():
             logits = net(**{k: v for k, v in model_inputs(batch).items() if k != "labels"}).logits
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
