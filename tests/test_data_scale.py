@@ -160,7 +160,6 @@ def test_resume_on_arrow_data_lands_on_the_same_samples_and_weights(tmp_path, mo
     a step) vs 2 steps, a crash right after the step-2 checkpoint, and a resume: the same losses at steps
     3 and 4 (so the same samples) and bit-identical weights."""
     from _train_helpers import metrics, tiny_config
-
     from memfit.training import checkpoint
     from memfit.training.loop import run_training
 
@@ -193,7 +192,6 @@ def test_eval_samples_use_the_chat_template_and_leave_training_unchanged(tmp_pat
     held-out user turns; the trained weights equal those of the same run without samples (sampling does
     not move the random state training draws from)."""
     from _train_helpers import tiny_config
-
     from memfit.training.loop import run_training
 
     path = tmp_path / "chats.jsonl"

@@ -14,7 +14,6 @@ from memfit.trackers import TRACKERS, check_tracker
 
 def _train(tmp_path: Path, tracker: str) -> tuple[Path, list[dict]]:
     from _train_helpers import metrics, tiny_config
-
     from memfit.training.loop import run_training
 
     cfg = tiny_config(tmp_path, tracker=tracker, max_steps=2)

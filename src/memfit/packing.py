@@ -115,7 +115,6 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
     move as numpy slices, never as Python ints (the Python work is per piece, not per token).
     """
     import numpy as np
-    import pyarrow as pa
 
     rows = FirstFit(seq_len)
     done: list = []
