@@ -164,7 +164,8 @@ def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
     if evaluated:
         record["eval_loss"] = s.state.last_eval
     s.metrics.write(record)
-    s.accelerator.log({k: v for k, v in record.items() if v is not None}, step=s.state.step)
+    # the step is the trackers' own axis (``step=``), not a metric: trackio renames a "step" value and warns
+    s.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=s.state.step)
 
 
 def save_due(s: TrainSession) -> None:
