@@ -133,14 +133,21 @@ def test_step_peak_counts_weights_gradient_and_activations_of_a_real_step():
     assert w + g + x <= counter.peak_bytes <= w + g + x + 4 * act
 
 
-def test_step_peak_measures_only_the_second_step_and_never_on_cuda():
+def test_step_peak_measures_only_the_third_step_and_never_on_cuda():
+    # the third step is the first to start with the whole rollback snapshot (see StepPeak); a 2-step run
+    # measures its last
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = measure.StepPeak("cpu", steps_to_run=5)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         with counter.watch(step, model, opt, []):
             model(torch.ones(2, 8)).sum().backward()
-    assert counter.measured_step == 2 and counter.peak_bytes > 0
+    assert counter.measured_step == 3 and counter.peak_bytes > 0
+    short = measure.StepPeak("cpu", steps_to_run=2)
+    for step in (1, 2):
+        with short.watch(step, model, opt, []):
+            model(torch.ones(2, 8)).sum().backward()
+    assert short.measured_step == 2
     cuda = measure.StepPeak("cuda", steps_to_run=5)
     for step in (1, 2):
         with cuda.watch(step, model, opt, []):
