@@ -60,6 +60,11 @@ GRID = [
     _case("stablelm", 512, 2, PURE, LORA),
     _case("granite", 256, 4, FP32, GC),
     _case("qwen3", 256, 4, FP32),
+    # Checkpointing with the default --packing documents: the block-causal boolean mask every checkpointed
+    # layer keeps, RoPE's per-row cos/sin, the recomputed layer's transient (its input not saved twice).
+    _case("llama-gqa", 1024, 1, FP32, GC),   # the mask is 5.6% of this peak: dropping it fails here
+    _case("qwen2", 512, 2, AMP, GC),
+    _case("gemma2", 512, 2, FP32, GC),       # eager + checkpointing: derived (the hand-written one was 9% under)
 ]
 
 _SLOW = pytest.mark.slow
@@ -73,6 +78,8 @@ SLOW_GRID = [
 ] + [
     _case("gpt2", 256, 4, AMP, GC, marks=_SLOW),      # dropout + checkpointing on CPU kernels: derived
     _case("gpt_neox", 256, 8, FP32, marks=_SLOW),     # a derived recipe at a second size
+    _case("llama-mha", 256, 4, AMP, GC, marks=_SLOW),
+    _case("llama-gqa", 512, 2, FP32, GC, attn_implementation="eager", marks=_SLOW),  # derived (was 34% under)
 ]
 # Not in either grid: LoRA + checkpointing together (docs/estimate.md: the trace's old first-step leftovers
 # are gone since its first step runs untracked; not re-run against the bound yet).
@@ -137,7 +144,7 @@ def test_analytic_matches_trace(family, run):
         assert _within(a, e), f"{phase} peak off by more than 3%: {a:,} vs {e:,} bytes{table}"
 
 
-@pytest.mark.parametrize("family, run", GRID + SLOW_GRID[-2:])
+@pytest.mark.parametrize("family, run", GRID + SLOW_GRID[-4:])
 def test_recipe_used(family, run):
     """Each case states which recipe it tests: hand-written where one models the run, else derived."""
     from memfit.memory.estimate import estimate
@@ -146,7 +153,8 @@ def test_recipe_used(family, run):
     got = estimate(spec, run, device="cpu").recipe
     beyond_window = family == "mistral" and run.seq_len > 64
     recomputed_math_attention = family == "gpt2" and run.grad_checkpointing  # dropout on: CPU math kernel
-    if family in DERIVED or beyond_window or recomputed_math_attention:
+    eager_checkpointed = run.grad_checkpointing and (family == "gemma2" or run.attn_implementation.value == "eager")
+    if family in DERIVED or beyond_window or recomputed_math_attention or eager_checkpointed:
         assert got == f"derived from traces of 1-2 layer {spec.model_type}"
     else:
         assert got.startswith("hand-written recipe: ")
@@ -195,3 +203,31 @@ def test_amp_first_layer_backward_matches_trace(family, run):
     for phase in PHASES:
         a, e = analytic.phase_peaks[phase], exact.phase_peaks[phase]
         assert _within(a, e), f"{phase} peak off by more than 3%: {a:,} vs {e:,} bytes{table}"
+
+
+#: Checkpointed runs of the hand-written Llama recipe, held to 0.3%: each term found by reading the trace
+#: is 0.5-2.2% of these peaks, under the grid's 3% bound, so this guards them one by one (each was dropped
+#: once and failed here). Llama MHA: RoPE's cos/sin per packed row (-0.5% without), the recomputed layer's
+#: input not counted twice and its transient gradients (+1.7% without either); Qwen2: the tied head's
+#: gradient buffer (fp32, -2.0%), the decoder's last hidden state alive in the loss (AMP forward, -2.2%).
+CHECKPOINTED_TERMS = [
+    _case("llama-mha", 512, 2, FP32, GC),
+    _case("qwen2", 512, 2, FP32, GC),
+    _case("qwen2", 512, 2, AMP, GC),
+]
+TERM_BOUND = 0.003
+
+
+@pytest.mark.parametrize("family, run", CHECKPOINTED_TERMS)
+def test_checkpointed_llama_terms_match_trace_closely(family, run):
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+
+    config, spec = _model(family)
+    exact = trace(config, run, device="cpu")
+    analytic = estimate(spec, run, device="cpu")
+    assert analytic.recipe == "hand-written recipe: llama"
+    table = "\n" + compare_table(analytic, exact)
+    for phase in ("forward", "backward"):
+        a, e = analytic.phase_peaks[phase], exact.phase_peaks[phase]
+        assert abs(a - e) <= TERM_BOUND * e, f"{phase} peak off by more than 0.3%: {a:,} vs {e:,} bytes{table}"

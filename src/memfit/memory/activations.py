@@ -283,12 +283,31 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     grads = (2 * prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size) * ctx.bt
     if run.grad_checkpointing:
         saved = prec.w * spec.hidden_size * ctx.bt
-        return LayerActivations(saved=saved, backward_transient=full + grads, all_layers=saved * spec.num_layers)
+        return LayerActivations(saved=saved, backward_transient=full + _recompute_grads(spec, prec) * ctx.bt
+                                - _checkpoint_input_resaved(spec, prec) * ctx.bt,
+                                all_layers=saved * spec.num_layers)
     first = full
     if run.is_lora():
         ctx.xin = False
         first = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
     return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (spec.num_layers - 1))
+
+
+def _checkpoint_input_resaved(spec, prec: Precisions) -> int:
+    """Bytes per token of a recomputed layer's saved set that are its checkpointed input itself: the first
+    norm's ``pow`` saves ``x.float()``, which is ``x`` when the stream is fp32 (already counted in
+    ``saved``); a half stream saves a new fp32 copy. Trace: Llama MHA, fp32, T 512, B 2: 524,288 bytes."""
+    return FP32 * spec.hidden_size if prec.w == FP32 and spec.family != "gpt2" else 0
+
+
+def _recompute_grads(spec, prec: Precisions) -> int:
+    """Gradient bytes per token alive at a checkpointed layer's backward peak, beside its recomputed set.
+
+    The peak is in the MLP's backward, once ``down_proj`` has given its input's gradient (I wide, c) and
+    freed that input (its saved set minus I c): the layer output's gradient (H, stream dtype) and the
+    three I-wide gradients of ``act(gate) * up`` (the product's and its two inputs'), i.e. H w + 2 I c
+    net of the freed input. Read off the exact trace (Llama MHA and GQA, fp32 and AMP)."""
+    return prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size
 
 
 def _per_layer_constant(spec, run: RunConfig) -> int:
@@ -312,17 +331,27 @@ def outside_layer_activations(spec, run: RunConfig, prec: Precisions, device: st
     total = 0
     if ctx.full:
         total += 8 * bt
+    rows = position_rows(run)
     if spec.family == "gpt2":
         if ctx.full:
-            total += 8 * run.seq_len
+            total += 8 * rows * run.seq_len
         if ctx.full or run.grad_checkpointing:
             total += ctx.dropout_mask(h, w, float(getattr(spec.hf_config, "embd_pdrop", 0.0) or 0.0)) * bt
     else:
-        total += 2 * w * run.seq_len * spec.head_dim
+        total += 2 * w * rows * run.seq_len * spec.head_dim
         if spec.family == "gemma2" and ctx.full:
             total += FP32 * h
     total += head_side_activations(spec, run, prec, device) + checkpointed_masks(spec, run, prec)
     return int(total)
+
+
+def position_rows(run: RunConfig) -> int:
+    """Rows of the position ids the model sees: B with ``--packing documents`` (each row carries its own
+    restarting (B, T) positions), else 1 (transformers numbers positions 0..T-1 once, (1, T)). Everything
+    computed from them per row has that many rows: RoPE's cos and sin ((rows, T, head_dim) each, saved by
+    every layer's rotation), GPT-2's position-embedding input. Read off transformers 5's rotary
+    embeddings; the trace agrees to the byte (Llama, T 512, B 2, fp32: 65,536 bytes more than (1, T))."""
+    return run.micro_batch if run.packing is Packing.DOCUMENTS else 1
 
 
 def head_side_activations(spec, run: RunConfig, prec: Precisions, device: str) -> int:
@@ -343,19 +372,41 @@ def head_side_activations(spec, run: RunConfig, prec: Precisions, device: str) -
     return int(total)
 
 
+def final_hidden_in_loss(spec, run: RunConfig, prec: Precisions, device: str) -> int:
+    """The decoder's last hidden state (stream dtype), alive while the model's own loss runs, when the head
+    does not save it, bytes (0 when it does: counted in ``head_side_activations``).
+
+    ``*ForCausalLM.forward`` holds the decoder's output until it returns, i.e. through the head and the
+    loss, the forward's peak; the head saves that tensor itself only in a full fine-tune without autocast
+    (autocast saves its half copy, a frozen head saves nothing). The chunked loss saves it (counted there).
+    Trace: Llama GQA, T 512, B 2, bf16 autocast: 262,144 of a 282,768-byte forward gap (the rest: the
+    loss' padded and shifted int64 labels, ~16 B a token).
+    """
+    if str(run.loss) != "standard" or (not run.is_lora() and not prec.amp):
+        return 0
+    return prec.w * spec.hidden_size * run.micro_batch * run.seq_len
+
+
 def checkpointed_masks(spec, run: RunConfig, prec: Precisions) -> int:
-    """Attention masks kept alive by checkpointing under eager attention, bytes.
+    """Attention masks kept alive by checkpointing, bytes.
 
     Eager attention gets a materialised (B, 1, T, T) additive mask in the stream dtype, one per kind of
-    layer (Gemma 2: sliding and full). Non-reentrant checkpointing saves each layer's inputs, the mask
-    among them, so the masks live from the forward into backward (without checkpointing ``attn + mask``
-    saves nothing and they are freed when the decoder's forward returns). SDPA on CPU without a sliding
-    window gets no mask (``is_causal``). Read off transformers 5's ``create_causal_mask`` and the trace.
+    layer (Gemma 2: sliding and full). SDPA gets a (B, 1, T, T) boolean mask (1 byte an element) where
+    transformers cannot pass ``is_causal``: packed rows (``--packing documents``: block-causal); without
+    packing it gets none (a sliding window shorter than the sequence goes to the derived recipe).
+    Non-reentrant checkpointing saves each layer's inputs, the mask among them, so the masks live from
+    the forward into backward (without checkpointing ``attn + mask`` saves nothing and they are freed
+    when the decoder's forward returns). Read off transformers 5's ``create_causal_mask`` and the trace
+    (Llama GQA, T 512, B 2, SDPA, packed: the 524,288-byte boolean mask was the whole of a 3.3% gap).
     """
-    eager = run.attn_implementation is Attention.EAGER or spec.family == "gemma2"
-    if not (eager and run.grad_checkpointing):
+    if not run.grad_checkpointing:
         return 0
-    return len(_mask_kinds(spec)) * run.micro_batch * run.seq_len * run.seq_len * prec.w
+    masks = run.micro_batch * run.seq_len * run.seq_len
+    if run.attn_implementation is Attention.EAGER or spec.family == "gemma2":
+        return len(_mask_kinds(spec)) * masks * prec.w
+    if run.packing is Packing.DOCUMENTS and run.attn_implementation is Attention.SDPA:
+        return masks  # bool
+    return 0
 
 
 def masks_freed_above_first_layer(spec, run: RunConfig, prec: Precisions) -> int:

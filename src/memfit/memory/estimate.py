@@ -27,6 +27,7 @@ from memfit.errors import UserError
 from memfit.memory.activations import (
     ATTN_IN,
     Precisions,
+    final_hidden_in_loss,
     head_side_activations,
     layer_activations,
     logits_terms,
@@ -130,7 +131,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
-    forward = base + grads_in_fwd + activations + logit.forward + copies[0] + states.gathered
+    in_loss = final_hidden_in_loss(spec, run, prec, device)
+    forward = base + grads_in_fwd + activations + in_loss + logit.forward + copies[0] + states.gathered
     if str(run.loss) != "standard":
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
         # end holds the cache, the loss only the copies saved for backward (the head's included).
@@ -186,7 +188,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                  key=lambda m: m[0])[1]  # ties: the earlier moment, as before
     end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
     out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
-                        (head_grads, end_temporary), moment, head_side)
+                        (head_grads, end_temporary), moment, head_side, in_loss)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
     if device == "cuda":
@@ -205,13 +207,13 @@ def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
 
 
 def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_and_end, moment,
-                  head_side=0) -> MemoryBreakdown:
+                  head_side=0, in_loss=0) -> MemoryBreakdown:
     """Assign the bytes of the peak phase to categories (``saved``: all activations and those outside the
     layers; ``copies``: autocast weight copies in forward, those saved for backward and those alive one
     layer into backward; ``moment``: which
     of backward's ``start``/``layer``/``end`` is its peak; ``grads_and_end``: the weight gradients one layer
     into backward and the temporaries at backward's end; ``head_side``: activations freed before the first
-    layer's backward)."""
+    layer's backward; ``in_loss``: activations alive only while the forward's loss runs)."""
     activations, outside = saved
     head_grads, end_temporary = grads_and_end
     out = MemoryBreakdown(method="analytic", phase=phase, params=spec.params,
@@ -221,7 +223,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
     grads_in_fwd = (states.gradients if run.grad_accum > 1 else 0) + states.buckets
     if phase == "forward":
         out.gradients = grads_in_fwd
-        out.activations = activations
+        out.activations = activations + in_loss
         out.logits = logit.forward
         out.temporary = copies[0] + states.gathered
     elif phase == "backward" and moment == "end":
@@ -553,12 +555,14 @@ def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts
 
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
     """Weight gradients that exist one layer into backward (full fine-tune): the output head's (produced
-    first; a head tied to the embedding gets its gradient only with the embedding's, at the end of
-    backward, as autograd sums both uses first) and the last layer's down projection's (the first weight
-    gradient of a layer's backward)."""
+    first; a head tied to the embedding gets its ``.grad`` only with the embedding's, at the end of
+    backward, but autograd holds the head's part in the weight's input buffer from the head's backward
+    on, to sum both uses: the same bytes, as a temporary) and the last layer's down projection's (the
+    first weight gradient of a layer's backward). Trace: Qwen2 (tied), fp32, checkpointing, T 512, B 2:
+    the buffer (V H fp32, 537,088 bytes) alive through the first layer's backward."""
     if run.is_lora():
         return 0
-    head = 0 if spec.tie_word_embeddings else spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
     down = spec.intermediate_size * spec.hidden_size
     return (head + down) * prec.w
 
