@@ -135,6 +135,30 @@ def reset_accelerate_state() -> None:
     GradientState._reset_state()
 
 
+def fill_defaults(args, defaults: dict[str, Any], keys: tuple[str, ...], trace_workers: int) -> None:
+    """The GPU scripts' unset options from their GPU or ``--dry-run`` defaults: ``keys`` taken as they are,
+    comma lists (``models``, ``configs``) split, and trace workers (0 = inline on a dry run)."""
+    for key in ("models", "configs"):
+        if hasattr(args, key):
+            value = getattr(args, key)
+            setattr(args, key, value.split(",") if value else defaults.get(key))
+    for key in keys:
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.trace_workers is None:
+        args.trace_workers = 0 if args.dry_run else trace_workers
+
+
+def dry_run_models(args, tmp: str) -> None:
+    """``--dry-run`` without ``--models``: one tiny local checkpoint in ``tmp`` and one torch thread (the
+    test machine is small and shared)."""
+    if args.models is None:
+        import _device as dev
+
+        set_threads(1)
+        args.models = [dev.make_dry_run_model(Path(tmp) / "dry-run-model")]
+
+
 def cuda_missing(dry_run: bool) -> bool:
     """True (after printing the one-line error) when a GPU script runs without --dry-run and no GPU."""
     import torch

@@ -215,15 +215,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--no-exact", action="store_true", help="skip the exact traces")
     parser.add_argument("--out", default="-", help="JSON file (- for stdout)")
     args = parser.parse_args(argv)
-    defaults = DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS
-    args.models = args.models.split(",") if args.models else defaults["models"]
-    args.configs = args.configs.split(",") if args.configs else defaults.get("configs")
+    common.fill_defaults(args, DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS,
+                         ("seq_len", "micro_batch", "steps", "warmup"), trace_workers=6)
     args.runners = [r for r in args.runners.split(",") if r]
-    for key in ("seq_len", "micro_batch", "steps", "warmup"):
-        if getattr(args, key) is None:
-            setattr(args, key, defaults[key])
-    if args.trace_workers is None:
-        args.trace_workers = 0 if args.dry_run else 6
     return args
 
 
@@ -233,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.models is None:  # --dry-run: a tiny local checkpoint, one thread (the test machine is small)
-            common.set_threads(1)
-            args.models = [dev.make_dry_run_model(Path(tmp) / "dry-run-model")]
+        common.dry_run_models(args, tmp)
         results = run_all(args, t_start)
     common.write_json(args.out, results)
     print_table(results)

@@ -129,13 +129,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--out", default="-", help="JSON file (- for stdout)")
     args = parser.parse_args(argv)
     defaults = DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS
-    args.models = args.models.split(",") if args.models else defaults["models"]
-    args.configs = args.configs.split(",") if args.configs else defaults.get("configs")
     args.seq_lens = [int(s) for s in args.seq_lens.split(",")] if args.seq_lens else defaults["seq_lens"]
-    args.micro_batch = args.micro_batch or defaults["micro_batch"]
-    args.steps = args.steps or defaults["steps"]
-    if args.trace_workers is None:
-        args.trace_workers = 0 if args.dry_run else 8
+    common.fill_defaults(args, defaults, ("micro_batch", "steps"), trace_workers=8)
     return args
 
 
@@ -147,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.models is None:  # --dry-run: a tiny local checkpoint, one thread
-            common.set_threads(1)
-            args.models = [dev.make_dry_run_model(Path(tmp) / "dry-run-model")]
+        common.dry_run_models(args, tmp)
         grid = dev.config_grid(args.configs)
         jobs = [(m, f"{name}@{seq}", RunConfig(seq_len=seq, micro_batch=args.micro_batch, **flags))
                 for m in args.models for seq in args.seq_lens for name, flags in grid.items()]

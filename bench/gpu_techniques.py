@@ -350,15 +350,11 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--no-exact", action="store_true", help="skip the exact traces")
     parser.add_argument("--out", default="-", help="JSON file (- for stdout)")
     args = parser.parse_args(argv)
-    defaults = DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS
-    for key in ("seq_len", "micro_batch", "steps", "warmup", "layers"):
-        if getattr(args, key) is None:
-            setattr(args, key, defaults[key])
+    common.fill_defaults(args, DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS,
+                         ("seq_len", "micro_batch", "steps", "warmup", "layers"), trace_workers=6)
     args.cases = args.cases.split(",") if args.cases else list(CASES)
     if args.grad_accum > 1:
         args.cases = [c for c in args.cases if not CASES.get(c, {}).get("optimizer_in_backward")]
-    if args.trace_workers is None:
-        args.trace_workers = 0 if args.dry_run else 6
     return args
 
 

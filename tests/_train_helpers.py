@@ -73,3 +73,24 @@ def max_diff(a, b) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa)
+
+
+def crash_after_first_checkpoint_then_resume(cfg: TrainConfig, monkeypatch):
+    """Run ``cfg`` until its first checkpoint has landed, kill it there (``KeyboardInterrupt`` right after
+    the save), then ``--resume`` it to the end; returns the resumed run's result."""
+    import pytest
+
+    from memfit.training import checkpoint
+    from memfit.training.loop import run_training
+
+    real_save = checkpoint.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt  # killed right after the checkpoint landed
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, show=False)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
+    return run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)

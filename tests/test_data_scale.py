@@ -159,8 +159,7 @@ def test_resume_on_arrow_data_lands_on_the_same_samples_and_weights(tmp_path, mo
     """4 AdamW steps on a parquet source (20 documents packed on disk into 26 rows of <= 64 tokens, 4 rows
     a step) vs 2 steps, a crash right after the step-2 checkpoint, and a resume: the same losses at steps
     3 and 4 (so the same samples) and bit-identical weights."""
-    from _train_helpers import metrics, tiny_config
-    from memfit.training import checkpoint
+    from _train_helpers import crash_after_first_checkpoint_then_resume, metrics, tiny_config
     from memfit.training.loop import run_training
 
     data = _parquet(tmp_path)
@@ -168,17 +167,7 @@ def test_resume_on_arrow_data_lands_on_the_same_samples_and_weights(tmp_path, mo
                   run={"optimizer": "adamw"})
     full = run_training(tiny_config(tmp_path / "a", **common), show=False)
     cfg = tiny_config(tmp_path / "b", save_every=2, **common)
-    real_save = checkpoint.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt  # killed right after the step-2 checkpoint landed
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        run_training(cfg, show=False)
-    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
-    resumed = run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
+    resumed = crash_after_first_checkpoint_then_resume(cfg, monkeypatch)  # killed after the step-2 checkpoint
     assert resumed.summary.steps == 4 and resumed.summary.sequences == full.summary.sequences
     losses = [{m["step"]: m["loss"] for m in metrics(out) if "loss" in m} for out in (cfg.output, full.summary.output)]
     assert losses[0][3] == losses[1][3] and losses[0][4] == losses[1][4]

@@ -10,7 +10,13 @@ import json
 import pytest
 import torch
 
-from _train_helpers import max_diff, metrics, tiny_config, write_text
+from _train_helpers import (
+    crash_after_first_checkpoint_then_resume,
+    max_diff,
+    metrics,
+    tiny_config,
+    write_text,
+)
 from memfit.config import RunConfig
 from memfit.data import collate, count_target_tokens
 from memfit.errors import UserError
@@ -135,19 +141,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(tmp_path, monk
                                     warmup_steps=2), show=False)
     cfg = tiny_config(tmp_path / "b", max_steps=4, save_every=2, run={"optimizer": "adamw"}, optimizer_lr=1e-2,
                       warmup_steps=2)
-    from memfit.training import checkpoint
-
-    real_save = checkpoint.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt  # killed right after the step-2 checkpoint landed
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        run_training(cfg, show=False)
-    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
-    resumed = run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
+    resumed = crash_after_first_checkpoint_then_resume(cfg, monkeypatch)  # killed after the step-2 checkpoint
     assert resumed.summary.steps == 4 and resumed.summary.sequences == 16
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
