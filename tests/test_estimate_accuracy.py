@@ -82,8 +82,8 @@ SLOW_GRID = [
     _case("llama-gqa", 512, 2, FP32, GC, attn_implementation="eager", marks=_SLOW),  # derived (was 34% under)
 ]
 # Not in either grid: LoRA + checkpointing together (docs/estimate.md: tensor, forward and backward peaks
-# within 0.1%, but the trace's optimizer phase keeps the embedding output and its gradient that torch's
-# ModTracker holds after backward, which a real run frees).
+# within 0.1%, but the trace's optimizer phase keeps the embedding output that torch's ModTracker holds
+# after backward, which a real run frees: 12-15% there).
 
 DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite", "qwen3"}
 

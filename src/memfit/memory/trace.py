@@ -411,11 +411,42 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
         rec.phase = "backward"
         loss.backward()
         del loss, input_ids, labels
+        _release_input_leaves(t.model)
     if not optimizer_step:
         return
     rec.phase = "optimizer"
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
+
+
+def _watch_input_leaves(model) -> None:
+    """Remember (weakly) the input embeddings' output of each forward, for ``_release_input_leaves``."""
+    import weakref
+
+    model._memfit_input_leaves = []
+
+    def remember(_module, _args, output) -> None:
+        model._memfit_input_leaves.append(weakref.ref(output))
+
+    model.get_input_embeddings().register_forward_hook(remember)
+
+
+def _release_input_leaves(model) -> None:
+    """Drop what the memory tracker alone keeps alive after backward: the embedding output.
+
+    With checkpointing on a frozen embedding (LoRA) transformers' ``enable_input_require_grads`` makes that
+    output a leaf that requires a gradient. MemTracker's ModTracker hooks it (``register_multi_grad_hook``,
+    whose closure holds the leaf's ``AccumulateGrad`` node, which holds the leaf): a reference cycle through
+    C++ that the garbage collector cannot see, so the leaf and its gradient (2 x B T H stream bytes) would
+    stay alive through the optimizer step, where a real run (no tracker) has freed both. Clearing the
+    leaf's hooks breaks the cycle.
+    """
+    for ref in getattr(model, "_memfit_input_leaves", ()):
+        leaf = ref()
+        if leaf is not None and leaf.is_leaf and leaf.requires_grad:
+            leaf._backward_hooks = None
+            leaf.grad = None
+    model._memfit_input_leaves = []
 
 
 def _saved_tensors_place(run: RunConfig):
@@ -665,6 +696,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     rows = _loss_rows(run, vocab, int(head_weight.shape[1]))
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight, rows)
     _mark_layers(net, recorder)
+    _watch_input_leaves(net)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     untracked_warm_up = steps > 1 and not run.optimizer_in_backward
