@@ -164,3 +164,27 @@ def test_jsonl_records_through_datasets_match_the_reference(tmp_path, monkeypatc
     encoded = data_arrow.encode_dataset(part.ds, byte_tokenizer(), fmt=None, fields=Fields(),
                                         train_on_prompt=False, num_proc=1, where=str(path))
     assert encoded.to_list() == _reference(records) and fast_calls == [True]
+
+
+def test_the_packed_file_key_changes_with_the_packer_source(tmp_path, monkeypatch):
+    """A changed ``memfit.packing`` writes a new packed file rather than reusing one the old packer wrote."""
+    import datasets
+
+    import memfit.packing
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    ds = datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(6)]})
+    encoded = data_arrow.encode_dataset(ds, byte_tokenizer(), fmt="text", fields=Fields(), train_on_prompt=False,
+                                        num_proc=1, where="docs")
+    packed_dir = tmp_path / "hf-cache" / "memfit-packed"
+
+    def pack():
+        data_arrow.pack_encoded(encoded, seq_len=32, packing="documents", eval_fraction=0.0, seed=0)
+        return sorted(p.name for p in packed_dir.glob("*.arrow"))
+
+    first = pack()
+    assert pack() == first and len(first) == 1  # the same packer: the same file, reused
+    edited = tmp_path / "packing.py"
+    edited.write_text(open(memfit.packing.__file__).read() + "\n# changed\n")
+    monkeypatch.setattr(memfit.packing, "__file__", str(edited))
+    assert len(pack()) == 2

@@ -250,7 +250,8 @@ def _packed_features(encoded, mode: str, seq_len: int):
 def _pack_split(encoded, keep, seq_len: int, mode, name: str):
     """The documents of ``keep`` (a boolean mask), packed, as an Arrow file in the ``datasets`` cache
     (``memfit-packed/<key>.arrow``, written by ``datasets``' ``ArrowWriter`` and read back memory-mapped);
-    the key covers step 1's fingerprint, the mask and the packing settings, so a second run reuses it."""
+    the key covers step 1's fingerprint, the mask, the packing settings and the packer's source, so a
+    second run reuses it."""
     import os
 
     import datasets
@@ -258,7 +259,10 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str):
 
     if not keep.any():
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
-    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode()
+    import memfit.packing
+
+    packer = Path(memfit.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
+    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode() + packer
                             + keep.tobytes()).hexdigest()[:24]
     path = Path(datasets.config.HF_DATASETS_CACHE) / "memfit-packed" / f"{digest}.arrow"
     if not path.is_file():

@@ -116,7 +116,7 @@ def _row(pieces) -> dict[str, list[int]]:
 def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
     """``pack_documents`` over Arrow record batches of documents (``input_ids``, ``labels`` list columns),
     yielding ``pyarrow.RecordBatch`` es of packed rows: the same rows in the same order, but the tokens
-    move by numpy gathers, never as Python ints (the Python work is per piece, not per token).
+    move as numpy slices, never as Python ints (the Python work is per piece, not per token).
     """
     import numpy as np
 
@@ -130,7 +130,7 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
         base = int(offsets[0])
         flat = (ids_col.flatten().to_numpy(zero_copy_only=False),
                 labels_col.flatten().to_numpy(zero_copy_only=False))
-        targets = np.concatenate([[0], np.cumsum(flat[1] != IGNORE_INDEX)]).tolist()  # targets before each position
+        targets = np.concatenate([[0], np.cumsum(flat[1] != IGNORE_INDEX)])  # targets before each position
         bounds = (offsets - base).tolist()
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             for start in range(a, b, seq_len):
@@ -153,34 +153,17 @@ def _one_array(column):
 
 
 def _arrow_rows(rows: list, id_type, seq_len: int):
-    """A record batch of packed rows (each a list of ``(flat arrays, start, stop)`` pieces).
-
-    The pieces point into the flat arrays of a few input batches (rows stay open across batches); those
-    are joined once, and every token is then taken by one gather, not one numpy slice per piece."""
+    """A record batch of packed rows (each a list of ``(flat arrays, start, stop)`` pieces)."""
     import numpy as np
     import pyarrow as pa
 
-    pieces = [piece for row in rows for piece in row]
-    sources: dict[int, int] = {}  # id(flat) -> its offset in the joined arrays
-    joined = ([], [])
-    base = 0
-    for flat, _, _ in pieces:
-        if id(flat) not in sources:
-            sources[id(flat)] = base
-            joined[0].append(flat[0])
-            joined[1].append(flat[1])
-            base += len(flat[0])
-    all_ids, all_labels = (np.concatenate(parts) for parts in joined)
-    starts = np.fromiter((sources[id(flat)] + a for flat, a, _ in pieces), dtype=np.int64, count=len(pieces))
-    lengths = np.fromiter((b - a for _, a, b in pieces), dtype=np.int64, count=len(pieces))
-    piece_starts = np.zeros(len(pieces), dtype=np.int64)  # where each piece starts in the output
-    np.cumsum(lengths[:-1], out=piece_starts[1:])
-    positions = np.arange(int(lengths.sum())) - np.repeat(piece_starts, lengths)
-    take = np.repeat(starts, lengths) + positions
-    ids, labels = all_ids[take], all_labels[take]
+    lengths = [b - a for pieces in rows for _, a, b in pieces]
+    ids = np.concatenate([flat[0][a:b] for pieces in rows for flat, a, b in pieces])
+    labels = np.concatenate([flat[1][a:b] for pieces in rows for flat, a, b in pieces])
+    piece_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     labels[piece_starts] = IGNORE_INDEX  # the first token of a piece is never a target
-    per_row = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    row_ends = np.cumsum(lengths)[np.cumsum(per_row) - 1]
+    positions = np.arange(len(ids)) - np.repeat(piece_starts, lengths)
+    row_ends = np.cumsum([sum(b - a for _, a, b in pieces) for pieces in rows])
     offsets = pa.array(np.concatenate([[0], row_ends]).astype(np.int32))
     pos_type = pa.int16() if seq_len < 2**15 else pa.int32()
     return pa.RecordBatch.from_arrays(
