@@ -84,7 +84,6 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
     the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data._encode_docs``.
     """
     import numpy as np
-    import pyarrow as pa
 
     if not texts or not all(isinstance(t, str) and t for t in texts):
         return None
