@@ -164,7 +164,9 @@ def cmd_tokenize(args) -> dict:
                          for n in batch["length"])
             results["runs"].append({"num_proc": num_proc, "documents": len(encoded), "tokens": tokens,
                                     "read_and_split_s": round(read_s, 2), "map_s": round(map_s, 2),
-                                    "rows_per_s": round(len(encoded) / map_s), "tokens_per_s": round(tokens / map_s)})
+                                    "rows_per_s": round(len(encoded) / map_s), "tokens_per_s": round(tokens / map_s),
+                                    "bytes_per_s": round(results["data_bytes"] / map_s),
+                                    "bytes_per_s_with_read": round(results["data_bytes"] / (read_s + map_s))})
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     return results

@@ -136,16 +136,25 @@ def token_type(max_value: int) -> str:
     return "int16" if max_value < 2**15 else "int32"
 
 
-def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, train_on_prompt, where) -> dict:
+def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, train_on_prompt, where,
+                  byte_offset: int | None = None):
+    """One batch of records -> the encoded table (``memfit.data_fast``: the byte tokenizer's numpy path for
+    plain text when ``byte_offset`` is set, else memfit's reference encoding turned into Arrow columns)."""
+    from memfit import data_fast
     from memfit.data import _encode_docs, record_to_example
 
+    id_type = token_type(len(tokenizer))
+    if byte_offset is not None:
+        texts = data_fast.plain_texts(batch, fmt, fields)
+        if texts is not None:
+            table = data_fast.encode_byte_texts(texts, tokenizer, byte_offset, id_type)
+            if table is not None:
+                return table
     columns = list(batch)
     rows = [{c: batch[c][i] for c in columns} for i in range(len(indices))]
     examples = [record_to_example(row, f"{where} row {idx + 1}", fmt, fields)
                 for row, idx in zip(rows, indices, strict=True)]
-    docs = _encode_docs(examples, tokenizer, train_on_prompt)
-    return {"input_ids": [d[0] for d in docs], "labels": [d[1] for d in docs],
-            "conversation": [len(d) > 2 for d in docs], "length": [len(d[0]) for d in docs]}
+    return data_fast.docs_table(_encode_docs(examples, tokenizer, train_on_prompt), id_type)
 
 
 def _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt) -> str:
@@ -169,8 +178,10 @@ def _encoded_features(tokenizer):
 
 def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_proc: int, where: str):
     """Step 1: the records of ``ds`` encoded, one row per document (cached; see the module docstring)."""
+    from memfit.data_fast import byte_offset
+
     encode = partial(_encode_batch, tokenizer=tokenizer, fmt=fmt, fields=fields,
-                     train_on_prompt=train_on_prompt, where=where)
+                     train_on_prompt=train_on_prompt, where=where, byte_offset=byte_offset(tokenizer))
     fingerprint = _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt)
     try:
         return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
@@ -239,7 +250,8 @@ def _packed_features(encoded, mode: str, seq_len: int):
 def _pack_split(encoded, keep, seq_len: int, mode, name: str):
     """The documents of ``keep`` (a boolean mask), packed, as an Arrow file in the ``datasets`` cache
     (``memfit-packed/<key>.arrow``, written by ``datasets``' ``ArrowWriter`` and read back memory-mapped);
-    the key covers step 1's fingerprint, the mask and the packing settings, so a second run reuses it."""
+    the key covers step 1's fingerprint, the mask, the packing settings and the packer's source, so a
+    second run reuses it."""
     import os
 
     import datasets
@@ -247,7 +259,10 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str):
 
     if not keep.any():
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
-    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode()
+    import memfit.packing
+
+    packer = Path(memfit.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
+    digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode() + packer
                             + keep.tobytes()).hexdigest()[:24]
     path = Path(datasets.config.HF_DATASETS_CACHE) / "memfit-packed" / f"{digest}.arrow"
     if not path.is_file():

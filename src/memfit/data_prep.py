@@ -116,19 +116,19 @@ def data_note(tokenized, run: RunConfig) -> str:
 
 
 def preview_record(config: TrainConfig, index: int = 0) -> dict:
-    """Record ``index`` of ``config.data`` encoded as training encodes it (before packing), with its
-    loss mask shown: ``{"where", "format", "tokens", "targets", "input_ids", "labels", "marked"}``."""
+    """Record ``index`` of ``config.data`` (read up to that record, not further) encoded as training
+    encodes it (before packing), with its loss mask shown: ``{"where", "format", "tokens", "targets",
+    "input_ids", "labels", "marked"}``."""
     from memfit import data, modelspec
     from memfit.data_formats import chat_template_of, preview
+    from memfit.data_stream import record_at
 
     fields, named = fields_of(config)
     tokenizer = data.load_tokenizer(config.tokenizer, config.model, is_preset=modelspec.is_preset(config.model),
                                     trust_remote_code=config.trust_remote_code)
-    examples = data.load_examples(config.data, fmt=config.data_format, fields=fields, split=config.split,
-                                  data_config=config.data_config, named_fields=named)
-    if not 0 <= index < len(examples):
-        raise UserError(f"--index {index} is outside the data's {len(examples):,} records.")
-    example = examples[index]
+    # read up to record `index` only (memfit.data_stream), not the whole source
+    example = record_at(config.data, index, fmt=config.data_format, fields=fields, split=config.split,
+                        data_config=config.data_config, named_fields=named)
     chat_template_of(tokenizer, config.chat_template, data_has_conversations=example.is_conversation)
     ids, labels, *_ = data._encode_docs([example], tokenizer, config.train_on_prompt)[0]
     fmt = "conversation" if example.is_conversation else ("prompt-completion" if example.is_prompt_completion

@@ -215,13 +215,17 @@ def _documents_of_paragraphs(batch: dict) -> dict:
     return {"text": [doc for paragraph in batch["text"] for doc in txt_documents(paragraph)]}
 
 
+ENCODER_MODULES = ("memfit.data", "memfit.data_formats", "memfit.data_sources", "memfit.data_arrow",
+                   "memfit.data_fast")
+"""The modules whose code decides what the cached ``map`` steps write (their source is in the key)."""
+
+
 def _code_fingerprint(*keys) -> str:
     """A ``datasets`` fingerprint over ``keys`` and memfit's data code (``datasets`` hashes a module-level
     function by reference, so without the code an upgraded memfit would reuse a cache its old code wrote)."""
+    import importlib
+
     from datasets.fingerprint import Hasher
 
-    import memfit.data
-    import memfit.data_formats
-
-    code = "".join(Path(m.__file__).read_text() for m in (memfit.data, memfit.data_formats)) + Path(__file__).read_text()
+    code = "".join(Path(importlib.import_module(name).__file__).read_text() for name in ENCODER_MODULES)
     return Hasher.hash((keys, code))

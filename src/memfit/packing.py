@@ -57,23 +57,27 @@ class FirstFit:
 
     def __init__(self, seq_len: int) -> None:
         self.seq_len = seq_len
-        self.rows: list[list] = []  # [length, [piece, ...]]
+        self.used: list[int] = []  # tokens in each open row
+        self.pieces: list[list] = []  # the pieces of each open row
 
     def add(self, piece, length: int) -> list | None:
-        for row in self.rows:
-            if row[0] + length <= self.seq_len:
-                row[0] += length
-                row[1].append(piece)
+        room = self.seq_len - length
+        for i, used in enumerate(self.used):
+            if used <= room:
+                self.used[i] = used + length
+                self.pieces[i].append(piece)
                 return None
         closed = None
-        if len(self.rows) >= OPEN_ROWS:
-            fullest = max(range(len(self.rows)), key=lambda i: self.rows[i][0])
-            closed = self.rows.pop(fullest)[1]
-        self.rows.append([length, [piece]])
+        if len(self.used) >= OPEN_ROWS:
+            fullest = self.used.index(max(self.used))  # the first of equals
+            del self.used[fullest]
+            closed = self.pieces.pop(fullest)
+        self.used.append(length)
+        self.pieces.append([piece])
         return closed
 
     def rest(self) -> list[list]:
-        return [row[1] for row in self.rows]
+        return list(self.pieces)
 
 
 def pack_documents(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) -> Iterator[dict[str, list[int]]]:
