@@ -61,7 +61,9 @@ def test_analytic_matches_trace_for_memory_techniques(family, run):
     analytic = estimate(spec_from_config(config, family), run, device="cpu")
     table = compare_table(analytic, exact)
     assert abs(tensor_peak(analytic) / tensor_peak(exact) - 1) <= 0.03, table
-    exact_phases = dict(exact.phase_peaks, forward=_forward_from_head_on(line))
+    exact_phases = dict(exact.phase_peaks)
+    if not analytic.recipe.startswith("derived"):  # a derived recipe predicts the whole forward, layers' too
+        exact_phases["forward"] = _forward_from_head_on(line)
     for phase, bytes_ in exact_phases.items():
         assert abs(analytic.phase_peaks[phase] / bytes_ - 1) <= 0.03, f"{phase}\n{table}"
 

@@ -271,7 +271,9 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     """Saved bytes of one decoder layer, of all layers, and the transient of one layer's backward.
 
     Gradient checkpointing (non-reentrant, transformers' default): a layer keeps only its input
-    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set).
+    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set, less the
+    input itself where its first norm saves it uncast: that tensor is the one the checkpoint keeps; exact
+    on the trace's timeline, tiny Llama fp32: no new bytes when the recompute's norm saves its input).
     Backward transient of one layer: the gradient of its input and output (2 x ``w * H``) and, in the MLP's
     backward, the gradients of two I-wide tensors (``mul``'s two input grads, c). Held to the trace's
     backward phase: within ~3% with checkpointing (where this is the backward peak), below the
@@ -283,7 +285,11 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     grads = (2 * prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size) * ctx.bt
     if run.grad_checkpointing:
         saved = prec.w * spec.hidden_size * ctx.bt
-        return LayerActivations(saved=saved, backward_transient=full + grads, all_layers=saved * spec.num_layers)
+        # the recompute's first norm saves the input as is (GPT-2's LayerNorm; an RMSNorm's x.float() of an
+        # fp32 stream), the tensor the checkpoint already keeps; an RMSNorm's fp32 copy of a half stream is new
+        shared = saved if spec.family == "gpt2" or prec.w == FP32 else 0
+        return LayerActivations(saved=saved, backward_transient=full + grads - shared,
+                                all_layers=saved * spec.num_layers)
     first = full
     if run.is_lora():
         ctx.xin = False
