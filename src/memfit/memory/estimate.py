@@ -142,8 +142,10 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
     # (DDP: the gradients live in its buckets, counted in ``base`` from the first step)
     head_grads = _head_grad_bytes(spec, run, prec) if not (grads_in_fwd or states.buckets) else 0
-    # the head's and the loss' saved tensors are freed before the first layer's backward
-    head_side = 0 if run.offload is Offload.ACTIVATIONS else head_side_activations(spec, run, prec, device)
+    # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
+    # checkpointing: they were never counted on the device)
+    offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
+    head_side = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
