@@ -276,7 +276,6 @@ def test_checkpointed_recompute_counts_its_input_once():
     MLP 4,128 + 1,376: 12,184, gradients 3,776, nothing shared: 15,960 x 512."""
     from _trace_helpers import family_config
     from memfit.memory.activations import layer_activations
-
     from memfit.resolved import resolve
 
     spec = spec_from_config(family_config("llama"), "llama")
