@@ -261,3 +261,26 @@ def test_cli_not_a_causal_lm(tmp_path):
 def test_breakdown_units_are_mib_scale_for_tiny():
     b = estimate("tiny", RunConfig())
     assert b.other > 500 * MiB  # CUDA context on top by default
+
+
+def test_checkpointed_recompute_counts_its_input_once():
+    """A checkpointed layer's backward transient (the recompute's saved set + gradients) leaves out the input
+    the checkpoint already keeps, where the recompute's first norm saves it uncast (fp32 stream), and keeps
+    it where the norm saves a new fp32 copy (bf16 stream). Read off the trace's timeline: in fp32 the
+    recompute's ``pow`` allocates nothing for its input. Golden numbers by hand for the test Llama
+    (H 256, I 688, 4 heads of 64, 2 KV heads; B 2 x T 256 = 512 tokens, packed documents), bytes per token:
+    fp32: norm 4H + 4 + 4H = 2,052 twice; q/k/v input 1,024 and gate/up input 1,024 (shared); SDPA with the
+    packed mask (k, v repeated to 4 heads; the additive mask): 4 x 4 x 256 + 4 x 4 = 3,088 + 2 x 128 x 4 + 256 x 4 = 2,048;
+    MLP 3 x 4 x 688 = 8,256 + down input 2,752: 22,296; gradients at the MLP-backward moment (the output's
+    H and three I-wide ones, less the freed down input: ``activations._recompute_grads``) 4 x 256 + 2 x 4 x 688
+    = 6,528; less the input 4 x 256: 27,800 x 512. bf16: norms 1,540 twice, inputs 512 twice, SDPA 1,552 +
+    1,024, MLP 4,128 + 1,376: 12,184, gradients 2 x 256 + 2 x 2 x 688 = 3,264, nothing shared: 15,448 x 512."""
+    from _trace_helpers import family_config
+    from memfit.memory.activations import layer_activations
+    from memfit.resolved import resolve
+
+    spec = spec_from_config(family_config("llama"), "llama")
+    fp32 = resolve(spec, RunConfig(seq_len=256, micro_batch=2, grad_checkpointing=True), "cpu").run  # SDPA
+    bf16 = fp32.replace(dtype="bf16")
+    assert layer_activations(spec, fp32, Precisions.of(fp32), "cpu").backward_transient == 27_800 * 512
+    assert layer_activations(spec, bf16, Precisions.of(bf16), "cpu").backward_transient == 15_448 * 512

@@ -19,15 +19,6 @@ CHUNKED = {"loss": "chunked"}
 IN_BW = {"optimizer_in_backward": True}
 
 
-#: Known gap, not in this issue's terms: ``layer_activations``' one-layer backward transient assumes every
-#: activation alive plus the layer's recompute/gradients. Once chunked CE removes the logits (which used to
-#: set the backward peak), that term is the backward peak and is 3.2-5.2% high (the layer frees its saved
-#: tensors as its backward runs). Strict xfail: the test starts passing (and must be un-marked) when fixed.
-#: Since the head's and the loss' saved tensors are freed before the layers' backward (estimate.py), the
-#: Llama and Qwen2 cases pass; GPT-2 with checkpointing and optimizer-in-backward + checkpointing remain.
-LAYER_BACKWARD_GAP = pytest.mark.xfail(strict=True, reason="one-layer backward transient is an upper bound")
-
-
 def _case(family, seq, batch, *parts, marks=()):
     changes = {k: v for part in parts for k, v in part.items()}
     if family == "gemma2":
@@ -42,10 +33,13 @@ GRID = [
     _case("llama", 128, 2, CHUNKED, {"dtype": "bf16"}),
     _case("qwen2", 128, 4, CHUNKED, {"lora_r": 8}),  # tied, frozen head (was +4.9% backward, as above)
     _case("gemma2", 128, 2, CHUNKED, {"mixed_precision": "bf16"}),  # final-logit soft-capping per chunk
-    _case("gpt2", 128, 2, CHUNKED, {"grad_checkpointing": True}, marks=LAYER_BACKWARD_GAP),  # backward -3.2%
+    # dropout + checkpointing on CPU kernels: derived recipe (its traces run one chunk per micro-batch)
+    _case("gpt2", 128, 2, CHUNKED, {"grad_checkpointing": True}),
     _case("llama", 128, 4, IN_BW),
     _case("llama", 128, 2, IN_BW, {"mixed_precision": "bf16", "grad_checkpointing": True}),
-    _case("llama", 256, 2, IN_BW, CHUNKED, {"grad_checkpointing": True}, marks=LAYER_BACKWARD_GAP),  # bwd +5.2%
+    # +5.2% before the head's saved tensors were freed before the layers here too and the recompute stopped
+    # counting the checkpointed input twice
+    _case("llama", 256, 2, IN_BW, CHUNKED, {"grad_checkpointing": True}),
     _case("llama", 64, 4, CHUNKED, {"grad_checkpointing": True, "mixed_precision": "bf16"}),
 ]
 
@@ -61,7 +55,9 @@ def test_analytic_matches_trace_for_memory_techniques(family, run):
     analytic = estimate(spec_from_config(config, family), run, device="cpu")
     table = compare_table(analytic, exact)
     assert abs(tensor_peak(analytic) / tensor_peak(exact) - 1) <= 0.03, table
-    exact_phases = dict(exact.phase_peaks, forward=_forward_from_head_on(line))
+    exact_phases = dict(exact.phase_peaks)
+    if not analytic.recipe.startswith("derived"):  # a derived recipe predicts the whole forward, layers' too
+        exact_phases["forward"] = _forward_from_head_on(line)
     for phase, bytes_ in exact_phases.items():
         assert abs(analytic.phase_peaks[phase] / bytes_ - 1) <= 0.03, f"{phase}\n{table}"
 

@@ -23,6 +23,7 @@ so the exact accumulation of ``training/step.py`` is unchanged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -74,6 +75,25 @@ def check_loss_runnable(run: RunConfig, cuda: bool) -> None:
                         f"(pip install 'memfit[{impl.name}]'); or use --loss chunked.")
 
 
+#: Set by ``one_chunk_per_micro_batch`` (the derivation of a recipe), read by ``chunk_tokens``.
+_ONE_CHUNK = contextvars.ContextVar("memfit_one_chunk", default=False)
+
+
+@contextlib.contextmanager
+def one_chunk_per_micro_batch():
+    """Within this context ``chunk_tokens`` is the whole micro-batch: one chunk at every size.
+
+    For ``memory/derive.py``: its five traces must run the same operators, and the number of chunks grows
+    with the tokens; with one chunk each chunk-sized tensor is ``tokens x V`` and the derived estimate
+    scales those (the ``logits`` category) to the run's chunk (``DerivedRecipe.at``).
+    """
+    token = _ONE_CHUNK.set(True)
+    try:
+        yield
+    finally:
+        _ONE_CHUNK.reset(token)
+
+
 def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     """Tokens per chunk: Liger's rule, so one chunk's logits hold about as many elements as the hidden states.
 
@@ -81,7 +101,10 @@ def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     (Llama 3 8B) one chunk is 1/32 of the micro-batch's tokens. Source: Liger kernel's
     ``fused_linear_cross_entropy_forward`` (``inc_factor = ceil(V / H)``). At least ``MIN_CHUNK_TOKENS``
     (memfit's floor, not Liger's): small micro-batches would otherwise loop over one-token chunks.
+    ``tokens`` inside ``one_chunk_per_micro_batch``.
     """
+    if _ONE_CHUNK.get():
+        return tokens
     per = max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
     return max(1, min(tokens, max(MIN_CHUNK_TOKENS, 2 ** math.ceil(math.log2(per)))))
 

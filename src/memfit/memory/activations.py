@@ -271,7 +271,9 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     """Saved bytes of one decoder layer, of all layers, and the transient of one layer's backward.
 
     Gradient checkpointing (non-reentrant, transformers' default): a layer keeps only its input
-    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set).
+    (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set, less the
+    input itself where its first norm saves it uncast: that tensor is the one the checkpoint keeps; exact
+    on the trace's timeline, tiny Llama fp32: no new bytes when the recompute's norm saves its input).
     Backward transient of one layer: the gradient of its input and output (2 x ``w * H``) and, in the MLP's
     backward, the gradients of two I-wide tensors (``mul``'s two input grads, c). Held to the trace's
     backward phase: within ~3% with checkpointing (where this is the backward peak), below the
@@ -283,8 +285,11 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     grads = (2 * prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size) * ctx.bt
     if run.grad_checkpointing:
         saved = prec.w * spec.hidden_size * ctx.bt
-        return LayerActivations(saved=saved, backward_transient=full + _recompute_grads(spec, prec) * ctx.bt
-                                - _checkpoint_input_resaved(spec, prec) * ctx.bt,
+        # the recompute's first norm saves the input as is (GPT-2's LayerNorm; an RMSNorm's x.float() of an
+        # fp32 stream), the tensor the checkpoint already keeps; an RMSNorm's fp32 copy of a half stream is new
+        shared = saved if spec.family == "gpt2" or prec.w == FP32 else 0
+        moment = grads if spec.family == "gpt2" else _recompute_grads(spec, prec) * ctx.bt
+        return LayerActivations(saved=saved, backward_transient=full + moment - shared,
                                 all_layers=saved * spec.num_layers)
     first = full
     if run.is_lora():
@@ -293,20 +298,14 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (spec.num_layers - 1))
 
 
-def _checkpoint_input_resaved(spec, prec: Precisions) -> int:
-    """Bytes per token of a recomputed layer's saved set that are its checkpointed input itself: the first
-    norm's ``pow`` saves ``x.float()``, which is ``x`` when the stream is fp32 (already counted in
-    ``saved``); a half stream saves a new fp32 copy. Trace: Llama MHA, fp32, T 512, B 2: 524,288 bytes."""
-    return FP32 * spec.hidden_size if prec.w == FP32 and spec.family != "gpt2" else 0
-
-
 def _recompute_grads(spec, prec: Precisions) -> int:
     """Gradient bytes per token alive at a checkpointed layer's backward peak, beside its recomputed set.
 
     The peak is in the MLP's backward, once ``down_proj`` has given its input's gradient (I wide, c) and
     freed that input (its saved set minus I c): the layer output's gradient (H, stream dtype) and the
     three I-wide gradients of ``act(gate) * up`` (the product's and its two inputs'), i.e. H w + 2 I c
-    net of the freed input. Read off the exact trace (Llama MHA and GQA, fp32 and AMP)."""
+    net of the freed input. Read off the exact trace (Llama MHA and GQA, Qwen2, fp32 and AMP); GPT-2's
+    MLP (``c_fc``, ``gelu_new``, ``c_proj``) keeps the older 2 H w + 2 I c (not re-read)."""
     return prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size
 
 

@@ -117,23 +117,28 @@ class DerivedRecipe:
 
         return np.tensordot(np.array(_basis(batch, seq)), self._coef, axes=1)
 
-    def timeline_of(self, layers: int, batch: int, seq: int):
+    def timeline_of(self, layers: int, batch: int, seq: int, logits_share: float = 1.0):
         """Predicted bytes (samples x components) of the step of a ``layers``-layer model, sample by
         sample of the 2-layer step: ``layers - 2`` middle layers more, each holding what one (non-first)
         layer keeps from its forward until backward reaches the first layer, and its weight gradients
-        from then on (the end of backward included: there the estimate counts all gradients anyway)."""
+        from then on (the end of backward included: there the estimate counts all gradients anyway).
+        ``logits_share``: the run's chunk of a chunked loss over its tokens (the traces ran one chunk per
+        micro-batch, ``losses.one_chunk_per_micro_batch``: their chunk-sized tensors are the logits)."""
         import numpy as np
 
         basis = np.array(_basis(batch, seq))
         pred = self.timeline_at(batch, seq)
         extra = np.repeat((basis @ self._layer_coef)[None, :], len(pred), axis=0)
         extra[self.grad_span[1] + 1:] = basis @ self._grad_coef
-        return pred + (layers - 2) * extra
+        pred = pred + (layers - 2) * extra
+        pred[:, COMPONENTS.index("logits")] *= logits_share
+        return pred
 
-    def at(self, layers: int, batch: int, seq: int, accumulating: bool = False) -> dict[str, dict[str, int]]:
+    def at(self, layers: int, batch: int, seq: int, accumulating: bool = False,
+           logits_share: float = 1.0) -> dict[str, dict[str, int]]:
         """Bytes of each component at each of ``MOMENTS`` for ``layers`` decoder layers (``timeline_of``);
         ``accumulating``: all gradients exist throughout backward, so moments are picked without them."""
-        pred = self.timeline_of(layers, batch, seq)
+        pred = self.timeline_of(layers, batch, seq, logits_share)
         out = {}
         for m, i in pick_moments(pred, self._phases, accumulating).items():
             out[m] = {c: max(0, int(round(float(pred[i][k])))) for k, c in enumerate(COMPONENTS)}
@@ -378,6 +383,7 @@ def _align(lines) -> tuple[list[str], tuple[int, int], tuple[int, int]]:
 
 def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     """Trace the 2-layer version of ``spec``'s architecture at the five ``_POINTS`` (one step each)."""
+    from memfit.losses import one_chunk_per_micro_batch
     from memfit.memory.trace import trace
 
     started = time.perf_counter()
@@ -388,8 +394,11 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     for batch, mult in _POINTS:
         seq = lengths[{1: 0, 2: 1, 4: 2}[mult]]
         try:
-            _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
-                            timeline=True, steps=1)
+            # a chunked loss' chunk count grows with the tokens: one chunk per micro-batch keeps the
+            # operators the same at every size (scaled back to the run's chunk in ``derived_estimate``)
+            with one_chunk_per_micro_batch():
+                _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
+                                timeline=True, steps=1)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
             raise UserError(f"Cannot derive a memory recipe for {spec.model_type}: tracing its 2-layer version "
@@ -431,7 +440,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
     states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer + states.buckets  # DDP: the gradients' buckets
     accum = run.grad_accum > 1
-    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum)
+    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, run))
 
     def categories(moment: str) -> dict[str, int]:
         got = dict(at[moment])
@@ -461,6 +470,18 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
     out.notes = notes(spec, run, out)
     out.notes.append(derivation_note(spec, run, recipe, device))
     return out
+
+
+def _logits_share(spec, run: RunConfig) -> float:
+    """The run's chunk over its tokens with a chunked loss (1 with the standard loss): the traces ran one
+    chunk per micro-batch (``derive``), whose chunk-sized tensors (``logits``) the run has at this scale.
+    Exact for the largest chunk (a shorter last chunk is never the peak)."""
+    if str(run.loss) == "standard":
+        return 1.0
+    from memfit.losses import chunk_tokens
+
+    tokens = run.micro_batch * run.seq_len
+    return chunk_tokens(tokens, spec.vocab_size, spec.hidden_size) / tokens
 
 
 def derivation_note(spec, run: RunConfig, recipe: DerivedRecipe, device: str) -> str:

@@ -125,7 +125,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
 
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
-        activations, acts = offloaded_activations(acts, outside, run.grad_checkpointing)
+        activations, acts = offloaded_activations(acts, outside, run.grad_checkpointing,
+                                                  offloaded_node_bytes(spec, run, prec))
         # autocast's weight copies saved for backward go to the host too; its cache (trainable weights) stays
         copies = (0 if run.is_lora() else copies[0], 0, 0)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
@@ -143,24 +144,28 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
     # (DDP: the gradients live in its buckets, counted in ``base`` from the first step)
     head_grads = _head_grad_bytes(spec, run, prec) if not (grads_in_fwd or states.buckets) else 0
-    # the head's and the loss' saved tensors are freed before the first layer's backward
-    head_side = 0 if run.offload is Offload.ACTIVATIONS else head_side_activations(spec, run, prec, device)
+    # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
+    # checkpointing: they were never counted on the device)
+    offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
+    head_side = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
                       + acts.backward_transient + states.gathered)
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth).
     below = 0
     # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
-    if not grads_in_fwd and run.offload is not Offload.ACTIVATIONS and not run.optimizer_in_backward:
-        below = _layers_below_top(spec, run, states, acts)
-        freed = masks_freed_above_first_layer(spec, run, prec)
+    if not grads_in_fwd and not run.optimizer_in_backward:
+        # offloaded activations: the layers above kept nothing on the device, so they free nothing there
+        kept = 0 if run.offload is Offload.ACTIVATIONS else acts.saved
+        below = _layers_below_top(spec, run, states, dataclasses.replace(acts, saved=kept))
+        freed = masks_freed_above_first_layer(spec, run, prec) if kept else 0
         # AMP: the layers above also freed the half weight copies their linears saved for backward
-        copies_freed = (spec.num_layers - 1) * autocast_copies_saved_per_layer(spec, run, prec)
+        copies_freed = (spec.num_layers - 1) * autocast_copies_saved_per_layer(spec, run, prec) if kept else 0
         below -= freed + copies_freed
     if below > 0:
         backward_layer += below
-        head_grads += below + freed + copies_freed + (spec.num_layers - 1) * acts.saved  # shown as gradients
-        head_side += freed + (spec.num_layers - 1) * acts.saved  # shown as freed activations
+        head_grads += below + freed + copies_freed + (spec.num_layers - 1) * kept  # shown as gradients
+        head_side += freed + (spec.num_layers - 1) * kept  # shown as freed activations
         copies = (copies[0], copies[1], copies[1] - copies_freed)  # shown as freed temporaries
     backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
@@ -175,7 +180,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
             head_grads, acts = step_one + hidden_grad, dataclasses.replace(acts, backward_transient=0)
         else:
             head_grads = 0  # a layer's weight gradients come after its recompute peak (+2.8% on the grid without)
-        backward_layer = base + activations + copies[1] + states.gathered + head_grads + acts.backward_transient
+        backward_layer = (base + activations - head_side + copies[1] + states.gathered + head_grads
+                          + acts.backward_transient)
         backward_end = base + outside + step_one + states.gathered_end
         optimizer = base + logit.retained
     phases = {
@@ -505,24 +511,41 @@ def _weight_bytes(run: RunConfig) -> int:
     return int(2 if str(run.dtype) in ("bf16", "fp16") else 4)
 
 
-def offloaded_activations(acts, outside: int, checkpointing: bool = False):
+def offloaded_activations(acts, outside: int, checkpointing: bool = False, node: int = 0):
     """``--offload activations`` (torch's ``save_on_cpu``): saved tensors wait in pinned CPU memory.
 
     Every tensor autograd saves (the layers' activations, those outside the layers, autocast's weight
     copies) is copied to the host the moment it is saved, and its device copy is freed once Python no
     longer holds it; so after forward the device holds no saved tensor, only what the loss still holds
-    (the logits terms, counted on their own). In backward each node copies back only the tensors it
-    uses; one layer's whole saved set on top of its backward transient is the bound taken here (an upper
-    bound: +22% on the accuracy grid's chunked-loss case, whose peak is that layer moment; within 3%
-    where the logits set the peak). With checkpointing only the layers' checkpoint inputs are saved
-    under these hooks (the recompute runs under checkpoint's own), so the terms outside the layers are
+    (the logits terms, counted on their own). In backward each node copies back only the tensors it uses,
+    for as long as it runs: a layer's backward transient is then ``node`` (``offloaded_node_bytes``, its
+    widest node's moment), not its whole saved set. With checkpointing only the layers' checkpoint inputs
+    are saved under these hooks (the recompute runs under checkpoint's own): the transient is the
+    recompute's as without offload plus the layer's input copied back, and the terms outside the layers are
     kept as without offload (the trace agrees within 1%). Returns (resident activations, layer terms).
     Source: ``torch.autograd.graph.save_on_cpu`` (pack: ``torch.empty`` + ``copy_`` to pinned host memory;
     unpack: ``.to(device)`` per use), played on fake tensors by the exact trace (``memory/offload_trace.py``).
     Ignores: host RAM (the CPU copies, parameters' included).
     """
-    back = dataclasses.replace(acts, backward_transient=acts.backward_transient + acts.saved)
-    return (outside if checkpointing else 0), back
+    if checkpointing:
+        return outside, dataclasses.replace(acts, backward_transient=acts.backward_transient + acts.saved)
+    return 0, dataclasses.replace(acts, backward_transient=node)
+
+
+def offloaded_node_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
+    """``--offload activations`` without checkpointing: the most a decoder layer's backward holds on the device.
+
+    Its widest node is the MLP's product of its two I-wide branches (Llama's ``act(gate) * up``, GPT-2's
+    ``gelu_new`` halves): while it runs, its two saved operands are copied back (2 c I per token), and the
+    gradient of its output (down projection's input gradient, c I), the two gradients it makes (2 c I) and
+    the gradient of the layer's output (w H) are alive: ``w H + 5 c I`` per token. Read off the exact trace
+    (tiny Llama, fp32: the backward peak in the first layer's MLP, exact to the byte for these tensors).
+    Ignores: attention's nodes (eager attention at long sequences: its (B, n, T, T) tensors copied back
+    with their gradients can exceed it), and under autocast the half copy of the MLP output's gradient
+    (c H per token).
+    """
+    tokens = run.micro_batch * run.seq_len
+    return int((prec.w * spec.hidden_size + 5 * prec.c * spec.intermediate_size) * tokens)
 
 
 def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str = "cuda") -> int:
