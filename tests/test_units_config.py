@@ -11,13 +11,14 @@ from memfit.units import GB, GiB, fmt_gb, fmt_gib, parse_size
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("24GiB", 24 * 2**30), ("24 GB", 24 * 10**9), ("24G", 24 * 2**30), ("8000MiB", 8000 * 2**20), ("1e9", 10**9)],
+    [("24GiB", 24 * 2**30), ("24 GB", 24 * 10**9), ("24G", 24 * 2**30), ("8000MiB", 8000 * 2**20), ("1e9", 10**9),
+     ("25769803776", 24 * 2**30)],
 )
 def test_parse_size_reads_both_binary_and_decimal_units(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["-1GB", "0GiB", "24 parsecs", "lots"])
+@pytest.mark.parametrize("text", ["-1GB", "0GiB", "24 parsecs", "lots", "80"])  # "80": bytes, surely not meant
 def test_parse_size_rejects_nonsense_with_a_user_error(text):
     with pytest.raises(UserError):
         parse_size(text)

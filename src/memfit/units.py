@@ -76,6 +76,9 @@ def parse_size(text: str | int | float) -> int:
     elif unit in ("t", "ti"):
         unit = "tib"
     elif unit == "":
+        if 0 < number < MiB:  # "--budget 80": 80 GiB or GB surely meant, not 80 bytes
+            raise UserError(f"Memory size {raw.strip()!r} has no unit and would be {raw.strip()} bytes; write it "
+                            f"like {raw.strip()}GiB or {raw.strip()}GB.")
         unit = "b"
     if unit not in _UNITS:
         raise UserError(f"Unknown memory unit {match.group(2)!r} in {raw!r}; use GiB, GB, MiB or MB.")
