@@ -146,7 +146,7 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda")
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
-    outside = outside_step(spec, run).device_peak() + breakdown.other
+    outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
                 fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t)
 

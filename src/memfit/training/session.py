@@ -182,7 +182,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     if resume_point is not None and resume_point.note:
         bar.note(resume_point.note)
     predicted = predict(config.model, run, accelerator.device.type)
-    bar.note(sharding.per_rank_line(config.model, run, predicted))
+    bar.note(sharding.per_rank_line(config.model, run, predicted, accelerator.device.type))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
