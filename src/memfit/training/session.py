@@ -154,7 +154,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     output = Path(config.output)
     guard.open_folder(config, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
-    bundle = build_model(config, run, source, device=accelerator.device)
+    bundle = build_model(config, run, source, device=accelerator.device,
+                         empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
     bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)

@@ -117,7 +117,7 @@ def _truthy(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "y", "on")
 
 
-def fsdp2_plugin(run: RunConfig, *, cuda: bool):
+def fsdp2_plugin(run: RunConfig, *, cuda: bool, ram_efficient: bool = False):
     """Accelerate's FSDP2 plugin for ``run``: transformer-layer auto-wrap (``_no_split_modules``),
     ``reshard_after_forward`` from the sharding, CPU offload of parameters (with their gradients and
     optimizer state) for ``--offload params``; pinned host memory only where there is a GPU."""
@@ -125,9 +125,10 @@ def fsdp2_plugin(run: RunConfig, *, cuda: bool):
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     offload = CPUOffloadPolicy(pin_memory=cuda) if run.offload is Offload.PARAMS else OffloadPolicy()
+    extra = {"cpu_ram_efficient_loading": True} if ram_efficient else {}
     return FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=reshard_after_forward(run), auto_wrap_policy="transformer_based_wrap",
-        cpu_offload=offload, state_dict_type="SHARDED_STATE_DICT")
+        cpu_offload=offload, state_dict_type="SHARDED_STATE_DICT", **extra)
 
 
 def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
@@ -171,21 +172,37 @@ class _PluginHolder:
     is_main_process: bool
     mixed_precision: str = "no"
     torch_device_mesh: object = None
+    device: str = "cpu"
+    """Where ``cpu_ram_efficient_loading`` re-registers the non-persistent buffers (rotary ``inv_freq``)."""
 
     @property
     def state(self):
         return self
 
 
+def builds_empty(accelerator, run: RunConfig) -> bool:
+    """Whether this rank builds its model without weights (parameters on the meta device): the ranks
+    other than 0 of a run memfit shards itself, which receive their shards from rank 0 in ``shard_model``
+    (Accelerate's ``cpu_ram_efficient_loading``), so no rank but 0 ever holds the whole model."""
+    return shards_itself(accelerator, run) and not accelerator.is_main_process
+
+
 def shard_model(model, run: RunConfig, accelerator):
     """CPU: FSDP2 through Accelerate's ``fsdp2_prepare_model`` (call before building the optimizer).
-    Elsewhere the model is returned untouched (``accelerator.prepare`` shards it)."""
+    Elsewhere the model is returned untouched (``accelerator.prepare`` shards it).
+
+    With Accelerate's ``cpu_ram_efficient_loading`` (FSDP2's form of ``sync_module_states``): every rank's
+    model goes to the meta device and is sharded there, then rank 0 broadcasts its full weights one tensor
+    at a time and each rank keeps its shard (``fsdp2_load_full_state_dict``). Ranks > 0 built theirs empty
+    (``builds_empty``), so only rank 0 holds a full model during setup, and every rank ends with rank 0's
+    weights (the same as before for a preset's seeded random init or a checkpoint).
+    """
     if not shards_itself(accelerator, run):
         return model
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     _layer_types(model)  # a model without decoder-layer classes: one sentence, not Accelerate's ValueError
-    holder = _PluginHolder(fsdp2_plugin(run, cuda=False), accelerator.is_main_process)
+    holder = _PluginHolder(fsdp2_plugin(run, cuda=False, ram_efficient=True), accelerator.is_main_process)
     return fsdp2_prepare_model(holder, model)
 
 
