@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,7 +65,6 @@ def _rows(hf_config, run, count: int, seed: int) -> list[dict]:
 def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int, steps: int) -> dict:
     """Every rank's measured peaks outside the step, and rank 0's record (``{}`` on other ranks)."""
     from accelerate.utils import broadcast_object_list, gather_object
-    from sharding_memory import build
 
     from memfit.data import Example, collate
     from memfit.memory.measure import counted, resident_tensors
@@ -75,6 +74,7 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     from memfit.training.rollback import OptimizerSnapshot
     from memfit.training.samples import generate_samples
     from memfit.training.step import evaluate, train_step
+    from sharding_memory import build
 
     accelerator, run, model, optimizer, bundle, hf_config = build(model_name, sharding_flag, "none", seq_len,
                                                                   micro_batch, steps)

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 from memfit.config import RunConfig, Sharding
 
-
 GATHER_COPIES = 4
 """Copies of the largest parameter tensor alive at once while a sharded state dict is gathered, on a rank
 that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 on 2 CPU ranks: 3 or 4 x
