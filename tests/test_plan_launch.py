@@ -81,17 +81,31 @@ def test_cli_prints_the_launch_command_and_writes_the_config(tmp_path):
 
 
 def test_outside_step_peaks(tiny):
-    # tiny preset (see presets/architectures.yaml): evaluation at the micro-batch, 2 sequences of 64
-    # tokens: forward logits in fp32 (no AMP) are 4 B logits + 4 B log_softmax = 8 B x 4 x 64 x vocab.
+    # tiny preset (presets/architectures.yaml): 6,492,416 params, hidden H 256, intermediate I 768, vocab
+    # V 384, 8 layers of L = 786,976 params (the estimator spreads the final norm's 256 over the layers:
+    # (6,492,416 - 2 x 98,304) / 8), untied head (tail = head + final norm = 98,560 params);
+    # fsdp over 2 ranks, fp32 AdamW, evaluation at the micro-batch: B x T = 2 x 64 = 128 tokens.
     run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
     states = model_states(tiny, run)
+    resident = states.weights + states.optimizer
     out = outside_step(tiny, run)
-    assert out.evaluation == states.weights + states.optimizer + states.gathered + 8 * 2 * 64 * tiny.vocab_size
-    # Sharded save: resident shards + the largest full parameter gathered; rank 0's host holds 2 full copies.
-    assert out.save_device == states.weights + states.optimizer + max(tiny.embedding_params, tiny.lm_head_params) * 4
-    assert out.save_host == 2 * (tiny.params * 4 + tiny.buffer_bytes)
+    # the gathering moment: 3 layers (one unsharded, 2 flat all-gather outputs) + 2 x B T H fp32
+    gathering = 3 * 786_976 * 4 + 2 * 128 * 256 * 4  # 9,705,856; beats one layer computing (4,851,840)
+    assert out.evaluation == resident + gathering  # and the head (2 x tail + 8 B T V = 1,181,696)
+    # GPU save: 4 copies of the largest tensor (a 768 x 256 MLP weight) on the device of every rank; rank
+    # 0's host gathers the full model + both AdamW moments (3 x 25,969,664 B) + the rotary buffer (128 B).
+    assert out.checkpoint_full == out.export == (resident + 4 * 196_608 * 4,) * 2
+    assert out.save_host == 3 * 6_492_416 * 4 + tiny.buffer_bytes
+    # on CPU the host is the device: rank 0 holds it (+ the rollback snapshot, resident on every rank)
+    cpu = outside_step(tiny, run, "cpu")
+    snapshot = 3 * 6_492_416 * 4 // 2  # this rank's parameters and moments
+    assert cpu.checkpoint_full[0] == resident + snapshot + out.save_host + 196_608 * 4
+    assert cpu.export == (resident + snapshot + 2 * (6_492_416 * 4 + tiny.buffer_bytes),
+                          resident + snapshot + 4 * 196_608 * 4)
+    assert cpu.save_host == 0
     unsharded = outside_step(tiny, run.replace(sharding="ddp"))
-    assert unsharded.save_host == 0
+    assert unsharded.save_host == 0 and unsharded.save_device == unsharded.generation - \
+        (2 * 8 + 1) * 2 * 64 * (16 + 1 + 160 - 1) * 4  # DDP saves from what it holds; samples add a KV cache
 
 
 def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeypatch):
@@ -108,8 +122,9 @@ def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeyp
     assert evaluate(tiny, run, a100, budget).fits
     real = outside.outside_step(tiny, run)
     assert real.device_peak() + step.breakdown.other < step.peak_bytes  # tiny: the step is the peak
-    big = outside.OutsideStep(evaluation=real.evaluation, save_device=step.peak_bytes + 2**30, save_host=0)
-    monkeypatch.setattr(outside, "outside_step", lambda spec, run: big)
+    big = outside.OutsideStep(evaluation=real.evaluation, checkpoint_full=(step.peak_bytes + 2**30, 0),
+                              export=real.export, generation=real.generation, save_host=0)
+    monkeypatch.setattr(outside, "outside_step", lambda spec, run, device="cuda": big)
     assert not evaluate(tiny, run, a100, budget).fits
 
 

@@ -1,25 +1,42 @@
-"""Peaks outside the training step, per rank: evaluation, saving the full state dict, generation.
+"""Peaks outside the training step, per rank: evaluation, saving the full state dict, exporting, generation.
 
 Users hit these after hours of training (the step fit; the save or the evaluation did not), so
-``memfit train`` prints them in its preamble and the planner keeps them under the budget too.
-All three start from the model states resident between steps (``estimate.model_states``):
-weights and optimizer state (gradients are freed by ``zero_grad(set_to_none=True)``).
+``memfit train`` prints them in its preamble and summary, and the planner keeps them under the budget
+too. Every piece starts from what a rank holds between steps (``resident``): weights, optimizer state,
+DDP's gradient buckets (gradients are freed by ``zero_grad(set_to_none=True)``) and, on CPU, where the
+host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). Per piece, as
+``memfit train`` runs it (``training.step.evaluate``, ``training.sharding``, ``training.finish``):
 
-- **evaluation** (``training.step.evaluate``, no grad, batch ``eval_batch(run)``): resident states +
-  FSDP's gathered layers + the forward-only logits and loss terms of that batch
-  (``activations.logits_terms(...).forward``); layer activations die layer by layer without grad
-  and are left out (a few ``B x T x hidden`` tensors, well under the logits for any LM vocabulary).
-- **save, device** (``training.sharding.gathered_model``: ``get_model_state_dict(full_state_dict=True,
-  cpu_offload=True)``): each parameter is all-gathered on the device and copied to the host one at
-  a time, so the device peak is the resident states + the largest full parameter (the embedding or
-  output head). Unsharded runs save from the resident weights: no extra.
-- **save, host of rank 0** (sharded runs): the gathered full state dict plus the unsharded copy of
-  the model memfit exports and samples from: 2 x the full weights in host RAM.
-- **generation** runs on rank 0's unsharded model (the step's model for unsharded runs); with
-  ``use_cache`` the KV cache of a few short samples is negligible next to the weights.
+- **evaluation** (no grad, batch ``eval_batch(run)``, every rank): resident + the largest of three
+  moments (``_eval_transient``): a layer being gathered (FSDP2's unsharded parameters + ``2 B T H``
+  elements of residual stream); a layer computing (its parameters when sharded + ``3 B T I + 4 B T H``
+  elements at the matmul dtype: the gated MLP's gate, up and product, the residual stream, its norm and
+  the attention output); the head (the tail unit twice when sharded + the forward-only logits and loss,
+  ``activations.logits_terms(...).forward``). Gathered, as memfit's counter measured it (it follows FSDP2's
+  storage resizes): ``fsdp``/``zero3`` hold one unsharded layer and two flat all-gather outputs (its
+  own during copy-out and the prefetched next layer's): 3 layers. ``zero2`` keeps every layer gathered
+  through a no-grad forward (no backward reshards it): all layers, the tail and 2 flat outputs
+  (``training.sharding.reshard_all`` frees them after the evaluation, else the next save holds them too).
+- **checkpoint, full state dict** (``--state-dict full``: ``get_state_dict(full_state_dict=True,
+  cpu_offload=True)``) and **export** (``get_model_state_dict``, then a plain copy of the model on rank 0):
+  the full model (and for the checkpoint the full optimizer state) is gathered one parameter at a time
+  and copied to rank 0's host. On a GPU the device holds resident + the gather's transients: the largest
+  parameter tensor gathered, ``GATHER_COPIES`` copies at once;
+  rank 0's host RAM holds the full model + full optimizer state (checkpoint) or 2 x the full model
+  (export: the gathered dict and the plain copy) (``save_host``). On CPU the host is the device: rank 0
+  holds resident + that host part, the other ranks resident + the transients. Unsharded runs save from
+  the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra.
+- **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
+  copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
+  cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul
+  dtype (the cache grows by concatenation: one layer's keys exist twice for a moment), positions = a prompt of ``PROMPT_CHARS + 1`` tokens + ``MAX_NEW_TOKENS``.
 
-Known error: these formulas are not yet checked against measurement (the step's peak is; see
-bench/README.md); they are upper-bound-minded and ignore allocator fragmentation.
+Known error (bench/README.md, "outside_memory.py"): on CPU (gloo), the tiny preset on 1 and 2 processes,
+DDP, FSDP and ZeRO-2, every piece within 1% of the tensor peak counted on real tensors, except what the
+counter cannot see (oneDNN scratch buffers, allocator overhead) and: the KV cache is sized for a
+PROMPT_CHARS prompt (a prompt/completion record's whole prompt can be longer); a ``--state-dict full``
+checkpoint is predicted whether or not the run saves one (the default, sharded DCP checkpoints, add nothing
+measurable on CPU). Not yet checked on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.config import RunConfig, Sharding
+
+GATHER_COPIES = 4
+"""Copies of the largest parameter tensor alive at once while a sharded state dict is gathered, on a rank
+that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 on 2 CPU ranks: 3 or 4 x
+786,432 B from one run to the next, for the model alone and for model + AdamW state: the all-gather
+outputs in flight, the unpadded full tensor and its copy; the larger is taken)."""
 
 
 def eval_batch(run: RunConfig) -> int:
@@ -42,29 +65,120 @@ def eval_batch(run: RunConfig) -> int:
 
 @dataclass(frozen=True)
 class OutsideStep:
-    """Predicted bytes per rank outside the training step."""
+    """Predicted device bytes per rank outside the training step (rank 0 and the others, where they differ)."""
 
     evaluation: int
-    save_device: int
+    """Every rank."""
+    checkpoint_full: tuple[int, int]
+    """(rank 0, any other rank): a ``--state-dict full`` checkpoint being gathered."""
+    export: tuple[int, int]
+    """(rank 0, any other rank): the end-of-run export (gathered full weights and rank 0's plain copy)."""
+    generation: int
+    """Rank 0, end-of-run samples."""
     save_host: int
-    """Host RAM rank 0 needs to gather and export a sharded model (0 when unsharded)."""
+    """Host RAM rank 0 needs to gather a sharded model on a GPU (0 when unsharded, or on CPU where it is
+    part of the device figures above)."""
+
+    @property
+    def save_device(self) -> int:
+        """The largest save peak of any rank (full checkpoint or export)."""
+        return max(*self.checkpoint_full, *self.export)
 
     def device_peak(self) -> int:
-        return max(self.evaluation, self.save_device)
+        return max(self.evaluation, self.save_device, self.generation)
+
+    def to_dict(self) -> dict[str, int]:
+        """The figures ``run.json`` keeps (``summary["outside_step"]``): the largest of any rank per piece."""
+        return {"evaluation": self.evaluation, "checkpoint_full": max(self.checkpoint_full),
+                "export": max(self.export), "generation": self.generation, "save_host": self.save_host}
+
+    def per_rank(self, n: int) -> list[dict[str, int]]:
+        """Each rank's figures, in the keys bench/outside_memory.py measures."""
+        return [{"evaluation": self.evaluation, "checkpoint_full": self.checkpoint_full[rank > 0],
+                 "export": self.export[rank > 0], "generation": self.generation if rank == 0 else 0}
+                for rank in range(n)]
 
 
-def outside_step(spec, run: RunConfig) -> OutsideStep:
-    """``OutsideStep`` for ``run`` (per rank, like ``estimate``)."""
-    from memfit.memory.activations import Precisions, logits_terms
-    from memfit.memory.estimate import base_weight_bytes, model_states
-
-    states = model_states(spec, run)
-    resident = states.weights + states.optimizer + states.buckets  # DDP's buckets stay allocated
+def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
+    """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device)."""
+    from memfit.memory.activations import Precisions
+    from memfit.memory.estimate import base_weight_bytes, model_states, optimizer_state_bytes
+    cpu = device == "cpu"
     prec = Precisions.of(run)
+    states = model_states(spec, run, device)
+    resident = states.weights + states.optimizer + states.buckets + _cpu_snapshot(spec, run, cpu)
     eval_run = run.replace(micro_batch=eval_batch(run))
-    evaluation = resident + states.gathered + logits_terms(spec, eval_run, prec).forward
+    evaluation = resident + _eval_transient(spec, eval_run, prec)
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
-    largest = max(spec.embedding_params, spec.lm_head_params) * prec.w
-    save_device = resident + largest if sharded else resident
-    save_host = 2 * base_weight_bytes(spec, run) if sharded else 0
-    return OutsideStep(int(evaluation), int(save_device), int(save_host))
+    full_weights = base_weight_bytes(spec, run) + (spec.lora_params(run) * 4 if run.is_lora() else 0)
+    trainable = spec.trainable_params(run)
+    grad_bytes = 4 if run.is_lora() else prec.w
+    full_optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
+    kv = _kv_cache(spec, prec)
+    if not sharded:
+        return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
+    transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
+    host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
+    if cpu:
+        return OutsideStep(int(evaluation), (resident + host_checkpoint + _largest_tensor(spec) * prec.w,
+                                             resident + transient),
+                           (resident + host_export, resident + transient), int(resident + full_weights + kv), 0)
+    return OutsideStep(int(evaluation), (resident + transient,) * 2, (resident + transient,) * 2, int(resident),
+                       int(max(host_checkpoint, host_export)))
+
+
+def predicted_outside(model: str, run: RunConfig, device: str) -> OutsideStep | None:
+    """``outside_step`` for a model name, or None where the estimator cannot describe the model (a
+    prediction never stops a training run)."""
+    try:
+        from memfit.modelspec import load_spec
+
+        return outside_step(load_spec(model), run, "cpu" if device == "cpu" else "cuda")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cpu_snapshot(spec, run: RunConfig, cpu: bool) -> int:
+    """The rollback snapshot's buffers, kept for the run (``memory.snapshot``), where the host is the device."""
+    from memfit.memory.estimate import rollback_snapshot_bytes
+    from memfit.optimizers import row
+
+    if not cpu or run.optimizer_in_backward or row(run.optimizer).rollback != "every-step":
+        return 0
+    return rollback_snapshot_bytes(spec, run)
+
+
+def _eval_transient(spec, run: RunConfig, prec) -> int:
+    """What a no-grad forward adds to the resident bytes at its peak (module docstring): the larger of
+    the moment a layer is gathered (FSDP2's gathered units ``G`` + the residual stream and a layer input,
+    ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
+    the head's (the tail unit twice when sharded + the logits and loss)."""
+    from memfit.memory.activations import logits_terms
+    from memfit.memory.estimate import _layer_params
+
+    tokens = run.micro_batch * run.seq_len
+    layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c
+    logits = logits_terms(spec, run, prec).forward
+    if run.num_processes < 2 or run.sharding is Sharding.DDP:
+        return max(layer_compute, logits)
+    head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
+    tail = head + spec.hidden_size + (spec.embedding_params if spec.tie_word_embeddings else 0)
+    layer = _layer_params(spec)
+    gathered = (spec.num_layers + 2) * layer + tail if run.sharding is Sharding.ZERO2 else 3 * layer
+    return max(gathered * prec.w + 2 * spec.hidden_size * tokens * prec.c, layer * prec.w + layer_compute,
+               2 * tail * prec.w + logits)
+
+
+def _largest_tensor(spec) -> int:
+    """Elements of the model's largest parameter tensor (a projection, the embedding or the head)."""
+    linears = [lin.in_features * lin.out_features for lin in spec.linears]
+    embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
+    return max([embed, spec.lm_head_params, *linears])
+
+
+def _kv_cache(spec, prec) -> int:
+    """One sample's KV cache at its longest, one layer's copy more (module docstring)."""
+    from memfit.training.samples import MAX_NEW_TOKENS, PROMPT_CHARS
+
+    positions = PROMPT_CHARS + 1 + MAX_NEW_TOKENS - 1  # the last token's keys are never cached
+    return (2 * spec.num_layers + 1) * spec.num_kv_heads * spec.head_dim * positions * prec.c

@@ -75,6 +75,8 @@ class PlanResult:
     """The device whose speed ``tokens_per_s`` is for."""
     spec: Any = field(default=None, repr=False)
     """The ``ModelSpec`` planned for (``fallbacks`` estimates with it)."""
+    cpu: bool = False
+    """The budget is a CPU's memory (``plan(..., cpu=True)``): fallbacks and the refusal say so too."""
 
     @property
     def best(self) -> Plan:
@@ -146,7 +148,7 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda")
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
-    outside = outside_step(spec, run).device_peak() + breakdown.other
+    outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
                 fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t)
 
@@ -206,7 +208,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
     attention(spec, runs[0].attn_implementation)
     ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu))
-    result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec)
+    result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
     return result
@@ -258,6 +260,10 @@ def nothing_fits_message(result: PlanResult) -> str:
     """One sentence: the smallest peak reached, with which settings, and the smallest GPU that holds it."""
     smallest = min(result.plans, key=lambda p: p.peak_bytes)
     need = smallest.peak_bytes * (1 + result.safety_margin)
+    if result.cpu:  # a GPU's name would be for a different peak (CUDA context, CUDA kernels)
+        return (f"Nothing fits in {fmt_gib(result.budget_bytes)} with a {result.safety_margin:.0%} safety margin: "
+                f"the smallest peak reached on this CPU is {fmt_gib(smallest.peak_bytes)} "
+                f"({describe(smallest.config)}), so it needs a --budget of about {fmt_gib(need)} or more.")
     gpu = smallest_fitting(need)
     where = (f"the smallest listed GPU that would hold it is {gpu.name} ({fmt_gib(gpu.memory_bytes, 0)})" if gpu
              else "no listed GPU holds it, so spread it over more GPUs with --num-processes and --sharding fsdp")
@@ -278,13 +284,13 @@ def fallbacks(result: PlanResult, current: RunConfig, *, live_only: bool = False
     effective batch (these need the model/optimizer rebuilt), fastest first.
     """
     spec, gpu = result.spec, result.gpu or gpu_by_name(REFERENCE_GPU)
-    current_peak = evaluate(spec, current, gpu, result.budget_bytes, result.safety_margin).peak_bytes
+    current_peak = evaluate(spec, current, gpu, result.budget_bytes, result.safety_margin, cpu=result.cpu).peak_bytes
     live = []
     for micro, accum in micro_batches(current.effective_batch(), current.num_processes, Constraints()):
         for gc in (current.grad_checkpointing, not current.grad_checkpointing):
             run = current.replace(micro_batch=micro, grad_accum=accum, grad_checkpointing=gc)
             if run != current:
-                live.append(evaluate(spec, run, gpu, result.budget_bytes, result.safety_margin))
+                live.append(evaluate(spec, run, gpu, result.budget_bytes, result.safety_margin, cpu=result.cpu))
     live = [p for p in rank(live) if p.peak_bytes < current_peak]
     seen = {p.config for p in live}
     rest = [] if live_only else [

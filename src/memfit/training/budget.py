@@ -35,8 +35,10 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
 
     The effective batch (``run.effective_batch()``: the user's micro-batch x accumulation x processes,
     or ``--batch``) and the sequence length are kept. With CUDA present the plans are ranked for the
-    device found (``detect_gpu``: fp16 instead of bf16 on a T4 or V100, its speed); without, for the
-    budget alone (speeds of the planner's reference GPU). Plans this machine cannot run (CUDA-only
+    device found (``detect_gpu``: fp16 instead of bf16 on a T4 or V100, its speed); without, the budget
+    is this CPU's memory (``plan(..., cpu=True)``: CPU kernels, no CUDA context or allocator reserve, the
+    rollback snapshot counted; speeds of the planner's reference GPU). A budget test that relied on the
+    CUDA context to make a tiny model not fit (64 MiB) fits on CPU: its smallest plan needs a few MiB. Plans this machine cannot run (CUDA-only
     features on a CPU) are passed over: the first trainable one in rank order is taken.
 
     Raises:
@@ -51,7 +53,8 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     constraints = Constraints.from_flat(constraints_for(config, run))
     gpu = detect_gpu() if cuda_available() else None
     result = plan(config.model, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
-                  num_processes=run.num_processes, gpu=gpu, constraints=constraints)
+                  num_processes=run.num_processes, gpu=gpu, constraints=constraints,
+                  cpu=gpu is None)  # no CUDA: the budget is this CPU's memory
     for index, candidate in enumerate(result.plans):
         if not candidate.fits:
             break

@@ -208,6 +208,12 @@ def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("peak tensors (predicted)", fmt_bytes(predicted) + diff))
     else:
         rows.append(("peak tensors (predicted)", "n/a (estimator unavailable)"))
+    outside = summary.get("outside_step")
+    if outside:
+        host = f"; + {fmt_bytes(outside['save_host'])} host RAM on rank 0" if outside.get("save_host") else ""
+        rows.append(("outside the step (predicted)", f"evaluation {fmt_bytes(outside['evaluation'])}, "
+                     f"full-state checkpoint {fmt_bytes(outside['checkpoint_full'])}, export "
+                     f"{fmt_bytes(outside['export'])}, samples {fmt_bytes(outside['generation'])}{host}"))
     if mem["device"] != "cuda":
         rows.append(("process peak RSS", f"{fmt_bytes(mem['cpu_peak_rss'])} (tensors + Python/torch runtime)"))
     return rows

@@ -154,7 +154,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     output = Path(config.output)
     guard.open_folder(config, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
-    bundle = build_model(config, run, source, device=accelerator.device)
+    bundle = build_model(config, run, source, device=accelerator.device,
+                         empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
     bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
@@ -182,7 +183,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     if resume_point is not None and resume_point.note:
         bar.note(resume_point.note)
     predicted = predict(config.model, run, accelerator.device.type)
-    bar.note(sharding.per_rank_line(config.model, run, predicted))
+    bar.note(sharding.per_rank_line(config.model, run, predicted, accelerator.device.type))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,

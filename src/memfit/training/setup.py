@@ -158,12 +158,15 @@ def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
 
 
 def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,
-                device=None) -> ModelBundle:
+                device=None, *, empty: bool = False) -> ModelBundle:
     """The causal LM (preset with random weights, or a local checkpoint), with checkpointing and LoRA.
 
     ``device``: a CUDA device builds the model there directly (random init under ``torch.device``,
     checkpoints with ``device_map``), which for a 1.5 B model saves building it in CPU memory and
     copying it over; ``None`` or a CPU device builds on the CPU (Accelerate's ``prepare`` moves it).
+    ``empty``: the architecture only, parameters on the meta device (buffers real; Accelerate's
+    ``init_empty_weights``), no weights read: a rank that receives its shards from rank 0
+    (``training.sharding.builds_empty``).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -175,8 +178,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     if run.quantize is not Quantize.NONE:
         kwargs["quantization_config"] = _bnb_config(run)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
-    if source.random_init:
-        with torch.device(device) if on_gpu else contextlib.nullcontext():
+    if source.random_init or empty:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(source.hf_config, trust_remote_code=config.trust_remote_code,
                                                      **kwargs)
     else:

@@ -161,5 +161,8 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
         sums[1] += count_target_tokens(batch["labels"])
     net.train(was_training)
+    from memfit.training.sharding import reshard_all
+
+    reshard_all(net)  # ZeRO-2 keeps every layer gathered through a no-grad forward: free them now
     loss_sum, n = accelerator.reduce(sums, reduction="sum").tolist()
     return loss_sum / n if n else float("nan")

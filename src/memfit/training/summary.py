@@ -103,6 +103,8 @@ class RunSummary:
     attn_implementation: str = ""
     """The attention implementation the built model runs (``memfit.resolved``)."""
     lora_targets: tuple[str, ...] = ()
+    outside_step: dict[str, int] | None = None
+    """Predicted per-rank peaks outside the step (``memory.outside.OutsideStep.to_dict``), or None."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -128,6 +130,7 @@ class RunSummary:
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
+            "outside_step": self.outside_step,
         }
         return json_safe(out)
 
