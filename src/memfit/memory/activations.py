@@ -274,10 +274,11 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set, less the
     input itself where its first norm saves it uncast: that tensor is the one the checkpoint keeps; exact
     on the trace's timeline, tiny Llama fp32: no new bytes when the recompute's norm saves its input).
-    Backward transient of one layer: the gradient of its input and output (2 x ``w * H``) and, in the MLP's
-    backward, the gradients of two I-wide tensors (``mul``'s two input grads, c). Held to the trace's
-    backward phase: within ~3% with checkpointing (where this is the backward peak), below the
-    backward-start peak without it.
+    Backward transient of one layer without checkpointing: the gradient of its input and output
+    (2 x ``w * H``) and, in the MLP's backward, the gradients of two I-wide tensors (``mul``'s two input
+    grads, c), below the backward-start peak. With checkpointing: the recomputed set plus the gradients
+    of the MLP-backward moment (``_recompute_grads``), the backward peak; within 0.2% of the trace on the
+    accuracy grid's hand-written Llama-family cases.
     """
     ctx = _Ctx(spec, run, prec, device)
     recipe = RECIPES.get(spec.family, llama_layer)
@@ -396,7 +397,8 @@ def checkpointed_masks(spec, run: RunConfig, prec: Precisions) -> int:
     Non-reentrant checkpointing saves each layer's inputs, the mask among them, so the masks live from
     the forward into backward (without checkpointing ``attn + mask`` saves nothing and they are freed
     when the decoder's forward returns). Read off transformers 5's ``create_causal_mask`` and the trace
-    (Llama GQA, T 512, B 2, SDPA, packed: the 524,288-byte boolean mask was the whole of a 3.3% gap).
+    (Llama GQA, T 512, B 2, SDPA, packed: the 524,288-byte boolean mask was most of a 3.3% gap; RoPE's
+    per-row cos/sin, ``position_rows``, the rest).
     """
     if not run.grad_checkpointing:
         return 0
