@@ -173,9 +173,9 @@ def _parse_jsonl(text: str, path: Path, fmt: str | None = None, fields=None) -> 
     return list(jsonl_records(text.split("\n"), path, fmt, fields))
 
 
-def jsonl_records(lines, path, fmt: str | None = None, fields=None):
-    """The ``Example`` of each non-blank line of a JSONL file, in order; a bad line is a ``UserError`` naming
-    the file and the line. ``lines`` may be an open file (read line by line: bounded memory)."""
+def json_lines(lines, path):
+    """``(record, "<path> line N")`` for each non-blank line of a JSONL file, in order; a bad line is a
+    ``UserError`` naming the file and the line. ``lines`` may be an open file (bounded memory)."""
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -183,7 +183,13 @@ def jsonl_records(lines, path, fmt: str | None = None, fields=None):
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{path} line {lineno} is not valid JSON ({err.msg}).") from None
-        yield record_to_example(record, f"{path} line {lineno}", fmt, fields)
+        yield record, f"{path} line {lineno}"
+
+
+def jsonl_records(lines, path, fmt: str | None = None, fields=None):
+    """The ``Example`` of each non-blank line of a JSONL file, in order (``json_lines``)."""
+    for record, where in json_lines(lines, path):
+        yield record_to_example(record, where, fmt, fields)
 
 
 def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:

@@ -105,18 +105,12 @@ def _txt_documents(file: Path):
 
 def _jsonl_records(file: Path):
     """The records of a ``.jsonl`` file line by line, each named by its line (bad JSON: ``UserError``)."""
-    import json
+    from memfit.data import json_lines
 
     try:
         with file.open(encoding="utf-8-sig", newline="\n") as lines:  # newline: lines end at "\n" only
-            for lineno, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{file} line {lineno} is not valid JSON ({err.msg}).") from None
-                yield record, f"{file} line {lineno}", None
+            for record, where in json_lines(lines, file):
+                yield record, where, None
     except UnicodeDecodeError:
         raise UserError(f"{file} is not UTF-8 text.") from None
     except OSError as err:
