@@ -9,38 +9,23 @@ functions ``memfit train`` runs outside the step under the counter. ~40-70 s per
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from _launch_helpers import gloo_launch, last_json_line
 from memfit.memory.measure import counted
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "outside_memory.py"
 TOLERANCE = 0.03
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _measure(sharding: str, nproc: int) -> dict:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-              "127.0.0.1", "--master_port", str(_free_port())] if nproc > 1 else [sys.executable]
-    cmd = [*launch, str(BENCH), "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--sharding", sharding]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=BENCH.parent)
+    proc = gloo_launch(str(BENCH), "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--sharding",
+                       sharding, nproc=nproc, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stdout[-2000:]
-    return json.loads(lines[-1])
+    return last_json_line(proc.stdout)
 
 
 def _check(got: dict, nproc: int) -> None:

@@ -4,29 +4,17 @@ Launches ``bench/shard_setup_memory.py`` on 2 CPU processes (~20-30 s)."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
+
+from _launch_helpers import gloo_launch, last_json_line
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "shard_setup_memory.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_rank_one_builds_no_full_model_and_gets_the_single_process_weights():
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(BENCH), "--model", "tiny"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = gloo_launch(str(BENCH), "--model", "tiny", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    got = last_json_line(proc.stdout)
     # the same weights as one process builds with the same seed: broadcast from rank 0, bit for bit
     assert got["max_abs_diff_vs_single_process"] == 0.0
     full, shard = got["full_model_bytes"], got["rank0_shard_bytes"]

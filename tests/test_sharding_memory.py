@@ -11,15 +11,11 @@ and the single-tensor AdamW torch runs on CPU. ~20-40 s per launch on 2 shared c
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _launch_helpers import gloo_launch, last_json_line
 from memfit.config import RunConfig
 from memfit.memory.estimate import estimate, model_states
 from memfit.modelspec import load_spec
@@ -28,22 +24,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
 TOLERANCE = 0.03
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _measure(sharding: str) -> dict:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(BENCH), "--model", "tiny", "--seq-len", "32", "--steps", "3",
-           "--sharding", sharding]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = gloo_launch(str(BENCH), "--model", "tiny", "--seq-len", "32", "--steps", "3", "--sharding", sharding)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stdout[-2000:]
-    return json.loads(lines[-1])
+    return last_json_line(proc.stdout)
 
 
 # 3 steps: the steady state. The rollback snapshot's buffers for the optimizer state are allocated in the

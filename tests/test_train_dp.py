@@ -6,21 +6,12 @@ The one test here that launches processes (~30-60 s on 2 shared cores).
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+from _launch_helpers import gloo_launch
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
 from memfit.training.loop import run_training
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_processes_match_one_and_resume_on_one(tmp_path):
@@ -36,10 +27,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
             "--grad-accum", "2", "--max-steps", "6", "--save-every", "3", "--lr", "0.01", "--warmup-steps", "2",
             "--optimizer", "adamw", "--packing", "none", "--eval-every", "0", "--eval-fraction", "0", "--samples", "0",
             "--log-every", "1", "--max-grad-norm", "0", "--output", two.output]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "memfit", "train", *args]
-    proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    proc = gloo_launch("-m", "memfit", "train", *args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     from transformers import AutoModelForCausalLM

@@ -7,15 +7,13 @@ sentence. Each launch takes ~30-60 s on 2 shared cores.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _launch_helpers import gloo_launch
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
 from memfit.config import RunConfig
 from memfit.errors import UserError
@@ -27,17 +25,8 @@ ARGS = ["--tokenizer", "byte", "--seq-len", "64", "--micro-batch", "1", "--grad-
         "--eval-fraction", "0", "--samples", "0", "--log-every", "1", "--max-grad-norm", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), "-m", "memfit", "train", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    return gloo_launch("-m", "memfit", "train", *args, nproc=nproc)
 
 
 def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str], n: int = 22, nproc: int = 2,
