@@ -372,7 +372,7 @@ def head_side_activations(spec, run: RunConfig, prec: Precisions, device: str) -
     return int(total)
 
 
-def final_hidden_in_loss(spec, run: RunConfig, prec: Precisions, device: str) -> int:
+def final_hidden_in_loss(spec, run: RunConfig, prec: Precisions) -> int:
     """The decoder's last hidden state (stream dtype), alive while the model's own loss runs, when the head
     does not save it, bytes (0 when it does: counted in ``head_side_activations``).
 

@@ -132,7 +132,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
-    in_loss = final_hidden_in_loss(spec, run, prec, device)
+    in_loss = final_hidden_in_loss(spec, run, prec)
     forward = base + grads_in_fwd + activations + in_loss + logit.forward + copies[0] + states.gathered
     if str(run.loss) != "standard":
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's

@@ -374,6 +374,8 @@ class _Traced:
     run: RunConfig
     vocab: int
     resolved: ResolvedRun
+    input_leaves: list = field(default_factory=list)
+    """Weak references to this micro-batch's embedding outputs (``_watch_input_leaves``)."""
 
 
 def _autocast_forward(model, run: RunConfig):
@@ -411,7 +413,7 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
         rec.phase = "backward"
         loss.backward()
         del loss, input_ids, labels
-        _release_input_leaves(t.model)
+        _release_input_leaves(t.input_leaves)
     if not optimizer_step:
         return
     rec.phase = "optimizer"
@@ -419,19 +421,17 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
     t.optimizer.zero_grad(set_to_none=True)
 
 
-def _watch_input_leaves(model) -> None:
-    """Remember (weakly) the input embeddings' output of each forward, for ``_release_input_leaves``."""
+def _watch_input_leaves(model, leaves: list) -> None:
+    """Append (weakly) the input embeddings' output of each forward to ``leaves``, for ``_release_input_leaves``."""
     import weakref
 
-    model._memfit_input_leaves = []
-
     def remember(_module, _args, output) -> None:
-        model._memfit_input_leaves.append(weakref.ref(output))
+        leaves.append(weakref.ref(output))
 
     model.get_input_embeddings().register_forward_hook(remember)
 
 
-def _release_input_leaves(model) -> None:
+def _release_input_leaves(leaves: list) -> None:
     """Drop what the memory tracker alone keeps alive after backward: the embedding output.
 
     With checkpointing on a frozen embedding (LoRA) transformers' ``enable_input_require_grads`` makes that
@@ -439,14 +439,15 @@ def _release_input_leaves(model) -> None:
     whose closure holds the leaf's ``AccumulateGrad`` node, which holds the leaf): a reference cycle through
     C++ that the garbage collector cannot see, so the leaf and its gradient (2 x B T H stream bytes) would
     stay alive through the optimizer step, where a real run (no tracker) has freed both. Clearing the
-    leaf's hooks breaks the cycle.
+    leaf's hooks and gradient frees the gradient; the leaf itself (B T H) is still held by something not
+    found, so the trace's optimizer phase keeps it (docs/estimate.md: LoRA + checkpointing).
     """
-    for ref in getattr(model, "_memfit_input_leaves", ()):
+    for ref in leaves:
         leaf = ref()
         if leaf is not None and leaf.is_leaf and leaf.requires_grad:
             leaf._backward_hooks = None
             leaf.grad = None
-    model._memfit_input_leaves = []
+    leaves.clear()
 
 
 def _saved_tensors_place(run: RunConfig):
@@ -696,8 +697,8 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     rows = _loss_rows(run, vocab, int(head_weight.shape[1]))
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight, rows)
     _mark_layers(net, recorder)
-    _watch_input_leaves(net)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
+    _watch_input_leaves(net, traced.input_leaves)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     untracked_warm_up = steps > 1 and not run.optimizer_in_backward
     if untracked_warm_up:
