@@ -87,8 +87,11 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     return accelerator, run, model, optimizer, bundle, hf_config
 
 
-def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: int, tracker=None) -> int:
+def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: int, tracker=None,
+                step_times: list | None = None) -> int:
     """``steps`` real ``memfit train`` steps on random tokens (inside ``tracker``, if any); the tokens run.
+    ``step_times``, if given, receives each step's ``(wall, cpu)`` seconds of this process (CPU time is what
+    the step cost this rank whatever else the machine runs; wall time includes waiting for a core).
     memfit train keeps one rollback snapshot for the whole run (training/session.py): host buffers,
     which on CPU are the device, so they count in the measured peak and in the prediction."""
     from memfit.training.rollback import OptimizerSnapshot
@@ -104,9 +107,12 @@ def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: in
             ids = ids.to(accelerator.device)
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
+            wall, cpu = time.perf_counter(), time.process_time()
             tokens += train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0,
                                  uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size,
                                  snapshot=snapshot).tokens
+            if step_times is not None:
+                step_times.append((time.perf_counter() - wall, time.process_time() - cpu))
     return tokens
 
 
@@ -145,8 +151,10 @@ def main() -> None:
     tracker = _tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
                        sharding.is_sharded(run)) if not args.no_track else _NoTracker()
     t0 = time.perf_counter()
-    tokens = train_steps(accelerator, run, model, optimizer, bundle, hf_config, args.steps, tracker)
+    step_times: list = []
+    tokens = train_steps(accelerator, run, model, optimizer, bundle, hf_config, args.steps, tracker, step_times)
     seconds = time.perf_counter() - t0
+    all_step_times = gather_object([step_times])
     peaks = tracker.get_tracker_snapshot("peak")
     device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
     measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == device))
@@ -164,7 +172,14 @@ def main() -> None:
             "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,
             "measured_peak_bytes_per_rank": all_measured, "worst_error": worst,
             "predicted_phase_peaks": predicted.phase_peaks, "measured_at_peak_rank0": at_peak,
-            "tokens_per_s": tokens * accelerator.num_processes / seconds}))
+            # train_step's tokens are already every rank's (all-reduced for the token normalisation);
+            # multiplying them by the process count again was round 2's "super-linear" 1 -> 2 -> 4 scaling
+            "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            # per rank, per step: (wall s, this process's CPU s); the first step allocates the optimizer state
+            "step_seconds_per_rank": [[[round(w, 3), round(c, 3)] for w, c in rank] for rank in all_step_times],
+            "steady_tokens_per_s": (tokens / args.steps * (args.steps - 1)
+                                    / max(sum(w for w, _ in rank[1:]) for rank in all_step_times))
+            if args.steps > 1 else None}))
     accelerator.end_training()
 
 
