@@ -22,6 +22,12 @@ from memfit.modelspec import load_spec
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
 TOLERANCE = 0.03
+# ZeRO-2 is held closer: each of its two FSDP2 terms alone moves tiny's prediction by more than 2%.
+# Without the forward's two layer-sized all-gather buffers (fsdp2_gathered) the prediction falls to
+# backward's 111,538,560 B against 114,653,300 B measured (-2.7%); without the layers' reshard after their
+# backward (_released_after_backward) the first layer's moment rises to 117,475,904 B (+2.5%). With both:
+# 116,195,328 B, the forward's peak, +1.3% (measured at the last layer's forward, as predicted).
+ZERO2_TOLERANCE = 0.02
 
 
 def _measure(sharding: str) -> dict:
@@ -45,7 +51,7 @@ def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sha
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:
         error = (predicted - measured) / measured
-        assert abs(error) <= TOLERANCE, (f"{sharding}: predicted {predicted:,} B vs measured {measured:,} B "
+        assert abs(error) <= (ZERO2_TOLERANCE if sharding == "zero2" else TOLERANCE), (f"{sharding}: predicted {predicted:,} B vs measured {measured:,} B "
                                          f"({error:+.1%}); at rank 0's peak: {got['measured_at_peak_rank0']}")
 
 

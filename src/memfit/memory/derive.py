@@ -446,7 +446,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
         got = dict(at[moment])
         if accum or moment == "backward_end":
             got["gradients"] = states.gradients
-        got["temporary"] += states.gathered
+        got["temporary"] += states.forward_gathered if moment == "forward" else states.gathered
         return got
 
     candidates = {m: categories(m) for m in MOMENTS}

@@ -82,6 +82,14 @@ class ModelStates:
     buckets: int = 0
     """DDP: the gradient buckets' flat buffers, resident for the whole run (counted as gradients); the
     gradients are views into them (``gradients`` is then 0: ``ddp_bucket_bytes``)."""
+    gathered_forward: int | None = None
+    """FSDP/ZeRO: the unsharded bytes at forward's peak where they differ from ``gathered`` (ZeRO-2's
+    all-gather buffers: ``fsdp2_gathered``); None: the same as ``gathered``."""
+
+    @property
+    def forward_gathered(self) -> int:
+        """The unsharded bytes alive at forward's peak (``gathered`` unless ZeRO-2's forward differs)."""
+        return self.gathered if self.gathered_forward is None else self.gathered_forward
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
@@ -133,11 +141,12 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
     in_loss = final_hidden_in_loss(spec, run, prec)
-    forward = base + grads_in_fwd + activations + in_loss + logit.forward + copies[0] + states.gathered
+    forward = base + grads_in_fwd + activations + in_loss + logit.forward + copies[0] + states.forward_gathered
     if str(run.loss) != "standard":
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
         # end holds the cache, the loss only the copies saved for backward (the head's included).
-        forward = base + grads_in_fwd + activations + states.gathered + max(copies[0], copies[1] + logit.forward)
+        forward = (base + grads_in_fwd + activations + states.forward_gathered
+                   + max(copies[0], copies[1] + logit.forward))
     # backward start: logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
@@ -231,7 +240,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.gradients = grads_in_fwd
         out.activations = activations + in_loss
         out.logits = logit.forward
-        out.temporary = copies[0] + states.gathered
+        out.temporary = copies[0] + states.forward_gathered
     elif phase == "backward" and moment == "end":
         in_bw = run.optimizer_in_backward
         out.gradients = states.buckets + (0 if in_bw else states.gradients)
@@ -288,12 +297,12 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
-    gathered, gathered_end, buckets = 0, 0, 0
+    gathered, gathered_end, buckets, gathered_forward = 0, 0, 0, None
     if n > 1 and run.sharding is Sharding.DDP:
         buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
         gathered_end = ddp_embedding_grad_end(spec, run)
     if n > 1 and run.sharding is not Sharding.DDP:
-        gathered, gathered_end = fsdp2_gathered(spec, run)
+        gathered, gathered_end, gathered_forward = fsdp2_gathered(spec, run)
         weights //= n
         gradients //= n
         optimizer //= n
@@ -309,7 +318,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
         # unit being reduced are in ``gathered_end`` and the layers' backward transients.
         gradients = 0
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
-                       int(gathered_end), int(buckets))
+                       int(gathered_end), int(buckets), gathered_forward=gathered_forward)
 
 
 def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = True) -> int:
@@ -360,8 +369,9 @@ def ddp_bucket_bytes(gradients: int) -> int:
     return int(gradients)
 
 
-def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
-    """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, and at backward's end.
+def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None]:
+    """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, at backward's end, and
+    at forward's peak where it differs (ZeRO-2; else None).
 
     Accelerate's ``fsdp2_prepare_model`` makes a unit of each decoder layer, one of the input embedding
     (untied only), one of [final norm, output head] (tied: and the embedding) with
@@ -374,6 +384,10 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
       its backward, so at the end of forward all of them; and at backward's start FSDPMemTracker shows
       one more tail-sized all-gather buffer (smollm2-135m on 2 ranks: 113 MB under ``ALL_GATHER`` next to
       the 538 MB of unsharded parameters; measured, its cause in FSDP2 not pinned down), counted here.
+      In forward instead, the last layer computes beside two layer-sized all-gather outputs (its own and
+      the one prefetched; every layer is gathered again each step, since backward reshards them:
+      ``_released_after_backward``): FSDPMemTracker at the last layer's forward, ``ALL_GATHER`` = 2 layers
+      on smollm2-135m (28.3 MB) and on the tiny preset (6.3 MB), where it is the step's peak (-3.8% without).
 
     At the end of backward the last unit to finish (tied: the tail with the embedding; untied: the
     embedding unit) holds its full parameters and full-size gradients: tied, the head's unsharded
@@ -393,6 +407,9 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
     untied_embed = embed if run.sharding is Sharding.ZERO2 and not spec.tie_word_embeddings else 0
     all_gather_buffer = tail if run.sharding is Sharding.ZERO2 else 0
     gathered = (tail + layers + untied_embed + all_gather_buffer) * w
+    gathered_forward = None
+    if run.sharding is Sharding.ZERO2:
+        gathered_forward = (tail + layers + untied_embed + 2 * _layer_params(spec)) * w
     last = tail if spec.tie_word_embeddings else embed
     grad_bytes = 0 if run.is_lora() else w  # adapters live in the layers; the tail's base is frozen
     copies = 3 if spec.tie_word_embeddings else 2
@@ -407,7 +424,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int]:
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
     late_layer = 2 * layer * w + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
-    return int(gathered), int(max(gathered_end, late_layer))
+    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward
 
 
 def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
@@ -573,7 +590,23 @@ def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts
         return 0
     outside = 0 if run.is_lora() else spec.vocab_size * spec.hidden_size + spec.lm_head_params
     per_layer = max(0, trainable - outside) / spec.num_layers * states.gradients / trainable
-    return int((spec.num_layers - 1) * (per_layer - acts.saved))
+    return int((spec.num_layers - 1) * (per_layer - acts.saved - _released_after_backward(spec, run)))
+
+
+def _released_after_backward(spec: ModelSpec, run: RunConfig) -> int:
+    """Gathered parameter bytes one layer frees after its backward that ``states.gathered`` counts as held.
+
+    FSDP2 reshards every unit after its backward (``FSDPParamGroup.post_backward``:
+    ``reshard_after_backward`` is True unless set otherwise; torch 2.13
+    ``distributed/fsdp/_fully_shard/_fsdp_param_group.py``), ZeRO-2's ``reshard_after_forward=False``
+    included. ``fsdp2_gathered`` keeps every layer gathered under ``zero2`` (true up to backward's start),
+    so by the first layer's backward the N - 1 layers above have each freed one layer's parameters.
+    ``fsdp``/``zero3`` count only the 2 layers computing, which stay. Measured (bench/sharding_memory.py,
+    smollm2-135m, zero2 on 2 ranks): without this term the first-layer moment was predicted +6.9% over
+    the measured peak (backward's start, where every layer is still gathered)."""
+    if run.num_processes < 2 or run.sharding is not Sharding.ZERO2:
+        return 0
+    return _layer_params(spec) * _weight_bytes(run)
 
 
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
