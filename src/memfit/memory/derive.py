@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig
+from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import MemoryBreakdown
 
@@ -434,11 +434,11 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
     (their gradients are those the traced step held then; with accumulation, all gradients) and backward
     end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
     """
-    from memfit.memory.estimate import cuda_other, model_states, notes
+    from memfit.memory.estimate import cuda_other, model_states, notes, released_after_backward
 
     recipe = derived_recipe(spec, run)
     states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
-    base = states.weights + states.optimizer + states.buckets  # DDP: the gradients' buckets
+    base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
     accum = run.grad_accum > 1
     at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, run))
 
@@ -446,11 +446,29 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
         got = dict(at[moment])
         if accum or moment == "backward_end":
             got["gradients"] = states.gradients
-        got["temporary"] += states.forward_gathered if moment == "forward" else states.gathered
+        elif moment == "backward_layer" and sharded:
+            # the traced layers above hold full gradients; FSDP2 reduce-scatters each unit's after its
+            # backward, so they hold shards (``estimate._layers_below_top``'s rule for the hand-written recipes)
+            got["gradients"] = got["gradients"] // run.num_processes
+        if states.buckets:
+            got["gradients"] = states.buckets  # DDP: every gradient is a view into its resident buckets
+        got["temporary"] += gathered_at(moment)
         return got
 
+    def gathered_at(moment: str) -> int:
+        """FSDP2's unsharded bytes at ``moment``: the same terms as the hand-written recipes' (``estimate``)."""
+        if moment == "forward":
+            return states.forward_gathered
+        if moment == "backward_end":
+            return states.gathered_end
+        if moment == "backward_layer":
+            return states.gathered - (spec.num_layers - 1) * released_after_backward(spec, run)
+        return states.gathered
+
+    sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
+
     candidates = {m: categories(m) for m in MOMENTS}
-    candidates["optimizer"] = {"gradients": states.gradients, "activations": 0, "logits": 0,
+    candidates["optimizer"] = {"gradients": states.buckets or states.gradients, "activations": 0, "logits": 0,
                                "temporary": states.step_temporary}
     totals = {m: base + sum(v.values()) for m, v in candidates.items()}
     phase_of = {"forward": "forward", "backward_start": "backward", "backward_layer": "backward",

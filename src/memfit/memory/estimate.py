@@ -386,13 +386,13 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
       the 538 MB of unsharded parameters; measured, its cause in FSDP2 not pinned down), counted here.
       In forward instead, the last layer computes beside two layer-sized all-gather outputs (its own and
       the one prefetched; every layer is gathered again each step, since backward reshards them:
-      ``_released_after_backward``): FSDPMemTracker at the last layer's forward, ``ALL_GATHER`` = 2 layers
+      ``released_after_backward``): FSDPMemTracker at the last layer's forward, ``ALL_GATHER`` = 2 layers
       on smollm2-135m (28.3 MB) and on the tiny preset (6.3 MB), where it is the step's peak (-3.8% without).
 
     At the end of backward the last unit to finish (tied: the tail with the embedding; untied: the
     embedding unit) holds its full parameters and full-size gradients: tied, the head's unsharded
     gradient, the embedding's and their sum (``AccumulateGrad``), 3 copies; untied, the embedding's
-    gradient and the reduce-scatter input, 2; its sharded gradient does not exist yet, while (tied) the
+    gradient and the reduce-scatter input, 2; (tied) its sharded gradient does not exist yet, while the
     first layer's reduce-scatter buffer (a full layer's gradient) is still in flight. Frozen (LoRA) parameters
     have no gradient there. Measured on CPU/gloo with FSDPMemTracker (bench/sharding_memory.py: smollm2-135m
     on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
@@ -416,7 +416,12 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     # tied: the first layer's reduce-scatter is still in flight when the tail's embedding backward runs
     # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
     in_flight = _layer_params(spec) * grad_bytes if spec.tie_word_embeddings else 0
-    gathered_end = last * w + (copies * last - last // run.num_processes) * grad_bytes + in_flight
+    # tied: the peak comes before the tail's reduce-scatter, so its shard (in ``gradients``) does not exist
+    # yet; untied: during the embedding's reduce-scatter, whose output shard already does (a 6-layer Llama
+    # and Qwen3 with a 16,384 x 512 untied embedding on 2 ranks: -2.7% without; FSDPMemTracker there:
+    # 33.5 MB each of UNSHARDED_GRAD and REDUCE_SCATTER, 50.3 MB of TEMP, the embedding already resharded).
+    not_yet_sharded = last // run.num_processes if spec.tie_word_embeddings else 0
+    gathered_end = last * w + (copies * last - not_yet_sharded) * grad_bytes + in_flight
     # Late in backward, any layer's: its full parameters and the next layer's all-gathered ahead, its
     # full-size gradients and the previous layer's reduce-scatter input in flight, while the last 2 layers'
     # sharded gradients do not exist yet (FSDPMemTracker, tiny preset on 2 ranks, steady state: 4 x 3.15 MB
@@ -590,10 +595,10 @@ def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts
         return 0
     outside = 0 if run.is_lora() else spec.vocab_size * spec.hidden_size + spec.lm_head_params
     per_layer = max(0, trainable - outside) / spec.num_layers * states.gradients / trainable
-    return int((spec.num_layers - 1) * (per_layer - acts.saved - _released_after_backward(spec, run)))
+    return int((spec.num_layers - 1) * (per_layer - acts.saved - released_after_backward(spec, run)))
 
 
-def _released_after_backward(spec: ModelSpec, run: RunConfig) -> int:
+def released_after_backward(spec: ModelSpec, run: RunConfig) -> int:
     """Gathered parameter bytes one layer frees after its backward that ``states.gathered`` counts as held.
 
     FSDP2 reshards every unit after its backward (``FSDPParamGroup.post_backward``:
