@@ -46,8 +46,12 @@ def preflight(run: RunConfig) -> None:
                         "use --mixed-precision bf16 on this machine.")
     if cuda and Precision.BF16 in (run.mixed_precision, run.dtype) and not _bf16_ok():
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
-    if run.quantize is not Quantize.NONE and not cuda:
-        raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
+    from memfit import quant_support
+
+    if run.quantize is not Quantize.NONE:
+        quant_support.check("cuda" if cuda else "cpu", f"--quantize {run.quantize}")
+    if row(run.optimizer).needs_bitsandbytes:
+        quant_support.check("cuda" if cuda else "cpu", f"--optimizer {run.optimizer.value}")
     if str(run.offload) == "activations" and not cuda:
         raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
                         "only runs) on a CUDA GPU; drop it on this machine.")
@@ -176,7 +180,9 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     on_gpu = device is not None and torch.device(device).type == "cuda"
     kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": resolved.attention}
     if run.quantize is not Quantize.NONE:
-        kwargs["quantization_config"] = _bnb_config(run)
+        from memfit.quant_support import bnb_config
+
+        kwargs["quantization_config"] = bnb_config(run)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
         from accelerate import init_empty_weights
@@ -208,16 +214,6 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     wrapped = tuple(sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules() if hasattr(module, "lora_A")}))
     return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss,
                        str(base.config._attn_implementation), wrapped)
-
-
-def _bnb_config(run: RunConfig):
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if run.quantize is Quantize.Q4:
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=torch.bfloat16)
-    return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
