@@ -114,3 +114,69 @@ def bnb_config(run):
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=names[compute_dtype(run)])
     return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def quantized_copy(model, run, device=None):
+    """``model`` (random weights, built from a config) with its projections quantized for ``run``.
+
+    transformers quantizes only in ``from_pretrained`` (``from_config`` refuses ``quantization_config``), so
+    the random model is saved to a temporary folder and loaded back through bitsandbytes: the same path, and
+    the same quantized weights, as a checkpoint on disk. ``device``: a CUDA device to load onto (else CPU).
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from memfit.hf_compat import no_loading_bar
+
+    with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
+        model.save_pretrained(folder)
+        kwargs = {"device_map": {"": device}} if device is not None else {}
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                    attn_implementation=model.config._attn_implementation,
+                                                    quantization_config=bnb_config(run), **kwargs)
+
+
+def logical_numel(param) -> int:
+    """Parameters a tensor stands for: a 4-bit ``Params4bit`` packs two per byte of its uint8 storage (its
+    ``quant_state.shape`` is the original weight's), every other tensor one per element."""
+    state = getattr(param, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    if shape is not None:
+        import math
+
+        return math.prod(shape)
+    return param.numel()
+
+
+def accept_own_quant_state(model) -> int:
+    """Let ``model.load_state_dict`` take back a state dict it saved: returns the 4-bit layers hooked.
+
+    bitsandbytes' ``Linear4bit._save_to_state_dict`` writes the quantization state beside the packed weight
+    (``weight.absmax``, ``weight.quant_map``, ``weight.nested_absmax``, ... from ``QuantState.as_dict``), but
+    ``Linear4bit`` has no ``_load_from_state_dict`` to read them back, so a strict load (Accelerate's
+    ``load_state`` on ``--resume``) calls them unexpected keys. The base is frozen, so a checkpoint's
+    quantization state must be the one the rebuilt model already has: this pre-hook takes those keys out
+    and records a load error when one differs (a checkpoint of another base), instead of ignoring them.
+    """
+    import torch
+
+    hooked = 0
+    for module in model.modules():
+        if type(module).__name__ not in ("Linear4bit", "LinearNF4", "LinearFP4"):
+            continue
+
+        def pre_hook(state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs, module=module):
+            state = getattr(module.weight, "quant_state", None)
+            own = state.as_dict(packed=True) if state is not None else {}
+            for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+                name = key[len(prefix + "weight."):]
+                value = state_dict.pop(key)
+                mine = own.get(name)
+                if mine is None or not torch.equal(mine.cpu(), value.cpu()):
+                    error_msgs.append(f"{key}: the checkpoint's quantization state differs from this model's base")
+
+        module._register_load_state_dict_pre_hook(pre_hook)
+        hooked += 1
+    return hooked
