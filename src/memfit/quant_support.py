@@ -180,3 +180,22 @@ def accept_own_quant_state(model) -> int:
         module._register_load_state_dict_pre_hook(pre_hook)
         hooked += 1
     return hooked
+
+
+def quant_state_tensors(model) -> list:
+    """The tensors bitsandbytes keeps beside its packed weights, which ``model.parameters()`` does not list:
+    4-bit ``weight.quant_state`` (``absmax``: uint8 per 64-weight block under double quantization, its fp32
+    ``state2.absmax`` per 256 of those, the 16-entry ``code`` tables, ``offset``) and 8-bit ``weight.SCB``
+    (one fp32 scale per output row). Counted by the live-tensor measurement as held between steps."""
+    import torch
+
+    out = []
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        for holder in (state, getattr(state, "state2", None)):
+            if holder is not None:
+                out += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)]
+        scb = getattr(param, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            out.append(scb)
+    return out
