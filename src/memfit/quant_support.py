@@ -121,7 +121,8 @@ def quantized_copy(model, run, device=None):
 
     transformers quantizes only in ``from_pretrained`` (``from_config`` refuses ``quantization_config``), so
     the random model is saved to a temporary folder and loaded back through bitsandbytes: the same path, and
-    the same quantized weights, as a checkpoint on disk. ``device``: a CUDA device to load onto (else CPU).
+    the same quantized weights, as a checkpoint on disk (on every rank of a DDP run: each quantizes the same
+    seeded weights the same way). ``device``: a CUDA device to load onto (else CPU).
     """
     import tempfile
 
@@ -129,8 +130,13 @@ def quantized_copy(model, run, device=None):
 
     from memfit.hf_compat import no_loading_bar
 
+    from safetensors.torch import save_model
+
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
-        model.save_pretrained(folder)
+        # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0
+        # (distributed/mixin.py should_save_on_this_rank), and every rank needs its own copy here.
+        model.config.save_pretrained(folder)
+        save_model(model, f"{folder}/model.safetensors", metadata={"format": "pt"})  # tied weights once
         kwargs = {"device_map": {"": device}} if device is not None else {}
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
