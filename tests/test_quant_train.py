@@ -106,3 +106,30 @@ def test_8bit_adamw_trains_a_full_finetune_on_cpu(tmp_path, monkeypatch):
     assert len(steps) == 6  # bitsandbytes' 8-bit AdamW took every step
     losses = [m["loss"] for m in metrics(cfg.output)]
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_budget_on_cpu_plans_qlora_and_trains_it(tmp_path):
+    # A Llama whose projections dominate (hidden 512, intermediate 2048, 2 layers, vocab 512: 7.9 M of its
+    # 8.4 M parameters are projections). With --lora-r 8, the smallest LoRA plan on this CPU needs ~23.1 MB
+    # (bf16 base) and the smallest QLoRA one ~15.8 MB (NF4 base): a 17 MiB budget (17.8 MB, 5% margin kept)
+    # holds only QLoRA, so the planner must choose it (bitsandbytes runs here) and memfit train must run it.
+    import torch
+    from click.testing import CliRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from _train_helpers import write_qa
+    from memfit.cli import cli
+
+    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "wide")
+    result = CliRunner().invoke(cli, ["train", "--model", str(tmp_path / "wide"), "--tokenizer", "byte",
+                                      "--data", write_qa(tmp_path), "--seq-len", "64", "--batch", "4", "--lora-r", "8",
+                                      "--budget", "17MiB", "--max-steps", "2", "--eval-every", "0", "--samples", "0",
+                                      "--output", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["run"]["quantize"] == "4bit" and summary["run"]["lora_r"] == 8
+    assert summary["steps"] == 2 and summary["fallbacks"] == []
