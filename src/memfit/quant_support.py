@@ -126,11 +126,10 @@ def quantized_copy(model, run, device=None):
     """
     import tempfile
 
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     from memfit.hf_compat import no_loading_bar
-
-    from safetensors.torch import save_model
 
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
         # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0
