@@ -52,7 +52,7 @@ class Optimizer(StrEnum):
 
 
 class Quantize(StrEnum):
-    """Quantized frozen base for QLoRA (bitsandbytes, CUDA only)."""
+    """Quantized frozen base for QLoRA (bitsandbytes: CUDA, or the CPU from 0.50; ``memfit.quant_support``)."""
 
     NONE = "none"
     Q4 = "4bit"

@@ -97,6 +97,8 @@ class OptimizerRow:
       per parameter, so the live check (``rollback.snapshot_needed``) keeps the snapshot then."""
     devices: tuple[str, ...] = ("cuda", "cpu")
     """Devices the optimizer's kernels run on."""
+    needs_bitsandbytes: bool = False
+    """Built from bitsandbytes: whether this machine runs it is ``memfit.quant_support``'s rule."""
     traceable: bool = True
     """Whether the exact tracer can run it on fake tensors (bitsandbytes kernels cannot)."""
     build: Callable[..., Any] | None = None
@@ -142,6 +144,7 @@ def _adafactor(groups, lr: float, cuda_like: bool = False):
 
 
 def _adamw_8bit(groups, lr: float, cuda_like: bool = False):
+    """bitsandbytes' AdamW8bit: CUDA, and CPU from bitsandbytes 0.50 (``memfit.quant_support``)."""
     import bitsandbytes as bnb
 
     return bnb.optim.AdamW8bit(groups, lr=lr)
@@ -168,7 +171,7 @@ OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
                                         traffic=_adam_traffic(lambda p: p, 1.0), build=_adamw({"fused": True})),
     Optimizer.ADAMW_8BIT: OptimizerRow(Optimizer.ADAMW_8BIT, "8-bit AdamW moments", moments=0,
                                        fixed_state_bytes=ADAM8BIT_BYTES_PER_PARAM,
-                                       traffic=_adam_traffic(lambda p: 1, 1.0), devices=("cuda",),
+                                       traffic=_adam_traffic(lambda p: 1, 1.0), needs_bitsandbytes=True,
                                        traceable=False, build=_adamw_8bit),
     # SGD without momentum: param r/w + grad r.
     Optimizer.SGD: OptimizerRow(Optimizer.SGD, "no state", moments=0, rollback="never", traffic=lambda p: 3 * p,

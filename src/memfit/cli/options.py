@@ -51,7 +51,7 @@ def memory_options(func):
         click.option("--lora-targets", type=str, default=",".join(_DEFAULT.lora_targets), show_default=True,
                      help="Comma-separated module names, or all-linear."),
         click.option("--quantize", type=_choice(Quantize), default=_DEFAULT.quantize.value, show_default=True,
-                     help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes, CUDA)."),
+                     help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50)."),
         click.option("--optimizer", type=_choice(Optimizer), default=_DEFAULT.optimizer.value, show_default=True),
         click.option("--num-processes", type=int, default=_DEFAULT.num_processes, show_default=True,
                      help="Data-parallel ranks (memory is per rank)."),

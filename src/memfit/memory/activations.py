@@ -49,8 +49,14 @@ class Precisions:
     @classmethod
     def of(cls, run: RunConfig) -> Precisions:
         if run.quantize is not Quantize.NONE:
-            # QLoRA: non-quantized weights and compute in bf16 (bnb_4bit_compute_dtype).
-            return cls(w=2, c=2, amp=False)
+            # QLoRA: PEFT's prepare_model_for_kbit_training leaves the unquantized weights, hence the embedding
+            # output and residual stream, in fp32 (memory.quantized.UNQUANTIZED_BYTES). The quantized layers
+            # compute in bnb_4bit_compute_dtype but return their input's dtype (Linear4bit.forward:
+            # ``.to(inp_dtype)``), so what the layers save is fp32 too; the compute dtype enters only the
+            # dequantized weight (memory.quantized.dequantized_transient).
+            from memfit.memory.quantized import UNQUANTIZED_BYTES
+
+            return cls(w=UNQUANTIZED_BYTES, c=UNQUANTIZED_BYTES, amp=False)
         w = 2 if str(run.dtype) in ("bf16", "fp16") else 4
         c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
         return cls(w=w, c=c, amp=c != w)

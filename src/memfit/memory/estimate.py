@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from memfit import versions
 from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.memory import quantized
 from memfit.memory.activations import (
     ATTN_IN,
     Precisions,
@@ -56,15 +57,6 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: for a steady training loop; it ranges 2-15% (more with variable sequence lengths; set
 #: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to shrink it).
 ALLOCATOR_RESERVE_FRACTION = 0.05
-
-#: bitsandbytes NF4 (QLoRA, double quantization): 4 bits per weight, one 8-bit absmax per 64 weights,
-#: and per 256 of those absmax values one fp32 second-level scale:
-#: 0.5 + 1/64 + 4/(64*256) = 0.516 bytes/param (Dettmers et al. 2023, section 2 "Double Quantization").
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-
-#: bitsandbytes LLM.int8(): int8 weight + one fp32 scale per output row (counted separately).
-INT8_BYTES_PER_PARAM = 1.0
-
 
 @dataclass(frozen=True)
 class ModelStates:
@@ -137,6 +129,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                                                   offloaded_node_bytes(spec, run, prec))
         # autocast's weight copies saved for backward go to the host too; its cache (trainable weights) stays
         copies = (0 if run.is_lora() else copies[0], 0, 0)
+    # QLoRA: one projection's weight dequantized inside a layer's forward and backward (memory/quantized.py)
+    dequant = quantized.dequantized_transient(spec, run)
+    acts = dataclasses.replace(acts, backward_transient=acts.backward_transient + dequant)
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
@@ -193,6 +188,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                           + acts.backward_transient)
         backward_end = base + outside + step_one + states.gathered_end
         optimizer = base + logit.retained
+    if dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
+        forward = max(forward, base + grads_in_fwd + activations + states.gathered + dequant)
     phases = {
         "forward": forward,
         "backward": max(backward_start, backward_layer, backward_end),
@@ -435,21 +432,18 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
 def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
     """Bytes of the model's own parameters and buffers as stored (no adapters).
 
-    QLoRA: bitsandbytes packs every decoder-layer projection (not embeddings, norms or the output head,
-    which transformers keeps in ``bnb_4bit_compute_dtype`` = bf16): NF4 = 0.516 bytes/param
-    (``NF4_BYTES_PER_PARAM``), int8 = 1 byte/param + one fp32 scale per output row.
-    Buffers (rotary ``inv_freq``) stay fp32.
+    QLoRA: bitsandbytes packs every decoder-layer projection (``memory.quantized.packed_bytes``: NF4 with
+    double quantization ~0.516 bytes/param, int8 1 byte/param + one fp32 scale per output row); PEFT's
+    ``prepare_model_for_kbit_training`` leaves every other parameter (embeddings, norms, head, biases) in
+    fp32 (``memory.quantized.UNQUANTIZED_BYTES``). Buffers (rotary ``inv_freq``) stay fp32.
     """
     w = _weight_bytes(run)
     if run.quantize is Quantize.NONE:
         return int(spec.params * w + spec.buffer_bytes)
-    packed = spec.linear_params
-    rest = spec.params - packed
-    if run.quantize is Quantize.Q4:
-        quant = packed * NF4_BYTES_PER_PARAM
-    else:
-        quant = packed * INT8_BYTES_PER_PARAM + sum(lin.out_features * lin.count for lin in spec.linears) * 4
-    return int(quant + rest * 2 + spec.buffer_bytes)
+    from memfit.memory import quantized
+
+    rest = spec.params - spec.linear_params
+    return int(quantized.packed_bytes(spec, run) + rest * quantized.UNQUANTIZED_BYTES + spec.buffer_bytes)
 
 
 def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:

@@ -326,10 +326,13 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
 
 def resident_tensors(model, optimizer, extra=()) -> list:
     """What a training process holds between steps: parameters (and any gradients left), buffers, the
-    optimizer's state tensors, and ``extra`` (e.g. the rollback snapshot's host buffers)."""
+    quantization state of a bitsandbytes base, the optimizer's state tensors, and ``extra`` (e.g. the rollback snapshot's host buffers)."""
     import torch
 
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    from memfit.quant_support import quant_state_tensors
+
+    out += quant_state_tensors(model)  # bitsandbytes' quantization state lives beside the packed weights
     return out + list(extra)

@@ -206,7 +206,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
             if in_bw and not _in_backward_possible(accum, num_processes, offload, regime):
                 continue
             if offload is not Offload.NONE and opt is Optimizer.ADAMW_8BIT and c.optimizer is None:
-                continue  # offloaded steps run on the CPU, where bitsandbytes' 8-bit AdamW does not
+                continue  # offloaded steps run on the host: bitsandbytes' 8-bit AdamW there is not verified
             if offload is Offload.PARAMS and regime.quantize is not Quantize.NONE:
                 continue  # bitsandbytes' quantized weights stay on the GPU
             lora = lora_common if regime.lora else {"lora_r": 0}

@@ -16,9 +16,10 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
 
     The planner ranks by speed only, so what changes *what is trained* is pinned: a full fine-tune
     unless the user gave ``--lora-r`` (then LoRA at that rank), and ``--dtype``/``--mixed-precision``
-    only when typed (``config.pinned``). memfit train runs DDP without offload, and quantization only
-    on CUDA. The effective batch and the sequence length are passed to the planner separately.
+    only when typed (``config.pinned``). memfit train runs DDP without offload, and quantization where
+    bitsandbytes runs (``memfit.quant_support.runs_on``: CUDA, or the CPU from bitsandbytes 0.50). The effective batch and the sequence length are passed to the planner separately.
     """
+    from memfit import quant_support
     from memfit.training.setup import cuda_available
 
     typed = [k for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED]
@@ -27,7 +28,7 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     if "lora_r" not in pinned and run.quantize is Quantize.NONE:
         pinned["lora_r"] = 0  # no --lora-r: a full fine-tune, as without --budget
     pinned.setdefault("sharding", "ddp")
-    return {**pinned, "allow_offload": False, "allow_quantize": cuda_available()}
+    return {**pinned, "allow_offload": False, "allow_quantize": quant_support.runs_on("cuda" if cuda_available() else "cpu")}
 
 
 def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:

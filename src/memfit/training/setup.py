@@ -46,8 +46,12 @@ def preflight(run: RunConfig) -> None:
                         "use --mixed-precision bf16 on this machine.")
     if cuda and Precision.BF16 in (run.mixed_precision, run.dtype) and not _bf16_ok():
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
-    if run.quantize is not Quantize.NONE and not cuda:
-        raise UserError(f"--quantize {run.quantize} needs bitsandbytes on a CUDA GPU; use --quantize none here.")
+    from memfit import quant_support
+
+    if run.quantize is not Quantize.NONE:
+        quant_support.check("cuda" if cuda else "cpu", f"--quantize {run.quantize}")
+    if row(run.optimizer).needs_bitsandbytes:
+        quant_support.check("cuda" if cuda else "cpu", f"--optimizer {run.optimizer.value}")
     if str(run.offload) == "activations" and not cuda:
         raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
                         "only runs) on a CUDA GPU; drop it on this machine.")
@@ -175,8 +179,6 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     resolved = source.resolved
     on_gpu = device is not None and torch.device(device).type == "cuda"
     kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": resolved.attention}
-    if run.quantize is not Quantize.NONE:
-        kwargs["quantization_config"] = _bnb_config(run)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
         from accelerate import init_empty_weights
@@ -184,7 +186,15 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(source.hf_config, trust_remote_code=config.trust_remote_code,
                                                      **kwargs)
+        if run.quantize is not Quantize.NONE:
+            from memfit.quant_support import quantized_copy
+
+            model = quantized_copy(model, run, device=device if on_gpu else None)  # from_config cannot quantize
     else:
+        if run.quantize is not Quantize.NONE:
+            from memfit.quant_support import bnb_config
+
+            kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
         from memfit.training.weights import loading
@@ -193,6 +203,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
                                                          local_files_only=True,
                                                          trust_remote_code=config.trust_remote_code, **kwargs)
+    if run.quantize is not Quantize.NONE:
+        from memfit.quant_support import accept_own_quant_state
+
+        accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
     if run.grad_checkpointing:
         enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
     if run.is_lora():
@@ -203,21 +217,13 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    from memfit.quant_support import logical_numel
+
+    total = sum(logical_numel(p) for p in model.parameters())
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     wrapped = tuple(sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules() if hasattr(module, "lora_A")}))
     return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss,
                        str(base.config._attn_implementation), wrapped)
-
-
-def _bnb_config(run: RunConfig):
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if run.quantize is Quantize.Q4:
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=torch.bfloat16)
-    return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import Offload, Precision, RunConfig, Sharding
+from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 
 DCP_DIR = "dcp"
@@ -72,7 +72,22 @@ def refusal(run: RunConfig, *, cuda: bool) -> str | None:
                 "gathered parameters on the device from forward to backward); use --sharding fsdp or zero3.")
     if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
         return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
+    if is_sharded(run) and run.quantize is not Quantize.NONE:
+        return quantized_refusal(run)
     return None
+
+
+def quantized_refusal(run: RunConfig) -> str:
+    """Why a quantized base (QLoRA) is not sharded: FSDP2's ``fully_shard`` turns each parameter into a plain
+    DTensor parameter, and bitsandbytes' packed weights lose what they carry beside their bytes
+    (``Params4bit.quant_state``, ``Int8Params.SCB``; bitsandbytes ``nn/modules.py``
+    ``fix_4bit_weight_quant_state_from_module``: "the quant state got lost when the parameter got
+    converted. This happens for example for fsdp"). Accelerate's ``fsdp2_prepare_model`` keeps uint8
+    ``Params4bit`` out of the shards (``ignored_params``) but not ``Int8Params``, and then skips the
+    rank-0 broadcast memfit's CPU path relies on; memfit does not run that combination (not verified)."""
+    return (f"--quantize {run.quantize} cannot be combined with --sharding {run.sharding}: FSDP2 cannot shard "
+            "bitsandbytes' quantized weights (their quantization state is lost); use --sharding ddp, where every "
+            "rank holds the quantized base and trains the adapters, or drop --quantize.")
 
 
 def check_run(run: RunConfig, *, cuda: bool) -> None:

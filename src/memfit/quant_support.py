@@ -1,0 +1,206 @@
+"""Where bitsandbytes runs, and in which dtype it computes: the one place memfit decides both.
+
+Read by ``training.setup.preflight`` (``--quantize``), ``optimizers.check_device`` (``--optimizer
+adamw-8bit``), ``training.budget`` (whether ``memfit train --budget`` may be offered QLoRA), the model
+builder (``bnb_config``) and the estimator (``compute_bytes``), so none of them keeps its own copy.
+
+Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-only machine with torch
+2.13 CPU):
+
+- CPU: since the multi-backend release bitsandbytes ships ``libbitsandbytes_cpu.so`` and registers CPU
+  kernels for its ops (``bitsandbytes/backends/cpu/ops.py``; ``bitsandbytes.supported_torch_devices``
+  lists ``cpu``). ``Linear4bit`` (NF4, double quantization), ``Linear8bitLt`` (which on CPU trains through
+  ``MatMul8bitFp``: it dequantizes the int8 weight and runs a float matmul, ``autograd/_functions.py``
+  ``matmul``) and ``bnb.optim.AdamW8bit`` all run and train there. memfit verified 0.50; older releases
+  are refused on CPU with the version needed.
+- CUDA: every release memfit supports (``>=0.43``) runs.
+- Compute dtype: ``Linear4bit.forward`` casts its input to ``bnb_4bit_compute_dtype`` and its output back
+  to the input's dtype. memfit sets it to the run's compute dtype (``compute_dtype``): the autocast dtype
+  under ``--mixed-precision bf16|fp16``, else the stored ``--dtype``. On CPU memfit's default is fp32 (no
+  autocast), so a CPU QLoRA computes in fp32; a GPU run with bf16 autocast computes in bf16 as before.
+"""
+
+from __future__ import annotations
+
+from memfit.errors import UserError
+
+#: The extra that installs bitsandbytes (``pyproject.toml``: ``quant``; ``cuda`` is kept as an alias).
+EXTRA = "quant"
+
+#: The oldest bitsandbytes memfit runs on CPU (``major.minor``): the release verified here.
+MIN_CPU_VERSION = (0, 50)
+
+#: The oldest bitsandbytes memfit runs on CUDA.
+MIN_CUDA_VERSION = (0, 43)
+
+
+def installed_version() -> str | None:
+    """The installed bitsandbytes version, or None (read from package metadata: nothing is imported)."""
+    from memfit.versions import installed_version as version_of
+
+    return version_of("bitsandbytes")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release[:2]
+    except InvalidVersion:
+        return ()
+
+
+def refusal(device: str, what: str, version: str | None = None, *, probe: bool = True) -> str | None:
+    """Why ``what`` (``--quantize 4bit``, ``--optimizer adamw-8bit``) cannot run on ``device`` (``cuda``
+    or ``cpu``), in one sentence; None when it can.
+
+    ``version``: the bitsandbytes version to judge (default: the installed one; tests pass others).
+    """
+    version = installed_version() if version is None else version
+    if not version:
+        return (f"{what} needs bitsandbytes, which is not installed; install it with "
+                f"pip install 'memfit[{EXTRA}]'.")
+    need = MIN_CUDA_VERSION if device == "cuda" else MIN_CPU_VERSION
+    if _release(version) < need:
+        where = "a CUDA GPU" if device == "cuda" else "the CPU"
+        return (f"{what} on {where} needs bitsandbytes >= {'.'.join(map(str, need))} (installed: {version}); "
+                f"upgrade it with pip install -U 'memfit[{EXTRA}]'.")
+    if probe and device not in _supported_devices():
+        return f"{what} cannot run here: the installed bitsandbytes {version} has no {device.upper()} backend."
+    return None
+
+
+def _supported_devices() -> set[str]:
+    """Device types the installed bitsandbytes registers kernels for (``supported_torch_devices``)."""
+    try:
+        import bitsandbytes
+    except Exception:  # noqa: BLE001 - a broken install (missing native library) runs nowhere
+        return set()
+    return set(getattr(bitsandbytes, "supported_torch_devices", {"cuda"}))
+
+
+def runs_on(device: str) -> bool:
+    """Whether memfit can run bitsandbytes (QLoRA, 8-bit AdamW) on ``device`` (``cuda`` or ``cpu``)."""
+    return refusal(device, "bitsandbytes", probe=True) is None
+
+
+def check(device: str, what: str) -> None:
+    """Raise ``UserError`` (one sentence) when ``what`` cannot run on ``device``."""
+    reason = refusal(device, what)
+    if reason:
+        raise UserError(reason)
+
+
+def compute_dtype(run) -> str:
+    """The dtype quantized layers compute in (``bnb_4bit_compute_dtype``): ``bf16``/``fp16`` under that
+    autocast, else the stored ``--dtype`` (``fp32`` by default; memfit's CPU default has no autocast)."""
+    precision = str(run.mixed_precision)
+    return precision if precision in ("bf16", "fp16") else str(run.dtype)
+
+
+def compute_bytes(run) -> int:
+    """Bytes per element of ``compute_dtype(run)``."""
+    return 4 if compute_dtype(run) == "fp32" else 2
+
+
+def bnb_config(run):
+    """transformers' ``BitsAndBytesConfig`` for ``run.quantize``: NF4 with double quantization computing in
+    ``compute_dtype(run)`` (QLoRA's recipe, Dettmers et al. 2023), or LLM.int8()."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if str(run.quantize) == "4bit":
+        names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=names[compute_dtype(run)])
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def quantized_copy(model, run, device=None):
+    """``model`` (random weights, built from a config) with its projections quantized for ``run``.
+
+    transformers quantizes only in ``from_pretrained`` (``from_config`` refuses ``quantization_config``), so
+    the random model is saved to a temporary folder and loaded back through bitsandbytes: the same path, and
+    the same quantized weights, as a checkpoint on disk (on every rank of a DDP run: each quantizes the same
+    seeded weights the same way). ``device``: a CUDA device to load onto (else CPU).
+    """
+    import tempfile
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from memfit.hf_compat import no_loading_bar
+
+    with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
+        # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0
+        # (distributed/mixin.py should_save_on_this_rank), and every rank needs its own copy here.
+        model.config.save_pretrained(folder)
+        save_model(model, f"{folder}/model.safetensors", metadata={"format": "pt"})  # tied weights once
+        kwargs = {"device_map": {"": device}} if device is not None else {}
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                    attn_implementation=model.config._attn_implementation,
+                                                    quantization_config=bnb_config(run), **kwargs)
+
+
+def logical_numel(param) -> int:
+    """Parameters a tensor stands for: a 4-bit ``Params4bit`` packs two per byte of its uint8 storage (its
+    ``quant_state.shape`` is the original weight's), every other tensor one per element."""
+    state = getattr(param, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    if shape is not None:
+        import math
+
+        return math.prod(shape)
+    return param.numel()
+
+
+def accept_own_quant_state(model) -> int:
+    """Let ``model.load_state_dict`` take back a state dict it saved: returns the 4-bit layers hooked.
+
+    bitsandbytes' ``Linear4bit._save_to_state_dict`` writes the quantization state beside the packed weight
+    (``weight.absmax``, ``weight.quant_map``, ``weight.nested_absmax``, ... from ``QuantState.as_dict``), but
+    ``Linear4bit`` has no ``_load_from_state_dict`` to read them back, so a strict load (Accelerate's
+    ``load_state`` on ``--resume``) calls them unexpected keys. The base is frozen, so a checkpoint's
+    quantization state must be the one the rebuilt model already has: this pre-hook takes those keys out
+    and records a load error when one differs (a checkpoint of another base), instead of ignoring them.
+    """
+    import torch
+
+    hooked = 0
+    for module in model.modules():
+        if type(module).__name__ not in ("Linear4bit", "LinearNF4", "LinearFP4"):
+            continue
+
+        def pre_hook(state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs, module=module):
+            state = getattr(module.weight, "quant_state", None)
+            own = state.as_dict(packed=True) if state is not None else {}
+            for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+                name = key[len(prefix + "weight."):]
+                value = state_dict.pop(key)
+                mine = own.get(name)
+                if mine is None or not torch.equal(mine.cpu(), value.cpu()):
+                    error_msgs.append(f"{key}: the checkpoint's quantization state differs from this model's base")
+
+        module._register_load_state_dict_pre_hook(pre_hook)
+        hooked += 1
+    return hooked
+
+
+def quant_state_tensors(model) -> list:
+    """The tensors bitsandbytes keeps beside its packed weights, which ``model.parameters()`` does not list:
+    4-bit ``weight.quant_state`` (``absmax``: uint8 per 64-weight block under double quantization, its fp32
+    ``state2.absmax`` per 256 of those, the 16-entry ``code`` tables, ``offset``) and 8-bit ``weight.SCB``
+    (one fp32 scale per output row). Counted by the live-tensor measurement as held between steps."""
+    import torch
+
+    out = []
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        for holder in (state, getattr(state, "state2", None)):
+            if holder is not None:
+                out += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)]
+        scb = getattr(param, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            out.append(scb)
+    return out
