@@ -332,4 +332,8 @@ def resident_tensors(model, optimizer, extra=()) -> list:
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    if type(inner).__module__.startswith("deepspeed."):  # a ZeRO optimizer's flat partitions and buffers
+        from memfit.training.deepspeed_engine import resident_tensors as zero_held
+
+        out += zero_held(inner)
     return out + list(extra)
