@@ -185,6 +185,24 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     return kwargs
 
 
+def build_models_whole(accelerator) -> None:
+    """Let transformers build models whole on every rank under DeepSpeed, as on every other engine.
+
+    Selecting a ZeRO-3 plugin (``DeepSpeedPlugin.select``, when the Accelerator is made) registers its
+    config with transformers whatever ``zero3_init_flag`` says (Accelerate 1.15's
+    ``set_deepspeed_weakref``), and transformers then builds every model under ``deepspeed.zero.Init``,
+    partitioned at construction: memfit's spec model, the run's model and the plain copy the export
+    loads would all be partitioned, with the provisional batch config. Dropping that registration
+    (transformers' ``unset_hf_deepspeed_config``) keeps model building engine-agnostic; DeepSpeed
+    partitions the model in ``accelerator.prepare`` (with the final config, from ``configure``).
+    Cost: each rank holds the whole model on its host until ``prepare``, like the FSDP2 path's rank 0.
+    """
+    if active(accelerator):
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+
+
 def partial_state_kwargs(cuda: bool) -> dict:
     """``PartialState(**kwargs)`` consistent with ``accelerator_kwargs`` (a state made before the
     Accelerator, e.g. to agree on an output folder, is the one the Accelerator then reuses)."""

@@ -100,6 +100,7 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
             **kwargs,
         )
     sharding.check_launch(run, accelerator.num_processes)
+    deepspeed_engine.build_models_whole(accelerator)  # no deepspeed.zero.Init under transformers
     return accelerator
 
 
