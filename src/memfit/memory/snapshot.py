@@ -54,7 +54,6 @@ def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str):
     ``breakdown`` itself when nothing is added."""
     from memfit.memory.estimate import rollback_snapshot_bytes
     from memfit.optimizers import row
-
     from memfit.training.deepspeed_engine import requested as deepspeed_launch
 
     if breakdown is None or device != "cpu" or run.optimizer_in_backward or deepspeed_launch():
