@@ -79,7 +79,7 @@ def active(accelerator) -> bool:
     """Whether ``accelerator`` runs DeepSpeed (its distributed type is ``DEEPSPEED``)."""
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type is DistributedType.DEEPSPEED
+    return getattr(accelerator, "distributed_type", None) is DistributedType.DEEPSPEED
 
 
 def refusal(run: RunConfig, *, cuda: bool) -> str | None:
