@@ -386,7 +386,7 @@ def state_loader(accelerator, run: RunConfig, model, optimizer, scheduler) -> Ca
 
     def load(folder: str) -> None:
         deepspeed = deepspeed_engine.active(accelerator)
-        deepspeed_engine.check_resumable(folder, run, accelerator.num_processes, deepspeed=deepspeed)
+        deepspeed_engine.check_resumable(folder, run, getattr(accelerator, "num_processes", 1), deepspeed=deepspeed)
         if deepspeed:
             accelerator.load_state(folder)
             return
