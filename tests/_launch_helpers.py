@@ -16,10 +16,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gloo_launch(*target: str, nproc: int = 2, timeout: int = 400, **run_kwargs) -> subprocess.CompletedProcess:
+def gloo_launch(*target: str, nproc: int = 2, timeout: int = 400, env: dict | None = None,
+                **run_kwargs) -> subprocess.CompletedProcess:
     """Run ``target`` (a script path and its arguments, or ``-m module ...``) on ``nproc`` CPU processes under
-    torchrun (plain ``python`` for one process), one torch thread each; output captured as text."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    torchrun (plain ``python`` for one process), one torch thread each; output captured as text. ``env``:
+    more environment variables (e.g. the ``ACCELERATE_*`` ones ``accelerate launch`` sets from a config)."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     launch = [sys.executable]
     if nproc > 1:
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",

@@ -173,7 +173,8 @@ def test_one_process_cannot_shard():
      "fsdp_reshard_after_forward: true"),
     ({"sharding": "fsdp"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP version 1"),
     ({"sharding": "fsdp"}, {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
-    ({"sharding": "zero3"}, {"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed"),
+    ({"sharding": "zero3"}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+     "zero_stage: 2"),  # DeepSpeed's own refusals: tests/test_deepspeed.py
 ])
 def test_accelerate_config_that_disagrees_with_the_flags_is_refused(run, env, message):
     with pytest.raises(UserError, match=message):

@@ -326,7 +326,8 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
 
 def resident_tensors(model, optimizer, extra=()) -> list:
     """What a training process holds between steps: parameters (and any gradients left), buffers, the
-    quantization state of a bitsandbytes base, the optimizer's state tensors, and ``extra`` (e.g. the rollback snapshot's host buffers)."""
+    quantization state of a bitsandbytes base, the optimizer's state tensors (a ZeRO optimizer's flat
+    partitions and buffers), and ``extra`` (e.g. the rollback snapshot's host buffers)."""
     import torch
 
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -335,4 +336,8 @@ def resident_tensors(model, optimizer, extra=()) -> list:
     from memfit.quant_support import quant_state_tensors
 
     out += quant_state_tensors(model)  # bitsandbytes' quantization state lives beside the packed weights
+    if type(inner).__module__.startswith("deepspeed."):  # a ZeRO optimizer's flat partitions and buffers
+        from memfit.training.deepspeed_engine import resident_tensors as zero_held
+
+        out += zero_held(inner)
     return out + list(extra)

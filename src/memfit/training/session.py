@@ -19,7 +19,7 @@ from typing import Any
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, optim_in_backward, resume, sharding
+from memfit.training import checkpoint, deepspeed_engine, optim_in_backward, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
@@ -147,6 +147,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     run, plan_result = resolve_run(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = run.grad_accum
     source = resolve_model(config, run)
+    deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
     resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
     data = build_data(config, run, source.tokenizer)
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
@@ -211,7 +212,7 @@ def resolve_output(config: TrainConfig) -> TrainConfig:
 
     from memfit.training.setup import cuda_available
 
-    state = PartialState(cpu=not cuda_available())
+    state = PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
     chosen = [str(checkpoint.default_output(config.model)) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(chosen)

@@ -89,19 +89,22 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
     # One process may train twice (tests, --check-equivalence): forget the previous run's precision.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    from memfit.training import sharding
+    from memfit.training import deepspeed_engine, sharding
 
     cuda = cuda_available()
-    accelerator = Accelerator(
-        mixed_precision=str(run.mixed_precision),
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=run.grad_accum, sync_with_dataloader=False),
-        cpu=not cuda,
-        log_with=config.tracker,
-        project_dir=config.output,
-        step_scheduler_with_optimizer=False,
-        **sharding.accelerator_kwargs(run, cuda=cuda),
-    )
+    kwargs = {"cpu": not cuda, **sharding.accelerator_kwargs(run, cuda=cuda)}  # DeepSpeed on CPU: cpu=False, gloo
+    with deepspeed_engine.without_cpu_flag():
+        accelerator = Accelerator(
+            mixed_precision=str(run.mixed_precision),
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=run.grad_accum,
+                                                                    sync_with_dataloader=False),
+            log_with=config.tracker,
+            project_dir=config.output,
+            step_scheduler_with_optimizer=False,
+            **kwargs,
+        )
     sharding.check_launch(run, accelerator.num_processes)
+    deepspeed_engine.build_models_whole(accelerator)  # no deepspeed.zero.Init under transformers
     return accelerator
 
 

@@ -6,8 +6,9 @@ parameters after each layer's forward (``reshard_after_forward=True``); ``zero2`
 gathered from forward to backward (``False``: ZeRO-2's memory for parameters, one all-gather per
 layer fewer). Auto-wrap is per transformer layer (the model's ``_no_split_modules``, i.e. each
 decoder layer), then Accelerate's extra units (input embedding; final norm + output head, kept
-gathered between forward and backward), then the root. DeepSpeed is not used (not a dependency); an Accelerate config that
-asks for it is refused.
+gathered between forward and backward), then the root. Under a DeepSpeed launch (an Accelerate config
+with ``distributed_type: DEEPSPEED``, DeepSpeed installed) ``zero2``/``zero3`` run on DeepSpeed ZeRO-2/3
+instead: ``training.deepspeed_engine``, whose hooks below are marked "DeepSpeed".
 
 **Two ways to the same FSDP2.**
 
@@ -41,6 +42,7 @@ from pathlib import Path
 
 from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.training import deepspeed_engine
 
 DCP_DIR = "dcp"
 SHARDED_MARKER = "sharded.json"
@@ -58,6 +60,8 @@ def reshard_after_forward(run: RunConfig) -> bool:
 def refusal(run: RunConfig, *, cuda: bool) -> str | None:
     """Why no engine here runs ``run``'s sharding/offload (one sentence), or None. Read by ``memfit train``'s
     preflight and by the planner, which proposes only what train runs."""
+    if deepspeed_engine.requested():  # DeepSpeed: what memfit runs under it (deepspeed_engine.refusal)
+        return deepspeed_engine.refusal(run, cuda=cuda)
     if run.offload is Offload.ACTIVATIONS:
         return None  # saved tensors to host memory: any engine, CUDA only (training.setup.preflight)
     if run.offload is not Offload.NONE and not is_sharded(run):
@@ -103,14 +107,16 @@ def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) ->
     agrees with ``--sharding``/``--offload``."""
     env = os.environ if env is None else env
     flag = str(run.sharding)
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        raise UserError("The Accelerate config asks for DeepSpeed, which memfit does not run (it is not installed "
-                        f"here); use a config with distributed_type FSDP (fsdp_version 2) and --sharding {flag}.")
+    use_deepspeed = deepspeed_engine.requested(env)
+    if use_deepspeed:
+        deepspeed_engine.check_launch(run, env)
     if is_sharded(run) and num_processes < 2:
         raise UserError(f"--sharding {flag} needs 2 or more processes, but 1 was launched; start it with "
                         f"`accelerate launch --num_processes 2 -m memfit train ...` or torchrun --nproc_per_node 2, "
                         "or use --sharding ddp.")
     config_fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if use_deepspeed:
+        return
     if config_fsdp and not is_sharded(run):
         raise UserError("The Accelerate config asks for FSDP but --sharding is ddp; pass --sharding fsdp "
                         "(or zero2/zero3), or launch with a config without FSDP.")
@@ -149,7 +155,7 @@ def fsdp2_plugin(run: RunConfig, *, cuda: bool, ram_efficient: bool = False):
 def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     """``Accelerator(**kwargs)``: for a sharded run on GPU, Accelerate's FSDP2 plugin (nothing on CPU,
     where Accelerate would fall back to DDP; see the module docstring); for an unsharded run, DDP with
-    ``gradient_as_bucket_view=True``.
+    ``gradient_as_bucket_view=True``. DeepSpeed: ``deepspeed_engine.accelerator_kwargs``.
 
     Why bucket views: torch's DDP ``Reducer`` allocates flat bucket buffers the size of all trainable
     gradients when DDP is built and, with ``gradient_as_bucket_view=False`` (the default of torch and of
@@ -160,6 +166,8 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     ``DistributedDataParallel`` in ``prepare_model`` (only on 2+ processes; ignored otherwise). The sum is
     the same, so the weights are too (tests/test_train_dp.py: 2 processes within 1e-6 of 1).
     """
+    if deepspeed_engine.requested():
+        return deepspeed_engine.accelerator_kwargs(run, cuda=cuda)
     if is_sharded(run):
         return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)} if cuda else {}
     from accelerate.utils import DistributedDataParallelKwargs
@@ -168,10 +176,10 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
 
 
 def shards_itself(accelerator, run: RunConfig) -> bool:
-    """True where memfit applies FSDP2 itself (a sharded run Accelerate does not shard: CPU)."""
+    """True where memfit applies FSDP2 itself (a sharded run Accelerate does not shard: CPU; DeepSpeed shards its own)."""
     from accelerate.utils import DistributedType
 
-    return is_sharded(run) and accelerator.distributed_type is not DistributedType.FSDP
+    return is_sharded(run) and accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
 @dataclass
@@ -286,6 +294,8 @@ def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler,
     rank 0 into the files an unsharded run writes (``"full"``)."""
     if state_dict not in ("sharded", "full"):
         raise UserError(f"--state-dict must be sharded or full, not {state_dict!r}.")
+    if deepspeed_engine.active(accelerator):  # DeepSpeed: Accelerate's save_state, DeepSpeed's format
+        return deepspeed_engine.state_saver(accelerator, run)
     if not is_sharded(run):
         return None
     if state_dict == "full":
@@ -390,6 +400,11 @@ def state_loader(accelerator, run: RunConfig, model, optimizer, scheduler) -> Ca
     ranks); an unsharded run given a sharded checkpoint is refused in one sentence."""
 
     def load(folder: str) -> None:
+        deepspeed = deepspeed_engine.active(accelerator)
+        deepspeed_engine.check_resumable(folder, run, getattr(accelerator, "num_processes", 1), deepspeed=deepspeed)
+        if deepspeed:
+            accelerator.load_state(folder)
+            return
         saved_sharded = (Path(folder) / SHARDED_MARKER).is_file()
         if saved_sharded and not is_sharded(run):
             raise UserError(f"{folder} is a sharded (FSDP) checkpoint, which only a sharded run can resume: resume "
@@ -418,9 +433,12 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     """
     if not is_sharded(run):
         return accelerator.unwrap_model(model)  # DDP's wrapper has no generate(): samples need the model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    if deepspeed_engine.active(accelerator):
+        full = deepspeed_engine.full_state_dict(accelerator, model)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not accelerator.is_main_process:
         return None
     plain = build_plain()
@@ -441,7 +459,8 @@ def per_rank_line(model_name: str, run: RunConfig, predicted, device: str = "cud
         return f"{label}: n/a (estimator unavailable for this model)"
     line = f"{label} {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}"
     if several:
-        line += f"; {run.sharding} over {run.num_processes} processes" if is_sharded(run) else \
+        engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_engine.requested() else ""
+        line += f"; {run.sharding}{engine} over {run.num_processes} processes" if is_sharded(run) else \
             f"; {run.num_processes} processes, unsharded"
     line += ")"
     try:
