@@ -32,14 +32,29 @@ import torch
 
 
 def _tracker(model, optimizer, sharded: bool):
+    """torch's tracker for the step; a quantized base's quantization state (absmax, codes: attributes of
+    bitsandbytes' weights, neither parameters nor buffers, made before the tracker starts) is added as
+    external tensors, as ``memory.measure`` does for one process (``quant_support.quant_state_tensors``)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    if sharded:
-        return FSDPMemTracker(model, optimizer)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    from memfit.quant_support import quant_state_tensors
+
+    tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
+    tracker.track_external(*([] if sharded else [model, optimizer]), *quant_state_tensors(model))
     return tracker
+
+
+def unseen_resident_bytes(model, sharded: bool) -> int:
+    """Bytes of tensors resident the whole run that ``FSDPMemTracker`` leaves out of its total: a 4-bit
+    base's quantization state (module attributes, not parameters; its ``track_external`` files them under
+    no FSDP category). Added to the measured peak as they are (they never change size)."""
+    from memfit.quant_support import quant_state_tensors
+
+    if not sharded:
+        return 0
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in quant_state_tensors(model)}
+    return sum(storages.values())
 
 
 class _NoTracker:
@@ -56,7 +71,8 @@ class _NoTracker:
         return {}
 
 
-def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro_batch: int, steps: int):
+def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro_batch: int, steps: int,
+          lora_r: int = 0, quantize: str = "none"):
     """memfit's own builders for one rank of a ``--sharding`` run (as ``memfit train`` builds it):
     ``(accelerator, run, model, optimizer, bundle, hf_config)``, the model sharded and prepared."""
     from memfit import modelspec
@@ -72,7 +88,8 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     )
 
     run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
-                    sharding=sharding_flag, offload=offload)
+                    sharding=sharding_flag, offload=offload, lora_r=lora_r, quantize=quantize,
+                    packing="none")  # what train_steps feeds: whole rows, no per-document attention mask
     config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0)
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)
@@ -136,6 +153,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tune)")
+    parser.add_argument("--quantize", default="none", help="none, 4bit or 8bit (QLoRA; with --lora-r)")
     parser.add_argument("--no-track", action="store_true",
                         help="Time the steps without the tracker (its dispatch hooks slow every op): tokens/s only.")
     parser.add_argument("--dry-run", action="store_true")
@@ -147,7 +166,8 @@ def main() -> None:
 
     model_name = "tiny" if args.dry_run else args.model
     accelerator, run, model, optimizer, bundle, hf_config = build(
-        model_name, "ddp" if args.dry_run else args.sharding, args.offload, args.seq_len, args.micro_batch, args.steps)
+        model_name, "ddp" if args.dry_run else args.sharding, args.offload, args.seq_len, args.micro_batch, args.steps,
+        args.lora_r, args.quantize)
     tracker = _tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
                        sharding.is_sharded(run)) if not args.no_track else _NoTracker()
     t0 = time.perf_counter()
@@ -158,6 +178,7 @@ def main() -> None:
     peaks = tracker.get_tracker_snapshot("peak")
     device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
     measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == device))
+    measured += unseen_resident_bytes(accelerator.unwrap_model(model), sharding.is_sharded(run))
     all_measured = gather_object([measured])
     # what the tensors at rank 0's peak were (the tracker's categories: Parameter, Gradient, Optstate, ...)
     at_peak = {str(k): int(v) for d, cats in peaks.items() if torch.device(d).type == device
@@ -168,6 +189,7 @@ def main() -> None:
         print(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": model_name, "params": bundle.params,
             "processes": accelerator.num_processes, "sharding": str(run.sharding), "offload": str(run.offload),
+            "lora_r": run.lora_r, "quantize": str(run.quantize),
             "seq_len": run.seq_len, "micro_batch": run.micro_batch, "steps": args.steps,
             "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,
             "measured_peak_bytes_per_rank": all_measured, "worst_error": worst,

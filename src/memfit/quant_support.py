@@ -103,6 +103,18 @@ def compute_bytes(run) -> int:
     return 4 if compute_dtype(run) == "fp32" else 2
 
 
+def shards_packed_weights(run) -> bool:
+    """Whether FSDP2 shards the packed 4-bit weights of ``run`` (a 4-bit base under ``--sharding
+    fsdp|zero2|zero3``): their bytes are then stored as the compute dtype (``bnb_4bit_quant_storage``; the
+    same bytes, 2 weights per byte, viewed as floats), which FSDP2 shards and all-gathers like any frozen
+    parameter; uint8 storage it cannot shard (Accelerate's ``fsdp2_prepare_model`` leaves such
+    ``Params4bit`` out: "set bnb_4bit_quant_storage to a floating dtype"). Each layer keeps its quantization
+    state whole (``Linear4bit.quant_state``) and bitsandbytes re-attaches it to the gathered weight
+    (``fix_4bit_weight_quant_state_from_module``: "the quant state got lost ... for example for fsdp").
+    The compute dtype keeps the storage out of FSDP2's mixed-precision cast (its ``param_dtype``)."""
+    return str(run.quantize) == "4bit" and str(run.sharding) != "ddp" and run.num_processes > 1
+
+
 def bnb_config(run):
     """transformers' ``BitsAndBytesConfig`` for ``run.quantize``: NF4 with double quantization computing in
     ``compute_dtype(run)`` (QLoRA's recipe, Dettmers et al. 2023), or LLM.int8()."""
@@ -111,8 +123,9 @@ def bnb_config(run):
 
     if str(run.quantize) == "4bit":
         names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        storage = names[compute_dtype(run)] if shards_packed_weights(run) else torch.uint8
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=names[compute_dtype(run)])
+                                  bnb_4bit_compute_dtype=names[compute_dtype(run)], bnb_4bit_quant_storage=storage)
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
@@ -191,16 +204,23 @@ def quant_state_tensors(model) -> list:
     """The tensors bitsandbytes keeps beside its packed weights, which ``model.parameters()`` does not list:
     4-bit ``weight.quant_state`` (``absmax``: uint8 per 64-weight block under double quantization, its fp32
     ``state2.absmax`` per 256 of those, the 16-entry ``code`` tables, ``offset``) and 8-bit ``weight.SCB``
-    (one fp32 scale per output row). Counted by the live-tensor measurement as held between steps."""
+    (one fp32 scale per output row). Counted by the live-tensor measurement as held between steps.
+    Under FSDP2 a 4-bit weight is a plain DTensor shard; its state is then the module's ``quant_state``
+    (``Linear4bit`` keeps a reference to it, ``Params4bit._quantize``), read from there."""
     import torch
 
-    out = []
-    for param in model.parameters():
-        state = getattr(param, "quant_state", None)
-        for holder in (state, getattr(state, "state2", None)):
-            if holder is not None:
-                out += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)]
-        scb = getattr(param, "SCB", None)
+    out, seen = [], set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        states = (getattr(weight, "quant_state", None), getattr(module, "quant_state", None))
+        for state in states:
+            if state is None or id(state) in seen:
+                continue
+            seen.add(id(state))
+            for holder in (state, getattr(state, "state2", None)):
+                if holder is not None:
+                    out += [v for v in vars(holder).values() if isinstance(v, torch.Tensor)]
+        scb = getattr(weight, "SCB", None)
         if isinstance(scb, torch.Tensor):
             out.append(scb)
     return out

@@ -462,7 +462,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
         if moment == "backward_end":
             return states.gathered_end
         if moment == "backward_layer":
-            return states.gathered - (spec.num_layers - 1) * released_after_backward(spec, run)
+            return states.layer_gathered - (spec.num_layers - 1) * released_after_backward(spec, run)
         return states.gathered
 
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP

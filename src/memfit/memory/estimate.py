@@ -78,10 +78,23 @@ class ModelStates:
     """FSDP/ZeRO: the unsharded bytes at forward's peak where they differ from ``gathered`` (ZeRO-2's
     all-gather buffers: ``fsdp2_gathered``); None: the same as ``gathered``."""
 
+    gathered_layer: int | None = None
+    """FSDP/ZeRO: the unsharded bytes while a decoder layer computes (its forward, its backward) where they
+    differ from ``gathered`` (``fsdp``/``zero3``: two layers, the tail not; ``fsdp2_gathered``)."""
+
+    gathered_entry: int = 0
+    """FSDP/ZeRO: the unsharded bytes as a layer enters its forward (``fsdp``/``zero3``: three layers; 0
+    where no such moment is modelled; ``fsdp2_gathered``)."""
+
     @property
     def forward_gathered(self) -> int:
         """The unsharded bytes alive at forward's peak (``gathered`` unless ZeRO-2's forward differs)."""
         return self.gathered if self.gathered_forward is None else self.gathered_forward
+
+    @property
+    def layer_gathered(self) -> int:
+        """The unsharded bytes alive while a decoder layer computes (``gathered`` unless it differs)."""
+        return self.gathered if self.gathered_layer is None else self.gathered_layer
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
@@ -153,7 +166,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
     head_side = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
-                      + acts.backward_transient + states.gathered)
+                      + acts.backward_transient + states.layer_gathered)
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth).
     below = 0
@@ -184,12 +197,17 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
             head_grads, acts = step_one + hidden_grad, dataclasses.replace(acts, backward_transient=0)
         else:
             head_grads = 0  # a layer's weight gradients come after its recompute peak (+2.8% on the grid without)
-        backward_layer = (base + activations - head_side + copies[1] + states.gathered + head_grads
+        backward_layer = (base + activations - head_side + copies[1] + states.layer_gathered + head_grads
                           + acts.backward_transient)
         backward_end = base + outside + step_one + states.gathered_end
         optimizer = base + logit.retained
+    forward_moment = "head"
     if dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
-        forward = max(forward, base + grads_in_fwd + activations + states.gathered + dequant)
+        layer_forward = base + grads_in_fwd + activations + states.layer_gathered + dequant
+        forward, forward_moment = max((forward, forward_moment), (layer_forward, "layer"), key=lambda m: m[0])
+    if states.gathered_entry:  # the last layer's entry: its own saved tensors not made yet
+        entry = base + grads_in_fwd + activations - acts.saved + states.gathered_entry
+        forward, forward_moment = max((forward, forward_moment), (entry, "entry"), key=lambda m: m[0])
     phases = {
         "forward": forward,
         "backward": max(backward_start, backward_layer, backward_end),
@@ -198,6 +216,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     phase = max(phases, key=lambda k: phases[k])
     moment = max((backward_start, "start"), (backward_layer, "layer"), (backward_end, "end"),
                  key=lambda m: m[0])[1]  # ties: the earlier moment, as before
+    if phase == "forward":
+        moment = forward_moment
     end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
     out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
                         (head_grads, end_temporary), moment, head_side, in_loss)
@@ -233,7 +253,15 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
     out.weights = states.weights
     out.optimizer = states.optimizer
     grads_in_fwd = (states.gradients if run.grad_accum > 1 else 0) + states.buckets
-    if phase == "forward":
+    if phase == "forward" and moment == "layer":  # inside the last layer (QLoRA: its dequantized weight)
+        out.gradients = grads_in_fwd
+        out.activations = activations
+        out.temporary = quantized.dequantized_transient(spec, run) + states.layer_gathered
+    elif phase == "forward" and moment == "entry":  # the last layer's unshard, before it saves anything
+        out.gradients = grads_in_fwd
+        out.activations = activations - acts.saved
+        out.temporary = states.gathered_entry
+    elif phase == "forward":
         out.gradients = grads_in_fwd
         out.activations = activations + in_loss
         out.logits = logit.forward
@@ -253,7 +281,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.gradients = grads_in_fwd + head_grads
         out.activations = activations - head_side
         out.logits = logit.retained
-        out.temporary = copies[2] + acts.backward_transient + states.gathered
+        out.temporary = copies[2] + acts.backward_transient + states.layer_gathered
     else:
         in_bw = run.optimizer_in_backward  # stepped in backward: no gradients, no temporaries left
         out.gradients = states.buckets + (0 if in_bw else states.gradients)
@@ -294,20 +322,21 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
-    gathered, gathered_end, buckets, gathered_forward = 0, 0, 0, None
+    gathered, gathered_end, buckets, gathered_forward, gathered_layer, entry = 0, 0, 0, None, None, 0
     if n > 1 and run.sharding is Sharding.DDP:
         buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
         gathered_end = ddp_embedding_grad_end(spec, run)
     if n > 1 and run.sharding is not Sharding.DDP:
-        gathered, gathered_end, gathered_forward = fsdp2_gathered(spec, run)
-        weights //= n
+        gathered, gathered_end, gathered_forward, gathered_layer, entry = fsdp2_gathered(spec, run)
+        replicated = _quant_state_bytes(spec, run)  # module attributes, not parameters: whole on every rank
+        weights = (weights - replicated) // n + replicated
         gradients //= n
         optimizer //= n
         step_temp //= n
     if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
     if run.offload is Offload.PARAMS:
-        gathered = max(gathered, 2 * _layer_params(spec) * w)
+        gathered = max(gathered, 2 * gathered_layer_bytes(spec, run))
         weights = 0
         # FSDP2's CPUOffloadPolicy copies every reduce-scattered gradient shard to the host
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: ``.to("cpu")``), and
@@ -315,7 +344,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
         # unit being reduced are in ``gathered_end`` and the layers' backward transients.
         gradients = 0
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
-                       int(gathered_end), int(buckets), gathered_forward=gathered_forward)
+                       int(gathered_end), int(buckets), gathered_forward=gathered_forward,
+                       gathered_layer=gathered_layer, gathered_entry=entry)
 
 
 def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = True) -> int:
@@ -366,9 +396,10 @@ def ddp_bucket_bytes(gradients: int) -> int:
     return int(gradients)
 
 
-def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None]:
-    """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, at backward's end, and
-    at forward's peak where it differs (ZeRO-2; else None).
+def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None, int | None, int]:
+    """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, at backward's end, at
+    forward's peak where it differs (ZeRO-2; else None), while a decoder layer computes where it differs
+    (``fsdp``/``zero3``; else None) and as a layer enters its forward (``fsdp``/``zero3``; else 0).
 
     Accelerate's ``fsdp2_prepare_model`` makes a unit of each decoder layer, one of the input embedding
     (untied only), one of [final norm, output head] (tied: and the embedding) with
@@ -395,20 +426,34 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
     output buffer (freed after copy-out).
     """
-    w = _weight_bytes(run)
+    u = _unquantized_bytes(run)
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
     head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
     norm = spec.hidden_size  # the final norm's weight
     tail = head + norm + (embed if spec.tie_word_embeddings else 0)
-    layers = (2 if run.sharding is not Sharding.ZERO2 else spec.num_layers) * _layer_params(spec)
+    layer_bytes = gathered_layer_bytes(spec, run)
+    layers = (2 if run.sharding is not Sharding.ZERO2 else spec.num_layers) * layer_bytes
     untied_embed = embed if run.sharding is Sharding.ZERO2 and not spec.tie_word_embeddings else 0
     all_gather_buffer = tail if run.sharding is Sharding.ZERO2 else 0
-    gathered = (tail + layers + untied_embed + all_gather_buffer) * w
-    gathered_forward = None
+    gathered = (tail + untied_embed + all_gather_buffer) * u + layers
+    gathered_forward, gathered_layer, gathered_entry = None, None, 0
     if run.sharding is Sharding.ZERO2:
-        gathered_forward = (tail + layers + untied_embed + 2 * _layer_params(spec)) * w
+        gathered_forward = (tail + untied_embed) * u + layers + 2 * layer_bytes
+    else:
+        # While a layer computes (its forward, its backward) only two layers are gathered: its own parameters
+        # and the next layer's all-gather output. The tail is gathered from the head's forward to the end of
+        # its own backward, which comes before any layer's (FSDPParamGroup.post_backward reshards it).
+        # FSDPMemTracker, tiny preset, LoRA and QLoRA on 2 ranks: at the last layer's backward 1 layer of
+        # UNSHARDED_PARAM and 1 of ALL_GATHER, no tail (+3.0% of that peak with the tail counted).
+        gathered_layer = layers
+        # As a layer enters its forward (FSDPParamGroup.pre_forward: unshard, then wait_for_unshard's copy-out)
+        # FSDPMemTracker shows its unsharded parameters beside two layer-sized all-gather outputs (its own and
+        # the previous layer's, kept for overlap in ``comm_ctx.all_gather_state``): tiny preset, LoRA on 2
+        # ranks, 1 x 3.30 MB UNSHARDED_PARAM + 2 x 3.30 MB ALL_GATHER at every layer's PEAK_FW, the step's
+        # peak there (-6.0% without).
+        gathered_entry = 3 * layer_bytes
     last = tail if spec.tie_word_embeddings else embed
-    grad_bytes = 0 if run.is_lora() else w  # adapters live in the layers; the tail's base is frozen
+    grad_bytes = 0 if run.is_lora() else _weight_bytes(run)  # adapters live in the layers; the tail's base is frozen
     copies = 3 if spec.tie_word_embeddings else 2
     # tied: the first layer's reduce-scatter is still in flight when the tail's embedding backward runs
     # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
@@ -418,15 +463,50 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     # and Qwen3 with a 16,384 x 512 untied embedding on 2 ranks: -2.7% without; FSDPMemTracker there:
     # 33.5 MB each of UNSHARDED_GRAD and REDUCE_SCATTER, 50.3 MB of TEMP, the embedding already resharded).
     not_yet_sharded = last // run.num_processes if spec.tie_word_embeddings else 0
-    gathered_end = last * w + (copies * last - not_yet_sharded) * grad_bytes + in_flight
+    gathered_end = last * u + (copies * last - not_yet_sharded) * grad_bytes + in_flight
     # Late in backward, any layer's: its full parameters and the next layer's all-gathered ahead, its
     # full-size gradients and the previous layer's reduce-scatter input in flight, while the last 2 layers'
     # sharded gradients do not exist yet (FSDPMemTracker, tiny preset on 2 ranks, steady state: 4 x 3.15 MB
     # of UNSHARDED_PARAM, ALL_GATHER, TEMP, REDUCE_SCATTER; the peak there, -8.9% without). Below the tied
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
-    late_layer = 2 * layer * w + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
-    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward
+    late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
+    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer, gathered_entry
+
+
+def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:
+    """Bytes of one decoder layer's FSDP2 unit when gathered: its parameters as stored (a 4-bit base's
+    projections packed, ``memory.quantized.storage_bytes``, 2 weights per byte; its norms fp32 under
+    PEFT's kbit cast) and its LoRA adapters (fp32). What each all-gather of a layer brings, and what a layer
+    frees when it reshards. The quantization state is not gathered (it is whole on every rank)."""
+    adapters = spec.lora_params(run) * 4 // max(spec.num_layers, 1) if run.is_lora() else 0
+    if run.quantize is Quantize.NONE:
+        return _layer_params(spec) * _weight_bytes(run) + adapters
+    from memfit.memory import quantized
+
+    rest = _layer_params(spec) - spec.linear_params // max(spec.num_layers, 1)
+    return int(quantized.storage_bytes(spec, run) // max(spec.num_layers, 1) + rest * _unquantized_bytes(run)
+               + adapters)
+
+
+def _unquantized_bytes(run: RunConfig) -> int:
+    """Bytes per parameter outside the quantized projections: fp32 under QLoRA (PEFT's kbit cast,
+    ``memory.quantized.UNQUANTIZED_BYTES``), else the stored dtype."""
+    if run.quantize is Quantize.NONE:
+        return _weight_bytes(run)
+    from memfit.memory import quantized
+
+    return quantized.UNQUANTIZED_BYTES
+
+
+def _quant_state_bytes(spec: ModelSpec, run: RunConfig) -> int:
+    """A quantized base's quantization state (absmax, code tables, 8-bit row scales): bytes beside the
+    packed parameters, which FSDP2 does not shard."""
+    if run.quantize is Quantize.NONE:
+        return 0
+    from memfit.memory import quantized
+
+    return quantized.packed_bytes(spec, run) - quantized.storage_bytes(spec, run)
 
 
 def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
@@ -605,7 +685,7 @@ def released_after_backward(spec: ModelSpec, run: RunConfig) -> int:
     the measured peak (backward's start, where every layer is still gathered)."""
     if run.num_processes < 2 or run.sharding is not Sharding.ZERO2:
         return 0
-    return _layer_params(spec) * _weight_bytes(run)
+    return gathered_layer_bytes(spec, run)
 
 
 def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:

@@ -154,7 +154,7 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
     the head's (the tail unit twice when sharded + the logits and loss)."""
     from memfit.memory.activations import logits_terms
-    from memfit.memory.estimate import _layer_params
+    from memfit.memory.estimate import _unquantized_bytes, gathered_layer_bytes
 
     tokens = run.micro_batch * run.seq_len
     layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c
@@ -163,10 +163,10 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
         return max(layer_compute, logits)
     head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
     tail = head + spec.hidden_size + (spec.embedding_params if spec.tie_word_embeddings else 0)
-    layer = _layer_params(spec)
+    layer = gathered_layer_bytes(spec, run)  # as stored: a 4-bit base's projections packed
+    tail *= _unquantized_bytes(run)
     gathered = (spec.num_layers + 2) * layer + tail if run.sharding is Sharding.ZERO2 else 3 * layer
-    return max(gathered * prec.w + 2 * spec.hidden_size * tokens * prec.c, layer * prec.w + layer_compute,
-               2 * tail * prec.w + logits)
+    return max(gathered + 2 * spec.hidden_size * tokens * prec.c, layer + layer_compute, 2 * tail + logits)
 
 
 def _largest_tensor(spec) -> int:

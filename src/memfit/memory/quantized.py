@@ -50,6 +50,16 @@ def packed_bytes(spec, run) -> int:
     return sum(lin.count * int8_bytes(lin.in_features, lin.out_features) for lin in spec.linears)
 
 
+def storage_bytes(spec, run) -> int:
+    """Bytes of the quantized projections' parameters alone (``Params4bit``: 2 weights per byte;
+    ``Int8Params``: 1 per byte), without their quantization state: what FSDP2 shards and all-gathers for a
+    4-bit base whose storage is a float dtype (``quant_support.bnb_config``); the state (absmax, codes) is
+    an attribute of the module, kept whole on every rank (``packed_bytes - storage_bytes``)."""
+    if run.quantize is Quantize.Q4:
+        return sum(lin.count * math.ceil(lin.in_features * lin.out_features / 2) for lin in spec.linears)
+    return sum(lin.count * lin.in_features * lin.out_features for lin in spec.linears)
+
+
 #: PEFT's ``prepare_model_for_kbit_training`` (``peft/utils/other.py``: "cast all non INT8 parameters to
 #: fp32") casts every fp16/bf16 parameter that is not a ``Params4bit`` to fp32: embeddings, norms, the output
 #: head and biases of a QLoRA model are fp32 whatever ``--dtype`` says; the residual stream, which starts at

@@ -27,6 +27,9 @@ devices: each rank writes its shards of model and optimizer state (``dcp/``), an
 sharded checkpoint resumes on any number of ranks of a sharded run; it cannot be resumed by an
 unsharded (DDP or single-process) run.
 
+**QLoRA**: a 4-bit base is sharded like any frozen weight, its packed bytes stored as the compute dtype
+(``quant_support.shards_packed_weights``); an 8-bit base is refused (``quantized_refusal``).
+
 **Export** gathers the full state dict (``get_model_state_dict(full_state_dict=True,
 cpu_offload=True)``, a collective: every rank takes part, rank 0 receives it) and loads it into a
 plain, unsharded copy of the model built on rank 0's CPU, which the normal export and sample
@@ -76,22 +79,17 @@ def refusal(run: RunConfig, *, cuda: bool) -> str | None:
                 "gathered parameters on the device from forward to backward); use --sharding fsdp or zero3.")
     if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
         return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
-    if is_sharded(run) and run.quantize is not Quantize.NONE:
+    if is_sharded(run) and run.quantize is Quantize.Q8:
         return quantized_refusal(run)
     return None
 
 
 def quantized_refusal(run: RunConfig) -> str:
-    """Why a quantized base (QLoRA) is not sharded: FSDP2's ``fully_shard`` turns each parameter into a plain
-    DTensor parameter, and bitsandbytes' packed weights lose what they carry beside their bytes
-    (``Params4bit.quant_state``, ``Int8Params.SCB``; bitsandbytes ``nn/modules.py``
-    ``fix_4bit_weight_quant_state_from_module``: "the quant state got lost when the parameter got
-    converted. This happens for example for fsdp"). Accelerate's ``fsdp2_prepare_model`` keeps uint8
-    ``Params4bit`` out of the shards (``ignored_params``) but not ``Int8Params``, and then skips the
-    rank-0 broadcast memfit's CPU path relies on; memfit does not run that combination (not verified)."""
-    return (f"--quantize {run.quantize} cannot be combined with --sharding {run.sharding}: FSDP2 cannot shard "
-            "bitsandbytes' quantized weights (their quantization state is lost); use --sharding ddp, where every "
-            "rank holds the quantized base and trains the adapters, or drop --quantize.")
+    """Why an 8-bit base is not sharded: FSDP2's ``fully_shard`` turns each parameter into a plain DTensor
+    parameter, and bitsandbytes' ``Int8Params`` lose their row scales (``SCB``), which, unlike the 4-bit
+    quantization state, no module keeps a copy of. A 4-bit base shards (``quant_support.shards_packed_weights``)."""
+    return (f"--quantize 8bit cannot be combined with --sharding {run.sharding}: FSDP2 cannot shard bitsandbytes' "
+            "8-bit weights (their row scales are lost); use --quantize 4bit, which shards, or --sharding ddp.")
 
 
 def check_run(run: RunConfig, *, cuda: bool) -> None:
@@ -206,8 +204,10 @@ class _PluginHolder:
 def builds_empty(accelerator, run: RunConfig) -> bool:
     """Whether this rank builds its model without weights (parameters on the meta device): the ranks
     other than 0 of a run memfit shards itself, which receive their shards from rank 0 in ``shard_model``
-    (Accelerate's ``cpu_ram_efficient_loading``), so no rank but 0 ever holds the whole model."""
-    return shards_itself(accelerator, run) and not accelerator.is_main_process
+    (Accelerate's ``cpu_ram_efficient_loading``), so no rank but 0 ever holds the whole model.
+    Not a quantized base: Accelerate skips that broadcast for ``Params4bit`` models, so every rank
+    quantizes the same weights itself (``quant_support.quantized_copy``) and keeps its shard of them."""
+    return shards_itself(accelerator, run) and not accelerator.is_main_process and run.quantize is Quantize.NONE
 
 
 def shard_model(model, run: RunConfig, accelerator):
