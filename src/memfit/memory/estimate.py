@@ -83,8 +83,11 @@ class ModelStates:
     differ from ``gathered`` (``fsdp``/``zero3``: two layers, the tail not; ``fsdp2_gathered``)."""
 
     gathered_entry: int = 0
-    """FSDP/ZeRO: the unsharded bytes as a layer enters its forward (``fsdp``/``zero3``: three layers; 0
-    where no such moment is modelled; ``fsdp2_gathered``)."""
+    """FSDP/ZeRO: the unsharded bytes as the last layer enters its forward (``fsdp``/``zero3``: three layers,
+    and a tied tail; 0 where no such moment is modelled; ``fsdp2_gathered``)."""
+    gathered_first_entry: int = 0
+    """FSDP/ZeRO: the same as the first layer enters its forward, where the unit before it is the embedding's
+    (tied: the tail's, kept gathered); 0 where not modelled."""
 
     @property
     def forward_gathered(self) -> int:
@@ -208,6 +211,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if states.gathered_entry:  # the last layer's entry: its own saved tensors not made yet
         entry = base + grads_in_fwd + activations - acts.saved + states.gathered_entry
         forward, forward_moment = max((forward, forward_moment), (entry, "entry"), key=lambda m: m[0])
+    if states.gathered_first_entry:  # the first layer's entry: nothing saved yet (the embedding's output ignored)
+        first = base + grads_in_fwd + states.gathered_first_entry
+        forward, forward_moment = max((forward, forward_moment), (first, "first entry"), key=lambda m: m[0])
     phases = {
         "forward": forward,
         "backward": max(backward_start, backward_layer, backward_end),
@@ -261,6 +267,9 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.gradients = grads_in_fwd
         out.activations = activations - acts.saved
         out.temporary = states.gathered_entry
+    elif phase == "forward" and moment == "first entry":  # the first layer's unshard
+        out.gradients = grads_in_fwd
+        out.temporary = states.gathered_first_entry
     elif phase == "forward":
         out.gradients = grads_in_fwd
         out.activations = activations + in_loss
@@ -322,7 +331,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
-    gathered, gathered_end, buckets, gathered_forward, gathered_layer, entry = 0, 0, 0, None, None, 0
+    gathered, gathered_end, buckets, gathered_forward, gathered_layer, entry = 0, 0, 0, None, None, (0, 0)
     if n > 1 and run.sharding is Sharding.DDP:
         buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
         gathered_end = ddp_embedding_grad_end(spec, run)
@@ -345,7 +354,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
         gradients = 0
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
                        int(gathered_end), int(buckets), gathered_forward=gathered_forward,
-                       gathered_layer=gathered_layer, gathered_entry=entry)
+                       gathered_layer=gathered_layer, gathered_entry=entry[0], gathered_first_entry=entry[1])
 
 
 def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = True) -> int:
@@ -396,10 +405,11 @@ def ddp_bucket_bytes(gradients: int) -> int:
     return int(gradients)
 
 
-def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None, int | None, int]:
+def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None, int | None, tuple[int, int]]:
     """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, at backward's end, at
     forward's peak where it differs (ZeRO-2; else None), while a decoder layer computes where it differs
-    (``fsdp``/``zero3``; else None) and as a layer enters its forward (``fsdp``/``zero3``; else 0).
+    (``fsdp``/``zero3``; else None) and as the last and the first layer enter their forward (``fsdp``/``zero3``;
+    else 0).
 
     Accelerate's ``fsdp2_prepare_model`` makes a unit of each decoder layer, one of the input embedding
     (untied only), one of [final norm, output head] (tied: and the embedding) with
@@ -436,7 +446,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     untied_embed = embed if run.sharding is Sharding.ZERO2 and not spec.tie_word_embeddings else 0
     all_gather_buffer = tail if run.sharding is Sharding.ZERO2 else 0
     gathered = (tail + untied_embed + all_gather_buffer) * u + layers
-    gathered_forward, gathered_layer, gathered_entry = None, None, 0
+    gathered_forward, gathered_layer, gathered_entry, gathered_first_entry = None, None, 0, 0
     if run.sharding is Sharding.ZERO2:
         gathered_forward = (tail + untied_embed) * u + layers + 2 * layer_bytes
     else:
@@ -446,12 +456,19 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
         # FSDPMemTracker, tiny preset, LoRA and QLoRA on 2 ranks: at the last layer's backward 1 layer of
         # UNSHARDED_PARAM and 1 of ALL_GATHER, no tail (+3.0% of that peak with the tail counted).
         gathered_layer = layers
-        # As a layer enters its forward (FSDPParamGroup.pre_forward: unshard, then wait_for_unshard's copy-out)
-        # FSDPMemTracker shows its unsharded parameters beside two layer-sized all-gather outputs (its own and
-        # the previous layer's, kept for overlap in ``comm_ctx.all_gather_state``): tiny preset, LoRA on 2
-        # ranks, 1 x 3.30 MB UNSHARDED_PARAM + 2 x 3.30 MB ALL_GATHER at every layer's PEAK_FW, the step's
-        # peak there (-6.0% without).
-        gathered_entry = 3 * layer_bytes
+        # As a unit enters its forward (FSDPParamGroup.pre_forward: unshard, then wait_for_unshard) its new
+        # all-gather output and its copied-out parameters exist beside the previous unit's all-gather output:
+        # kept for overlap in ``comm_ctx.all_gather_state``, it is released in wait_for_unshard, but the
+        # local ``prev_all_gather_state`` holds it until that function returns (torch 2.13
+        # _fsdp_param_group.py). A tied tail, gathered at the embedding, stays gathered all forward.
+        # FSDPMemTracker at PEAK_FW, 2 ranks: tiny preset LoRA, every layer 1 x 3.30 MB UNSHARDED_PARAM +
+        # 2 x 3.30 MB ALL_GATHER, the step's peak at the last layer (-6.0% without); smollm2-135m (tied)
+        # QLoRA, the first layer: 113.2 + 2.1 MB UNSHARDED_PARAM + 113.2 + 2.1 MB ALL_GATHER, the step's
+        # peak (-16.2% without).
+        kept_tail = tail * u if spec.tie_word_embeddings else 0
+        gathered_entry = 3 * layer_bytes + kept_tail
+        previous = 2 * tail * u if spec.tie_word_embeddings else embed * u  # untied: the embedding's output only
+        gathered_first_entry = 2 * layer_bytes + previous
     last = tail if spec.tie_word_embeddings else embed
     grad_bytes = 0 if run.is_lora() else _weight_bytes(run)  # adapters live in the layers; the tail's base is frozen
     copies = 3 if spec.tie_word_embeddings else 2
@@ -471,7 +488,8 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
     late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
-    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer, gathered_entry
+    entries = (int(gathered_entry), int(gathered_first_entry))
+    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer, entries
 
 
 def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:

@@ -168,9 +168,16 @@ def plugin(run: RunConfig):
     """Accelerate's ``DeepSpeedPlugin`` holding ``ds_config`` of the run as given (``configure`` replaces it with
     the final run's before ``prepare``). ``zero3_init_flag=False``: memfit builds the
     whole model on each rank and DeepSpeed partitions it in ``prepare`` (not under ``deepspeed.zero.Init``),
-    so the same seeded build runs on every engine."""
+    so the same seeded build runs on every engine.
+
+    ``accelerate launch --config_file`` exports the config's DeepSpeed fields (``zero_stage``, ...) and lists
+    them in ``ACCELERATE_CONFIG_DS_FIELDS``; Accelerate refuses a full DeepSpeed config beside them
+    (``DeepSpeedPlugin._deepspeed_config_checks``: a ValueError). ``check_launch`` holds those fields to the
+    flags, and memfit's config is built from the same flags, so the list is dropped for this process.
+    """
     from accelerate.utils import DeepSpeedPlugin
 
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     return DeepSpeedPlugin(hf_ds_config=ds_config(run, max_grad_norm=0.0), zero3_init_flag=False)
 
 
