@@ -427,17 +427,18 @@ def _runs(phases: list[str]) -> list[tuple[str, int]]:
 # ------------------------------------------------------------------------------------------------
 # the estimate from a derived recipe (the same composition as estimate.estimate's hand-written path)
 # ------------------------------------------------------------------------------------------------
-def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
+def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
+                     rank: int | None = None) -> MemoryBreakdown:
     """``estimate()`` for a model without a hand-written recipe: analytic model states + derived moments.
 
     Phases: forward = states + forward moment; backward = the largest of backward start, one layer in
     (their gradients are those the traced step held then; with accumulation, all gradients) and backward
     end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
     """
-    from memfit.memory.estimate import cuda_other, model_states, notes, released_after_backward
+    from memfit.memory.estimate import cuda_other, model_states, notes
 
     recipe = derived_recipe(spec, run)
-    states = model_states(spec, run, device)  # the optimizer torch runs on the device (its step temporaries)
+    states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
     accum = run.grad_accum > 1
     at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, run))
@@ -452,6 +453,10 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
             got["gradients"] = got["gradients"] // run.num_processes
         if states.buckets:
             got["gradients"] = states.buckets  # DDP: every gradient is a view into its resident buckets
+        elif states.backward_gradients and moment in ("backward_start", "backward_layer"):
+            # DeepSpeed ZeRO-2: its flat partition, whole (off the last rank: one layer in, at the latest)
+            got["gradients"] = states.from_backward_start or (states.backward_gradients
+                                                              if moment == "backward_layer" else 0)
         got["temporary"] += gathered_at(moment)
         return got
 
@@ -462,7 +467,7 @@ def derived_estimate(spec, run: RunConfig, device: str) -> MemoryBreakdown:
         if moment == "backward_end":
             return states.gathered_end
         if moment == "backward_layer":
-            return states.layer_gathered - (spec.num_layers - 1) * released_after_backward(spec, run)
+            return states.layer_gathered - (spec.num_layers - 1) * states.released_per_layer
         return states.gathered
 
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP

@@ -36,6 +36,7 @@ from memfit.memory.activations import (
     outside_layer_activations,
 )
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.deepspeed_layout import ENGINES, zero_states
 from memfit.modelspec import ModelSpec, load_spec
 from memfit.optimizers import row
 from memfit.resolved import resolve
@@ -58,6 +59,8 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to shrink it).
 ALLOCATOR_RESERVE_FRACTION = 0.05
 
+FP32_BYTES = 4  # DeepSpeed steps fp32 master partitions: its optimizer state is fp32 whatever the weights
+
 @dataclass(frozen=True)
 class ModelStates:
     """Per-rank bytes of weights, gradients and optimizer state, plus step-time temporaries."""
@@ -77,6 +80,22 @@ class ModelStates:
     gathered_forward: int | None = None
     """FSDP/ZeRO: the unsharded bytes at forward's peak where they differ from ``gathered`` (ZeRO-2's
     all-gather buffers: ``fsdp2_gathered``); None: the same as ``gathered``."""
+    released_per_layer: int = 0
+    """Of ``gathered``, what each layer frees after its backward (FSDP2 zero2: ``released_after_backward``)."""
+    backward_gradients: int = 0
+    """Gradients that exist whole from backward's start (DeepSpeed ZeRO-2's flat gradient partition,
+    ``memory.deepspeed_layout``); they then do not build up layer by layer. 0: they build up (or live in
+    ``buckets``)."""
+    gradients_after_layers: int = 0
+    """How many decoder layers backward has finished when ``backward_gradients`` appear (DeepSpeed ZeRO-2:
+    0 on the last rank, later on the others: ``deepspeed_layout.partition_reached``)."""
+    engine: str = "fsdp2"
+    """The sharding engine these states model (``deepspeed_layout.ENGINES``)."""
+
+    @property
+    def from_backward_start(self) -> int:
+        """The ``backward_gradients`` that exist from backward's start (none when they appear later)."""
+        return 0 if self.gradients_after_layers else self.backward_gradients
 
     gathered_layer: int | None = None
     """FSDP/ZeRO: the unsharded bytes while a decoder layer computes (its forward, its backward) where they
@@ -101,7 +120,7 @@ class ModelStates:
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
-             derived: bool | None = None) -> MemoryBreakdown:
+             derived: bool | None = None, engine: str = "fsdp2", rank: int | None = None) -> MemoryBreakdown:
     """Analytic memory breakdown of one steady-state training step, per rank.
 
     Args:
@@ -113,12 +132,15 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         derived: None picks the hand-written recipe where one models the run, else derives one from
             traces (``memory/derive.py``, seconds once, then cached); True forces the derived recipe,
             False the hand-written one (Llama's for a family without one: the old behaviour).
+        engine: which engine shards ``--sharding zero2|zero3``: ``"fsdp2"`` (memfit's default) or
+            ``"deepspeed"`` (a DeepSpeed launch: ``memory.deepspeed_layout``). DDP and FSDP are FSDP2's.
+        rank: DeepSpeed ZeRO-2 only, whose ranks differ: this rank's peak; None: the largest (the last rank's).
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
     """
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
-    _check(spec, run, device)
+    _check(spec, run, device, engine)
     # What gets built (LoRA modules, the attention transformers runs, the optimizer's row): the same
     # answer trace, plan and train use. From here on ``run`` names what is built.
     resolved = resolve(spec, run, device)
@@ -129,9 +151,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if derived is None and versions.unverified():
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     if derived or (family is None and derived is None):
-        return _described(derived_estimate(spec, run, device), resolved)
+        return _described(derived_estimate(spec, run, device, engine, rank), resolved)
     prec = Precisions.of(run)
-    states = model_states(spec, run, device)
+    states = model_states(spec, run, device, engine, rank)
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
@@ -160,21 +182,24 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                    + max(copies[0], copies[1] + logit.forward))
     # backward start: logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
-    backward_start = base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
+    backward_start = (base + grads_in_fwd + activations + logit.backward + copies[1] + states.gathered
+                      + states.from_backward_start)
     # backward, one layer in: grads of head/embedding exist, plus one layer's recompute and input grads.
     # (DDP: the gradients live in its buckets, counted in ``base`` from the first step)
-    head_grads = _head_grad_bytes(spec, run, prec) if not (grads_in_fwd or states.buckets) else 0
+    # (DeepSpeed ZeRO-2: its bucket reduces the head's gradient into the flat partition, whole from the start)
+    whole = grads_in_fwd or states.buckets or states.backward_gradients
+    head_grads = _head_grad_bytes(spec, run, prec) if not whole else 0
     # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
     # checkpointing: they were never counted on the device)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
     head_side = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
-                      + acts.backward_transient + states.layer_gathered)
+                      + acts.backward_transient + states.layer_gathered + states.from_backward_start)
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth).
     below = 0
     # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
-    if not grads_in_fwd and not run.optimizer_in_backward:
+    if not grads_in_fwd and not run.optimizer_in_backward and not states.backward_gradients:
         # offloaded activations: the layers above kept nothing on the device, so they free nothing there
         kept = 0 if run.offload is Offload.ACTIVATIONS else acts.saved
         below = _layers_below_top(spec, run, states, dataclasses.replace(acts, saved=kept))
@@ -182,6 +207,13 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         # AMP: the layers above also freed the half weight copies their linears saved for backward
         copies_freed = (spec.num_layers - 1) * autocast_copies_saved_per_layer(spec, run, prec) if kept else 0
         below -= freed + copies_freed
+    late = states.gradients_after_layers
+    if late and states.backward_gradients > late * acts.saved:
+        # DeepSpeed ZeRO-2 off the last rank: its gradient partition appears once backward has finished
+        # ``late`` layers, whose saved tensors are gone by then (the moment is shown as one layer in)
+        backward_layer += states.backward_gradients - late * acts.saved
+        head_grads += states.backward_gradients  # shown as gradients
+        head_side += late * acts.saved  # shown as freed activations
     if below > 0:
         backward_layer += below
         head_grads += below + freed + copies_freed + (spec.num_layers - 1) * kept  # shown as gradients
@@ -259,6 +291,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
     out.weights = states.weights
     out.optimizer = states.optimizer
     grads_in_fwd = (states.gradients if run.grad_accum > 1 else 0) + states.buckets
+    in_backward = grads_in_fwd + states.from_backward_start  # gradients from backward's start on
     if phase == "forward" and moment == "layer":  # inside the last layer (QLoRA: its dequantized weight)
         out.gradients = grads_in_fwd
         out.activations = activations
@@ -282,12 +315,12 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.logits = 0 if in_bw else logit.retained
         out.temporary = end_temporary
     elif phase == "backward" and moment == "start":
-        out.gradients = grads_in_fwd
+        out.gradients = in_backward
         out.activations = activations
         out.logits = logit.backward
         out.temporary = copies[1] + states.gathered
     elif phase == "backward":
-        out.gradients = grads_in_fwd + head_grads
+        out.gradients = in_backward + head_grads
         out.activations = activations - head_side
         out.logits = logit.retained
         out.temporary = copies[2] + acts.backward_transient + states.layer_gathered
@@ -299,9 +332,11 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
     return out
 
 
-def _check(spec: ModelSpec, run: RunConfig, device: str) -> None:
+def _check(spec: ModelSpec, run: RunConfig, device: str, engine: str = "fsdp2") -> None:
     if device not in ("cuda", "cpu"):
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
+    if engine not in ENGINES:
+        raise UserError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
     if run.quantize is not Quantize.NONE and run.offload is Offload.PARAMS:
         raise UserError("--offload params cannot be combined with --quantize (bitsandbytes weights stay on the GPU).")
 
@@ -309,7 +344,8 @@ def _check(spec: ModelSpec, run: RunConfig, device: str) -> None:
 # ----------------------------------------------------------------------------------------------
 # Model states
 # ----------------------------------------------------------------------------------------------
-def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> ModelStates:
+def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: str = "fsdp2",
+                 rank: int | None = None) -> ModelStates:
     """Weights, gradients and optimizer state per rank.
 
     Full fine-tune: weights and grads at the stored dtype (fp32 stays fp32 under AMP: autocast casts
@@ -320,6 +356,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     parameters while computing (``fsdp2_gathered``); DDP divides nothing and keeps gradient buckets
     (``ddp_bucket_bytes``). Offload moves optimizer state (and with ``params`` the weights) to CPU.
     ``device`` picks the optimizer implementation torch runs there (its step temporaries).
+    ``engine="deepspeed"`` with ``--sharding zero2|zero3`` on several processes: DeepSpeed's layout instead
+    (``memory.deepspeed_layout.zero_states``; ``rank``: which rank, None the last).
     Ignores: FSDP's flat-parameter padding (< N elements per tensor), the optimizer's ``step`` scalars
     (fp32, one per tensor: < 1 MiB).
     """
@@ -331,6 +369,12 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
     optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
+    if engine == "deepspeed" and n > 1 and run.sharding in (Sharding.ZERO2, Sharding.ZERO3):
+        zero = zero_states(spec, run, device, optimizer_state_bytes(spec, run, trainable, FP32_BYTES), rank)
+        return ModelStates(zero.weights, zero.gradients, zero.optimizer, zero.step_temporary, zero.gathered,
+                           zero.gathered_end, zero.buckets, gathered_forward=zero.gathered_forward,
+                           backward_gradients=zero.backward_gradients, gradients_after_layers=zero.after_layers,
+                           engine=engine)
     gathered, gathered_end, buckets, gathered_forward, gathered_layer, entry = 0, 0, 0, None, None, (0, 0)
     if n > 1 and run.sharding is Sharding.DDP:
         buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
@@ -354,7 +398,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda") -> Model
         gradients = 0
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
                        int(gathered_end), int(buckets), gathered_forward=gathered_forward,
-                       gathered_layer=gathered_layer, gathered_entry=entry[0], gathered_first_entry=entry[1])
+                       gathered_layer=gathered_layer, gathered_entry=entry[0], gathered_first_entry=entry[1],
+                       released_per_layer=released_after_backward(spec, run))
 
 
 def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = True) -> int:
@@ -687,7 +732,7 @@ def _layers_below_top(spec: ModelSpec, run: RunConfig, states: ModelStates, acts
         return 0
     outside = 0 if run.is_lora() else spec.vocab_size * spec.hidden_size + spec.lm_head_params
     per_layer = max(0, trainable - outside) / spec.num_layers * states.gradients / trainable
-    return int((spec.num_layers - 1) * (per_layer - acts.saved - released_after_backward(spec, run)))
+    return int((spec.num_layers - 1) * (per_layer - acts.saved - states.released_per_layer))
 
 
 def released_after_backward(spec: ModelSpec, run: RunConfig) -> int:

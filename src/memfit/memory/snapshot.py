@@ -19,11 +19,11 @@ step half applied):
   after an earlier group stepped); no state exists yet, so the copy is the parameters alone, alive
   during that step's optimizer phase and freed after it: ``max(peak, optimizer phase + parameters)``.
 - ``never`` (SGD without momentum or weight decay) and ``--optimizer-in-backward`` (no gradients left
-  at ``step()``: nothing is copied): no snapshot. Nor under a DeepSpeed launch
-  (``training.deepspeed_engine``): DeepSpeed steps inside the last micro-batch's backward and leaves no
-  gradients on its partitions, so memfit's ``step()`` finds nothing to copy (measured: the tiny preset
-  under ZeRO-2 on 2 CPU ranks counted 111.4/112.9 MiB per rank, 37.1 MiB of snapshot below the prediction
-  that included it).
+  at ``step()``: nothing is copied): no snapshot. Nor on the DeepSpeed engine (``engine="deepspeed"``, a
+  DeepSpeed launch: ``training.deepspeed_engine``): DeepSpeed steps inside the last micro-batch's backward
+  and leaves no gradients on its partitions, so memfit's ``step()`` finds nothing to copy (measured: the
+  tiny preset under ZeRO-2 on 2 CPU ranks counted 111.4/112.9 MiB per rank, 37.1 MiB of snapshot below the
+  prediction that included it).
 
 Known error: the ``first-step`` case takes the steady-state optimizer phase (all state allocated) for the
 first step's, which is exact for fused AdamW (its state is allocated inside that step, before the peak)
@@ -38,25 +38,29 @@ from memfit.config import Offload, RunConfig
 from memfit.units import fmt_bytes
 
 
-def device_estimate(spec, run: RunConfig, device: str):
-    """``estimate(spec, run, device=device)`` as the device holds it: on CPU, offloaded state stays in
-    the same memory (the run without offload is estimated) and the rollback snapshot counts."""
+def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None):
+    """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
+    stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.
+    ``engine`` None: the launch's (``training.deepspeed_engine.estimator_engine``)."""
     from memfit.memory.estimate import estimate
 
+    if engine is None:
+        from memfit.training.deepspeed_engine import estimator_engine
+
+        engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
         Offload.PARAMS, Offload.OPTIMIZER) else run
-    return with_rollback_snapshot(spec, run, estimate(spec, held, device=device), device)
+    return with_rollback_snapshot(spec, run, estimate(spec, held, device=device, engine=engine), device, engine)
 
 
-def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str):
+def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str, engine: str = "fsdp2"):
     """``breakdown`` (from ``estimate(spec, run, device=device)``) with the snapshot's bytes where they
     live on ``device`` (CPU only), added to the ``optimizer`` category and the phase peaks, with a note;
     ``breakdown`` itself when nothing is added."""
     from memfit.memory.estimate import rollback_snapshot_bytes
     from memfit.optimizers import row
-    from memfit.training.deepspeed_engine import requested as deepspeed_launch
 
-    if breakdown is None or device != "cpu" or run.optimizer_in_backward or deepspeed_launch():
+    if breakdown is None or device != "cpu" or run.optimizer_in_backward or engine == "deepspeed":
         return breakdown
     kind = row(run.optimizer).rollback
     if kind == "never":

@@ -459,8 +459,8 @@ def per_rank_line(model_name: str, run: RunConfig, predicted, device: str = "cud
         return f"{label}: n/a (estimator unavailable for this model)"
     line = f"{label} {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}"
     if several:
-        # the estimator models FSDP2's layout; DeepSpeed's differs (ZeRO-3 measured up to 15% above it on CPU)
-        engine = " (DeepSpeed, estimated as FSDP2)" if is_sharded(run) and deepspeed_engine.requested() else ""
+        # the prediction models the launch's engine (memory.deepspeed_layout under DeepSpeed): name it
+        engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_engine.requested() else ""
         line += f"; {run.sharding}{engine} over {run.num_processes} processes" if is_sharded(run) else \
             f"; {run.num_processes} processes, unsharded"
     line += ")"
