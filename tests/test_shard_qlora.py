@@ -94,6 +94,15 @@ def test_qlora_fsdp_resumes_from_its_sharded_checkpoint(tmp_path):
     assert max(float((single[k] - resumed[k]).abs().max()) for k in resumed) < 1e-5
 
 
+@pytest.mark.slow
+def test_qlora_fsdp_with_the_base_offloaded_matches_one_process(tmp_path):
+    # FSDP-QLoRA with FSDP2's parameter offload (the 70B-on-two-24GB-GPUs recipe; memfit plan picks it when the
+    # host is too small for a bf16 base): the packed shards live on the host and are gathered per layer.
+    single, _, output = _qlora_single_and_fsdp(tmp_path, "--offload", "params")
+    sharded = _adapters(output)
+    assert max(float((single[k] - sharded[k]).abs().max()) for k in sharded) < 1e-5
+
+
 @pytest.mark.parametrize("shard", ["fsdp", "zero2", "zero3"])
 def test_sharded_8bit_base_is_refused_in_one_sentence(shard):
     run = RunConfig(lora_r=4, quantize="8bit", sharding=shard, num_processes=2)

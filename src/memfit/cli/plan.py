@@ -26,6 +26,7 @@ Examples:
   memfit plan mistral-7b --gpu a100-40gb --num-processes 4 --batch 64 --full
   memfit plan qwen2.5-1.5b --gpu auto --output plan.yaml && memfit train --config plan.yaml
   memfit plan llama-3-8b --gpu h100-sxm --num-processes 8 --full --accelerate-config fsdp.yaml
+  memfit plan llama-2-70b --gpu rtx-4090 --num-processes 2 --seq-len 512 --batch 8 --host-memory 128GiB
 \b
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
@@ -58,6 +59,8 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 @click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Pin checkpointing on or off.")
 @click.option("--offload", type=_choice(Offload))
 @click.option("--no-offload", "no_offload", is_flag=True, help="Do not consider CPU offload.")
+@click.option("--host-memory", help="Host RAM of the machine, e.g. 128GiB: drop plans whose offloaded state and "
+                                    "rollback snapshot need more (default: not checked).")
 @click.option("--sharding", type=_choice(Sharding))
 @click.option("--micro-batch", type=int, help="Pin the micro-batch (grad-accum follows from --batch).")
 @click.option("--attn-implementation", type=_choice(Attention))
@@ -86,6 +89,10 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
         check_writable_target(Path(output), flag_name="--output", is_dir=False)
     pins["allow_quantize"] = not pins.pop("no_quantize")
     pins["allow_offload"] = not pins.pop("no_offload")
+    if pins.get("host_memory") is not None:
+        from memfit.units import parse_size
+
+        pins["host_memory"] = parse_size(pins["host_memory"])
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     spec = load_spec(model)  # reading the architecture (imports transformers) is not part of the search
@@ -131,6 +138,11 @@ def _print(result, top, elapsed: float, output) -> None:
                   f"tokens per optimizer step: {tokens:,}.")
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
                   f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
+    if best.config.offload is not Offload.NONE:
+        from memfit.memory.snapshot import host_bytes
+
+        console.print(f"Host RAM: {fmt_gib(host_bytes(result.spec, best.config))} per machine (offloaded state and "
+                      "rollback snapshot of all ranks; --host-memory checks it).", highlight=False)
     if result.gpu is not None and not result.gpu.listed:
         console.print(f"{result.gpu.name} is not in the GPU table: its speeds are the reference GPU's.")
     if dropped:

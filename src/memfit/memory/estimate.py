@@ -39,6 +39,7 @@ from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.deepspeed_layout import ENGINES, zero_states
 from memfit.modelspec import ModelSpec, load_spec
 from memfit.optimizers import row
+from memfit.quant_support import shards_packed_weights
 from memfit.resolved import resolve
 from memfit.units import MiB, fmt_gb, fmt_gib
 
@@ -337,8 +338,9 @@ def _check(spec: ModelSpec, run: RunConfig, device: str, engine: str = "fsdp2") 
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
     if engine not in ENGINES:
         raise UserError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}.")
-    if run.quantize is not Quantize.NONE and run.offload is Offload.PARAMS:
-        raise UserError("--offload params cannot be combined with --quantize (bitsandbytes weights stay on the GPU).")
+    if run.quantize is not Quantize.NONE and run.offload is Offload.PARAMS and not shards_packed_weights(run):
+        raise UserError("--offload params with --quantize needs a 4-bit base sharded by --sharding fsdp or zero3 "
+                        "(FSDP2 then offloads its packed weights); otherwise bitsandbytes' weights stay on the GPU.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +392,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
     if run.offload is Offload.PARAMS:
         gathered = max(gathered, 2 * gathered_layer_bytes(spec, run))
-        weights = 0
+        weights = _quant_state_bytes(spec, run)  # a 4-bit base's quantization state: module attributes, not offloaded
         # FSDP2's CPUOffloadPolicy copies every reduce-scattered gradient shard to the host
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: ``.to("cpu")``), and
         # the optimizer steps there: no sharded gradient stays on the GPU. The unsharded gradients of the

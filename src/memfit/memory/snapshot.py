@@ -38,6 +38,32 @@ from memfit.config import Offload, RunConfig
 from memfit.units import fmt_bytes
 
 
+def host_bytes(spec, run: RunConfig) -> int:
+    """Host RAM a GPU run keeps per machine (all ``num_processes`` ranks on one node), beside the device.
+
+    Per rank: what ``--offload`` moves there (``params``: the rank's shard of weights, gradients and optimizer
+    state, all on the host under FSDP2's ``CPUOffloadPolicy``; a 4-bit base's quantization state stays on the
+    device; ``optimizer``: the optimizer state) and the rollback snapshot (``every-step`` rows: the
+    trainable parameters and their state; ``first-step``: the parameters, during the first step). A 70B
+    model's offloaded bf16 LoRA base is 138 GB, its 4-bit one 39 GB: whether a workstation holds it decides
+    between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
+    and the dataset (a few GB per process).
+    """
+    from memfit.memory.estimate import _quant_state_bytes, model_states, rollback_snapshot_bytes
+    from memfit.optimizers import row
+
+    on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
+    per_rank = 0
+    if run.offload is Offload.PARAMS:
+        per_rank += on_device.weights - _quant_state_bytes(spec, run) + on_device.gradients + on_device.optimizer
+    elif run.offload is Offload.OPTIMIZER:
+        per_rank += on_device.optimizer
+    rollback = row(run.optimizer).rollback
+    if not run.optimizer_in_backward and rollback != "never":
+        per_rank += rollback_snapshot_bytes(spec, run, state=rollback == "every-step")
+    return int(per_rank * max(run.num_processes, 1))
+
+
 def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None):
     """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
     stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.

@@ -207,17 +207,22 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     # instead of every candidate being skipped for it.
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
     attention(spec, runs[0].attn_implementation)
-    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu))
+    host = (constraints.host_memory if constraints else None) if not cpu else None
+    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu, host_memory=host))
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
     return result
 
 
-def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float, cpu: bool = False) -> list[Plan]:
+def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float, cpu: bool = False,
+                  host_memory: int | None = None) -> list[Plan]:
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
-    skipped, and if it refuses them all its first reason is the error."""
+    skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
+    host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
+    from memfit.memory.snapshot import host_bytes
     from memfit.training.sharding import refusal
+    from memfit.units import fmt_gib
 
     plans, refused = [], []
     plain_plans: dict[RunConfig, Plan] = {}
@@ -225,6 +230,11 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         reason = refusal(run, cuda=True)  # only what `memfit train` runs on a GPU (e.g. no optimizer-only offload)
         if reason:
             refused.append(UserError(reason))
+            continue
+        if host_memory is not None and host_bytes(spec, run) > host_memory:
+            refused.append(UserError(f"Every candidate needs more host RAM than --host-memory {fmt_gib(host_memory)} "
+                                     f"(e.g. {fmt_gib(host_bytes(spec, run))} for offload {run.offload}); "
+                                     "raise it or pin --offload none."))
             continue
         plain = run.replace(loss="standard", optimizer_in_backward=False)
         if run != plain and plain in plain_plans and not _technique_can_help(plain_plans[plain], run, budget, margin):

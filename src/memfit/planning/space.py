@@ -83,6 +83,9 @@ class Constraints:
     grad_checkpointing: bool | None = None
     offload: Offload | None = None
     allow_offload: bool = True
+    host_memory: int | None = None
+    """Host RAM of the machine (bytes): plans whose offloaded state and rollback snapshot exceed it are
+    dropped (``memory.snapshot.host_bytes``); None: not checked."""
     sharding: Sharding | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
@@ -197,7 +200,10 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
     shardings = _choices(c.sharding, tuple(Sharding) if num_processes > 1 else (Sharding.DDP,))
     out = []
     for regime in (r for r in regimes(bf16_ok) if _regime_allowed(r, c)):
-        offloads = (Offload.NONE,) if regime.lora else tuple(Offload) if c.allow_offload else (Offload.NONE,)
+        # LoRA's optimizer state is small: only its frozen base is worth offloading (FSDP2's parameter offload,
+        # under sharding; QLoRA's 4-bit base too, as FSDP-QLoRA does)
+        lora_offloads = (Offload.NONE,) if regime.quantize is Quantize.Q8 else (Offload.NONE, Offload.PARAMS)
+        offloads = ((Offload.NONE,) if not c.allow_offload else lora_offloads if regime.lora else tuple(Offload))
         grid = itertools.product(_choices(c.grad_checkpointing, (False, True)),
                                  _choices(c.optimizer, ADAMW_VARIANTS),
                                  _choices(c.offload, offloads), shardings, pairs,
@@ -207,8 +213,9 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 continue
             if offload is not Offload.NONE and opt is Optimizer.ADAMW_8BIT and c.optimizer is None:
                 continue  # offloaded steps run on the host: bitsandbytes' 8-bit AdamW there is not verified
-            if offload is Offload.PARAMS and regime.quantize is not Quantize.NONE:
-                continue  # bitsandbytes' quantized weights stay on the GPU
+            if (offload is Offload.PARAMS and regime.quantize is not Quantize.NONE
+                    and (regime.quantize is Quantize.Q8 or sharding is Sharding.DDP)):
+                continue  # bitsandbytes' weights stay on the GPU unless FSDP2 shards a 4-bit base
             lora = lora_common if regime.lora else {"lora_r": 0}
             out.append(RunConfig(
                 seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
