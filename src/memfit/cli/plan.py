@@ -119,7 +119,7 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
     if accelerate_config:
         click.echo(f"Wrote {accelerate_config} (Accelerate config).")
     elif "accelerate launch" in command_line:
-        click.echo(f"(--accelerate-config {config_file} writes the config file the command names.)")
+        click.echo(f"(add --accelerate-config {config_file} to write the file it names.)")
 
 
 def _print(result, top, elapsed: float, output) -> None:

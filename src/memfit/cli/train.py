@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +171,15 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
                        f"final loss difference {result['loss_diff']:.3g} -> "
                        + ("equivalent" if result["equivalent"] else "NOT equivalent"))
         return
+    import contextlib
+
     from memfit.training.loop import run_training
 
-    summary = run_training(config).summary
+    # --json: stdout carries the summary only. Libraries print there during the run (DeepSpeed's logger,
+    # bound to the stdout of the moment Accelerate's unwrap_model imports it when installed: "Setting
+    # accelerator to CPU"), so the run's stdout goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if config.json else contextlib.nullcontext():
+        summary = run_training(config).summary
     import accelerate
 
     if not accelerate.PartialState().is_main_process:
