@@ -365,8 +365,10 @@ def quantized_mlp_moment(ctx: _Ctx) -> int:
     output's gradient (H, stream dtype):
 
     - the recompute's last projection (the down projection's adapter): the recomputed graph is still alive,
-      with its own 8-bit ``ctx.A`` beyond the recipe (``int8_held``), and on the CPU under autocast PEFT's fp32
-      copy of a half input (``_Ctx.bnb_keeps_half_input``); the 8-bit bf16 peak (--quick: -4.8% without);
+      with its own 8-bit ``ctx.A`` beyond the recipe (``int8_held``), the base's output (PEFT's ``result``,
+      H wide) and on the CPU under autocast PEFT's fp32 copy of a half input (``_Ctx.bnb_keeps_half_input``):
+      the 8-bit bf16 peak (--quick: -4.8% without; -1.9% with: H-wide half gradients of the layer above,
+      65,536 B, are still alive there, not modelled);
     - inside the down projection's base backward: PEFT adds ``lora_B(lora_A(x))`` after the base output, so
       autograd runs the adapter first and its ``lora_A`` frees its saved input (the recipe's down-input term,
       ``down_in``: checkpointing drops a recomputed tensor once unpacked); then the adapter's gradient of the
@@ -385,7 +387,7 @@ def quantized_mlp_moment(ctx: _Ctx) -> int:
     i = spec.intermediate_size
     down_adapted = "down_proj" in ctx.lora
     peft_copy = FP32 * i * bt if prec.amp and not ctx.bnb_keeps_half_input and ctx.proj != FP32 and down_adapted else 0
-    recompute_end = int8_held(ctx, checkpointed=False)[0] * bt + peft_copy
+    recompute_end = int8_held(ctx, checkpointed=False)[0] * bt + peft_copy + ctx.proj * spec.hidden_size * bt
     down_in = ctx.linear_inputs(i, ("down_proj",), ctx.proj) * bt
     base_grad = (prec.c if run.quantize is Quantize.Q4 else ctx.proj) * i * bt
     in_base = ctx.proj * i * bt + base_grad + dequantized_transient(spec, run, "backward") - down_in
