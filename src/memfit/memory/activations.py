@@ -305,7 +305,9 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     (2 x ``w * H``) and, in the MLP's backward, the gradients of two I-wide tensors (``mul``'s two input
     grads, c), below the backward-start peak. With checkpointing: the recomputed set plus the gradients
     of the MLP-backward moment (``_recompute_grads``), the backward peak; within 0.2% of the trace on the
-    accuracy grid's hand-written Llama-family cases.
+    accuracy grid's hand-written Llama-family cases. QLoRA: its own moment (``quantized_mlp_moment``), and an
+    8-bit base's ``ctx.A`` in ``saved``/``held`` (``int8_held``); within 0.2% of real tensors at
+    bench/quant_memory.py's full size, 1.9% at ``--quick`` (tests/test_quant_accuracy.py).
     """
     ctx = _Ctx(spec, run, prec, device)
     recipe = RECIPES.get(spec.family, llama_layer)
