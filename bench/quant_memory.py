@@ -5,9 +5,13 @@ A Llama saved to a temporary folder is loaded through bitsandbytes exactly as ``
 two steps; the second is counted with memfit's live-tensor counter on real tensors
 (``memory.measure.counted``: every storage an operator creates, minus each one freed; the parameters, the
 quantization state, gradients, optimizer state and the batch counted as held at the start), phase by phase
-(forward, backward, optimizer), and compared with ``memfit.estimate(..., device="cpu")``.
+(forward, backward, optimizer), and compared with ``memfit.estimate(..., device="cpu")``. With
+``--mixed-precision bf16`` the forward runs under the autocast Accelerate puts around it (memfit's own
+``build_accelerator`` and ``prepare_model``, as ``memfit train`` does), and the quantized layers compute in
+bf16 (``quant_support.bnb_config``).
 
     python bench/quant_memory.py --out bench/results/quant_memory.json          # hidden 1024, 4 layers
+    python bench/quant_memory.py --mixed-precision bf16 --out bench/results/quant_memory_bf16.json
     python bench/quant_memory.py --quick --out /tmp/q.json                      # CI: tiny, seconds
 """
 
@@ -44,12 +48,15 @@ def measure(model_dir: str, run: RunConfig) -> dict:
     import torch
 
     from memfit.memory.measure import counted, resident_tensors
-    from memfit.training.setup import build_model, build_optimizer
+    from memfit.training.setup import build_accelerator, build_model, build_optimizer
     from memfit.training.step import micro_loss
 
     config = TrainConfig(model=model_dir, tokenizer="byte", run=run)
     bundle = build_model(config, run)
     model = bundle.model
+    if str(run.mixed_precision) != "no":
+        # Accelerate's autocast wrapper around forward (and its fp32 copy of the outputs), nothing else
+        model = build_accelerator(run, config).prepare_model(model)
     model.train()
     optimizer = build_optimizer(model, run, config)
     vocab = model.config.vocab_size
@@ -98,16 +105,20 @@ def case(model_dir: str, run: RunConfig) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                        help="autocast as memfit train runs it (Accelerate's); default: fp32 as on the CPU")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     size = "quick" if args.quick else "full"
     seq, micro = (64, 2) if args.quick else (128, 2)
-    out = {"size": SIZES[size], "seq_len": seq, "micro_batch": micro, "cases": []}
+    out = {"size": SIZES[size], "seq_len": seq, "micro_batch": micro, "mixed_precision": args.mixed_precision,
+           "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_model(Path(tmp) / "model", size)
         for quantize, checkpointing in itertools.product(("4bit", "8bit"), (False, True)):
             run = RunConfig(seq_len=seq, micro_batch=micro, lora_r=16, quantize=quantize, optimizer="adamw",
-                            packing="none", grad_checkpointing=checkpointing)
+                            packing="none", grad_checkpointing=checkpointing,
+                            mixed_precision=args.mixed_precision)
             result = case(model_dir, run)
             result["grad_checkpointing"] = checkpointing
             out["cases"].append(result)

@@ -9,6 +9,9 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
 - PEFT (0.21) still reads ``model.is_gradient_checkpointing`` inside ``get_peft_model`` and calls
   ``gradient_checkpointing_enable`` in ``prepare_model_for_kbit_training``; memfit cannot change PEFT's
   calls, so ``peft_wrap_quietly`` silences exactly those two messages around them.
+- Checkpointing is non-reentrant everywhere (``CHECKPOINT_KWARGS``): ``enable_checkpointing`` and, for a
+  quantized base, ``prepare_for_kbit_training``, which hands PEFT the same kwargs (PEFT re-enables
+  checkpointing itself, and without them torch's reentrant default runs, with its ``use_reentrant`` warning).
 - transformers 5 shows a tqdm "Loading weights" bar inside ``from_pretrained``, in the middle of
   memfit's own output; ``no_loading_bar`` turns transformers' bars off for the load (and restores them).
 """
@@ -29,6 +32,18 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
     else:  # transformers 4.x: the only name, and it does not warn there
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
+
+
+def prepare_for_kbit_training(model, checkpointing: bool):
+    """PEFT's ``prepare_model_for_kbit_training`` (freeze the base, cast what is not quantized to fp32) with
+    memfit's checkpointing kwargs: it re-enables checkpointing when ``checkpointing``, and passes
+    ``gradient_checkpointing_kwargs`` (``{}`` by default) to transformers, whose ``checkpoint`` call then lacks
+    ``use_reentrant`` and runs torch's reentrant mode (peft 0.21 ``utils/other.py``)."""
+    from peft import prepare_model_for_kbit_training
+
+    with peft_wrap_quietly():
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                               gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
 
 
 @contextlib.contextmanager

@@ -50,13 +50,15 @@ class Precisions:
     def of(cls, run: RunConfig) -> Precisions:
         if run.quantize is not Quantize.NONE:
             # QLoRA: PEFT's prepare_model_for_kbit_training leaves the unquantized weights, hence the embedding
-            # output and residual stream, in fp32 (memory.quantized.UNQUANTIZED_BYTES). The quantized layers
-            # compute in bnb_4bit_compute_dtype but return their input's dtype (Linear4bit.forward:
-            # ``.to(inp_dtype)``), so what the layers save is fp32 too; the compute dtype enters only the
-            # dequantized weight (memory.quantized.dequantized_transient).
+            # output and residual stream, in fp32 (memory.quantized.UNQUANTIZED_BYTES). Without autocast
+            # everything the layers save is fp32 (a quantized layer returns its input's dtype; a bf16
+            # ``--dtype`` enters only the dequantized weight). Under autocast the fp32 adapters' linears and
+            # SDPA cast to the autocast dtype, as in LoRA; what the quantized projections return is
+            # ``memory.quantized.projection_output_bytes``.
             from memfit.memory.quantized import UNQUANTIZED_BYTES
 
-            return cls(w=UNQUANTIZED_BYTES, c=UNQUANTIZED_BYTES, amp=False)
+            c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else UNQUANTIZED_BYTES
+            return cls(w=UNQUANTIZED_BYTES, c=c, amp=c != UNQUANTIZED_BYTES)
         w = 2 if str(run.dtype) in ("bf16", "fp16") else 4
         c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
         return cls(w=w, c=c, amp=c != w)
@@ -70,6 +72,11 @@ class LayerActivations:
     """Extra bytes while one layer runs backward: recomputed activations (checkpointing) + input grads."""
     all_layers: int = 0
     """Bytes all decoder layers keep (the first layer differs under LoRA without checkpointing)."""
+    held: int = 0
+    """Of ``saved``, what a layer's backward does not free: it lives until the graph is freed after backward
+    (an 8-bit base's ``ctx.A``, ``int8_held``)."""
+    held_all_layers: int = 0
+    """``held`` summed over all decoder layers (alive at the end of backward)."""
 
 
 class _Ctx:
@@ -84,6 +91,18 @@ class _Ctx:
             self.lora = {lin.name for lin in spec.lora_linears(run.lora_targets)}
         self.xin = True
         """Whether this layer's input needs a gradient (False: LoRA's first layer, no checkpointing)."""
+        self.proj = prec.c
+        """Bytes of the MLP's I-wide tensors: the compute dtype, or what a quantized projection returns."""
+        self.bnb_keeps_half_input = False
+        """PEFT's bitsandbytes LoRA layers cast the adapter input to fp32 only when ``not
+        torch.is_autocast_enabled()`` (peft 0.21 ``tuners/lora/bnb.py``), a check of CUDA's autocast: on
+        CUDA a half input reaches ``lora_A`` as is (shared with whoever saved it); on the CPU it is cast to
+        fp32 and back to the autocast dtype, a copy of its own."""
+        if run.quantize is not Quantize.NONE:
+            from memfit.memory.quantized import projection_output_bytes
+
+            self.proj = projection_output_bytes(run, prec.c, device)
+            self.bnb_keeps_half_input = device == "cuda"
         hf = spec.hf_config
         self.attn_dropout = float(getattr(hf, "attn_pdrop", None) or getattr(hf, "attention_dropout", 0.0) or 0.0)
         self.resid_dropout = float(getattr(hf, "resid_pdrop", 0.0) or 0.0)
@@ -106,7 +125,9 @@ class _Ctx:
         adapted = [n for n in names if n in self.lora]
         if not adapted:
             return 0
-        if p.amp:
+        if p.amp and self.bnb_keeps_half_input and src == p.c:
+            per_input, shared, mid = 0, (0 if already else src * dim), p.c * run.lora_r
+        elif p.amp:
             per_input, shared, mid = p.c * dim, 0, p.c * run.lora_r
         elif src != p.adapter:
             per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora_r
@@ -210,8 +231,8 @@ def llama_layer(ctx: _Ctx) -> int:
     total += ctx.linear_inputs(s.q_dim, ("o_proj",), p.c, already=not (eager or fused))
     total += ctx.rms_norm(h, p.w)
     total += ctx.linear_inputs(h, mlp_in, p.w)
-    total += 3 * p.c * i  # gate out (act input), act out, up out
-    total += ctx.linear_inputs(i, ("down_proj",), p.c)
+    total += 3 * ctx.proj * i  # gate out (act input), act out, up out
+    total += ctx.linear_inputs(i, ("down_proj",), ctx.proj)
     return total
 
 
@@ -234,8 +255,8 @@ def gemma2_layer(ctx: _Ctx) -> int:
     total += ctx.linear_inputs(s.q_dim, ("o_proj",), p.c, already=not eager)
     total += 3 * ctx.rms_norm(h, p.w, gemma=True)
     total += ctx.linear_inputs(h, ("gate_proj", "up_proj"), p.w)
-    total += 3 * p.c * i
-    total += ctx.linear_inputs(i, ("down_proj",), p.c)
+    total += 3 * ctx.proj * i
+    total += ctx.linear_inputs(i, ("down_proj",), ctx.proj)
     return total
 
 
@@ -264,8 +285,8 @@ def gpt2_layer(ctx: _Ctx) -> int:
     total += ctx.dropout_mask(h, p.c, ctx.resid_dropout)
     total += p.w * h + 2 * p.w  # ln_2
     total += ctx.linear_inputs(h, ("c_fc",), p.w)
-    total += 4 * p.c * i
-    total += ctx.linear_inputs(i, ("c_proj",), p.c)
+    total += 4 * ctx.proj * i
+    total += ctx.linear_inputs(i, ("c_proj",), ctx.proj)
     total += ctx.dropout_mask(h, p.c, ctx.resid_dropout)
     return total
 
@@ -284,25 +305,96 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     (2 x ``w * H``) and, in the MLP's backward, the gradients of two I-wide tensors (``mul``'s two input
     grads, c), below the backward-start peak. With checkpointing: the recomputed set plus the gradients
     of the MLP-backward moment (``_recompute_grads``), the backward peak; within 0.2% of the trace on the
-    accuracy grid's hand-written Llama-family cases.
+    accuracy grid's hand-written Llama-family cases. QLoRA: its own moment (``quantized_mlp_moment``), and an
+    8-bit base's ``ctx.A`` in ``saved``/``held`` (``int8_held``); within 0.2% of real tensors at
+    bench/quant_memory.py's full size, 1.9% at ``--quick`` (tests/test_quant_accuracy.py).
     """
     ctx = _Ctx(spec, run, prec, device)
     recipe = RECIPES.get(spec.family, llama_layer)
     full = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
-    grads = (2 * prec.w * spec.hidden_size + 2 * prec.c * spec.intermediate_size) * ctx.bt
+    grads = (2 * prec.w * spec.hidden_size + 2 * ctx.proj * spec.intermediate_size) * ctx.bt
+    n = spec.num_layers
     if run.grad_checkpointing:
-        saved = prec.w * spec.hidden_size * ctx.bt
+        held = int8_held(ctx, checkpointed=True)[1] * ctx.bt
+        saved = prec.w * spec.hidden_size * ctx.bt + held
         # the recompute's first norm saves the input as is (GPT-2's LayerNorm; an RMSNorm's x.float() of an
         # fp32 stream), the tensor the checkpoint already keeps; an RMSNorm's fp32 copy of a half stream is new
-        shared = saved if spec.family == "gpt2" or prec.w == FP32 else 0
+        shared = prec.w * spec.hidden_size * ctx.bt if spec.family == "gpt2" or prec.w == FP32 else 0
         moment = grads if spec.family == "gpt2" else _recompute_grads(spec, prec) * ctx.bt
-        return LayerActivations(saved=saved, backward_transient=full + moment - shared,
-                                all_layers=saved * spec.num_layers)
-    first = full
+        if run.quantize is not Quantize.NONE and spec.family != "gpt2":
+            moment = quantized_mlp_moment(ctx)
+        return LayerActivations(saved=saved, backward_transient=full + moment - shared, all_layers=saved * n,
+                                held=held, held_all_layers=held * n)
+    extra, held = (b * ctx.bt for b in int8_held(ctx, checkpointed=False))
+    full += extra
+    first, first_held = full, held
     if run.is_lora():
         ctx.xin = False
-        first = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
-    return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (spec.num_layers - 1))
+        first_extra, first_held = (b * ctx.bt for b in int8_held(ctx, checkpointed=False))
+        first = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run) + first_extra
+    return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (n - 1),
+                            held=held, held_all_layers=first_held + held * (n - 1))
+
+
+def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:
+    """An 8-bit base's ``ctx.A`` (``memory.quantized.int8_input_groups``), bytes per token of one layer:
+    (what it adds to the recipe's saved set, what it keeps alive until the graph is freed).
+
+    Checkpointed: every group, in every layer (checkpointing's hooks dropped everything else the forward
+    saved). Without: a group the recipe already saves is the same tensor (SDPA's output for the output
+    projection; without autocast the adapters' ``lora_A``, which saves its input uncast; on CUDA under
+    autocast a half input, which PEFT's bitsandbytes layer passes uncast), so it adds nothing but is
+    still kept until the end; q/k/v's input in LoRA's first layer needs no gradient, so no node holds it.
+    """
+    from memfit.memory.quantized import int8_input_groups
+
+    groups = int8_input_groups(ctx.spec, ctx.run, ctx.prec, ctx.device)
+    extra = held = 0
+    for role, (width, nbytes, names) in groups.items():
+        if role == "attn_in" and not ctx.xin and not checkpointed:
+            continue
+        held += width * nbytes
+        eager = ctx.run.attn_implementation is Attention.EAGER
+        uncast = not ctx.prec.amp or (ctx.bnb_keeps_half_input and nbytes == ctx.prec.c)
+        already = (role == "attn_out" and not eager) or (uncast and any(n in ctx.lora for n in names))
+        extra += width * nbytes if checkpointed or not already else 0
+    return extra, held
+
+
+def quantized_mlp_moment(ctx: _Ctx) -> int:
+    """QLoRA with (non-reentrant) checkpointing: the bytes beside a recomputed layer's saved set at its
+    backward peak, in place of ``_recompute_grads``; the largest of three moments, each with the layer
+    output's gradient (H, stream dtype):
+
+    - the recompute's last projection (the down projection's adapter): the recomputed graph is still alive,
+      with its own 8-bit ``ctx.A`` beyond the recipe (``int8_held``), the base's output (PEFT's ``result``,
+      H wide) and on the CPU under autocast PEFT's fp32 copy of a half input (``_Ctx.bnb_keeps_half_input``):
+      the 8-bit bf16 peak (--quick: -4.8% without; -1.9% with: H-wide half gradients of the layer above,
+      65,536 B, are still alive there, not modelled);
+    - inside the down projection's base backward: PEFT adds ``lora_B(lora_A(x))`` after the base output, so
+      autograd runs the adapter first and its ``lora_A`` frees its saved input (the recipe's down-input term,
+      ``down_in``: checkpointing drops a recomputed tensor once unpacked); then the adapter's gradient of the
+      product (``proj`` bytes), the base's (``MatMul4Bit.backward``: ``grad_output``'s compute dtype;
+      ``MatMul8bitFp``: the input's) and the dequantized weight (``quantized.dequantized_transient``): the
+      fp32 peaks;
+    - when the two are summed (out of place) and in ``mul``'s backward: three I-wide gradients in ``proj``,
+      less ``down_in``: the 4-bit bf16 peak.
+
+    Measured on real tensors (bench/quant_memory.py, 4-bit and 8-bit, fp32 and bf16 autocast).
+    ``_recompute_grads``' H w + 2 I c (a plain LoRA's moment) was +3.8% on the 4-bit fp32 --quick backward.
+    """
+    from memfit.memory.quantized import dequantized_transient
+
+    spec, run, prec, bt = ctx.spec, ctx.run, ctx.prec, ctx.bt
+    i = spec.intermediate_size
+    down_adapted = "down_proj" in ctx.lora
+    peft_copy = FP32 * i * bt if prec.amp and not ctx.bnb_keeps_half_input and ctx.proj != FP32 and down_adapted else 0
+    recompute_end = int8_held(ctx, checkpointed=False)[0] * bt + peft_copy + ctx.proj * spec.hidden_size * bt
+    down_in = ctx.linear_inputs(i, ("down_proj",), ctx.proj) * bt
+    base_grad = (prec.c if run.quantize is Quantize.Q4 else ctx.proj) * i * bt
+    in_base = ctx.proj * i * bt + base_grad + dequantized_transient(spec, run, "backward") - down_in
+    at_sum = 3 * ctx.proj * i * bt - down_in
+    return prec.w * spec.hidden_size * bt + max(recompute_end, in_base, at_sum)
 
 
 def _recompute_grads(spec, prec: Precisions) -> int:

@@ -160,7 +160,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     logit = logits_terms(spec, run, prec)
     saved_copies = autocast_copies_saved(spec, run, prec)
     # in forward; saved for backward; alive one layer into backward (fewer at the first layer's moment)
-    copies = (autocast_weight_copies(spec, run, prec), saved_copies, saved_copies)
+    copies = (autocast_weight_copies(spec, run, prec), saved_copies,
+              autocast_copies_in_recompute(spec, run, prec, saved_copies))
 
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
@@ -168,9 +169,14 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                                                   offloaded_node_bytes(spec, run, prec))
         # autocast's weight copies saved for backward go to the host too; its cache (trainable weights) stays
         copies = (0 if run.is_lora() else copies[0], 0, 0)
-    # QLoRA: one projection's weight dequantized inside a layer's forward and backward (memory/quantized.py)
-    dequant = quantized.dequantized_transient(spec, run)
-    acts = dataclasses.replace(acts, backward_transient=acts.backward_transient + dequant)
+    # QLoRA: one projection's weight dequantized inside a layer's forward and backward (memory/quantized.py);
+    # a checkpointed layer's backward moment has it already (activations.quantized_mlp_moment)
+    dequant = quantized.dequantized_transient(spec, run, "forward")
+    if not run.grad_checkpointing:
+        acts = dataclasses.replace(acts, backward_transient=acts.backward_transient
+                                   + quantized.dequantized_transient(spec, run, "backward"))
+    # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
+    at_end = outside + acts.held_all_layers
     # forward end: everything saved, logits + loss alive; the autocast cache holds half weight copies.
     grads_in_fwd = states.gradients if run.grad_accum > 1 else 0
     base = states.weights + states.optimizer + states.buckets
@@ -194,7 +200,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # checkpointing: they were never counted on the device)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
     head_side = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
-    backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[1] + logit.retained
+    backward_layer = (base + grads_in_fwd + head_grads + activations - head_side + copies[2] + logit.retained
                       + acts.backward_transient + states.layer_gathered + states.from_backward_start)
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth).
@@ -202,7 +208,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # (optimizer-in-backward frees each gradient as it lands: nothing builds up)
     if not grads_in_fwd and not run.optimizer_in_backward and not states.backward_gradients:
         # offloaded activations: the layers above kept nothing on the device, so they free nothing there
-        kept = 0 if run.offload is Offload.ACTIVATIONS else acts.saved
+        kept = 0 if run.offload is Offload.ACTIVATIONS else acts.saved - acts.held
         below = _layers_below_top(spec, run, states, dataclasses.replace(acts, saved=kept))
         freed = masks_freed_above_first_layer(spec, run, prec) if kept else 0
         # AMP: the layers above also freed the half weight copies their linears saved for backward
@@ -219,8 +225,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         backward_layer += below
         head_grads += below + freed + copies_freed + (spec.num_layers - 1) * kept  # shown as gradients
         head_side += freed + (spec.num_layers - 1) * kept  # shown as freed activations
-        copies = (copies[0], copies[1], copies[1] - copies_freed)  # shown as freed temporaries
-    backward_end = base + states.gradients + outside + logit.retained + states.gathered_end
+        copies = (copies[0], copies[1], copies[2] - copies_freed)  # shown as freed temporaries
+    backward_end = base + states.gradients + at_end + logit.retained + states.gathered_end
     optimizer = base + states.gradients + states.step_temporary + logit.retained
     step_one = 0
     if run.optimizer_in_backward:
@@ -233,9 +239,9 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
             head_grads, acts = step_one + hidden_grad, dataclasses.replace(acts, backward_transient=0)
         else:
             head_grads = 0  # a layer's weight gradients come after its recompute peak (+2.8% on the grid without)
-        backward_layer = (base + activations - head_side + copies[1] + states.layer_gathered + head_grads
+        backward_layer = (base + activations - head_side + copies[2] + states.layer_gathered + head_grads
                           + acts.backward_transient)
-        backward_end = base + outside + step_one + states.gathered_end
+        backward_end = base + at_end + step_one + states.gathered_end
         optimizer = base + logit.retained
     forward_moment = "head"
     if dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
@@ -258,7 +264,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if phase == "forward":
         moment = forward_moment
     end_temporary = states.gathered_end + (step_one if run.optimizer_in_backward else 0)
-    out = _breakdown_at(phase, spec, run, states, (activations, outside), logit, copies, acts,
+    out = _breakdown_at(phase, spec, run, states, (activations, at_end), logit, copies, acts,
                         (head_grads, end_temporary), moment, head_side, in_loss)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = acts.saved
@@ -296,7 +302,7 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
     if phase == "forward" and moment == "layer":  # inside the last layer (QLoRA: its dequantized weight)
         out.gradients = grads_in_fwd
         out.activations = activations
-        out.temporary = quantized.dequantized_transient(spec, run) + states.layer_gathered
+        out.temporary = quantized.dequantized_transient(spec, run, "forward") + states.layer_gathered
     elif phase == "forward" and moment == "entry":  # the last layer's unshard, before it saves anything
         out.gradients = grads_in_fwd
         out.activations = activations - acts.saved
@@ -777,16 +783,30 @@ def autocast_weight_copies(spec: ModelSpec, run: RunConfig, prec: Precisions) ->
     dtype. For trainable leaf weights the copy is cached for the whole forward (torch autocast's weight
     cache, cleared when the autocast context exits); frozen ones (LoRA base) are cast per call and live
     only while ``linear`` saves them for the input gradient. Full fine-tune: decoder projections + head
-    (all cached). LoRA: the copies saved for backward (``autocast_copies_saved``).
+    (all cached). LoRA: the copies saved for backward (``autocast_copies_saved``). QLoRA: every adapter's
+    copy (cached, checkpointed or not) and the head's (saved): measured on real tensors
+    (bench/quant_memory.py --quick, 4-bit, bf16, checkpointing: 131,072 B of adapter copies and the
+    head's 131,072 B at the forward's peak).
     Source: ``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``. 0 without autocast or when the weights
-    are already in the compute dtype (pure bf16; QLoRA dequantizes per layer instead).
+    are already in the compute dtype (pure bf16).
     """
-    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE:
+    if not prec.amp or prec.w == prec.c:
         return 0
+    if run.quantize is not Quantize.NONE:
+        return int((_head_params(spec) + spec.lora_params(run)) * prec.c)
     if run.is_lora():
         return autocast_copies_saved(spec, run, prec)
-    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
-    return int((spec.linear_params + head) * prec.c)
+    return int((spec.linear_params + _head_params(spec)) * prec.c)
+
+
+def _head_params(spec: ModelSpec) -> int:
+    return spec.lm_head_params or spec.vocab_size * spec.hidden_size
+
+
+def _autocast_copied_linear_params(spec: ModelSpec, run: RunConfig) -> int:
+    """Decoder-projection weights autocast casts: none for a quantized base (bitsandbytes dequantizes per
+    call, ``memory.quantized.dequantized_transient``, and its autograd functions keep no weight copy)."""
+    return 0 if run.quantize is not Quantize.NONE else spec.linear_params
 
 
 def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
@@ -795,19 +815,35 @@ def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> 
     Without checkpointing: every projection's and the head's copy, except, under LoRA, the projections
     reading the first layer's input (q/k/v, qkv_proj, c_attn: their input needs no gradient, so they save
     nothing); plus the (cached) adapter copies. With checkpointing the layers save only their input, so
-    only the head's copy survives forward. Freed layer by layer in backward.
+    only the head's copy survives forward. Freed layer by layer in backward. QLoRA: the adapters' and the
+    head's (``_autocast_copied_linear_params``).
     """
-    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE:
+    if not prec.amp or prec.w == prec.c:
         return 0
-    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    head = _head_params(spec)
     if run.grad_checkpointing:
         return int(head * prec.c)
-    layers = spec.linear_params
+    layers = _autocast_copied_linear_params(spec, run)
     if run.is_lora():
-        first = sum(lin.in_features * lin.out_features for lin in spec.linears if lin.name in ATTN_IN)
-        layers -= first
+        if layers:
+            layers -= sum(lin.in_features * lin.out_features for lin in spec.linears if lin.name in ATTN_IN)
         layers += spec.lora_params(run)
     return int((layers + head) * prec.c)
+
+
+def autocast_copies_in_recompute(spec: ModelSpec, run: RunConfig, prec: Precisions, saved: int) -> int:
+    """Half weight copies alive one layer into backward (``saved``: those alive at its start).
+
+    QLoRA with checkpointing under autocast: the head's copy is freed by the head's backward, and the
+    recomputed layer's ``linear``\ s save their adapters' cast weights (the recompute runs under the forward's
+    autocast, ``torch.utils.checkpoint``): one layer's adapter copies. Measured (bench/quant_memory.py --quick,
+    4-bit, bf16): 53,248 B of adapter copies at the first layer's peak (the down projection's already
+    freed: this charges 65,536) and no head copy (charged as ``saved``, 131,072 B: +1.7% on the backward).
+    Other runs: ``saved`` (not re-measured for a plain LoRA, whose head copy is held to the trace).
+    """
+    if run.quantize is Quantize.NONE or not run.grad_checkpointing or not saved:
+        return saved
+    return int(spec.lora_params(run) / max(spec.num_layers, 1) * prec.c)
 
 
 def autocast_copies_saved_per_layer(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
@@ -815,9 +851,9 @@ def autocast_copies_saved_per_layer(spec: ModelSpec, run: RunConfig, prec: Preci
     adapters' half weight copies: ``linear`` saves its cast weight), freed when that layer's backward is
     done. 0 with checkpointing (a layer saves only its input; its recompute's copies are its backward's
     transient) and without autocast."""
-    if not prec.amp or prec.w == prec.c or run.quantize is not Quantize.NONE or run.grad_checkpointing:
+    if not prec.amp or prec.w == prec.c or run.grad_checkpointing:
         return 0
-    layers = spec.linear_params + (spec.lora_params(run) if run.is_lora() else 0)
+    layers = _autocast_copied_linear_params(spec, run) + (spec.lora_params(run) if run.is_lora() else 0)
     return int(layers * prec.c / max(spec.num_layers, 1))
 
 

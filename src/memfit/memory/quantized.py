@@ -67,35 +67,100 @@ def storage_bytes(spec, run) -> int:
 UNQUANTIZED_BYTES = 4
 
 
-def dequantized_transient(spec, run) -> int:
+def projection_output_bytes(run, c: int, device: str) -> int:
+    """Bytes per element of what a quantized projection returns for the fp32 residual stream's input
+    (``c``: the compute dtype's bytes), hence of the MLP's I-wide tensors and their gradients.
+
+    - 4-bit: ``Linear4bit.forward`` casts its input to ``bnb_4bit_compute_dtype`` and its output back with
+      ``.to(inp_dtype)`` (bitsandbytes 0.50.2 ``nn/modules.py``): the input's dtype, fp32 after PEFT's cast.
+    - 8-bit on the CPU: ``MatMul8bitFp.forward`` calls ``torch.nn.functional.linear`` inside the autograd
+      function, so under autocast the output is ``c`` (measured: bf16 gate/up outputs); without autocast fp32.
+    - 8-bit on CUDA: ``MatMul8bitLt`` returns ``int8_scaled_mm(..., dtype=A.dtype)``: the input's dtype (read
+      in the source, not measured on a GPU).
+    """
+    if run.quantize is Quantize.Q8 and device == "cpu":
+        return c
+    return UNQUANTIZED_BYTES
+
+
+def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+    """The inputs a decoder layer's 8-bit projections keep alive as ``ctx.A``: role -> (width, bytes per
+    element, the projections reading it); empty for a 4-bit or unquantized base.
+
+    ``MatMul8bitFp.forward`` (CPU) stores its input as a Python attribute ``ctx.A = A``, and ``MatMul8bitLt``
+    (CUDA) in ``ctx.tensors``, not through ``save_for_backward`` (bitsandbytes 0.50.2
+    ``autograd/_functions.py``; ``MatMul4Bit`` keeps only the packed weight), with two consequences:
+
+    - autograd's engine frees a node's saved variables after it runs (``release_variables``) but not its
+      ``ctx`` attributes: they live until the graph itself is freed, after backward, when the loss is dropped;
+    - checkpointing's saved-tensor hooks (``torch.utils.checkpoint``, non-reentrant) never see them, so a
+      checkpointed layer keeps them from its forward to the end of backward, beside its input.
+
+    One tensor per group of projections reading it. Roles: ``attn_in`` (the first norm's output, read by
+    q/k/v: the stream's ``prec.w``), ``attn_out`` (the attention output: ``prec.c``), ``mlp_in`` (the second
+    norm's output: ``prec.w``), ``mlp_mid`` (the MLP product: ``projection_output_bytes``). Measured on the
+    CPU (bench/quant_memory.py --quick, 8-bit, fp32, non-reentrant checkpointing): the forward's peak held
+    659,084 bytes beyond the layers' inputs; these groups give 655,360 (2 layers x 128 tokens x 2,560 B).
+    """
+    if run.quantize is not Quantize.Q8:
+        return {}
+    from memfit.memory.activations import ATTN_IN
+
+    groups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+    for lin in spec.linears:
+        if lin.name in ATTN_IN:
+            role, nbytes = "attn_in", prec.w
+        elif lin.in_features == spec.intermediate_size and lin.out_features == spec.hidden_size:
+            role, nbytes = "mlp_mid", projection_output_bytes(run, prec.c, device)
+        elif lin.out_features == spec.hidden_size:
+            role, nbytes = "attn_out", prec.c
+        else:
+            role, nbytes = "mlp_in", prec.w
+        names = groups[role][2] if role in groups else ()
+        groups[role] = (lin.in_features, nbytes, (*names, lin.name))
+    return groups
+
+
+def dequantized_transient(spec, run, phase: str = "backward") -> int:
     """Bytes of the largest quantized projection's weight dequantized for one matmul, alive only inside
-    that layer's forward or backward (what a bitsandbytes layer allocates beyond a plain ``Linear``).
+    that layer's ``phase`` (``forward`` or ``backward``): what a bitsandbytes layer allocates beyond a
+    plain ``Linear``.
 
     - 4-bit (bitsandbytes 0.50.2): forward, ``bitsandbytes::gemm_4bit``'s default kernel
       (``backends/default/ops.py`` ``_gemm_4bit_default_impl``) dequantizes the nested absmax to fp32 and the
       whole weight to the input's dtype (the compute dtype), then runs ``linear``; backward,
       ``MatMul4Bit.backward`` (``autograd/_functions.py``) runs ``dequantize_4bit(B, state)`` (the dtype the
       weight had when it was quantized: ``--dtype``) ``.to(grad_output.dtype)`` (the compute dtype: a second
-      copy when they differ). Charged: the weight in both dtypes (one when equal) + the fp32 absmax.
+      copy when they differ). Charged: forward, the weight in the compute dtype; backward, in both dtypes
+      (one when equal); + the fp32 absmax.
     - 8-bit on the CPU (``MatMul8bitFp``, the training path ``bnb.matmul`` takes for CPU tensors): forward
-      ``state.CB.data.to(A.dtype).mul_(SCB / 127)``, backward ``state.CB.to(dtype_A, copy=True)``: the weight
-      in the input's dtype (the fp32 residual stream after PEFT's cast) + the fp32 row scales.
+      ``state.CB.data.to(A.dtype).mul_(SCB / 127)`` (the fp32 stream's dtype for the norm-fed projections)
+      and, under autocast, ``linear``'s cast of it to the compute dtype; backward
+      ``state.CB.to(dtype_A, copy=True)``: the weight in the input's dtype. + the fp32 row scales.
       On CUDA ``MatMul8bitLt`` runs int8 kernels instead; the same bytes are charged (an over-estimate there,
       not verified on a GPU).
 
     The live-tensor counter (``memory.measure``) sees the backward copies (Python autograd code) and the
     8-bit forward one, but not the 4-bit forward's: it is made inside one custom operator, whose own
     allocations a dispatch mode does not see. Known error: charged at the peak of a layer's forward and
-    backward although the largest projection's matmul may not be where the rest of that layer peaks.
+    backward although the largest projection's matmul may not be where the rest of that layer peaks; in
+    the forward, the layer's own intermediates beside it (I-wide, the checkpointed forward's too) are not
+    charged (hidden 512, intermediate 2,048, 64 tokens, bf16: the counter saw 3.4% more inside the last
+    layer's forward than charged there, without the bf16 weight it cannot see: within it in reality);
+    8-bit backward: the norm-fed projections' fp32 copy, over by half for a down projection whose input is
+    half precision (8-bit under CPU autocast).
     """
     if run.quantize is Quantize.NONE or not spec.linears:
         return 0
     lin = max(spec.linears, key=lambda x: x.in_features * x.out_features)
     numel = lin.in_features * lin.out_features
-    if run.quantize is Quantize.Q4:
-        from memfit.quant_support import compute_bytes
+    from memfit.quant_support import compute_bytes
 
+    c = compute_bytes(run)
+    if run.quantize is Quantize.Q4:
         loaded = 2 if str(run.dtype) in ("bf16", "fp16") else 4
-        c = compute_bytes(run)
-        return numel * (loaded + (c if c != loaded else 0)) + 4 * math.ceil(numel / NF4_BLOCK)
-    return numel * UNQUANTIZED_BYTES + 4 * lin.out_features
+        per_weight = c if phase == "forward" else loaded + (c if c != loaded else 0)
+        return numel * per_weight + 4 * math.ceil(numel / NF4_BLOCK)
+    autocast = str(run.mixed_precision) in ("bf16", "fp16")
+    autocast_copy = c if phase == "forward" and autocast else 0
+    return numel * (UNQUANTIZED_BYTES + autocast_copy) + 4 * lin.out_features

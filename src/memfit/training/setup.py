@@ -13,7 +13,7 @@ from pathlib import Path
 from memfit import validate
 from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import enable_checkpointing, no_loading_bar, peft_wrap_quietly
+from memfit.hf_compat import enable_checkpointing, no_loading_bar, peft_wrap_quietly, prepare_for_kbit_training
 from memfit.optimizers import check_device, row
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -218,6 +218,11 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         from memfit.losses import check_model_supports
 
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
+    # Training mode for every module: from_pretrained returns the model in eval mode (a checkpoint folder, and
+    # every QLoRA base, which is loaded back through bitsandbytes), and PEFT's wrapper alone is in training
+    # mode, so the decoder layers would skip checkpointing (transformers' GradientCheckpointingLayer runs it
+    # only when self.training) and dropout until the first evaluation restored the mode.
+    model.train()
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     from memfit.quant_support import logical_numel
@@ -231,11 +236,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
 
 def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
     """Wrap ``targets`` (the resolved list, ``memfit.resolved.lora_targets``: what estimate counted)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     if run.quantize is not Quantize.NONE:
-        with peft_wrap_quietly():
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=run.grad_checkpointing)
+        model = prepare_for_kbit_training(model, run.grad_checkpointing)
     lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
                       target_modules=list(targets), task_type="CAUSAL_LM")
     try:

@@ -115,6 +115,10 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
             with phase("backward", restorable=in_backward is None):
                 accelerator.backward(value * scale)
             loss_sum += value.detach().float()
+            # Drop the graph now, not when the next micro-batch's forward returns: an 8-bit base's autograd
+            # functions keep their inputs as ctx attributes until the graph is freed
+            # (memory.quantized.int8_input_groups), through the optimizer step and the next forward otherwise.
+            del value
     grad_norm = None
     if max_grad_norm > 0 and in_backward is None:
         with phase("clip"):
