@@ -835,7 +835,7 @@ def autocast_copies_in_recompute(spec: ModelSpec, run: RunConfig, prec: Precisio
     """Half weight copies alive one layer into backward (``saved``: those alive at its start).
 
     QLoRA with checkpointing under autocast: the head's copy is freed by the head's backward, and the
-    recomputed layer's ``linear``\ s save their adapters' cast weights (the recompute runs under the forward's
+    recomputed layer's ``linear`` calls save their adapters' cast weights (the recompute runs under the forward's
     autocast, ``torch.utils.checkpoint``): one layer's adapter copies. Measured (bench/quant_memory.py --quick,
     4-bit, bf16): 53,248 B of adapter copies at the first layer's peak (the down projection's already
     freed: this charges 65,536) and no head copy (charged as ``saved``, 131,072 B: +1.7% on the backward).

@@ -13,7 +13,12 @@ from pathlib import Path
 from memfit import validate
 from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import enable_checkpointing, no_loading_bar, peft_wrap_quietly, prepare_for_kbit_training
+from memfit.hf_compat import (
+    enable_checkpointing,
+    no_loading_bar,
+    peft_wrap_quietly,
+    prepare_for_kbit_training,
+)
 from memfit.optimizers import check_device, row
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
