@@ -26,7 +26,7 @@ Examples:
   memfit plan mistral-7b --gpu a100-40gb --num-processes 4 --batch 64 --full
   memfit plan qwen2.5-1.5b --gpu auto --output plan.yaml && memfit train --config plan.yaml
   memfit plan llama-3-8b --gpu h100-sxm --num-processes 8 --full --accelerate-config fsdp.yaml
-  memfit plan llama-2-70b --gpu rtx-4090 --num-processes 2 --seq-len 512 --batch 8 --host-memory 128GiB
+  memfit plan llama-2-70b --gpu a100-40gb --num-processes 2 --seq-len 2048 --batch 8 --host-memory 128GiB
 \b
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import RunConfig, Sharding
+from memfit.config import Quantize, RunConfig, Sharding
 
 GATHER_COPIES = 4
 """Copies of the largest parameter tensor alive at once while a sharded state dict is gathered, on a rank
@@ -78,6 +78,11 @@ class OutsideStep:
     save_host: int
     """Host RAM rank 0 needs to gather a sharded model on a GPU (0 when unsharded, or on CPU where it is
     part of the device figures above)."""
+    loading: int = 0
+    """Every rank, while the model is built and sharded: a sharded 4-bit base is loaded whole on every rank
+    (Accelerate's ``fsdp2_prepare_model`` skips the rank-0 broadcast for ``Params4bit`` models, and memfit
+    quantizes onto the rank's device: ``training.setup``), so each holds the whole packed base before FSDP2
+    shards it. 0 where rank 0 alone builds the model in host memory (``sharding.builds_empty``)."""
 
     @property
     def save_device(self) -> int:
@@ -85,12 +90,13 @@ class OutsideStep:
         return max(*self.checkpoint_full, *self.export)
 
     def device_peak(self) -> int:
-        return max(self.evaluation, self.save_device, self.generation)
+        return max(self.evaluation, self.save_device, self.generation, self.loading)
 
     def to_dict(self) -> dict[str, int]:
         """The figures ``run.json`` keeps (``summary["outside_step"]``): the largest of any rank per piece."""
         return {"evaluation": self.evaluation, "checkpoint_full": max(self.checkpoint_full),
-                "export": max(self.export), "generation": self.generation, "save_host": self.save_host}
+                "export": max(self.export), "generation": self.generation, "save_host": self.save_host,
+                "loading": self.loading}
 
     def per_rank(self, n: int) -> list[dict[str, int]]:
         """Each rank's figures, in the keys bench/outside_memory.py measures."""
@@ -119,12 +125,14 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
         return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
     transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
     host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
+    loading = int(full_weights) if run.quantize is not Quantize.NONE else 0
     if cpu:
         return OutsideStep(int(evaluation), (resident + host_checkpoint + _largest_tensor(spec) * prec.w,
                                              resident + transient),
-                           (resident + host_export, resident + transient), int(resident + full_weights + kv), 0)
+                           (resident + host_export, resident + transient), int(resident + full_weights + kv), 0,
+                           loading)
     return OutsideStep(int(evaluation), (resident + transient,) * 2, (resident + transient,) * 2, int(resident),
-                       int(max(host_checkpoint, host_export)))
+                       int(max(host_checkpoint, host_export)), loading)
 
 
 def predicted_outside(model: str, run: RunConfig, device: str) -> OutsideStep | None:

@@ -46,6 +46,13 @@ class Plan:
     fits: bool
     breakdown: MemoryBreakdown = field(compare=False, repr=False)
     time: StepTime | None = field(default=None, compare=False, repr=False)
+    outside_bytes: int = field(default=0, compare=False, repr=False)
+    """The largest peak outside the step (loading, evaluation, a save, samples; ``memory.outside``)."""
+
+    @property
+    def needed_bytes(self) -> int:
+        """What must fit: the step's peak or, where higher, a peak outside it."""
+        return max(self.peak_bytes, self.outside_bytes)
 
     @property
     def score(self) -> float:
@@ -150,7 +157,7 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
     outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
-                fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t)
+                fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t, int(outside))
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
@@ -268,17 +275,19 @@ def _technique_can_help(plain: Plan, run: RunConfig, budget: int, margin: float)
 
 def nothing_fits_message(result: PlanResult) -> str:
     """One sentence: the smallest peak reached, with which settings, and the smallest GPU that holds it."""
-    smallest = min(result.plans, key=lambda p: p.peak_bytes)
-    need = smallest.peak_bytes * (1 + result.safety_margin)
+    smallest = min(result.plans, key=lambda p: p.needed_bytes)
+    need = smallest.needed_bytes * (1 + result.safety_margin)
+    # a peak outside the step (loading a sharded 4-bit base whole, evaluation, a save) can be the binding one
+    where_peak = " outside the training step" if smallest.outside_bytes > smallest.peak_bytes else ""
     if result.cpu:  # a GPU's name would be for a different peak (CUDA context, CUDA kernels)
         return (f"Nothing fits in {fmt_gib(result.budget_bytes)} with a {result.safety_margin:.0%} safety margin: "
-                f"the smallest peak reached on this CPU is {fmt_gib(smallest.peak_bytes)} "
+                f"the smallest peak reached on this CPU is {fmt_gib(smallest.needed_bytes)}{where_peak} "
                 f"({describe(smallest.config)}), so it needs a --budget of about {fmt_gib(need)} or more.")
     gpu = smallest_fitting(need)
     where = (f"the smallest listed GPU that would hold it is {gpu.name} ({fmt_gib(gpu.memory_bytes, 0)})" if gpu
              else "no listed GPU holds it, so spread it over more GPUs with --num-processes and --sharding fsdp")
     return (f"Nothing fits in {fmt_gib(result.budget_bytes)} with a {result.safety_margin:.0%} safety margin: "
-            f"the smallest peak reached is {fmt_gib(smallest.peak_bytes)} ({describe(smallest.config)}), "
+            f"the smallest peak reached is {fmt_gib(smallest.needed_bytes)}{where_peak} ({describe(smallest.config)}), "
             f"and {where}.")
 
 
