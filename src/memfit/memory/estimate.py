@@ -93,11 +93,6 @@ class ModelStates:
     engine: str = "fsdp2"
     """The sharding engine these states model (``deepspeed_layout.ENGINES``)."""
 
-    @property
-    def from_backward_start(self) -> int:
-        """The ``backward_gradients`` that exist from backward's start (none when they appear later)."""
-        return 0 if self.gradients_after_layers else self.backward_gradients
-
     gathered_layer: int | None = None
     """FSDP/ZeRO: the unsharded bytes while a decoder layer computes (its forward, its backward) where they
     differ from ``gathered`` (``fsdp``/``zero3``: two layers, the tail not; ``fsdp2_gathered``)."""
@@ -108,6 +103,11 @@ class ModelStates:
     gathered_first_entry: int = 0
     """FSDP/ZeRO: the same as the first layer enters its forward, where the unit before it is the embedding's
     (tied: the tail's, kept gathered); 0 where not modelled."""
+
+    @property
+    def from_backward_start(self) -> int:
+        """The ``backward_gradients`` that exist from backward's start (none when they appear later)."""
+        return 0 if self.gradients_after_layers else self.backward_gradients
 
     @property
     def forward_gathered(self) -> int:

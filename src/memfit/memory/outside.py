@@ -148,12 +148,10 @@ def predicted_outside(model: str, run: RunConfig, device: str) -> OutsideStep | 
 
 def _cpu_snapshot(spec, run: RunConfig, cpu: bool) -> int:
     """The rollback snapshot's buffers, kept for the run (``memory.snapshot``), where the host is the device."""
-    from memfit.memory.estimate import rollback_snapshot_bytes
-    from memfit.optimizers import row
+    from memfit.memory.snapshot import rollback_copy
 
-    if not cpu or run.optimizer_in_backward or row(run.optimizer).rollback != "every-step":
-        return 0
-    return rollback_snapshot_bytes(spec, run)
+    kind, copy = rollback_copy(spec, run)
+    return copy if cpu and kind == "every-step" else 0
 
 
 def _eval_transient(spec, run: RunConfig, prec) -> int:

@@ -38,6 +38,19 @@ from memfit.config import Offload, RunConfig
 from memfit.units import fmt_bytes
 
 
+def rollback_copy(spec, run: RunConfig, engine: str = "fsdp2") -> tuple[str, int]:
+    """The rollback snapshot ``run`` keeps (module docstring): its kind (the optimizer row's ``rollback``,
+    ``never`` where no snapshot is taken: optimizer-in-backward, the DeepSpeed engine) and its bytes per rank
+    (``every-step``: parameters and state; ``first-step``: the parameters)."""
+    from memfit.memory.estimate import rollback_snapshot_bytes
+    from memfit.optimizers import row
+
+    kind = row(run.optimizer).rollback
+    if kind == "never" or run.optimizer_in_backward or engine == "deepspeed":
+        return "never", 0
+    return kind, rollback_snapshot_bytes(spec, run, state=kind == "every-step")
+
+
 def host_bytes(spec, run: RunConfig) -> int:
     """Host RAM a GPU run keeps per machine (all ``num_processes`` ranks on one node), beside the device.
 
@@ -49,8 +62,7 @@ def host_bytes(spec, run: RunConfig) -> int:
     embeddings and head): whether a workstation holds it decides between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
     and the dataset (a few GB per process).
     """
-    from memfit.memory.estimate import _quant_state_bytes, model_states, rollback_snapshot_bytes
-    from memfit.optimizers import row
+    from memfit.memory.estimate import _quant_state_bytes, model_states
 
     on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
     per_rank = 0
@@ -58,9 +70,7 @@ def host_bytes(spec, run: RunConfig) -> int:
         per_rank += on_device.weights - _quant_state_bytes(spec, run) + on_device.gradients + on_device.optimizer
     elif run.offload is Offload.OPTIMIZER:
         per_rank += on_device.optimizer
-    rollback = row(run.optimizer).rollback
-    if not run.optimizer_in_backward and rollback != "never":
-        per_rank += rollback_snapshot_bytes(spec, run, state=rollback == "every-step")
+    per_rank += rollback_copy(spec, run)[1]
     return int(per_rank * max(run.num_processes, 1))
 
 
@@ -83,23 +93,18 @@ def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str, engine:
     """``breakdown`` (from ``estimate(spec, run, device=device)``) with the snapshot's bytes where they
     live on ``device`` (CPU only), added to the ``optimizer`` category and the phase peaks, with a note;
     ``breakdown`` itself when nothing is added."""
-    from memfit.memory.estimate import rollback_snapshot_bytes
-    from memfit.optimizers import row
-
-    if breakdown is None or device != "cpu" or run.optimizer_in_backward or engine == "deepspeed":
+    if breakdown is None or device != "cpu":
         return breakdown
-    kind = row(run.optimizer).rollback
+    kind, copy = rollback_copy(spec, run, engine)
     if kind == "never":
         return breakdown
     phases = dict(breakdown.phase_peaks)
     if kind == "every-step":
-        copy = rollback_snapshot_bytes(spec, run)
         rise = copy
         phases = {k: v + copy for k, v in phases.items()}
         note = f"optimizer: + {fmt_bytes(copy)} rollback snapshot (a host copy of the trainable parameters and " \
                "their state, to undo a step that runs out of memory; on CPU the host is the device)."
     else:
-        copy = rollback_snapshot_bytes(spec, run, state=False)
         first = phases.get("optimizer", 0) + copy
         rise = max(first - breakdown.peak_bytes, 0)
         phases["optimizer"] = max(phases.get("optimizer", 0), first)

@@ -238,9 +238,10 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         if reason:
             refused.append(UserError(reason))
             continue
-        if host_memory is not None and host_bytes(spec, run) > host_memory:
+        host = host_bytes(spec, run) if host_memory is not None else 0
+        if host_memory is not None and host > host_memory:
             refused.append(UserError(f"Every candidate needs more host RAM than --host-memory {fmt_gib(host_memory)} "
-                                     f"(e.g. {fmt_gib(host_bytes(spec, run))} for offload {run.offload}); "
+                                     f"(e.g. {fmt_gib(host)} for offload {run.offload}); "
                                      "raise it or pin --offload none."))
             continue
         plain = run.replace(loss="standard", optimizer_in_backward=False)
