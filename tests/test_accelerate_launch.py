@@ -85,3 +85,24 @@ def test_a_deepspeed_config_file_launches_zero2_with_the_same_losses(fsdp_run, t
     on_fsdp = [m["loss"] for m in metrics(root / "fsdp") if "loss" in m]
     on_deepspeed = [m["loss"] for m in metrics(tmp_path / "ds") if "loss" in m]
     assert on_deepspeed == pytest.approx(on_fsdp, abs=1e-5)
+
+
+def test_accelerate_launch_of_two_cpu_processes_that_starts_one_is_refused(tmp_path):
+    """Issue 22: ``accelerate launch --num_processes 2`` on a machine without GPUs runs the script once (its
+    simple launcher); memfit trained on that one process without a word. Now: one sentence, exit 1, and no
+    run folder."""
+    model, data = write_model(tmp_path), write_qa(tmp_path, n=8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           "-m", "memfit", "train", "--model", model, "--data", data, *TRAIN[:-2],
+           "--output", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "started one" in proc.stderr and "torchrun --nproc_per_node" in proc.stderr
+    # Accelerate's launcher prints its own traceback (CalledProcessError) for any child that exits non-zero;
+    # memfit's part is the one sentence, with no frame of memfit's in any traceback.
+    assert "error: accelerate launch was asked for several processes but started one" in proc.stderr
+    assert "memfit/" not in proc.stderr.split("Traceback", 1)[-1]
+    assert not (tmp_path / "run").exists()

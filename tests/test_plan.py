@@ -348,3 +348,28 @@ def test_cli_errors_are_one_line():
     assert res.exit_code == 1 and "--margin" in res.output
     res = CliRunner().invoke(cli, ["plan", "--help"])
     assert res.exit_code == 0 and "Examples:" in res.output and "memfit plan llama-3-8b" in res.output
+
+
+def test_table_at_80_columns_keeps_what_tells_two_plans_apart():
+    """Issue 22: at 80 columns the optimizer column was dropped, leaving twin-looking rows (adamw-fused and
+    adamw-foreach at the same split) and an 8-bit row ranked below slower ones with nothing to say why."""
+    from rich.console import Console
+
+    from memfit.planning.table import plan_table, ranking_note
+
+    result = plan("qwen2.5-0.5b", "24GiB", seq_len=1024, batch=16)  # the CLI's defaults
+    table, dropped = plan_table(result, 10, 80)
+    console = Console(width=80, record=True)
+    with console.capture() as cap:
+        console.print(table)
+    lines = [line.rstrip() for line in cap.get().splitlines()]
+    header = next(i for i, line in enumerate(lines) if "method" in line)
+    body = lines[header + 2:]
+    assert len(body) == 10
+    assert all(len(line) <= 80 and "…" not in line for line in lines)
+    assert len(set(body)) == len(body)  # no two rows look alike
+    shown = [str(p.config.optimizer) for p in result.plans[:10]]
+    assert len(set(shown)) > 1 and "adamw-" in lines[header]  # the variant column, its family in the header
+    assert "8bit" in "\n".join(body)
+    assert "ckpt (no in every row)" in dropped  # a column constant over the rows goes before a deciding one
+    assert "adamw-8bit as if 1% slower" in ranking_note(result, 10)

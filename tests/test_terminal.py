@@ -12,7 +12,14 @@ from rich.console import Console
 
 from memfit.memory import measure
 from memfit.training import threads
-from memfit.training.progress import LiveProgress, StepFields, baseline_warning, print_summary, progress_line
+from memfit.training.progress import (
+    LiveProgress,
+    StepFields,
+    baseline_warning,
+    measured_vs_predicted,
+    print_summary,
+    progress_line,
+)
 
 
 def _console(width: int = 80) -> Console:
@@ -84,7 +91,7 @@ def test_summary_fits_80_columns_and_compares_tensors_with_tensors():
     for label, value in [("peak tensors (measured)", "163.1 MiB (step 2, live tensors)"),
                          # 171,016,788 / 2^20 = 163.1 MiB; 173,119,488 / 2^20 = 165.1 MiB; 163.1/165.1 - 1 = -1.2%;
                          # 709,000,000 / 2^20 = 676.16 MiB
-                         ("peak tensors (predicted)", "165.1 MiB (-1.2% measured)"),
+                         ("peak tensors (predicted)", "165.1 MiB (measured 1.2% lower)"),
                          ("process peak RSS", "676.2 MiB (tensors + Python/torch runtime)"),
                          ("held-out loss", "0.710 nats/token (best 0.705)"), ("unigram baseline", "3.036"),
                          ("throughput", "2,305 tokens/s"), ("output", "runs/tiny-20261130-123456")]:
@@ -98,8 +105,25 @@ def test_summary_on_cuda_shows_max_allocated_next_to_the_prediction():
     console = _console()
     print_summary(_summary(peak_memory=mem, predicted_peak_bytes=3 * 2**30), console)
     text = "\n".join(_lines(console))
-    assert "3.00 GiB CUDA max allocated" in text and "3.00 GiB (+0.0% measured)" in text
+    assert "3.00 GiB CUDA max allocated" in text and "3.00 GiB (measured the same, within 0.05%)" in text
     assert "RSS" not in text
+
+
+def test_measured_against_predicted_says_which_way():
+    # 110 measured vs 100 predicted: the measurement is 10% above the prediction, and the words say so.
+    assert measured_vs_predicted(110, 100) == "measured 10.0% higher"
+    assert measured_vs_predicted(90, 100) == "measured 10.0% lower"
+
+
+def test_a_conversation_sample_shows_the_reply_apart_from_the_question():
+    samples = [{"prompt": "Why is the sky blue?", "completion": "The sky is blue because", "reply": True},
+               {"prompt": "Once upon a time", "completion": ", there was a fox."}]
+    console = _console()
+    print_summary(_summary(samples=samples), console)
+    text = "\n".join(_lines(console))
+    assert "sample 1: Why is the sky blue?\n  reply: The sky is blue because" in text
+    assert "sky?The" not in text
+    assert "sample 2: Once upon a time, there was a fox." in text  # a continuation stays one text
 
 
 def test_baseline_warning_only_when_the_model_does_not_beat_unigram():

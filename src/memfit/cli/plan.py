@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import click
 
 from memfit.config import Attention, DType, Loss, Offload, Optimizer, Precision, Quantize, Sharding
 from memfit.errors import UserError
+from memfit.files import write_text_atomic
 
 
 def _choice(enum) -> click.Choice:
@@ -126,7 +125,7 @@ def _print(result, top, elapsed: float, output) -> None:
     from rich.console import Console
 
     from memfit.planning.search import describe
-    from memfit.planning.table import plan_table
+    from memfit.planning.table import plan_table, ranking_note
     from memfit.units import fmt_gib
 
     console = Console()
@@ -134,6 +133,9 @@ def _print(result, top, elapsed: float, output) -> None:
     tokens = best.config.tokens_per_step()
     table, dropped = plan_table(result, top or len(result.plans), console.width)
     console.print(table)
+    note = ranking_note(result, top or len(result.plans))
+    if note:
+        console.print(note, highlight=False)
     console.print(f"{len(result.fitting)} of {len(result.plans)} candidates fit; searched in {elapsed * 1000:.0f} ms; "
                   f"tokens per optimizer step: {tokens:,}.")
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
@@ -164,14 +166,4 @@ def write_plan_yaml(result, path: Path) -> None:
     header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
               f"budget, ~{best.tokens_per_s:,.0f} tokens/s on {result.gpu.name if result.gpu else '?'}.\n"
               "# Train with: memfit train --config THIS_FILE\n")
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(header + yaml.safe_dump(data, sort_keys=False))
-        os.replace(tmp, path)
-    except OSError as err:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"Could not write {path} ({err.strerror or err}); nothing was written there.") from None
+    write_text_atomic(path, header + yaml.safe_dump(data, sort_keys=False), what="--output")

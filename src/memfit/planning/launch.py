@@ -9,11 +9,10 @@ printed with it always agree.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from memfit.config import Offload, RunConfig, Sharding
+from memfit.files import write_text_atomic
 
 #: The config file name the printed command uses unless the user names another.
 DEFAULT_CONFIG_FILE = "accelerate_config.yaml"
@@ -87,9 +86,6 @@ def write_accelerate_config(run: RunConfig, path: Path) -> None:
     """Write ``accelerate_config(run)`` as YAML, atomically."""
     import yaml
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write("# Written by memfit plan; launch with the command it printed.\n")
-        f.write(yaml.safe_dump(accelerate_config(run), sort_keys=False))
-    os.replace(tmp, path)
+    text = "# Written by memfit plan; launch with the command it printed.\n"
+    write_text_atomic(path, text + yaml.safe_dump(accelerate_config(run), sort_keys=False),
+                      what="--accelerate-config")

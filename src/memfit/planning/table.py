@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from memfit.planning.search import PlanResult, method, precision
+from memfit.planning.search import PREFERENCE, PlanResult, method, precision
 from memfit.report.fit import Col, fitted_table
 from memfit.units import binary_scale, fmt_gib
 
@@ -21,9 +21,13 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
     multi = any(p.config.num_processes > 1 for p in shown)
     offload = any(p.config.offload.value != "none" for p in shown)
     gpu = result.gpu.name if result.gpu else "?"
-    cols = [Col("", "center"), Col("method"), Col("precision"), Col("mb x acc", "right"), Col("ckpt", "center"),
-            Col("optimizer", priority=2)]
-    cols += [Col("offload", priority=1)] * offload + [Col("sharding", priority=1)] * multi
+    # "adamw-fused", "adamw-foreach", "adamw-8bit": the shared family goes in the header, so the variant
+    # that tells two otherwise equal plans apart fits an 80-column terminal.
+    family = "adamw-" if all(str(p.config.optimizer).startswith("adamw-") for p in shown) else ""
+    cols = [Col("", "center"), Col("method", key=True), Col("precision", key=True),
+            Col("mb x acc", "right", key=True), Col("ckpt", "center", key=True),
+            Col(family or "optimizer", priority=2, key=True)]
+    cols += [Col("offload", priority=1, key=True)] * offload + [Col("sharding", priority=1, key=True)] * multi
     unit, size = binary_scale(max((p.peak_bytes for p in shown), default=0))
     cols += [Col(f"peak {unit}", "right"), Col("headroom", "right", 3), Col("tokens/s", "right")]
     rows, styles = [], []
@@ -32,7 +36,7 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
         headroom = result.budget_bytes - p.peak_bytes
         row = ["*" if i == result.chosen else "" if p.fits else "x", method(run), precision(run),
                f"{run.micro_batch} x {run.grad_accum}", "yes" if run.grad_checkpointing else "no",
-               str(run.optimizer)]
+               str(run.optimizer).removeprefix(family)]
         if offload:
             row.append(str(run.offload))
         if multi:
@@ -43,4 +47,18 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
     title = (f"{result.model}: budget {fmt_gib(result.budget_bytes)} (fits = peak + {result.safety_margin:.0%} "
              f"margin), tokens/s on {gpu}")
     return fitted_table(title, cols, rows, width, styles=styles, box=box.SIMPLE_HEAD, show_edge=False,
-                        pad_edge=False)
+                        pad_edge=False, collapse_padding=True)
+
+
+def ranking_note(result: PlanResult, top: int = 10) -> str | None:
+    """The sentence that explains a shown plan ranked below a slower one: ``PREFERENCE`` weights.
+
+    The table sorts by weighted tokens/s, so an 8-bit AdamW row sits below exact-AdamW rows whose
+    tokens/s are up to 1% lower; without this line the order looks wrong.
+    """
+    shown = {p.config.optimizer for p in result.plans[:top] if p.fits}
+    weighted = sorted((opt for opt in shown if opt in PREFERENCE), key=str)
+    if not weighted:
+        return None
+    parts = ", ".join(f"{opt} as if {1 - PREFERENCE[opt]:.0%} slower" for opt in weighted)
+    return f"Ranked by tokens/s with {parts} (exact AdamW wins near-ties)."

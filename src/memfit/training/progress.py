@@ -191,6 +191,15 @@ def baseline_warning(summary: RunSummary | dict[str, Any]) -> str | None:
             "check --lr, or check that the data has structure to learn.")
 
 
+def measured_vs_predicted(measured: float, predicted: float) -> str:
+    """Which way the measurement went, in words: "measured 0.1% lower" (a bare "-0.1%" left it open
+    whether the prediction or the measurement was the smaller)."""
+    rel = (measured - predicted) / predicted
+    if abs(rel) < 0.0005:
+        return "measured the same, within 0.05%"
+    return f"measured {abs(rel):.1%} {'higher' if rel > 0 else 'lower'}"
+
+
 def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """Measured next to predicted, like for like (tensor bytes vs tensor bytes); RSS on its own line."""
     mem = summary["peak_memory"]
@@ -204,7 +213,7 @@ def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("peak tensors (measured)", f"{fmt_bytes(mem['cpu_tensor_peak'])} "
                                                 f"(step {mem.get('cpu_tensor_peak_step', '?')}, live tensors)"))
     if predicted:
-        diff = f" ({(measured - predicted) / predicted:+.1%} measured)" if measured and rows else ""
+        diff = f" ({measured_vs_predicted(measured, predicted)})" if measured and rows else ""
         rows.append(("peak tensors (predicted)", fmt_bytes(predicted) + diff))
     else:
         rows.append(("peak tensors (predicted)", "n/a (estimator unavailable)"))
@@ -253,5 +262,8 @@ def print_summary(summary: RunSummary | dict[str, Any], console: Console | None 
     if warning:
         console.print(Text(warning, style="bold yellow"))
     for i, sample in enumerate(_plain(summary).get("samples") or [], start=1):
-        console.print(Text.assemble((f"sample {i}: ", "bold"), (sample["prompt"], "bold cyan"),
+        # A conversation's reply is its own text, not a continuation of the question: on its own line
+        # (a plain log shows no colours, and "sky?The sky is" read as one sentence).
+        joint = "\n  reply: " if sample.get("reply") else ""
+        console.print(Text.assemble((f"sample {i}: ", "bold"), (sample["prompt"], "bold cyan"), joint,
                                     sample["completion"]))

@@ -76,7 +76,10 @@ def generate_samples(accelerator, net, tokenizer, examples: list, *, count: int,
                                do_sample=True, temperature=TEMPERATURE, top_k=0, use_cache=True,
                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             completion = tokenizer.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
-            out.append({"prompt": text, "completion": completion})
+            sample = {"prompt": text, "completion": completion}
+            if example.is_conversation:
+                sample["reply"] = True  # the completion answers the prompt; it does not continue its text
+            out.append(sample)
     net.train(was_training)
     return out
 
@@ -88,7 +91,7 @@ SAMPLES_FILE = "samples.jsonl"
 def samples_at_eval(s) -> list[dict[str, Any]]:
     """``--eval-samples N``: after an evaluation, N samples from the same held-out prompts as the end-of-run
     samples (conversations through the chat template), appended to ``samples.jsonl`` as
-    ``{"step", "prompt", "completion"}`` and shown above the progress bar; the same seed each time, so
+    ``{"step", "prompt", "completion"}`` (and ``"reply": true`` for a conversation's answer) and shown above the progress bar; the same seed each time, so
     samples of successive evaluations differ only by what the model learned in between.
 
     Main process only, and only when each process holds the whole model: a sharded model's forward is
