@@ -165,11 +165,11 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
             click.echo(json.dumps(json_safe(result), indent=2))
         else:
             big, acc = result["big"], result["accumulated"]
-            click.echo(f"{result['steps']} steps of {big['micro_batch']} x {big['grad_accum']} vs "
-                       f"{acc['micro_batch']} x {acc['grad_accum']} ({result['optimizer']}, fp32): largest weight "
-                       f"difference {result['max_abs_weight_diff']:.3g} (largest weight {result['max_abs_weight']:.3g}), "
-                       f"final loss difference {result['loss_diff']:.3g} -> "
-                       + ("equivalent" if result["equivalent"] else "NOT equivalent"))
+            verdict = "equivalent" if result["equivalent"] else "NOT equivalent"
+            click.echo(f"{big['micro_batch']} x {big['grad_accum']} vs {acc['micro_batch']} x {acc['grad_accum']}, "
+                       f"{result['steps']} steps ({result['optimizer']}, fp32): {verdict}")
+            click.echo(f"  largest weight difference {result['max_abs_weight_diff']:.3g} (largest weight "
+                       f"{result['max_abs_weight']:.3g}); final loss difference {result['loss_diff']:.3g}")
         return
     import contextlib
 
