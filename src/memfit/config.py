@@ -232,7 +232,7 @@ class TrainConfig:
     """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs."""
 
     model: str = "tiny"
-    """Architecture preset name or local Hugging Face checkpoint directory."""
+    """Architecture preset name, local Hugging Face checkpoint directory, or Hugging Face Hub id (org/name)."""
     data: str | None = None
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     tokenizer: str | None = None
@@ -300,6 +300,12 @@ class TrainConfig:
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
     threads: int | None = None
     """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
+    # Hub models (issue 22; memfit.hub) --------------------------------------------------------------
+    revision: str | None = None
+    """Branch, tag or commit of a Hub ``model`` (org/name); None: its default branch. A run pins the commit
+    it resolved to here, so ``--resume`` continues on the same weights (offline, from the cache)."""
+    allow_pickle_weights: bool = False
+    """Load a Hub model whose weights are PyTorch pickles (``*.bin``/``*.pt``), which can run code when loaded."""
 
     explicit: tuple[str, ...] | None = None
     """Settings the user gave (flags typed or in ``--config``); None for library callers, whose whole

@@ -124,7 +124,11 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     from memfit.data_stream import record_at
 
     fields, named = fields_of(config)
-    tokenizer = data.load_tokenizer(config.tokenizer, config.model, is_preset=modelspec.is_preset(config.model),
+    from memfit.hub import local_folder
+
+    model = local_folder(config.model, config.revision, files="tokenizer",  # a Hub id: its cached tokenizer
+                         trust_remote_code=config.trust_remote_code)
+    tokenizer = data.load_tokenizer(config.tokenizer, model, is_preset=modelspec.is_preset(config.model),
                                     trust_remote_code=config.trust_remote_code)
     # read up to record `index` only (memfit.data_stream), not the whole source
     example = record_at(config.data, index, fmt=config.data_format, fields=fields, split=config.split,

@@ -45,7 +45,8 @@ def is_preset(name: str) -> bool:
 def unknown_model_error(name: str) -> UserError:
     close = difflib.get_close_matches(str(name).lower(), preset_names(), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else " Run `memfit presets` to list them."
-    return UserError(f"{name!r} is neither a preset nor a local model folder or config.json.{hint}")
+    return UserError(f"{name!r} is neither a preset, a local model folder or config.json, nor a Hugging Face Hub id "
+                     f"(org/name).{hint}")
 
 
 def preset_config(name: str):
@@ -58,16 +59,24 @@ def preset_config(name: str):
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def resolve_config(model: str, trust_remote_code: bool = False):
-    """Preset name, checkpoint folder or ``config.json`` path -> ``PretrainedConfig`` of a causal LM.
+def resolve_config(model: str, trust_remote_code: bool = False, revision: str | None = None):
+    """Preset name, checkpoint folder, ``config.json`` path or Hub id -> ``PretrainedConfig`` of a causal LM.
 
-    Raises ``UserError`` (one sentence) for unknown names and configs that are not causal LMs.
+    A Hub id (``org/name``, ``revision`` optional) is read from the Hugging Face cache, fetching only its
+    config.json when the cache lacks it (``memfit.hub``). Raises ``UserError`` (one sentence) for unknown
+    names and configs that are not causal LMs.
     """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from memfit import hub
+
+    hub.check_revision(model, revision)
     if is_preset(model):
         config = preset_config(model)
+    elif hub.is_hub_id(model):
+        folder = hub.fetch(model, revision, files="config", trust_remote_code=trust_remote_code).path
+        config = _folder_config(folder, f"{model}'s config.json", trust_remote_code)
     else:
         path = Path(model).expanduser()
         if path.is_file() and path.suffix == ".json":
@@ -82,11 +91,7 @@ def resolve_config(model: str, trust_remote_code: bool = False):
         elif path.is_dir():
             if not (path / "config.json").is_file():
                 raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder.")
-            _check_json(path / "config.json")
-            try:
-                config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-            except (OSError, ValueError, TypeError, StrictDataclassError) as err:
-                raise UserError(f"{path} holds a config transformers cannot read: {_one_line(err)}") from None
+            config = _folder_config(path, str(path), trust_remote_code)
         else:
             raise unknown_model_error(model)
     check_causal_lm(config, model)
@@ -94,17 +99,29 @@ def resolve_config(model: str, trust_remote_code: bool = False):
     return config
 
 
-def _check_json(path: Path) -> dict:
+def _folder_config(path: Path, name: str, trust_remote_code: bool):
+    """The config of a model folder (a local checkpoint or a Hub snapshot), or one sentence naming ``name``."""
+    from transformers import AutoConfig
+
+    _check_json(path / "config.json", name)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, StrictDataclassError) as err:
+        raise UserError(f"{name} holds a config transformers cannot read: {_one_line(err)}") from None
+
+
+def _check_json(path: Path, name: str | None = None) -> dict:
     """A config.json's contents: a JSON object with a model_type, or a one-sentence ``UserError``."""
+    name = name or str(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         what = "empty" if not err.doc.strip() else f"not valid JSON ({err.msg} at line {err.lineno})"
-        raise UserError(f"{path} is {what}, so it is not a model config.") from None
+        raise UserError(f"{name} is {what}, so it is not a model config.") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} cannot be read ({getattr(err, 'strerror', None) or err}).") from None
+        raise UserError(f"{name} cannot be read ({getattr(err, 'strerror', None) or err}).") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise UserError(f"{path} has no model_type, so it is not a transformers model config.")
+        raise UserError(f"{name} has no model_type, so it is not a transformers model config.")
     return dict(data)
 
 
@@ -364,33 +381,16 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
     )
 
 
-def looks_like_hub_id(model: str) -> bool:
-    """``org/name`` that is not a local path: worth asking the Hub for its config."""
-    parts = str(model).split("/")
-    return len(parts) == 2 and all(parts) and not Path(model).expanduser().exists() and not model.startswith(".")
-
-
-def hub_config(model: str, trust_remote_code: bool = False):
-    """Fetch only ``config.json`` of a Hub model; one-sentence ``UserError`` when offline or unknown."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except Exception as err:  # noqa: BLE001 - offline, 404, gated: all mean "cannot read it"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"Could not fetch the config of Hub model {model!r} ({first[:160]}).") from None
-    check_causal_lm(config, model)
-    validate.check_model_config(config, model)
-    return config
+def load_spec(model, trust_remote_code: bool = False, revision: str | None = None) -> ModelSpec:
+    """Preset name, local folder, config.json or Hub id (at ``revision``) -> ``ModelSpec``; a ``ModelSpec`` is
+    returned as it is (a run that resolved its model once passes it on)."""
+    if isinstance(model, ModelSpec):
+        return model
+    return _load_spec(str(model), trust_remote_code, revision)
 
 
 @lru_cache(maxsize=64)
-def load_spec(model: str, trust_remote_code: bool = False) -> ModelSpec:
-    """Preset name, local folder, config.json or (online) Hub id -> ``ModelSpec`` (cached)."""
-    model = str(model)
-    if not is_preset(model) and looks_like_hub_id(model):
-        config = hub_config(model, trust_remote_code)
-    else:
-        config = resolve_config(model, trust_remote_code)
+def _load_spec(model: str, trust_remote_code: bool, revision: str | None) -> ModelSpec:
+    config = resolve_config(model, trust_remote_code, revision)
     name = model.lower() if is_preset(model) else model
     return spec_from_config(config, name, trust_remote_code)

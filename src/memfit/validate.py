@@ -108,6 +108,7 @@ _TRAIN_FIELDS: dict[str, tuple[str, Any]] = {
     "chat_template": ("text", None), "split": ("text", None), "data_config": ("text", None),
     "text_field": ("text", None), "prompt_field": ("text", None), "completion_field": ("text", None),
     "messages_field": ("text", None),
+    "revision": ("text", None), "allow_pickle_weights": ("bool", None),
 }
 
 

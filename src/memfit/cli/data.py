@@ -13,6 +13,7 @@ EPILOG = """\b
 Examples:
   memfit data preview --data chats.jsonl                       # tiny preset's byte tokenizer + template
   memfit data preview --data chats.jsonl --model ./my-instruct # the model's own chat template
+  memfit data preview --data chats.jsonl --model Qwen/Qwen2.5-0.5B-Instruct   # a Hub model's tokenizer
   memfit data preview --data train.parquet --messages-field conversation --index 3
 """
 
@@ -24,7 +25,9 @@ def command() -> None:
 
 @command.command(name="preview", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--data", default=None, help="As for memfit train (default: the shipped corpus).")
-@click.option("--model", default="tiny", show_default=True, help="Preset or local checkpoint (for its tokenizer).")
+@click.option("--model", default="tiny", show_default=True,
+              help="Preset, local checkpoint or Hugging Face Hub id (org/name), for its tokenizer and chat template.")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub --model; default: its main branch.")
 @click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's.")
 @click.option("--index", type=int, default=0, show_default=True, help="Which record (0 = the first).")
 @click.option("--json", "as_json", is_flag=True, help="Print input_ids, labels and the marked text as JSON.")

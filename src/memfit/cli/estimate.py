@@ -13,6 +13,7 @@ from memfit.errors import UserError
 
 @click.command("estimate", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model")
+@click.option("--revision", help="Branch, tag or commit of a Hub MODEL (org/name); default: its main branch.")
 @memory_options
 @click.option("--compare", is_flag=True, help="Show fp32, AMP fp16/bf16, pure bf16, LoRA and QLoRA side by side.")
 @click.option("--exact", is_flag=True, help="Trace the real model code on fake tensors (slower, exact).")
@@ -21,13 +22,15 @@ from memfit.errors import UserError
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Stacked bar chart to this .png.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu drops the CUDA context/allocator terms and models CPU kernels.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom model code from a local folder.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (a local folder or a "
+              "Hub model).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (MemoryBreakdown schema) instead of a table.")
-def command(model, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json, **kwargs):
+def command(model, revision, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json, **kwargs):
     """Where every byte of one training step of MODEL goes, per GPU.
 
-    MODEL is a preset (`memfit presets`), a local model folder or config.json, or (online) a Hub id
-    whose config.json alone is fetched. Numbers are per rank, at the step's peak.
+    MODEL is a preset (`memfit presets`), a local model folder or config.json, or a Hugging Face Hub
+    id (org/name) whose config.json alone is fetched into the Hugging Face cache (read from there
+    offline). Numbers are per rank, at the step's peak.
 
     \b
     Examples:
@@ -37,6 +40,7 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
       memfit estimate llama-2-7b --lora-r 16 --quantize 4bit --dtype bf16 --plot qlora.png
       memfit estimate tiny --exact --timeline step.png
       memfit estimate ./my-checkpoint --seq-len 1024 --micro-batch 4
+      memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
     """
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
@@ -52,7 +56,10 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
     for flag_name, path in (("--plot", plot_path), ("--timeline", timeline_path)):
         if path:  # before the work: a figure that cannot be written is found out first
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
-    spec = load_spec(model, trust_remote_code)
+    from memfit.hub import progress_bars
+
+    with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
+        spec = load_spec(model, trust_remote_code, revision)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     if compare:
         rows = compare_regimes(spec, run, device=device)

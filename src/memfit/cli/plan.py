@@ -35,6 +35,7 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 
 @click.command("plan", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
+@click.option("--revision", help="Branch, tag or commit of a Hub MODEL (org/name); default: its main branch.")
 @click.option("--budget", help="Memory per GPU, e.g. 24GiB or 24GB (default: the --gpu's memory).")
 @click.option("--gpu", help="A listed GPU (memfit presets shows them) or 'auto' for the device present; "
                             "its speed ranks the plans (default: a100-80gb as reference).")
@@ -72,8 +73,8 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 @click.option("--accelerate-config", type=click.Path(dir_okay=False),
               help="Write the chosen plan's Accelerate config file (the launch command uses it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON.")
-def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json, accelerate_config,
-            **pins):
+def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
+            accelerate_config, **pins):
     """The fastest configuration of a training run that fits a memory budget."""
     from memfit.modelspec import check_seq_len, load_spec
     from memfit.planning.gpus import detect_gpu
@@ -94,20 +95,23 @@ def command(model, budget, gpu, seq_len, batch, num_processes, margin, top, outp
         pins["host_memory"] = parse_size(pins["host_memory"])
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
-    spec = load_spec(model)  # reading the architecture (imports transformers) is not part of the search
+    from memfit.hub import progress_bars
+
+    with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
+        spec = load_spec(model, revision=revision)  # reading the architecture is not part of the search
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
                   constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin)
     elapsed = time.perf_counter() - started
     if output:
-        write_plan_yaml(result, Path(output))
+        write_plan_yaml(result, Path(output), revision)
     from memfit.planning import launch
 
     config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE
     if accelerate_config:
         launch.write_accelerate_config(result.best.config, Path(accelerate_config))
-    command_line = launch.launch_command(model, result.best.config, config_file)
+    command_line = launch.launch_command(model, result.best.config, config_file, revision=revision)
     shown = top or None
     if as_json:
         click.echo(json.dumps({**result.to_dict(top=shown), "launch": command_line,
@@ -155,14 +159,14 @@ def _print(result, top, elapsed: float, output) -> None:
         console.print(f"Wrote {output}; train with: memfit train --config {output}", highlight=False)
 
 
-def write_plan_yaml(result, path: Path) -> None:
+def write_plan_yaml(result, path: Path, revision: str | None = None) -> None:
     """The chosen plan as flat train flags (``RunConfig.to_flat()`` + ``model``), written atomically."""
     import yaml
 
     from memfit.units import fmt_gib
 
     best = result.best
-    data = {"model": result.model, **best.config.to_flat()}
+    data = {"model": result.model, **({"revision": revision} if revision else {}), **best.config.to_flat()}
     header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
               f"budget, ~{best.tokens_per_s:,.0f} tokens/s on {result.gpu.name if result.gpu else '?'}.\n"
               "# Train with: memfit train --config THIS_FILE\n")

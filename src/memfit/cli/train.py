@@ -21,6 +21,7 @@ EPILOG = """\b
 Examples:
   memfit train                                   # demo: tiny preset on the shipped corpus (CPU: < 3 min),
                                                  # written to runs/tiny-<YYYYmmdd-HHMMSS>
+  memfit train --model Qwen/Qwen2.5-0.5B-Instruct --data chat.jsonl --lora-r 16   # a Hub model
   memfit train --data notes.jsonl --model ./my-ckpt --lora-r 16 --merge --output runs/notes
   memfit train --data chats.jsonl --model ./my-instruct --lora-r 16   # {"messages": [...]}: loss on replies
   memfit train --data data.parquet --text-field body    # also .csv/.json/.arrow, save_to_disk, org/name
@@ -37,7 +38,8 @@ Examples:
 def _train_options(func):
     opts = [
         click.option("--model", default=_D.model, show_default=True,
-                     help="Preset name (random weights) or a local Hugging Face checkpoint folder."),
+                     help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
+                     "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models)."),
         click.option("--data", default=None, help=".txt, .jsonl (text or prompt/completion) or a folder; "
                      "default: the corpus shipped with memfit."),
         click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
@@ -72,7 +74,7 @@ def _train_options(func):
         click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output (required)."),
         click.option("--overwrite", is_flag=True, help="Replace a previous run in --output."),
         click.option("--merge", is_flag=True, help="LoRA: also save the adapter merged into the base."),
-        click.option("--trust-remote-code", is_flag=True, help="Allow a local model's own Python code."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (local or Hub)."),
         click.option("--samples", type=int, default=_D.samples, show_default=True,
                      help="Samples printed at the end: the model continues the beginnings of held-out documents."),
         click.option("--eval-samples", type=click.IntRange(min=0), default=_D.eval_samples, show_default=True,
@@ -91,6 +93,11 @@ def _train_options(func):
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle and "
                      "available to this process (affinity, cgroup quota)."),
+        click.option("--revision", default=None,
+                     help="Branch, tag or commit of a Hub --model; default: its main branch (the run records the commit)."),
+        click.option("--allow-pickle-weights", is_flag=True,
+                     help="Accept a Hub model whose weights are PyTorch pickles (*.bin, *.pt), which can run code "
+                     "when loaded; default: safetensors only."),
     ]
     for opt in reversed(opts):
         func = opt(func)

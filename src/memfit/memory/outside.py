@@ -135,9 +135,9 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
                        int(max(host_checkpoint, host_export)), loading)
 
 
-def predicted_outside(model: str, run: RunConfig, device: str) -> OutsideStep | None:
-    """``outside_step`` for a model name, or None where the estimator cannot describe the model (a
-    prediction never stops a training run)."""
+def predicted_outside(model, run: RunConfig, device: str) -> OutsideStep | None:
+    """``outside_step`` for a model name (or a ``ModelSpec``), or None where the estimator cannot describe
+    the model (a prediction never stops a training run)."""
     try:
         from memfit.modelspec import load_spec
 

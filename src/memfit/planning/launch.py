@@ -36,9 +36,9 @@ def accelerate_config(run: RunConfig) -> dict:
     return config
 
 
-def train_flags(model: str, run: RunConfig) -> list[str]:
+def train_flags(model: str, run: RunConfig, revision: str | None = None) -> list[str]:
     """``memfit train`` flags that reproduce ``run`` exactly (every field of ``RunConfig.to_flat``)."""
-    flags = ["--model", model]
+    flags = ["--model", model] + (["--revision", revision] if revision else [])
     for key, value in run.to_flat().items():
         name = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -48,12 +48,13 @@ def train_flags(model: str, run: RunConfig) -> list[str]:
     return flags
 
 
-def launch_command(model: str, run: RunConfig, config_file: str = DEFAULT_CONFIG_FILE) -> str:
+def launch_command(model: str, run: RunConfig, config_file: str = DEFAULT_CONFIG_FILE, *,
+                   revision: str | None = None) -> str:
     """The shell command that runs ``run``: ``accelerate launch --config_file FILE -m memfit train ...``
     (plain ``memfit train`` for one process without sharding). ``--data`` is the user's to add."""
     import shlex
 
-    train = " ".join(shlex.quote(f) for f in train_flags(model, run))
+    train = " ".join(shlex.quote(f) for f in train_flags(model, run, revision))
     if run.num_processes == 1 and run.sharding is Sharding.DDP:
         return f"memfit train {train} --data DATA"
     return f"accelerate launch --config_file {shlex.quote(config_file)} -m memfit train {train} --data DATA"

@@ -53,7 +53,10 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
 
     constraints = Constraints.from_flat(constraints_for(config, run))
     gpu = detect_gpu() if cuda_available() else None
-    result = plan(config.model, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
+    from memfit.modelspec import load_spec
+
+    spec = load_spec(config.model, config.trust_remote_code, config.revision)  # a Hub id: its pinned commit
+    result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
                   num_processes=run.num_processes, gpu=gpu, constraints=constraints,
                   cpu=gpu is None)  # no CUDA: the budget is this CPU's memory
     for index, candidate in enumerate(result.plans):

@@ -226,7 +226,10 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, fina
         for cfg in model.peft_config.values():
             cfg.base_model_name_or_path = str(base.resolve())
         written.append("base/")
-    model.save_pretrained(output)
+    # The embeddings are never adapted nor resized (memfit.resolved wraps projections only), so PEFT's "auto"
+    # check of the base's vocabulary, which reads the base's config.json (from the Hub for a Hub id, warning
+    # when offline), has nothing to find.
+    model.save_pretrained(output, save_embedding_layers=False)
     if base_is_preset and final != output:  # the adapter must name where the base ends up, not the staging folder
         adapter_config = output / "adapter_config.json"
         doc = json.loads(adapter_config.read_text())

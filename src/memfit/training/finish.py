@@ -46,7 +46,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
-        outside_step=_outside(s),
+        outside_step=_outside(s), hub=s.source.hub.to_dict() if s.source.hub is not None else None,
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)
@@ -58,7 +58,7 @@ def _outside(s: TrainSession) -> dict | None:
     """The predicted peaks outside the step for the settings the run ended with (summary and run.json)."""
     from memfit.memory.outside import predicted_outside
 
-    outside = predicted_outside(s.config.model, s.run, s.device)
+    outside = predicted_outside(s.source.spec, s.run, s.device)
     return outside.to_dict() if outside else None
 
 

@@ -111,7 +111,7 @@ def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:
                         "copy that undoes a half-applied step, so memfit stopped instead of redoing it; lower "
                         "the optimizer state (--lora-r, --optimizer adamw-8bit or sgd).") from None
     nxt = oom.next_config(s.run, oom.planned_fallbacks(s.plan_result, s.run), phase=err.phase, device=s.device,
-                          estimate=lambda run: predict(s.config.model, run, s.device))
+                          estimate=lambda run: predict(s.source.spec, run, s.device))
     if nxt is None:
         raise UserError(oom.nothing_lower_message(s.run, err.phase, step)) from None
     oom.switch_live(s.accelerator, s.model, s.optimizer, s.run, nxt)

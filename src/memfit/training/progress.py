@@ -234,6 +234,8 @@ def summary_table(summary: RunSummary | dict[str, Any]) -> Table:
     table = Table(title="memfit train: summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold", no_wrap=True)
     table.add_column("value")
+    if summary.get("hub"):
+        table.add_row("model", f"{summary['hub']['id']} (Hugging Face Hub, commit {summary['hub']['commit'][:12]})")
     table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} sequences")
     if summary.get("plan"):
         table.add_row("plan", f"{summary['plan']['description']} (for {summary['plan']['budget']})")

@@ -31,9 +31,9 @@ SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last"
                   # format it cannot read, training.sharding.state_loader)
                   "sharding", "state_dict"})
 #: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
-#: in particular is never switched on by a file: the user passes it again.
+#: and allow_pickle_weights in particular are never switched on by a file: the user passes them again.
 NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
-                          "trust_remote_code", "pinned", "num_processes"})
+                          "trust_remote_code", "allow_pickle_weights", "pinned", "num_processes"})
 
 
 @dataclass

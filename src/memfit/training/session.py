@@ -33,6 +33,7 @@ from memfit.training.setup import (
     build_model,
     build_optimizer,
     build_scheduler,
+    fetch_hub_model,
     preflight,
     resolve_model,
 )
@@ -144,9 +145,11 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     optim_in_backward.check(config.run, config.max_grad_norm)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
+    with accelerator.main_process_first():  # a Hub --model: one download, the other ranks read the cache
+        config, hub_model = fetch_hub_model(config, progress=show and not config.json and accelerator.is_main_process)
     run, plan_result = resolve_run(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = run.grad_accum
-    source = resolve_model(config, run)
+    source = resolve_model(config, run, hub_model)
     deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
     resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
     data = build_data(config, run, source.tokenizer)
@@ -177,14 +180,16 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process)
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
+    if source.hub is not None:
+        bar.note(source.hub.describe())
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
     bar.note(threads.describe())
     if data.note:
         bar.note(data.note)
     if resume_point is not None and resume_point.note:
         bar.note(resume_point.note)
-    predicted = predict(config.model, run, accelerator.device.type)
-    bar.note(sharding.per_rank_line(config.model, run, predicted, accelerator.device.type))
+    predicted = predict(source.spec, run, accelerator.device.type)
+    bar.note(sharding.per_rank_line(source.spec, run, predicted, accelerator.device.type))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
@@ -267,8 +272,10 @@ def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:
     return min(steps)
 
 
-def predict(model_name: str, run: RunConfig, device: str = "cuda"):
+def predict(model_name, run: RunConfig, device: str = "cuda"):
     """The estimator's predicted peak for this run on ``device`` (None when unavailable or failing).
+
+    ``model_name``: anything ``modelspec.load_spec`` takes; a run passes its resolved ``ModelSpec``.
 
     On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms, and the
     rollback snapshot and offloaded state count (``memory.snapshot``: the host is the device).

@@ -7,6 +7,7 @@ Each builder does one job with the library that owns it (Accelerate, transformer
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,34 +140,73 @@ class ModelSource:
     """A preset or a bare config.json: the architecture only, built with random weights."""
     resolved: object = None
     """``memfit.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
+    path: Path | None = None
+    """The local folder the weights and tokenizer load from: ``--model``, or a Hub model's cached snapshot."""
+    hub: object = None
+    """``memfit.hub.HubModel`` when ``--model`` is a Hub id (the id, the commit, the snapshot folder)."""
+    spec: object = None
+    """The ``ModelSpec`` every prediction of the run reads (resolved once, here)."""
+
+    @property
+    def base_name(self) -> str | None:
+        """What a LoRA adapter names as its base: the Hub id, or the folder as an absolute path, so the adapter
+        loads from any directory; None for random weights (the export saves them next to the adapter)."""
+        if self.random_init or self.path is None:
+            return None
+        return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
 
 
-def resolve_model(config: TrainConfig, run: RunConfig) -> ModelSource:
+def fetch_hub_model(config: TrainConfig, *, progress: bool = True):
+    """``(config, HubModel)`` for a Hub ``--model`` (org/name), ``(config, None)`` for presets and folders.
+
+    The snapshot is fetched into the Hugging Face cache once, before the run folder exists (a failed
+    download leaves nothing there), with the weights only safetensors unless ``--allow-pickle-weights``.
+    ``config.revision`` is pinned to the commit it resolved to: checkpoints save it, so ``--resume`` builds
+    the same base, offline from the cache. ``progress``: huggingface_hub's bars on stderr (a terminal only).
+    """
+    from memfit import hub, modelspec
+
+    hub.check_revision(config.model, config.revision)
+    if modelspec.is_preset(config.model) or not hub.is_hub_id(config.model):
+        return config, None
+    files = "tokenizer" if config.init == "random" else "model"  # random weights: the config and tokenizer only
+    with hub.progress_bars(progress):
+        model = hub.fetch(config.model, config.revision, files=files, allow_pickle=config.allow_pickle_weights,
+                          trust_remote_code=config.trust_remote_code)
+    return dataclasses.replace(config, revision=model.commit), model
+
+
+def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelSource:
     """The model's transformers config and the tokenizer, checked against the run (seq-len, vocabulary).
 
-    Cheap (no weights), so the loop calls it before it creates the output folder: a bad ``--model``,
-    ``--tokenizer`` or ``--seq-len`` leaves nothing behind.
+    Cheap (no weights read), so the loop calls it before it creates the output folder: a bad ``--model``,
+    ``--tokenizer`` or ``--seq-len`` leaves nothing behind. ``hub_model``: the snapshot ``fetch_hub_model``
+    resolved a Hub id to (fetched here when not given).
     """
     from memfit import data, modelspec
 
-    hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code)
+    if hub_model is None:
+        config, hub_model = fetch_hub_model(config)
+    folder = hub_model.path if hub_model is not None else Path(config.model).expanduser()
+    hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code,
+                                         revision=config.revision)
     is_preset = modelspec.is_preset(config.model)
     modelspec.check_seq_len(run.seq_len, getattr(hf_config, "max_position_embeddings", None))
-    tokenizer = data.load_tokenizer(config.tokenizer, config.model, is_preset=is_preset,
+    tokenizer = data.load_tokenizer(config.tokenizer, str(folder), is_preset=is_preset,
                                     trust_remote_code=config.trust_remote_code)
     validate.check_tokenizer_fits(len(tokenizer), hf_config.vocab_size)
     hf_config.use_cache = False  # training: no KV cache
-    random_init = is_preset or Path(config.model).expanduser().is_file() or config.init == "random"
+    random_init = is_preset or folder.is_file() or config.init == "random"
     if not random_init:
         from memfit.training.weights import check_weights
 
-        check_weights(Path(config.model).expanduser())  # a config-only folder or truncated weights: one sentence
+        check_weights(folder)  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
     from memfit.resolved import resolve
 
-    spec = modelspec.load_spec(config.model, config.trust_remote_code)
-    return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run))
+    spec = modelspec.load_spec(config.model, config.trust_remote_code, config.revision)
+    return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
 
 
 def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,
@@ -205,11 +245,12 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
+        if source.hub is not None and not config.allow_pickle_weights:
+            kwargs["use_safetensors"] = True  # a pickle another tool cached next to them is never unpickled
         from memfit.training.weights import loading
 
-        with loading(Path(config.model).expanduser()), no_loading_bar():
-            model = AutoModelForCausalLM.from_pretrained(Path(config.model).expanduser(), config=source.hf_config,
-                                                         local_files_only=True,
+        with loading(source.path), no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
                                                          trust_remote_code=config.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
         from memfit.quant_support import accept_own_quant_state
@@ -218,7 +259,8 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     if run.grad_checkpointing:
         enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
     if run.is_lora():
-        model = _add_lora(model, run, resolved.lora.peft_targets)
+        model = _add_lora(model, run, resolved.lora.peft_targets, base=source.base_name,
+                          revision=source.hub.commit if source.hub is not None else None)
     if str(run.loss) != "standard":
         from memfit.losses import check_model_supports
 
@@ -239,8 +281,14 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
                        str(base.config._attn_implementation), wrapped)
 
 
-def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
-    """Wrap ``targets`` (the resolved list, ``memfit.resolved.lora_targets``: what estimate counted)."""
+def _add_lora(model, run: RunConfig, targets: tuple[str, ...], *, base: str | None = None,
+              revision: str | None = None):
+    """Wrap ``targets`` (the resolved list, ``memfit.resolved.lora_targets``: what estimate counted).
+
+    ``base``/``revision``: what the saved adapter names as its base model (``ModelSource.base_name``, the Hub
+    commit). PEFT would take the path the weights were loaded from, which for a relative ``--model`` only
+    resolves from the directory train ran in.
+    """
     from peft import LoraConfig, get_peft_model
 
     if run.quantize is not Quantize.NONE:
@@ -249,10 +297,14 @@ def _add_lora(model, run: RunConfig, targets: tuple[str, ...]):
                       target_modules=list(targets), task_type="CAUSAL_LM")
     try:
         with peft_wrap_quietly():
-            return get_peft_model(model, lora)
+            wrapped = get_peft_model(model, lora, revision=revision)
     except ValueError as err:
         raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
                         f"{str(err).splitlines()[0]}") from None
+    if base is not None:
+        for cfg in wrapped.peft_config.values():
+            cfg.base_model_name_or_path = base
+    return wrapped
 
 
 def _accepts_loss_kwargs(model) -> bool:

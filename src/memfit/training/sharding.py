@@ -463,7 +463,7 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     return plain
 
 
-def per_rank_line(model_name: str, run: RunConfig, predicted, device: str = "cuda") -> str:
+def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda") -> str:
     """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
     is more than one (several processes, or a sharded run); one process says "predicted peak"."""
     from memfit.memory.outside import outside_step

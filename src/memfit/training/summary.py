@@ -105,6 +105,9 @@ class RunSummary:
     lora_targets: tuple[str, ...] = ()
     outside_step: dict[str, int] | None = None
     """Predicted per-rank peaks outside the step (``memory.outside.OutsideStep.to_dict``), or None."""
+    hub: dict[str, Any] | None = None
+    """A Hub ``--model``: its id, the revision asked, the commit trained on and the cached snapshot
+    (``memfit.hub.HubModel.to_dict``); None for presets and local folders."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -130,7 +133,7 @@ class RunSummary:
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
-            "outside_step": self.outside_step,
+            "outside_step": self.outside_step, "hub": self.hub,
         }
         return json_safe(out)
 
