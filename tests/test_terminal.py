@@ -26,7 +26,7 @@ def _lines(console: Console) -> list[str]:
 # --- the progress line ----------------------------------------------------------------------------
 def _render_bar(width: int, **update) -> str:
     console = _console(width)
-    with LiveProgress(3000, 0, True, console=console) as bar:
+    with LiveProgress(3000, 0, True, console=console, live=True) as bar:  # the terminal's line, rendered
         bar.update(2999, **update)
     lines = _lines(console)
     assert len(lines) == 1, lines  # one line: nothing wrapped onto a second

@@ -46,7 +46,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
-        outside_step=_outside(s),
+        outside_step=_outside(s), process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)
