@@ -208,7 +208,8 @@ def test_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path, 
     damage(run / "checkpoints" / "step-4")
     before = (run / "checkpoints" / "step-2" / "manifest.json").read_text()
     if reason is None:  # without a manifest a checkpoint is checked by structure: this one is still whole
-        result = _run(["train", "--output", str(run), "--resume", "--max-steps", "5"])
+        # step-4 ended the 4-step run: training on to 5 takes --extend-schedule (test_train_logs.py)
+        result = _run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"])
         assert result.exit_code == 0, result.output
         assert json.loads((run / "run.json").read_text())["resumes"][0]["checkpoint"] == "step-4"
         return
@@ -238,7 +239,7 @@ def test_refused_unsafe_pickle_does_not_advise_disabling_the_check(tmp_path, bas
     for step in ("step-2", "step-4"):  # a checkpoint from before manifests: nothing to compare against
         (run / "checkpoints" / step / "manifest.json").unlink()
     _unsafe_pickle(run / "checkpoints" / "step-4" / "optimizer.bin")
-    line = _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5"]),
+    line = _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"]),
                          "does not run such files")
     assert "weights_only" not in line and "False" not in line
 
@@ -298,13 +299,13 @@ def test_second_run_into_a_locked_folder_is_refused(tmp_path, inputs, base_run):
     run = shutil.copytree(base_run[0], tmp_path / "run")
     holder = RunFolder(run).open(TrainConfig(output=str(run), resume=True), is_main=True)
     try:
-        _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5"]),
+        _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"]),
                       f"Another memfit run (pid {os.getpid()}) is writing to")
     finally:
         holder.close(failed=False)
     # A lock file left by a killed run holds no lock: the next run goes ahead.
     assert (run / ".memfit-run").exists()
-    assert _run(["train", "--output", str(run), "--resume", "--max-steps", "5"]).exit_code == 0
+    assert _run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"]).exit_code == 0
 
 
 def test_never_writes_into_inputs_or_foreign_folders(tmp_path, inputs):

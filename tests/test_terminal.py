@@ -33,7 +33,7 @@ def _lines(console: Console) -> list[str]:
 # --- the progress line ----------------------------------------------------------------------------
 def _render_bar(width: int, **update) -> str:
     console = _console(width)
-    with LiveProgress(3000, 0, True, console=console) as bar:
+    with LiveProgress(3000, 0, True, console=console, live=True) as bar:  # the terminal's line, rendered
         bar.update(2999, **update)
     lines = _lines(console)
     assert len(lines) == 1, lines  # one line: nothing wrapped onto a second
@@ -97,6 +97,20 @@ def test_summary_fits_80_columns_and_compares_tensors_with_tensors():
                          ("throughput", "2,305 tokens/s"), ("output", "runs/tiny-20261130-123456")]:
         assert any(label in line and value in line for line in lines), (label, value, text)
     assert "warning" not in text  # 0.710 is far below the 3.036 baseline
+
+
+def test_summary_of_a_resumed_run_shows_both_wall_times_within_80_columns():
+    console = _console()
+    print_summary(_summary(resumes=[{"event": "resume", "step": 120, "checkpoint": "step-120"}],
+                           process_wall_s=40.25), console)
+    lines = _lines(console)
+    assert all(len(line) <= 80 for line in lines)
+    assert any("wall time" in line and "81.9 s, whole run (training loop 66.6 s)" in line for line in lines)
+    assert any("wall time (this process)" in line and "40.2 s, resumed from step 120" in line for line in lines)
+    console = _console()
+    print_summary(_summary(process_wall_s=81.9), console)  # not resumed: one row, as before
+    text = "\n".join(_lines(console))
+    assert "81.9 s (training loop 66.6 s)" in text and "this process" not in text
 
 
 def test_summary_on_cuda_shows_max_allocated_next_to_the_prediction():

@@ -152,7 +152,8 @@ def test_fake_oom_falls_back_and_redoes_the_step(tmp_path, monkeypatch):
     # Reference: 1 step at 4 x 1, checkpoint, then the fallback config 2 x 2 from step 2 on.
     ref_cfg = tiny_config(tmp_path / "ref", save_every=1, max_steps=1)
     run_training(ref_cfg, show=False)
-    ref = run_training(tiny_config(tmp_path / "ref", resume=True, run={"micro_batch": 2, "grad_accum": 2}), show=False)
+    ref = run_training(tiny_config(tmp_path / "ref", resume=True, extend_schedule=True,  # the 1-step run trained on
+                                   run={"micro_batch": 2, "grad_accum": 2}), show=False)
 
     real = step_module.micro_loss
 

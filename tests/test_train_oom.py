@@ -97,7 +97,8 @@ def reference(tmp_path_factory):
     # 2 x 2 from step 2 on: a checkpoint of step 1 resumed with it.
     folder = tmp_path_factory.mktemp("2x22")
     run_training(adamw_config(folder, save_every=1, max_steps=1), show=False)
-    out["2x2", 2] = run_training(adamw_config(folder, resume=True, run=FALLBACK["2x2"]), show=False)
+    out["2x2", 2] = run_training(adamw_config(folder, resume=True, extend_schedule=True, run=FALLBACK["2x2"]),
+                                 show=False)  # the finished 1-step run trained on to 3 steps
     # Fused from step 2 on: switched after step 1 (a resumed run would not do: the optimizer's
     # load_state_dict takes the saved param groups' foreach/fused flags, so it would stay foreach).
     real_record = loop.record_step

@@ -264,6 +264,9 @@ class TrainConfig:
     output: str | None = None
     """Run folder; None: a fresh ``runs/<model-name>-<YYYYmmdd-HHMMSS>`` per run (``--resume`` needs one given)."""
     resume: bool = False
+    extend_schedule: bool = False
+    """With ``resume``: train a finished run on past its end, its learning-rate schedule recomputed over the
+    new total (the lr rises again from 0); refused without it (``training.resume.check_extension``)."""
     overwrite: bool = False
     merge: bool = False
     trust_remote_code: bool = False

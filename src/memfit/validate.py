@@ -101,7 +101,7 @@ _TRAIN_FIELDS: dict[str, tuple[str, Any]] = {
     "warmup_steps": ("int", 0), "max_steps": ("int?", 1), "epochs": ("int?", 1), "seed": ("int", 0),
     "eval_every": ("int", 0), "save_every": ("int?", 0), "log_every": ("int", 1), "samples": ("int", 0),
     "batch": ("int?", 1), "keep_last": ("int", 1),
-    "num_proc": ("int", 1), "threads": ("int?", 1), "train_on_prompt": ("bool", None), "resume": ("bool", None), "overwrite": ("bool", None), "merge": ("bool", None),
+    "num_proc": ("int", 1), "threads": ("int?", 1), "train_on_prompt": ("bool", None), "resume": ("bool", None), "extend_schedule": ("bool", None), "overwrite": ("bool", None), "merge": ("bool", None),
     "trust_remote_code": ("bool", None), "check_equivalence": ("bool", None), "json": ("bool", None),
     "model": ("text", None), "data": ("text", None), "tokenizer": ("text", None), "output": ("text", None),
     "budget": ("text", None), "tracker": ("text", None), "data_format": ("text", None),

@@ -72,6 +72,9 @@ def _train_options(func):
         click.option("--output", default=None, help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. "
                      "A folder holding another run is refused unless --overwrite or --resume."),
         click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output (required)."),
+        click.option("--extend-schedule", is_flag=True,
+                     help="With --resume and more --max-steps/--epochs than a finished run had: train on, the "
+                     "learning-rate schedule recomputed over the new total (its lr rises again from 0)."),
         click.option("--overwrite", is_flag=True, help="Replace a previous run in --output."),
         click.option("--merge", is_flag=True, help="LoRA: also save the adapter merged into the base."),
         click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (local or Hub)."),

@@ -47,6 +47,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
         outside_step=_outside(s), hub=s.source.hub.to_dict() if s.source.hub is not None else None,
+        process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)

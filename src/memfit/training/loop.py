@@ -9,7 +9,7 @@
         evaluate_due    held-out loss when --eval-every says so
         log_step        metrics.jsonl and the trackers
         save_due        a checkpoint when --save-every says so
-        show_step       the progress line
+        show_step       the progress: a live line on a terminal, plain lines elsewhere
       finish          (training.finish)   export, samples, RunSummary, run.json / loss.png
 """
 
@@ -71,7 +71,7 @@ def run_loop(s: TrainSession) -> None:
             evaluated = evaluate_due(s)
             log_step(s, result, evaluated)
             save_due(s)
-            show_step(s, result)
+            show_step(s, result, evaluated)
 
 
 def run_step(s: TrainSession) -> StepResult:
@@ -176,17 +176,18 @@ def save_due(s: TrainSession) -> None:
         with not_a_batch_problem("saving a checkpoint"):
             s.guard.last_checkpoint = checkpoint.save_checkpoint(
                 s.accelerator, s.output, s.state.step,
-                {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config)},
+                {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config, s.total_steps)},
                 keep_last=s.config.keep_last, save_state=s.save_state)
     if stop:
         s.guard.stop(s.state.step)
 
 
-def show_step(s: TrainSession, result: StepResult) -> None:
+def show_step(s: TrainSession, result: StepResult, evaluated: bool = False) -> None:
+    """The progress after this step: the live line, or a plain line when due (``training.progress``)."""
     s.bar.update(s.state.step, loss=result.loss, lr=s.scheduler.get_last_lr()[0],
                  tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), memory=measure.in_use(s.device),
                  skipped=s.state.skipped_steps, eval_loss=s.state.last_eval,
-                 memory_label="rss" if s.device == "cpu" else "mem")
+                 memory_label="rss" if s.device == "cpu" else "mem", evaluated=evaluated)
 
 
 def micro_batches(s: TrainSession):

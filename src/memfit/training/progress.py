@@ -1,10 +1,20 @@
-"""What a training run shows: the live progress line (stderr) and the end summary (stdout). Render only.
+"""What a training run shows: its progress (stderr) and the end summary (stdout). Render only.
 
-Both fit an 80-column terminal without cutting a field. The progress line is built by
-``progress_line`` for the console's width: step/total and the ETA are always there; the other fields
-join in order of importance (loss, fp16 skipped steps, held-out loss, elapsed time, tokens/s, memory,
-the bar, the learning rate) while they fit, so a narrow terminal drops the least important ones whole
-instead of truncating the line with an ellipsis.
+Progress takes one of two forms, chosen by rich's own test of the console (``Console.is_interactive``:
+stderr is a terminal that is not ``TERM=dumb``; the environment overrides it as rich documents:
+``TTY_INTERACTIVE=0``/``1``, ``TTY_COMPATIBLE=0``/``1``, ``FORCE_COLOR``):
+
+* on a terminal, one live line redrawn in place, built by ``progress_line`` for the console's width:
+  step/total and the ETA are always there; the other fields join in order of importance (loss, fp16
+  skipped steps, held-out loss, elapsed time, tokens/s, memory, the bar, the learning rate) while they
+  fit, so a narrow terminal drops the least important ones whole instead of cutting the line;
+* anywhere else (``nohup``, Slurm, CI, ``| tee``, a file), plain lines that are never redrawn, each
+  flushed as it is written (``tail -f`` shows it): a step line (``plain_line``) every ``--log-every``
+  steps, at least every ``LOG_SECONDS`` seconds and at the last step, and an evaluation line
+  (``eval_line``) after each held-out evaluation. Their format is stable, for grep::
+
+      step 40/300  loss 1.234  lr 9.5e-04  1.2 K tok/s  rss 243.6 MiB  elapsed 0:32  eta 3:40
+      eval step 40/300  held-out loss 1.301
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ from memfit.units import fmt_bytes, fmt_count
 SEP = "  "
 #: The bar is shown only when it can be at least this wide; it grows up to BAR_MAX into spare room.
 BAR_MIN, BAR_MAX = 10, 30
+#: Without a live terminal, a step line is written at least this often (seconds; checked at the end of
+#: each step), between the ``--log-every`` ones, so a log file never stays silent long on slow steps.
+LOG_SECONDS = 30.0
 
 
 @dataclass
@@ -108,6 +121,29 @@ def progress_line(f: StepFields, width: int) -> Text:
     return line
 
 
+def plain_line(f: StepFields) -> str:
+    """The step line written without a live terminal: every known field, in a fixed order, never cut."""
+    parts = [f"step {f.step}/{f.total}"]
+    if _known(f.loss):
+        parts.append(f"loss {f.loss:.3f}")
+    if f.skipped:
+        parts.append(f"skipped {f.skipped}")
+    if _known(f.lr):
+        parts.append(f"lr {f.lr:.1e}")
+    if _known(f.tokens_per_s):
+        parts.append(f"{fmt_count(f.tokens_per_s)} tok/s")
+    if f.memory is not None:
+        parts.append(f"{f.memory_label} {fmt_bytes(f.memory)}")
+    parts.append(f"elapsed {clock(f.elapsed_s)}")
+    parts.append(f"eta {clock(f.remaining_s)}")
+    return SEP.join(parts)
+
+
+def eval_line(step: int, total: int, eval_loss: float) -> str:
+    """The line written after a held-out evaluation without a live terminal."""
+    return f"eval step {step}/{total}{SEP}held-out loss {eval_loss:.3f}"
+
+
 class _LineColumn(ProgressColumn):
     """The whole progress line as one column, sized to the console's width at every refresh."""
 
@@ -127,20 +163,26 @@ if TYPE_CHECKING:
 
 
 class LiveProgress:
-    """The live progress line: step, loss, held-out loss, lr, tokens/s, memory in use, fp16 skipped steps.
+    """The run's progress: step, loss, held-out loss, lr, tokens/s, memory in use, fp16 skipped steps.
 
+    A live line on a terminal, plain lines elsewhere (see the module docstring); ``live`` forces one or
+    the other (None: rich's ``Console.is_interactive`` decides). ``note`` writes a line in both forms.
     It also watches the step time (``threads.LoadWatch``) and says once when the machine seems loaded.
     """
 
-    def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None) -> None:
+    def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None, *,
+                 log_every: int = 1, live: bool | None = None) -> None:
         from memfit.training.threads import LoadWatch
 
         self.enabled = enabled
         self.console = console or Console(stderr=True)
-        self.progress = Progress(_LineColumn(self.console), console=self.console, disable=not enabled,
+        self.live = enabled and (self.console.is_interactive if live is None else live)
+        self.progress = Progress(_LineColumn(self.console), console=self.console, disable=not self.live,
                                  transient=False)
         self.task = self.progress.add_task("train", total=total, completed=start,
                                            stats=StepFields(step=start, total=total))
+        self.total, self.start, self.log_every = total, start, max(log_every, 1)
+        self._t0 = self._last_line = time.perf_counter()
         self.watch = LoadWatch()
         self._last_eval: float | None = None
 
@@ -152,20 +194,47 @@ class LiveProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, *, loss: float, lr: float, tokens_per_s: float, memory: int, skipped: int,
-               eval_loss: float | None, memory_label: str = "mem") -> None:
+               eval_loss: float | None, memory_label: str = "mem", evaluated: bool | None = None) -> None:
+        """After optimizer step ``step``; ``evaluated``: whether a held-out evaluation just ran (None:
+        when ``eval_loss`` changed)."""
         stats = StepFields(step=step, total=self.progress.tasks[0].total or step, loss=loss, eval_loss=eval_loss,
                            lr=lr, tokens_per_s=tokens_per_s, memory=memory, memory_label=memory_label,
                            skipped=skipped)
-        evaluated = _known(eval_loss) and eval_loss != self._last_eval  # this step's time includes an evaluation
+        if evaluated is None:
+            evaluated = _known(eval_loss) and eval_loss != self._last_eval
         self._last_eval = eval_loss
-        message = self.watch.observe(step, time.perf_counter(), skip=evaluated)
+        now = time.perf_counter()
+        message = self.watch.observe(step, now, skip=evaluated)  # this step's time includes an evaluation
         if message:
             self.note(message)
-        self.progress.update(self.task, completed=step, stats=stats)
+        if self.live:
+            self.progress.update(self.task, completed=step, stats=stats)
+        elif self.enabled:
+            self._log(stats, now, evaluated)
+
+    def _log(self, stats: StepFields, now: float, evaluated: bool) -> None:
+        """The step line when due (``--log-every``, ``LOG_SECONDS``, the last step), then the evaluation's."""
+        step = stats.step
+        if step % self.log_every == 0 or step >= self.total or now - self._last_line >= LOG_SECONDS:
+            stats.elapsed_s = now - self._t0
+            done = step - self.start  # steps of this process: a resumed run's rate is its own
+            stats.remaining_s = stats.elapsed_s / done * (self.total - step) if done > 0 else None
+            self._write(plain_line(stats))
+            self._last_line = now
+        if evaluated and _known(stats.eval_loss):
+            self._write(eval_line(step, stats.total, stats.eval_loss))
+
+    def _write(self, line: str) -> None:
+        # as written, never wrapped at the console's width (a file's is 80) nor read as rich markup, so grep
+        # sees every line whole; rich flushes the stream after each print, so tail -f shows it at once
+        self.console.print(line, soft_wrap=True, highlight=False, markup=False)
 
     def note(self, text: str) -> None:
-        if self.enabled:
+        """A line of its own: wrapped to the terminal's width under the live line, whole in a log."""
+        if self.live:
             self.console.print(text, highlight=False)
+        elif self.enabled:
+            self._write(text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,7 +313,13 @@ def summary_table(summary: RunSummary | dict[str, Any]) -> Table:
     table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
     table.add_row("final train loss", _loss(summary["final_train_loss"]))
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
-    table.add_row("wall time", f"{summary['wall_s']:.1f} s (training loop {summary['train_s']:.1f} s)")
+    resumes = summary.get("resumes") or []
+    resumed = bool(resumes) and summary.get("process_wall_s") is not None
+    table.add_row("wall time", f"{summary['wall_s']:.1f} s{', whole run' if resumed else ''} "
+                               f"(training loop {summary['train_s']:.1f} s)")
+    if resumed:  # the row above adds up the parts of the run; this one is what this command took
+        table.add_row("wall time (this process)",
+                      f"{summary['process_wall_s']:.1f} s, resumed from step {resumes[-1]['step']}")
     for row in _memory_rows(summary):
         table.add_row(*row)
     if len(summary.get("rank_peak_bytes") or []) > 1:

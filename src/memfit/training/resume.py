@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,8 @@ SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last"
 #: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
 #: and allow_pickle_weights in particular are never switched on by a file: the user passes them again.
 NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
-                          "trust_remote_code", "allow_pickle_weights", "pinned", "num_processes"})
+                          "trust_remote_code", "allow_pickle_weights", "pinned", "num_processes",
+                          "extend_schedule"})
 
 
 @dataclass
@@ -70,13 +72,20 @@ def fingerprint(run, hf_config) -> dict[str, Any]:
             "quantize": str(run.quantize)}
 
 
-def record(config, run, hf_config) -> dict[str, Any]:
-    """What ``save_checkpoint`` adds to the loop state so ``--resume`` can continue this exact run."""
-    return {"run": run.to_flat(), "settings": settings(config, run), "fingerprint": fingerprint(run, hf_config)}
+def record(config, run, hf_config, total_steps: int | None = None) -> dict[str, Any]:
+    """What ``save_checkpoint`` adds to the loop state so ``--resume`` can continue this exact run;
+    ``total_steps``: the run's length, over which its learning-rate schedule runs (``check_extension``)."""
+    out = {"run": run.to_flat(), "settings": settings(config, run), "fingerprint": fingerprint(run, hf_config)}
+    if total_steps is not None:
+        out["total_steps"] = total_steps
+    return out
 
 
 def restore(config):
     """``(config, ResumePoint)``: with ``--resume``, ``config`` with the saved run's settings; else ``(config, None)``."""
+    if getattr(config, "extend_schedule", False) and not config.resume:
+        raise UserError("--extend-schedule continues a finished run past its end and needs --resume (and --output, "
+                        "the run's folder).")
     if not config.resume or not config.output:
         return config, None
     from memfit.training import manifest
@@ -152,6 +161,39 @@ def check_belongs(point: ResumePoint | None, config, run, hf_config) -> None:
     if total is not None and total < step and not config.epochs:  # equal: nothing to train, export again
         raise UserError(f"--resume: the checkpoint is at step {step}, beyond --max-steps {total}; give --max-steps "
                         f"{step} or more.")
+
+
+def check_extension(point: ResumePoint | None, config, total_steps: int) -> None:
+    """Refuse to train a finished run on past its end unless ``--extend-schedule`` says to.
+
+    The learning-rate schedule (warmup, then cosine decay to 0) is a function of the step over the run's
+    total steps, and is rebuilt from the total of this invocation. A finished run's lr has decayed to 0;
+    rebuilt over more steps it would rise again at the resumed step, so that is done only when asked.
+    (An unfinished run given more steps just stretches its decay; ``schedule_note`` says so.) Checked
+    before the run folder is touched; checkpoints without ``total_steps`` are not checked.
+    """
+    if point is None or getattr(config, "extend_schedule", False):
+        return
+    step, ended = int(point.state.get("step", 0)), point.state.get("total_steps")
+    if isinstance(ended, int) and step >= ended and total_steps > step:
+        raise UserError(f"--resume: the run in {config.output} finished its {ended} steps with its learning rate "
+                        f"decayed to 0, and training on to step {total_steps} recomputes the schedule over "
+                        f"{total_steps} steps, so the lr rises again; add --extend-schedule to train on that way.")
+
+
+def schedule_note(point: ResumePoint | None, total_steps: int, before: list[float], after: list[float]) -> str | None:
+    """The preamble line when the resumed step's learning rate changed (the run's total steps changed)."""
+    if point is None or all(math.isclose(a, b, rel_tol=1e-6, abs_tol=0.0) for a, b in zip(before, after, strict=True)):
+        return None
+    step, ended = int(point.state.get("step", 0)), point.state.get("total_steps")
+    was = f" (was {ended})" if isinstance(ended, int) and ended != total_steps else ""
+    return (f"learning-rate schedule recomputed over {total_steps} steps{was}: at step {step} the lr is "
+            f"{after[0]:.1e} (was {before[0]:.1e}), decaying to 0 at step {total_steps}")
+
+
+def resumed_line(point: ResumePoint, total_steps: int) -> str:
+    """``resumed from checkpoint step 120 of 300 (runs/x/checkpoints/step-120)``."""
+    return f"resumed from checkpoint step {int(point.state.get('step', 0))} of {total_steps} ({point.path})"
 
 
 def _describe(value: Any) -> str:

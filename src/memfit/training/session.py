@@ -110,6 +110,9 @@ class TrainSession:
     """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
     snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
     """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
+    t_process: float | None = None
+    """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
+    the parts a resumed run continues, so the summary reports both."""
 
     @property
     def output(self) -> Path:
@@ -138,7 +141,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     Everything the user can get wrong (model, tokenizer, data, length, a resume that does not match its
     run) is checked before the output folder is created, so a bad input leaves nothing behind.
     """
-    t_start = time.perf_counter()
+    t_start = t_process = time.perf_counter()
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
@@ -155,6 +158,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     data = build_data(config, run, source.tokenizer)
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
     total_steps = _total_steps(config, schedule)
+    resume.check_extension(resume_point, config, total_steps)  # a finished run trained on: only when asked
     output = Path(config.output)
     guard.open_folder(config, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
@@ -165,19 +169,20 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     scheduler = build_scheduler(optimizer, config, total_steps)
     model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
     state = LoopState()
+    lrs = None  # the resumed step's learning rate: as saved, and on this run's schedule
     if config.resume:
         state = LoopState.from_dict(checkpoint.load_checkpoint(
             accelerator, output, resume_point.path, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
         state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
         guard.last_checkpoint = resume_point.path
         t_start -= state.wall_s  # wall times add up over the parts of a resumed run
-        _reapply_schedule(optimizer, scheduler)
+        lrs = _reapply_schedule(optimizer, scheduler)
     if config.tracker:
         from memfit.trackers import local_init_kwargs
 
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
                                   init_kwargs=local_init_kwargs(config.tracker, output))
-    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process)
+    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process, log_every=config.log_every)
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
     if source.hub is not None:
@@ -188,6 +193,11 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         bar.note(data.note)
     if resume_point is not None and resume_point.note:
         bar.note(resume_point.note)
+    if resume_point is not None:
+        bar.note(resume.resumed_line(resume_point, total_steps))
+        schedule_note = resume.schedule_note(resume_point, total_steps, *lrs)
+        if schedule_note:
+            bar.note(schedule_note)
     predicted = predict(source.spec, run, accelerator.device.type)
     bar.note(sharding.per_rank_line(source.spec, run, predicted, accelerator.device.type))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
@@ -198,7 +208,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         in_backward=optimizer if run.optimizer_in_backward else None,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.state_dict),
-                        metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start)
+                        metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
+                        t_process=t_process)
 
 
 def resolve_output(config: TrainConfig) -> TrainConfig:
@@ -243,15 +254,17 @@ def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any
     return plan_run(config, run)
 
 
-def _reapply_schedule(optimizer, scheduler) -> None:
-    """Set the learning rate the schedule gives at the resumed step.
+def _reapply_schedule(optimizer, scheduler) -> tuple[list[float], list[float]]:
+    """Set the learning rate the schedule gives at the resumed step; returns the lrs before and after.
 
     ``load_state`` restores the optimizer's param groups with the lr of the saved run's schedule; the
     schedule's function is not saved (it is rebuilt from this run's ``--max-steps``), so a run resumed
-    with more steps must take its lr from the new schedule, not from the old one's end.
+    with more steps must take its lr from the new schedule, not from the old one's end (the preamble
+    says so: ``resume.schedule_note``; a finished run only with ``--extend-schedule``).
     """
     import warnings
 
+    before = [group["lr"] for group in optimizer.param_groups]
     inner = getattr(scheduler, "scheduler", scheduler)  # unwrap Accelerate's AcceleratedScheduler
     with warnings.catch_warnings():  # get_lr() outside step() warns; here it is what we want
         warnings.simplefilter("ignore")
@@ -259,6 +272,7 @@ def _reapply_schedule(optimizer, scheduler) -> None:
     for group, lr in zip(optimizer.param_groups, lrs, strict=False):
         group["lr"] = lr
     inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return before, list(inner._last_lr)
 
 
 def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:

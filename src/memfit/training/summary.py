@@ -77,8 +77,10 @@ class RunSummary:
     """The loss of predicting every token by its training-set frequency: the baseline to beat."""
     tokens_per_s: float
     train_s: float
-    """Seconds inside optimizer steps (setup, evaluation and saving excluded)."""
+    """Seconds inside optimizer steps (setup, evaluation and saving excluded), over every part of a resumed run."""
     wall_s: float
+    """Wall time of the whole run: this process plus, for a resumed run, the earlier parts up to the
+    checkpoint it resumed from (``LoopState.wall_s``)."""
     skipped_steps: int
     """fp16 steps the loss scaler skipped (inf/NaN gradients)."""
     peak_memory: PeakMemory
@@ -108,6 +110,8 @@ class RunSummary:
     hub: dict[str, Any] | None = None
     """A Hub ``--model``: its id, the revision asked, the commit trained on and the cached snapshot
     (``memfit.hub.HubModel.to_dict``); None for presets and local folders."""
+    process_wall_s: float | None = None
+    """Wall time of this process alone (``wall_s`` less the resumed parts); None when not measured."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -133,7 +137,7 @@ class RunSummary:
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
-            "outside_step": self.outside_step, "hub": self.hub,
+            "outside_step": self.outside_step, "hub": self.hub, "process_wall_s": self.process_wall_s,
         }
         return json_safe(out)
 
