@@ -28,7 +28,7 @@ import re
 import shlex
 import sys
 import tempfile
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def _cwd(path: Path):
         os.chdir(before)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _run_cached(argv: tuple[str, ...]) -> str:
     if argv[0] == "cat":
         return (scratch() / argv[1]).read_text()

@@ -108,7 +108,8 @@ def test_train_a_hub_model_offline_then_resume_and_load_the_adapter_anywhere(hub
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "org/tiny" and adapter["revision"] == COMMIT
 
-    resumed = CliRunner().invoke(cli, ["train", "--output", str(out), "--resume", "--max-steps", "3"])
+    resumed = CliRunner().invoke(cli, ["train", "--output", str(out), "--resume", "--max-steps", "3",
+                                       "--extend-schedule"])
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((out / "run.json").read_text())["steps"] == 3
 
