@@ -138,6 +138,45 @@ def agrees(shown: str, fresh: str, argv: list[str]) -> bool:
     return got.startswith(want) if is_prefix else got == want
 
 
+_ESCAPE = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+
+
+def terminal_screen(stream: str) -> str:
+    """What a terminal shows once ``stream`` (text with ``\\r`` and ANSI cursor codes) is written to it.
+
+    ``memfit train`` runs with rich's terminal forced on (``TTY_COMPATIBLE``/``TTY_INTERACTIVE``), so the
+    docs show the live progress line as a user's terminal leaves it, not the plain log lines a pipe
+    gets. Handles what rich's ``Live`` writes: carriage return, erase line (``K``), cursor up (``A``);
+    colours and cursor visibility are dropped.
+    """
+    lines: list[list[str]] = [[]]
+    row = col = 0
+    pos = 0
+    for match in [*_ESCAPE.finditer(stream), None]:
+        text = stream[pos: match.start() if match else len(stream)]
+        for ch in text:
+            if ch == "\n":
+                row, col = row + 1, 0
+                while len(lines) <= row:
+                    lines.append([])
+            elif ch == "\r":
+                col = 0
+            else:
+                line = lines[row]
+                line.extend(" " * (col - len(line) + 1) if col >= len(line) else "")
+                line[col] = ch
+                col += 1
+        if match is None:
+            break
+        arg, code = match.groups()
+        if code == "K":
+            lines[row] = lines[row][:col] if arg in ("", "0") else []
+        elif code == "A":
+            row = max(0, row - int(arg or 1))
+        pos = match.end()
+    return "\n".join("".join(line).rstrip() for line in lines).strip("\n")
+
+
 @contextlib.contextmanager
 def _cwd(path: Path):
     """``contextlib.chdir`` (Python 3.11+) for 3.10."""
@@ -158,11 +197,13 @@ def _run_cached(argv: tuple[str, ...]) -> str:
     from memfit.cli import cli
 
     env = {"COLUMNS": str(WIDTH), "LINES": "50"}
+    if argv[0] == "train":  # as a terminal shows it: the live line, not a pipe's plain log lines
+        env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", NO_COLOR="1")
     with _cwd(scratch()):
         result = CliRunner(env=env).invoke(cli, list(argv))
     if result.exit_code not in (0, 1):  # 1: a user error, shown in the docs on purpose
         raise RuntimeError(f"memfit {' '.join(argv)} failed: {result.output}")
-    return "\n".join(line.rstrip() for line in result.output.strip("\n").splitlines())
+    return terminal_screen(result.output)
 
 
 def run(argv: list[str]) -> str:
