@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _train_helpers import TINY_LLAMA, write_qa
+from _train_helpers import TINY_LLAMA, foreign_lines, write_qa
 from memfit.config import RunConfig, TrainConfig
 from memfit.training.loop import train
 
@@ -81,18 +81,6 @@ def test_loading_a_checkpoint_shows_no_loading_bar(tmp_path, capfd):
 
 # ------------------------------------------------------------------------------------- the real CLI, one process
 
-FOREIGN = [
-    (r"^foreign log record ", "a dependency's log record (reported by the driver)"),
-    (r"^\S.*\.py:\d+: \w*Warning\b", "a Python warning"),
-    (r"^\s*warnings\.warn\(", "a Python warning's source line"),
-    (r"^\w*(Warning|Error): ", "a warning category or an exception"),
-    (r"Traceback \(most recent call last\)", "a traceback"),
-    (r"^\[RANK \d+\] ", "Accelerate's logger format"),
-    (r"^(WARNING|ERROR|INFO|CRITICAL|DEBUG)\b", "the logging module's default format"),
-    (r"Failed to load|Removed shared tensor|Merge lora module", "a message of issue 22"),
-    (r"\d+%\|| it/s\]| s/it\]", "a tqdm progress bar"),
-]
-"""Patterns of lines that memfit never prints itself (its own warnings start with a lowercase ``warning:``)."""
 
 DRIVER = r"""
 import logging, sys
@@ -174,8 +162,7 @@ def cli_output(tmp_path_factory):
     return {name: (out[name][0], out[name][1], err[name][1]) for name in cases}
 
 
-def _foreign(text: str) -> list[str]:
-    return [f"{why}: {line}" for line in text.splitlines() for pattern, why in FOREIGN if re.search(pattern, line)]
+_foreign = foreign_lines
 
 
 @pytest.mark.parametrize("case", ["normal", "tied", "lora-merge", "qlora-merge", "bad-json"])
