@@ -8,10 +8,12 @@ from pathlib import Path
 import click
 
 from memfit.cli.options import memory_options, run_config_from
+from memfit.defaults import SHAPES
 from memfit.errors import UserError
 
 
-@click.command("estimate", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model")
 @memory_options
 @click.option("--compare", is_flag=True, help="Show fp32, AMP fp16/bf16, pure bf16, LoRA and QLoRA side by side.")
@@ -38,10 +40,14 @@ def command(model, compare, exact, timeline_path, plot_path, device, trust_remot
       memfit estimate tiny --exact --timeline step.png
       memfit estimate ./my-checkpoint --seq-len 1024 --micro-batch 4
     """
+    from memfit.cli.options import explicit
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
     from memfit.modelspec import check_seq_len, load_spec
+    from memfit.validate import check_lora_options
 
+    typed = explicit(click.get_current_context(), kwargs)
+    check_lora_options(typed, "lora_r" in typed)
     run = run_config_from(kwargs)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")

@@ -12,8 +12,10 @@ import click
 from memfit.cli.data_options import data_options
 from memfit.cli.options import explicit, memory_options
 from memfit.config import RunConfig, TrainConfig
+from memfit.defaults import DEMO_LR, DEMO_STEPS, FULL_LR, LORA_LR, SHAPES
 from memfit.errors import UserError
 from memfit.trackers import TRACKERS
+from memfit.validate import check_lora_options
 
 _D = TrainConfig()
 
@@ -31,7 +33,8 @@ Examples:
   memfit train --check-equivalence --micro-batch 2 --grad-accum 4   # 8x1 vs 2x4: same weights?
   accelerate launch --num_processes 2 -m memfit train         # data-parallel on 2 GPUs
   ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m memfit train   # 2 CPU processes
-"""
+
+Defaults: """ + SHAPES["train"] + """ The preamble names every default derived from your data or method."""
 
 
 def _train_options(func):
@@ -42,12 +45,18 @@ def _train_options(func):
                      "default: the corpus shipped with memfit."),
         click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
         *data_options(),
-        click.option("--lr", type=float, default=_D.optimizer_lr, show_default=True, help="Peak learning rate."),
+        click.option("--lr", type=float, default=None,
+                     help=f"Peak learning rate; default by method: {DEMO_LR:g} from random weights (a preset, the "
+                     f"demo), {LORA_LR:g} for LoRA, {FULL_LR:g} for a full fine-tune."),
         click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True),
         click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True),
-        click.option("--max-steps", type=int, default=_D.max_steps, show_default=True,
-                     help="Optimizer steps (with --epochs: whichever ends first)."),
-        click.option("--epochs", type=int, default=None, help="Passes over the training data."),
+        click.option("--max-steps", type=int, default=None,
+                     help=f"Optimizer steps (with --epochs: whichever ends first); default: {DEMO_STEPS} for the "
+                     "demo, else 1 epoch."),
+        click.option("--epochs", type=int, default=None, help="Passes over the training data (never capped by a "
+                     "default --max-steps)."),
+        click.option("--truncate", is_flag=True, help="Keep conversations longer than --seq-len cut to it (when the "
+                     "cut keeps a reply token) instead of dropping them."),
         click.option("--batch", type=int, default=None,
                      help="Effective batch in sequences per optimizer step (sets --grad-accum)."),
         click.option("--seed", type=int, default=_D.seed, show_default=True),
@@ -129,8 +138,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     merged = {**kwargs, **from_file, **typed}
     merged["json"] = merged.pop("as_json", False)
     chosen = set(typed) | set(from_file)
-    if merged.get("epochs") and "max_steps" not in chosen:
-        merged["max_steps"] = None  # --epochs alone: train the whole epochs
+    check_lora_options(chosen, "lora_r" in chosen)
     if "mixed_precision" not in chosen:
         from memfit.training.setup import default_precision
 
