@@ -63,7 +63,7 @@ def test_given_seq_len_demo_and_resume_are_not_derived(tmp_path):
 def test_lr_by_method(tmp_path, random_init, lora, lr, why):
     config, note = derived.with_lr(_user_config(tmp_path, "d.jsonl"), random_init=random_init, lora=lora)
     assert config.optimizer_lr == lr
-    assert note == f"lr {derived._lr(lr)} ({why}; --lr to choose)"
+    assert note == f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
     given = _user_config(tmp_path, "d.jsonl", optimizer_lr=0.05)
     assert derived.with_lr(given, random_init=random_init, lora=lora) == (given, None)
 

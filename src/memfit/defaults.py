@@ -56,6 +56,12 @@ SHAPES = {
 command's ``--help`` shows its line."""
 
 
+def fmt_lr(value: float) -> str:
+    """``2e-4``, not ``0.0002`` or ``2e-04``."""
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def is_demo(model: str, data: str | None) -> bool:
     """``memfit train``'s demo: a preset (random weights) on the corpus shipped with memfit."""
     from memfit.modelspec import is_preset

@@ -12,7 +12,7 @@ import click
 from memfit.cli.data_options import data_options
 from memfit.cli.options import explicit, memory_options
 from memfit.config import RunConfig, TrainConfig
-from memfit.defaults import DEMO_LR, DEMO_STEPS, FULL_LR, LORA_LR, SHAPES
+from memfit.defaults import DEMO_LR, DEMO_SEQ_LEN, DEMO_STEPS, FULL_LR, LORA_LR, SHAPES, fmt_lr
 from memfit.errors import UserError
 from memfit.trackers import TRACKERS
 from memfit.validate import check_lora_options
@@ -46,8 +46,8 @@ def _train_options(func):
         click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
         *data_options(),
         click.option("--lr", type=float, default=None,
-                     help=f"Peak learning rate; default by method: {DEMO_LR:g} from random weights (a preset, the "
-                     f"demo), {LORA_LR:g} for LoRA, {FULL_LR:g} for a full fine-tune."),
+                     help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random weights (a preset, "
+                     f"the demo), {fmt_lr(LORA_LR)} for LoRA, {fmt_lr(FULL_LR)} for a full fine-tune."),
         click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True),
         click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True),
         click.option("--max-steps", type=int, default=None,
@@ -198,3 +198,7 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
         from memfit.training.progress import print_summary
 
         print_summary(summary)
+
+
+# --seq-len's shown default: the demo's value is not what a real run gets (memfit.defaults)
+next(p for p in command.params if p.name == "seq_len").show_default = f"from the data; {DEMO_SEQ_LEN} for the demo"

@@ -49,7 +49,7 @@ def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[Trai
     if config.optimizer_lr is not None:
         return config, None
     lr, why = defaults.default_lr(random_init=random_init, lora=lora)
-    note = None if defaults.is_demo(config.model, config.data) else f"lr {_lr(lr)} ({why}; --lr to choose)"
+    note = None if defaults.is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
     return dataclasses.replace(config, optimizer_lr=lr), note
 
 
@@ -66,9 +66,3 @@ def total_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, str | N
     count, note = defaults.default_steps(demo=defaults.is_demo(config.model, config.data),
                                          steps_per_epoch=steps_per_epoch)
     return count, note or None
-
-
-def _lr(value: float) -> str:
-    """``2e-4``, not ``0.0002`` or ``2e-04``."""
-    mantissa, exponent = f"{value:.0e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
