@@ -36,7 +36,7 @@ def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
     examples, encoded = _encode(config, tokenizer)
     tokenized = pack_encoded(encoded, seq_len=run.seq_len, packing=run.packing, eval_fraction=config.eval_fraction,
                              seed=config.seed, truncate=config.truncate)
-    _check_not_empty(tokenized, run)
+    _check_not_empty(tokenized, run, config.truncate)
     return examples, tokenized
 
 
@@ -87,10 +87,12 @@ def _encode(config: TrainConfig, tokenizer):
     return examples, encoded
 
 
-def _check_not_empty(tokenized, run: RunConfig) -> None:
+def _check_not_empty(tokenized, run: RunConfig, truncate: bool = False) -> None:
     if not len(tokenized.train):
+        how = ("no reply token within their first --seq-len tokens; raise --seq-len" if truncate
+               else "raise --seq-len, or add --truncate to keep them cut")
         extra = (f" ({tokenized.dropped_long} conversation(s) longer than --seq-len {run.seq_len} were dropped; "
-                 "raise --seq-len, or add --truncate to keep them cut)" if tokenized.dropped_long else "")
+                 f"{how})" if tokenized.dropped_long else "")
         raise UserError(f"The data yields no training sequence with a target token{extra}.")
 
 
