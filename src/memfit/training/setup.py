@@ -351,7 +351,7 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     from memfit.data_prep import data_note
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
-                      note=data_note(tokenized, run))
+                      note=data_note(tokenized, run, config.truncate))
 
 
 def spread(items: list, count: int) -> list:
