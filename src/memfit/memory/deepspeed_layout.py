@@ -12,7 +12,7 @@ two ranks compute the same shapes). Both ranks counted the same peak there (ZeRO
 What the bucket settings are: ``zero_sizes`` (Accelerate's ``"auto"`` rule, written into the DeepSpeed config
 by ``training.deepspeed_engine.ds_config``, so the estimate reads the same numbers the run gets).
 
-Only what memfit runs under DeepSpeed is modelled (``deepspeed_engine.refusal``): full fine-tunes, fp32
+Only what memfit runs under DeepSpeed is modelled (``engines.deepspeed_refusal``): full fine-tunes, fp32
 weights, no offload, the standard loss, torch's AdamW. bf16/fp16 (DeepSpeed's own 16-bit copy on a GPU) follows
 the same code paths with 2-byte parameters and gradients, read from the source but not measured.
 """

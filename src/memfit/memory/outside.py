@@ -45,6 +45,11 @@ from dataclasses import dataclass
 
 from memfit.config import Quantize, RunConfig, Sharding
 
+#: The sample budget of ``training.samples`` (a plain-text prompt's characters, the tokens generated),
+#: kept here so that the KV cache predicted and the samples generated read the same numbers.
+PROMPT_CHARS = 16
+MAX_NEW_TOKENS = 160
+
 GATHER_COPIES = 4
 """Copies of the largest parameter tensor alive at once while a sharded state dict is gathered, on a rank
 that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 on 2 CPU ranks: 3 or 4 x
@@ -184,7 +189,5 @@ def _largest_tensor(spec) -> int:
 
 def _kv_cache(spec, prec) -> int:
     """One sample's KV cache at its longest, one layer's copy more (module docstring)."""
-    from memfit.training.samples import MAX_NEW_TOKENS, PROMPT_CHARS
-
     positions = PROMPT_CHARS + 1 + MAX_NEW_TOKENS - 1  # the last token's keys are never cached
     return (2 * spec.num_layers + 1) * spec.num_kv_heads * spec.head_dim * positions * prec.c

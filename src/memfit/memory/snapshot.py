@@ -77,11 +77,11 @@ def host_bytes(spec, run: RunConfig) -> int:
 def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None):
     """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
     stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.
-    ``engine`` None: the launch's (``training.deepspeed_engine.estimator_engine``)."""
+    ``engine`` None: the launch's (``engines.estimator_engine``)."""
     from memfit.memory.estimate import estimate
 
     if engine is None:
-        from memfit.training.deepspeed_engine import estimator_engine
+        from memfit.engines import estimator_engine
 
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (

@@ -240,7 +240,7 @@ def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
     params = [p for p in model.parameters() if p.requires_grad]
     cuda_like = device == "cuda"
     if run.optimizer_in_backward:
-        from memfit.training.optim_in_backward import OptimizerInBackward
+        from memfit.optim_in_backward import OptimizerInBackward
 
         return OptimizerInBackward([{"params": params}],
                                    lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=cuda_like))
