@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from memfit import versions
 from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.linears import ATTN_IN
 from memfit.memory import quantized
 from memfit.memory.activations import (
-    ATTN_IN,
     Precisions,
     final_hidden_in_loss,
     head_side_activations,
