@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from memfit import engines
 from memfit.cli import cli
 from memfit.config import RunConfig
-from memfit.memory.estimate import model_states
 from memfit.memory.outside import outside_step
+from memfit.memory.states import model_states
 from memfit.planning import launch
 from memfit.planning.search import plan
 from memfit.training import sharding

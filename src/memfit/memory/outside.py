@@ -113,7 +113,7 @@ class OutsideStep:
 def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device)."""
     from memfit.memory.activations import Precisions
-    from memfit.memory.estimate import base_weight_bytes, model_states, optimizer_state_bytes
+    from memfit.memory.states import base_weight_bytes, model_states, optimizer_state_bytes
     cpu = device == "cpu"
     prec = Precisions.of(run)
     states = model_states(spec, run, device)
@@ -165,7 +165,7 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
     the head's (the tail unit twice when sharded + the logits and loss)."""
     from memfit.memory.activations import logits_terms
-    from memfit.memory.estimate import _unquantized_bytes, gathered_layer_bytes
+    from memfit.memory.states import _unquantized_bytes, gathered_layer_bytes
 
     tokens = run.micro_batch * run.seq_len
     layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c

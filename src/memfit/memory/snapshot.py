@@ -62,7 +62,7 @@ def host_bytes(spec, run: RunConfig) -> int:
     embeddings and head): whether a workstation holds it decides between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
     and the dataset (a few GB per process).
     """
-    from memfit.memory.estimate import _quant_state_bytes, model_states
+    from memfit.memory.states import _quant_state_bytes, model_states
 
     on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
     per_rank = 0

@@ -137,7 +137,7 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     Accelerate's ``DistributedDataParallelKwargs``), copies every gradient into its bucket to all-reduce
     it and back, so the buckets and ``param.grad`` are two copies of the gradients. With views each
     ``param.grad`` is a view into its bucket (the gradient autograd accumulated is copied in once and
-    freed), one copy in all (``memory.estimate.ddp_bucket_bytes``). Accelerate passes the kwargs to
+    freed), one copy in all (``memory.states.ddp_bucket_bytes``). Accelerate passes the kwargs to
     ``DistributedDataParallel`` in ``prepare_model`` (only on 2+ processes; ignored otherwise). The sum is
     the same, so the weights are too (tests/test_train_dp.py: 2 processes within 1e-6 of 1).
     """
