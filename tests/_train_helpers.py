@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from memfit.config import RunConfig, TrainConfig
@@ -94,3 +95,22 @@ def crash_after_first_checkpoint_then_resume(cfg: TrainConfig, monkeypatch):
         run_training(cfg, show=False)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
     return run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
+
+
+FOREIGN = [
+    (r"^foreign log record ", "a dependency's log record (reported by the driver)"),
+    (r"^\S.*\.py:\d+: \w*Warning\b", "a Python warning"),
+    (r"^\s*warnings\.warn\(", "a Python warning's source line"),
+    (r"^\w*(Warning|Error): ", "a warning category or an exception"),
+    (r"Traceback \(most recent call last\)", "a traceback"),
+    (r"^\[RANK \d+\] ", "Accelerate's logger format"),
+    (r"^(WARNING|ERROR|INFO|CRITICAL|DEBUG)\b", "the logging module's default format"),
+    (r"Failed to load|Removed shared tensor|Merge lora module", "a message of issue 22"),
+    (r"\d+%\|| it/s\]| s/it\]", "a tqdm progress bar"),
+]
+"""Patterns of lines that memfit never prints itself (its own warnings start with a lowercase ``warning:``)."""
+
+
+def foreign_lines(text: str) -> list[str]:
+    """The lines of ``text`` that match ``FOREIGN``, each with why."""
+    return [f"{why}: {line}" for line in text.splitlines() for pattern, why in FOREIGN if re.search(pattern, line)]

@@ -230,3 +230,69 @@ def test_tiny_model_trains_from_parquet_and_save_to_disk(tmp_path):
                           output=str(tmp_path / f"out-{source}"))
         summary = train(cfg, show=False)
         assert summary["steps"] == 3 and math.isfinite(summary["final_train_loss"])
+
+
+# ---------------------------------------------------------------------- folders: each file its own format
+
+
+def _chats(n: int, sharegpt: bool = False) -> str:
+    if sharegpt:
+        rows = [{"conversations": [{"from": "human", "value": f"{i}+2?"}, {"from": "gpt", "value": f"{i + 2}."}]}
+                for i in range(n)]
+    else:
+        rows = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}."}]}
+                for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_folder_of_a_messages_and_a_sharegpt_file_trains_on_both(tmp_path):
+    """One builder call cannot read files of different columns into one table ("cannot be read as json"):
+    the files are then read one by one, each record's format detected, and every record of both counted."""
+    from _train_helpers import tiny_config
+    from memfit.config import RunConfig
+    from memfit.data_prep import load_for_run
+    from memfit.training.loop import train
+
+    folder = tmp_path / "mix"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(_chats(12))
+    (folder / "b.jsonl").write_text(_chats(10, sharegpt=True))
+    cfg = tiny_config(tmp_path, data=str(folder), packing="documents", eval_fraction=0.0)
+    examples, tokenized = load_for_run(cfg, RunConfig(seq_len=64), byte_tokenizer())
+    assert tokenized.conversations == 22 and len(examples) == 22
+    assert examples[12].where == f"{folder / 'b.jsonl'} row 1" and examples[12].is_conversation
+    summary = train(cfg, show=False)
+    assert summary["steps"] == 3 and math.isfinite(summary["final_train_loss"])
+
+
+@pytest.mark.parametrize("name,broken,message", [
+    ("b.json", '[{"text": "a"}, {"text": ', "b.json cannot be read as json (Expected object or value"),
+    ("b.jsonl", '{"text": "a"}\n{"text": "oops\n', "b.jsonl line 2 is not valid JSON"),
+])
+def test_folder_with_one_broken_file_names_that_file_alone(tmp_path, name, broken, message):
+    """Also: no log line of ``datasets`` before memfit's sentence (its JSON builder logs the parse error it
+    then raises); collected from its logger, since its handler writes to whichever stderr was current when
+    ``datasets`` was first imported."""
+    import logging
+
+    from _train_helpers import write_model
+
+    folder = tmp_path / "mix"
+    folder.mkdir()
+    (folder / f"a{Path(name).suffix}").write_text(json.dumps([{"text": "fine"}]) if name.endswith(".json")
+                                                  else _chats(3))
+    (folder / name).write_text(broken)
+    out = tmp_path / "out"
+    records = []
+    collect = logging.Handler(logging.WARNING)
+    collect.emit = records.append
+    logging.getLogger("datasets").addHandler(collect)
+    try:
+        result = CliRunner().invoke(cli, ["train", "--model", write_model(tmp_path / "m"), "--tokenizer", "byte",
+                                          "--data", str(folder), "--max-steps", "1", "--output", str(out)])
+    finally:
+        logging.getLogger("datasets").removeHandler(collect)
+    assert result.exit_code == 1 and result.output.startswith(f"error: {folder / name}"), result.output
+    assert message in result.output and result.output.count("\n") == 1  # one sentence, nothing else
+    assert [r.getMessage() for r in records] == []
+    assert not out.exists()

@@ -46,3 +46,17 @@ def test_held_out_fraction_in_the_docs_is_the_default():
 
     data_md = (ROOT / "docs" / "data.md").read_text()
     assert f"default {TrainConfig().eval_fraction:g}" in data_md
+
+
+def test_counts_the_docs_quote_are_the_tables():
+    """Issue 22 found "20 presets" in the docs beside 21 in the table: the counts are checked here."""
+    import re
+
+    from memfit.modelspec import preset_names
+    from memfit.planning.gpus import load_gpus
+
+    readme = (ROOT / "README.md").read_text()
+    estimate_md = (ROOT / "docs" / "estimate.md").read_text()
+    assert re.search(r"architectures\.yaml \((\d+) models' config facts\)", readme).group(1) == str(len(preset_names()))
+    assert re.search(r"gpus\.yaml \((\d+) GPUs\)", readme).group(1) == str(len(load_gpus()))
+    assert re.search(r"`memfit presets` lists (\d+)", estimate_md).group(1) == str(len(preset_names()))

@@ -133,3 +133,21 @@ def test_budget_on_cpu_plans_qlora_and_trains_it(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["run"]["quantize"] == "4bit" and summary["run"]["lora_r"] == 8
     assert summary["steps"] == 2 and summary["fallbacks"] == []
+
+
+def test_qlora_on_a_shape_the_cpu_inference_kernel_cannot_pack_evaluates_and_exports(tmp_path, monkeypatch):
+    """intermediate_size 176 (not a multiple of 32): on a CPU with AVX512-BF16, bitsandbytes' Linear4bit repacks
+    its weight for a fused inference kernel at the first forward outside training and asserts "N must be
+    divisible by block_n", so the run used to die at its first evaluation after training. memfit keeps every
+    layer on training's path (quant_support.keep_training_path). This machine may lack AVX512-BF16, so the
+    layers are built as on one that has it."""
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    cfg = _qlora(tmp_path, max_steps=4, eval_every=2, eval_fraction=0.1, samples=1)
+    model = json.loads(Path(cfg.model).read_text())
+    Path(cfg.model).write_text(json.dumps({**model, "intermediate_size": 176}))
+    res = run_training(cfg, show=False)
+    assert res.summary.steps == 4 and res.summary.final_eval_loss is not None
+    layers = [m for m in res.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert {m.out_features for m in layers} >= {176}
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert (Path(cfg.output) / "adapter_model.safetensors").is_file()

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from memfit import validate
+from memfit.defaults import DEMO_MICRO_BATCH, DEMO_SEQ_LEN
 from memfit.errors import UserError
 
 
@@ -237,15 +238,22 @@ class TrainConfig:
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
-    run: RunConfig = field(default_factory=lambda: RunConfig(seq_len=128, micro_batch=4))
-    """Train's own defaults for the memory settings: sized for the demo (tiny preset, 2 CPU cores, < 3 min)."""
-    optimizer_lr: float = 1e-3
-    """Peak learning rate. The demo's 1e-3 x 300 steps was chosen by held-out loss on the shipped corpus:
-    0.71 nats/token, against 2.15 for 3e-3 x 120 steps and 1.02 for 1e-3 x 240 (2 CPU cores, ~95 s)."""
+    run: RunConfig = field(default_factory=lambda: RunConfig(seq_len=DEMO_SEQ_LEN, micro_batch=DEMO_MICRO_BATCH))
+    """Train's own defaults for the memory settings: sized for the demo (tiny preset, 2 CPU cores, < 3 min).
+    On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.defaults``);
+    library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
+    optimizer_lr: float | None = None
+    """Peak learning rate; None: by method (``memfit.defaults.default_lr``: 1e-3 from random weights, as
+    the demo, 2e-4 for LoRA, 2e-5 for a full fine-tune), filled in when the run is built."""
     weight_decay: float = 0.0
     warmup_steps: int = 10
-    max_steps: int | None = 300
+    max_steps: int | None = None
+    """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
+    other run one epoch (``memfit.defaults.default_steps``)."""
     epochs: int | None = None
+    truncate: bool = False
+    """Keep conversations longer than ``seq_len`` cut to it (when the cut keeps a target token), instead of
+    dropping them."""
     seed: int = 0
     eval_every: int = 40
     eval_fraction: float = 0.02

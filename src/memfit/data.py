@@ -331,7 +331,10 @@ class TokenizedData:
     """Conversations among the documents."""
     dropped_long: int = 0
     """Conversations longer than ``seq_len``, dropped (policy: drop; a cut conversation would train on a
-    reply whose question is gone, or lose the reply's end-of-turn)."""
+    reply whose question is gone, or lose the reply's end-of-turn). With ``truncate``, only those whose
+    first ``seq_len`` tokens hold no target (the reply begins after the cut)."""
+    truncated_long: int = 0
+    """Conversations longer than ``seq_len`` kept cut to their first ``seq_len`` tokens (``truncate``)."""
 
 
 def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -362,7 +365,7 @@ def split_indices(n_docs: int, eval_fraction: float, seed: int):
 
 def tokenize(
     examples: Sequence[Example], tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int,
-    train_on_prompt: bool = False,
+    train_on_prompt: bool = False, truncate: bool = False,
 ) -> TokenizedData:
     """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
 
@@ -412,6 +415,9 @@ def tokenize(
             read as ``documents``/``none``.
         eval_fraction: share of documents held out, in [0, 1).
         seed: seeds the held-out draw.
+        truncate: keep a conversation longer than ``seq_len`` cut to its first ``seq_len`` tokens
+            (the start of the conversation: its first turns stay whole, the question before each kept
+            reply too) when the cut keeps a target token, instead of dropping it.
     """
     if seq_len < 2:
         raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
@@ -422,19 +428,27 @@ def tokenize(
     mode = parse_packing(packing)
     build = {Packing.DOCUMENTS: lambda docs, n: list(pack_documents(docs, n)), Packing.CONCAT: _pack,
              Packing.NONE: _truncate}[mode]
-    train_docs, dropped_train = _drop_long_conversations(
-        _encode_docs([examples[i] for i in train_idx], tokenizer, train_on_prompt), seq_len)
-    eval_docs, dropped_eval = _drop_long_conversations(
-        _encode_docs([examples[i] for i in eval_idx], tokenizer, train_on_prompt), seq_len)
+    train_docs, dropped_train, cut_train = _drop_long_conversations(
+        _encode_docs([examples[i] for i in train_idx], tokenizer, train_on_prompt), seq_len, truncate)
+    eval_docs, dropped_eval, cut_eval = _drop_long_conversations(
+        _encode_docs([examples[i] for i in eval_idx], tokenizer, train_on_prompt), seq_len, truncate)
     return TokenizedData(train=build(train_docs, seq_len), eval=build(eval_docs, seq_len),
                          conversations=sum(ex.is_conversation for ex in examples),
-                         dropped_long=dropped_train + dropped_eval)
+                         dropped_long=dropped_train + dropped_eval, truncated_long=cut_train + cut_eval)
 
 
-def _drop_long_conversations(docs, seq_len: int):
-    """Documents without the conversations longer than ``seq_len`` (marked by a third tuple item)."""
-    kept = [(ids, labels) for ids, labels, *chat in docs if not (chat and len(ids) > seq_len)]
-    return kept, len(docs) - len(kept)
+def _drop_long_conversations(docs, seq_len: int, truncate: bool = False):
+    """``(documents, dropped, truncated)``: the conversations (marked by a third tuple item) longer than
+    ``seq_len`` dropped, or with ``truncate`` cut to ``seq_len`` where the cut keeps a target token."""
+    kept, dropped, cut = [], 0, 0
+    for ids, labels, *chat in docs:
+        if chat and len(ids) > seq_len:
+            if not (truncate and _n_targets(labels[:seq_len]) > 0):
+                dropped += 1
+                continue
+            ids, labels, cut = ids[:seq_len], labels[:seq_len], cut + 1
+        kept.append((ids, labels))
+    return kept, dropped, cut
 
 
 def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:

@@ -200,23 +200,30 @@ def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_pro
 
 
 def tokenize_dataset(ds, tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int, fmt, fields,
-                     train_on_prompt: bool, num_proc: int, where: str):
+                     train_on_prompt: bool, num_proc: int, where: str, truncate: bool = False):
     """``TokenizedData`` whose ``train``/``eval`` are ``ArrowRows`` (see the module docstring).
 
     ``ds`` is a ``datasets.Dataset`` or a list of parts of one source, in corpus order, each
     ``(dataset, where, fmt, fields)``; their documents are split and packed as one corpus.
     """
+    parts = ds if isinstance(ds, list) else [(ds, where, fmt, fields)]
+    encoded = encode_parts(parts, tokenizer, train_on_prompt=train_on_prompt, num_proc=num_proc)
+    return pack_encoded(encoded, seq_len=seq_len, packing=packing, eval_fraction=eval_fraction, seed=seed,
+                        truncate=truncate)
+
+
+def encode_parts(parts, tokenizer, *, train_on_prompt: bool, num_proc: int):
+    """Step 1 over the parts of one source (``(dataset, where, fmt, fields)`` each): one encoded table,
+    one row per document in corpus order, with its ``length`` in tokens (cached by ``datasets``)."""
     import datasets
 
-    parts = ds if isinstance(ds, list) else [(ds, where, fmt, fields)]
     encoded = [encode_dataset(part, tokenizer, fmt=part_fmt, fields=part_fields, train_on_prompt=train_on_prompt,
                               num_proc=num_proc, where=name) for part, name, part_fmt, part_fields in parts]
-    encoded = encoded[0] if len(encoded) == 1 else datasets.concatenate_datasets(encoded)
-    return pack_encoded(encoded, seq_len=seq_len, packing=packing, eval_fraction=eval_fraction, seed=seed)
+    return encoded[0] if len(encoded) == 1 else datasets.concatenate_datasets(encoded)
 
 
-def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int):
-    """Steps 2-3 on an encoded table (one row per document)."""
+def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int, truncate: bool = False):
+    """Steps 2-3 on an encoded table (one row per document); ``truncate``: ``memfit.data.tokenize``'s."""
     import numpy as np
 
     from memfit.config import parse_packing
@@ -231,10 +238,33 @@ def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: 
     columns = encoded.select_columns(["conversation", "length"]).with_format("arrow")[:]
     conversation = columns.column("conversation").to_numpy().astype(bool)
     too_long = conversation & (columns.column("length").to_numpy() > seq_len)
-    train = _pack_split(encoded, ~held & ~too_long, seq_len, mode, "train")
-    kept_eval = _pack_split(encoded, held & ~too_long, seq_len, mode, "eval")
+    cut = too_long & _target_within(encoded, too_long, seq_len) if truncate else np.zeros(n_docs, dtype=bool)
+    dropped = too_long & ~cut
+    train = _pack_split(encoded, ~held & ~dropped, seq_len, mode, "train", cut)
+    kept_eval = _pack_split(encoded, held & ~dropped, seq_len, mode, "eval", cut)
     return TokenizedData(train=ArrowRows(train), eval=ArrowRows(kept_eval), conversations=int(conversation.sum()),
-                         dropped_long=int(too_long.sum()))
+                         dropped_long=int(dropped.sum()), truncated_long=int(cut.sum()))
+
+
+def _target_within(encoded, mask, seq_len: int):
+    """Per document, whether its first ``seq_len`` tokens hold a target (a label after the causal shift
+    that is not -100); read for the documents of ``mask`` only (False for the others)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    out = np.zeros(len(mask), dtype=bool)
+    if not mask.any():
+        return out
+    where = np.flatnonzero(mask)
+    found = []
+    for batch in _kept_batches(encoded, mask, columns=["labels"]):
+        head = pc.list_slice(batch.column(0), 1, seq_len)  # labels[1:seq_len]: the targets of the cut
+        rows = pc.list_parent_indices(head).to_numpy(zero_copy_only=False)
+        has = np.zeros(batch.num_rows, dtype=bool)
+        has[rows[pc.not_equal(pc.list_flatten(head), -100).to_numpy(zero_copy_only=False)]] = True
+        found.append(has)
+    out[where] = np.concatenate(found)
+    return out
 
 
 def _packed_features(encoded, mode: str, seq_len: int):
@@ -247,11 +277,11 @@ def _packed_features(encoded, mode: str, seq_len: int):
     return Features(columns)
 
 
-def _pack_split(encoded, keep, seq_len: int, mode, name: str):
+def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
     """The documents of ``keep`` (a boolean mask), packed, as an Arrow file in the ``datasets`` cache
     (``memfit-packed/<key>.arrow``, written by ``datasets``' ``ArrowWriter`` and read back memory-mapped);
-    the key covers step 1's fingerprint, the mask, the packing settings and the packer's source, so a
-    second run reuses it."""
+    the key covers step 1's fingerprint, the masks, the packing settings and the packer's source, so a
+    second run reuses it. The documents of ``cut`` (a boolean mask, or None) are cut to ``seq_len`` first."""
     import os
 
     import datasets
@@ -262,15 +292,16 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str):
     import memfit.packing
 
     packer = Path(memfit.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
+    cuts = cut.tobytes() if cut is not None and cut.any() else b""  # no cut: the key of a run without --truncate
     digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode() + packer
-                            + keep.tobytes()).hexdigest()[:24]
+                            + keep.tobytes() + cuts).hexdigest()[:24]
     path = Path(datasets.config.HF_DATASETS_CACHE) / "memfit-packed" / f"{digest}.arrow"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")
         writer = ArrowWriter(features=_packed_features(encoded, str(mode), seq_len), path=str(partial_path))
         try:
-            for batch in _packed_batches(encoded, keep, seq_len, str(mode)):
+            for batch in _packed_batches(encoded, keep, seq_len, str(mode), cut):
                 writer.write_table(batch)
             writer.finalize()
         finally:
@@ -279,20 +310,21 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str):
     return datasets.Dataset.from_file(str(path))
 
 
-def _packed_batches(encoded, keep, seq_len: int, mode: str):
+def _packed_batches(encoded, keep, seq_len: int, mode: str, cut=None):
     """Tables of packed rows: ``documents`` with numpy (``memfit.packing.pack_arrow_documents``), the
     others row by row in Python."""
     import pyarrow as pa
 
     from memfit.packing import pack_arrow_documents
 
+    cut = (cut, seq_len) if cut is not None and cut.any() else None
     if mode == "documents":
-        for batch in pack_arrow_documents(_kept_batches(encoded, keep), seq_len, rows_per_batch=BATCH_ROWS):
+        for batch in pack_arrow_documents(_kept_batches(encoded, keep, cut=cut), seq_len, rows_per_batch=BATCH_ROWS):
             yield pa.Table.from_batches([batch])
         return
     features = _packed_features(encoded, mode, seq_len)
     rows = []
-    for row in _rows(_kept_docs(encoded, keep), seq_len, mode):
+    for row in _rows(_kept_docs(encoded, keep, cut), seq_len, mode):
         rows.append(row)
         if len(rows) >= BATCH_ROWS:
             yield pa.Table.from_pylist(rows, schema=features.arrow_schema)
@@ -301,21 +333,44 @@ def _packed_batches(encoded, keep, seq_len: int, mode: str):
         yield pa.Table.from_pylist(rows, schema=features.arrow_schema)
 
 
-def _kept_batches(encoded, keep):
-    """Record batches (``input_ids``, ``labels``) of the documents ``keep`` marks, in corpus order."""
+def _kept_batches(encoded, keep, *, columns=("input_ids", "labels"), cut=None):
+    """Record batches (``columns``) of the documents ``keep`` marks, in corpus order; ``cut``: a
+    ``(mask, seq_len)`` whose documents are cut to their first ``seq_len`` tokens."""
     import pyarrow as pa
 
     start = 0
-    for batch in stream_batches(encoded, ["input_ids", "labels"]):
+    for batch in stream_batches(encoded, list(columns)):
         mask = keep[start : start + batch.num_rows]
+        cut_here = cut[0][start : start + batch.num_rows][mask] if cut is not None else None
         start += batch.num_rows
         if mask.any():
-            yield batch.filter(pa.array(mask))
+            kept = batch.filter(pa.array(mask))
+            yield kept if cut_here is None or not cut_here.any() else _cut_rows(kept, cut_here, cut[1])
 
 
-def _kept_docs(encoded, keep):
+def _cut_rows(batch, rows, seq_len: int):
+    """``batch`` with the lists of the ``rows`` it marks (every column) cut to their first ``seq_len`` items."""
+    import numpy as np
+    import pyarrow as pa
+
+    from memfit.packing import _one_array
+
+    columns = []
+    for column in batch.columns:
+        column = _one_array(column)
+        offsets = column.offsets.to_numpy()
+        lengths = np.diff(offsets)
+        new_lengths = np.where(rows, np.minimum(lengths, seq_len), lengths)
+        within = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], lengths)
+        values = column.flatten().filter(pa.array(within < np.repeat(new_lengths, lengths)))
+        new_offsets = pa.array(np.concatenate([[0], np.cumsum(new_lengths)]).astype(np.int32))
+        columns.append(pa.ListArray.from_arrays(new_offsets, values))
+    return pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
+
+
+def _kept_docs(encoded, keep, cut=None):
     """``(input_ids, labels)`` of the documents ``keep`` marks, in corpus order, as Python lists."""
-    for batch in _kept_batches(encoded, keep):
+    for batch in _kept_batches(encoded, keep, cut=cut):
         yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True)
 
 

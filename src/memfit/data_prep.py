@@ -31,9 +31,34 @@ def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
         UserError: any bad input (see ``memfit.data``, ``memfit.data_formats``, ``memfit.data_sources``),
             or data that leaves no training sequence.
     """
+    from memfit.data_arrow import pack_encoded
+
+    examples, encoded = _encode(config, tokenizer)
+    tokenized = pack_encoded(encoded, seq_len=run.seq_len, packing=run.packing, eval_fraction=config.eval_fraction,
+                             seed=config.seed, truncate=config.truncate)
+    _check_not_empty(tokenized, run, config.truncate)
+    return examples, tokenized
+
+
+def record_lengths(config: TrainConfig, tokenizer):
+    """The tokenized lengths of the run's training records (held-out ones left out), as an int64 numpy array.
+
+    Read from the ``length`` column of the encoded table (``memfit.data_arrow``, step 1): every record of
+    every source, Hub datasets included, is tokenized whole before packing and cached by ``datasets``,
+    so ``load_for_run`` then reuses this encoding instead of tokenizing again.
+    """
+    from memfit.data import split_indices
+
+    _, encoded = _encode(config, tokenizer)
+    lengths = encoded.select_columns(["length"]).with_format("arrow")[:].column("length").to_numpy()
+    train, _ = split_indices(len(lengths), config.eval_fraction, config.seed)  # tokenize's split
+    return lengths[train]
+
+
+def _encode(config: TrainConfig, tokenizer):
+    """``(examples, encoded)``: the records of ``config.data`` and their encoding, one row per document."""
     from memfit import data_sources
-    from memfit.data import find_bad_input
-    from memfit.data_arrow import tokenize_dataset
+    from memfit.data_arrow import encode_parts
     from memfit.data_formats import FORMATS, Fields, chat_template_of
 
     if config.data_format is not None and config.data_format not in FORMATS:
@@ -51,23 +76,23 @@ def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
     examples = LazyExamples(plan)
     chat_template_of(tokenizer, config.chat_template, data_has_conversations=examples.has_conversations())
     try:
-        tokenized = tokenize_dataset(plan, tokenizer, seq_len=run.seq_len,
-                                     packing=run.packing, eval_fraction=config.eval_fraction, seed=config.seed,
-                                     fmt=config.data_format, fields=fields, train_on_prompt=config.train_on_prompt,
-                                     num_proc=config.num_proc, where=str(config.data))
+        encoded = encode_parts(plan, tokenizer, train_on_prompt=config.train_on_prompt, num_proc=config.num_proc)
     except UserError:
+        from memfit.data import find_bad_input
+
         for part in parts:  # a bad record of a .jsonl file: name its line, as memfit's own reader does
             for file in part.files:
                 find_bad_input(file, config.data_format, fields)
         raise
-    _check_not_empty(tokenized, run)
-    return examples, tokenized
+    return examples, encoded
 
 
-def _check_not_empty(tokenized, run: RunConfig) -> None:
+def _check_not_empty(tokenized, run: RunConfig, truncate: bool = False) -> None:
     if not len(tokenized.train):
-        extra = (f" ({tokenized.dropped_long} conversation(s) longer than --seq-len {run.seq_len} were dropped)"
-                 if tokenized.dropped_long else "")
+        how = ("no reply token within their first --seq-len tokens; raise --seq-len" if truncate
+               else "raise --seq-len, or add --truncate to keep them cut")
+        extra = (f" ({tokenized.dropped_long} conversation(s) longer than --seq-len {run.seq_len} were dropped; "
+                 f"{how})" if tokenized.dropped_long else "")
         raise UserError(f"The data yields no training sequence with a target token{extra}.")
 
 
@@ -100,8 +125,9 @@ class LazyExamples(Sequence):
         return any(self[start].is_conversation for start in self.starts[:-1] if start < len(self))
 
 
-def data_note(tokenized, run: RunConfig) -> str:
-    """One line before training: the packing mode, its padding share, conversations dropped as too long."""
+def data_note(tokenized, run: RunConfig, truncate: bool = False) -> str:
+    """One line before training: the packing mode, its padding share, conversations too long for
+    ``--seq-len`` dropped or (``truncate``) cut."""
     from memfit.packing import padding_share
 
     head = tokenized.train[: 4096]  # the first rows tell the share; a corpus on disk is not read whole for it
@@ -109,9 +135,13 @@ def data_note(tokenized, run: RunConfig) -> str:
     line = f"packing {run.packing}: {share:.1%} of the token slots of a micro-batch are padding"
     if tokenized.conversations:
         line += f" | {tokenized.conversations:,} conversation(s), loss on assistant turns"
+    if tokenized.truncated_long:
+        line += (f" | {tokenized.truncated_long:,} conversation(s) longer than --seq-len {run.seq_len} cut to it "
+                 "(--truncate)")
     if tokenized.dropped_long:
         line += (f" | {tokenized.dropped_long:,} conversation(s) longer than --seq-len {run.seq_len} dropped "
-                 "(policy: drop; raise --seq-len to keep them)")
+                 + ("(--truncate: no target token within the cut)" if truncate
+                    else "(policy: drop; raise --seq-len, or --truncate to keep them cut)"))
     return line
 
 

@@ -70,11 +70,13 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
         if len(suffixes) != 1:
             raise UserError(f"Data folder {p} mixes file types ({', '.join(sorted(suffixes))}); keep one per folder.")
         builder = BUILDERS[suffixes.pop()]
+        from memfit.hf_compat import quiet_json_parse_log
+
         try:
-            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+            with quiet_json_parse_log():  # the parse error comes back as the exception worded below
+                return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
         except Exception as err:  # noqa: BLE001 - pyarrow/json/csv raise many types; all mean "cannot read"
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise UserError(f"{p} cannot be read as {builder} ({first}).") from None
+            raise UserError(f"{p} cannot be read as {builder} ({_first_line(err)}).") from None
     if datasets.config.HF_HUB_OFFLINE:
         raise UserError(f"{path} is neither a local path nor reachable: the Hugging Face Hub is offline "
                         "(HF_HUB_OFFLINE is set).")
@@ -162,7 +164,7 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
         if file is not None and file.suffix.lower() == run[0].suffix.lower():
             run.append(file)
             continue
-        parts.append(_read_files(run, where, fmt, fields))
+        parts += _read_run(run, where, fmt, fields)
         run = [file]
     if not sum(len(part.ds) for part in parts):
         raise UserError(f"Data {'file' if root.is_file() else 'folder'} {root} is empty.")
@@ -178,35 +180,70 @@ def _data_files(folder: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
-def _read_files(files: list[Path], where: str, fmt, fields) -> Part:
+def _read_run(files: list[Path], where: str, fmt, fields) -> list[Part]:
+    """The parts of a run of files of one suffix: one part read by one builder call when the files share
+    their columns, else one part per file.
+
+    A builder reads its files into one table, so files whose records are of different formats (a
+    ``messages`` file beside a ShareGPT one) cannot be read together; the format is detected per record
+    (``memfit.data_formats.detect_format``), so each file is then read on its own, named by its path, and
+    their encodings are concatenated like any parts (``memfit.data_arrow.tokenize_dataset``). A file that
+    cannot be read even alone is named in the error.
+    """
+    try:
+        return [_read_files(files, where)]
+    except Exception as err:  # noqa: BLE001 - pyarrow/json/csv/unicode raise many types; all mean "cannot read"
+        if len(files) == 1:
+            _refuse(files[0], where, err, fmt, fields)
+    parts = []
+    for file in files:
+        try:
+            parts.append(_read_files([file], str(file)))
+        except Exception as err:  # noqa: BLE001 - as above
+            _refuse(file, str(file), err, fmt, fields)
+    return parts
+
+
+def _read_files(files: list[Path], where: str) -> Part:
+    """One part: ``files`` (one suffix) read by one ``datasets`` builder call; raises what the builder raises."""
     import datasets
 
     from memfit import data_arrow
+    from memfit.hf_compat import quiet_json_parse_log
 
     datasets.disable_progress_bars()
     suffix = files[0].suffix.lower()
-    builder = ALL_BUILDERS[suffix]
     names = [str(f) for f in files]
-    try:
-        if suffix == ".txt":  # paragraphs (cut at "\n\n"), then memfit's documents (blank lines, stripped)
-            raw = datasets.load_dataset("text", data_files=names, split="train", sample_by="paragraph",
-                                        encoding="utf-8-sig", chunksize=TEXT_CHUNK)
-            ds = raw.map(_documents_of_paragraphs, batched=True, remove_columns=raw.column_names,
-                         batch_size=data_arrow.BATCH_ROWS, writer_batch_size=data_arrow.BATCH_ROWS,
-                         new_fingerprint=_code_fingerprint(raw._fingerprint, "documents"), desc="documents")
-        else:
-            ds = datasets.load_dataset(builder, data_files=names, split="train")
-    except Exception as err:  # noqa: BLE001 - pyarrow/json/csv/unicode raise many types; all mean "cannot read"
-        if suffix in LINE_BUILDERS:
-            from memfit.data import find_bad_input
-
-            for file in files:
-                find_bad_input(file, fmt, fields)
-                if file.stat().st_size < (1 << 20) and not file.read_text(encoding="utf-8-sig").strip():
-                    raise UserError(f"Data file {file} is empty.") from None  # datasets fails on no rows
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"{where} cannot be read as {builder} ({first}).") from None
+    if suffix == ".txt":  # paragraphs (cut at "\n\n"), then memfit's documents (blank lines, stripped)
+        raw = datasets.load_dataset("text", data_files=names, split="train", sample_by="paragraph",
+                                    encoding="utf-8-sig", chunksize=TEXT_CHUNK)
+        ds = raw.map(_documents_of_paragraphs, batched=True, remove_columns=raw.column_names,
+                     batch_size=data_arrow.BATCH_ROWS, writer_batch_size=data_arrow.BATCH_ROWS,
+                     new_fingerprint=_code_fingerprint(raw._fingerprint, "documents"), desc="documents")
+    else:
+        with quiet_json_parse_log():  # a parse error comes back as the exception memfit words (_refuse)
+            ds = datasets.load_dataset(ALL_BUILDERS[suffix], data_files=names, split="train")
     return Part(ds, where, files if suffix in LINE_BUILDERS else [])
+
+
+def _refuse(file: Path, where: str, err: Exception, fmt, fields):
+    """Raise the one sentence for a file ``datasets`` could not read (``where`` names it)."""
+    suffix = file.suffix.lower()
+    if suffix in LINE_BUILDERS:
+        from memfit.data import find_bad_input
+
+        find_bad_input(file, fmt, fields)  # a .jsonl line or .txt byte: named as memfit's own reader names it
+        if file.stat().st_size < (1 << 20) and not file.read_text(encoding="utf-8-sig").strip():
+            raise UserError(f"Data file {file} is empty.") from None  # datasets fails on no rows
+    raise UserError(f"{where} cannot be read as {ALL_BUILDERS[suffix]} ({_first_line(err)}).") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of what went wrong: the cause of ``datasets``' "An error occurred while generating the
+    dataset" (its ``DatasetGenerationError`` wraps the parser's error), else ``err`` itself."""
+    if type(err).__name__ == "DatasetGenerationError" and err.__cause__ is not None:
+        err = err.__cause__
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _documents_of_paragraphs(batch: dict) -> dict:

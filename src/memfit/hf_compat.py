@@ -14,11 +14,20 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
   checkpointing itself, and without them torch's reentrant default runs, with its ``use_reentrant`` warning).
 - transformers 5 shows a tqdm "Loading weights" bar inside ``from_pretrained``, in the middle of
   memfit's own output; ``no_loading_bar`` turns transformers' bars off for the load (and restores them).
+- Four messages from dependencies say nothing a memfit user can act on, each for a reason memfit knows;
+  each is dropped by its logger and its exact text (``dropping_log``), or its warning text, around the
+  call that causes it, and every other record of the same logger still shows:
+  ``quiet_bnb_kernel_notice`` (bitsandbytes at import, on a CPU with AVX512-BF16),
+  ``quiet_tied_weight_save`` (Accelerate's ``save_state`` of a model with tied embeddings),
+  ``quiet_4bit_merge`` (PEFT merging an adapter into a 4-bit base), ``quiet_json_parse_log`` (``datasets``
+  logging a JSON parse error before raising it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import warnings
 from collections.abc import Iterator
 
@@ -68,3 +77,73 @@ def no_loading_bar() -> Iterator[None]:
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
+
+
+class _DropMatching(logging.Filter):
+    """Drops the records whose formatted message matches ``pattern`` (``re.match``); passes every other one."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+@contextlib.contextmanager
+def dropping_log(logger_name: str, pattern: str) -> Iterator[None]:
+    """While inside, the logger named ``logger_name`` drops records whose message matches ``pattern``.
+
+    A filter on the logger a library logs to (``logging.getLogger(__name__)`` in its module) runs before any
+    handler, whether the library's own (transformers, ``datasets``) or Python's last-resort stderr one; the
+    logger object exists before the library's module is imported, so a record logged at import is caught.
+    """
+    logger = logging.getLogger(logger_name)
+    drop = _DropMatching(pattern)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def quiet_bnb_kernel_notice() -> contextlib.AbstractContextManager:
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'".
+
+    Logged once per process when bitsandbytes is imported (by PEFT's or transformers' import, not only by
+    memfit's) on a CPU with AVX512-BF16 without the optional ``kernels`` package (``backends/cpu/ops.py``).
+    Safe to drop: that kernel serves only bitsandbytes' CPU inference path, which memfit turns off in every
+    4-bit layer (``memfit.quant_support.keep_training_path``), so no memfit run would use it. The CLI holds
+    this around every command (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
+    """
+    return dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def quiet_tied_weight_save() -> contextlib.AbstractContextManager:
+    """Accelerate's "Removed shared tensor {'lm_head.weight'} while saving" (``utils/other.py``,
+    ``clean_state_dict_for_safetensors``), at every checkpoint of a model whose head is tied to its embedding.
+
+    Safe to drop: safetensors stores a tensor held under two names once, and its ``load_model`` (what
+    Accelerate's ``load_state`` calls on ``--resume``) fills the other name from the rebuilt model's own tying,
+    which memfit rebuilds from the same config (tests/test_shard_tied.py resumes a tied model from such a
+    checkpoint).
+    """
+    return dropping_log("accelerate.utils.other", r"(\[RANK \d+\] )?Removed shared tensor \{.*\} while saving")
+
+
+@contextlib.contextmanager
+def quiet_4bit_merge() -> Iterator[None]:
+    """PEFT's "Merge lora module to 4-bit linear may get different generations due to rounding errors"
+    (``tuners/lora/bnb.py``), once per layer of a ``--merge`` on a 4-bit base: memfit's docs say the merged
+    model is 4-bit again (dequantized, adapter added, quantized again), so it differs by that rounding."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Merge lora module to 4-bit linear may get different generations",
+                                category=UserWarning)
+        yield
+
+
+def quiet_json_parse_log() -> contextlib.AbstractContextManager:
+    """``datasets``' "Failed to load JSON from file '...' with error ...", which its JSON builder logs just
+    before raising the same error (``packaged_modules/json/json.py``): memfit turns that error into its own
+    sentence naming the file (and, for .jsonl, the line), so the log line would say it twice, differently."""
+    return dropping_log("datasets.packaged_modules.json.json", r"Failed to load JSON from file ")

@@ -18,6 +18,13 @@ Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-onl
   to the input's dtype. memfit sets it to the run's compute dtype (``compute_dtype``): the autocast dtype
   under ``--mixed-precision bf16|fp16``, else the stored ``--dtype``. On CPU memfit's default is fp32 (no
   autocast), so a CPU QLoRA computes in fp32; a GPU run with bf16 autocast computes in bf16 as before.
+- CPU inference path: on a CPU with AVX512-BF16, ``Linear4bit.forward`` outside training (``not
+  self.training`` and an input without grad: every evaluation and sample) repacks its weight in place
+  for a fused bf16 kernel (``functional._convert_weight_packed_for_cpu``), which asserts ``out_features %
+  32 == 0`` ("N must be divisible by block_n"; an intermediate size of 176 fails) and leaves the weight
+  in that layout, so later training steps run through the same inference kernel too
+  (``autograd/_functions.py`` ``matmul_4bit``). memfit keeps every layer on the path training uses
+  (``keep_training_path``): any shape runs, and evaluation computes what the estimate priced.
 """
 
 from __future__ import annotations
@@ -154,6 +161,23 @@ def quantized_copy(model, run, device=None):
         return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
                                                     attn_implementation=model.config._attn_implementation,
                                                     quantization_config=bnb_config(run), **kwargs)
+
+
+#: The per-layer switch of bitsandbytes' CPU inference path (``Linear4bit.__init__``: ``has_avx512bf16()``).
+CPU_INFERENCE_SWITCH = "support_avx512bf16_for_cpu"
+
+
+def keep_training_path(model) -> int:
+    """Keep every 4-bit layer of ``model`` on the dequantize-and-matmul path training uses, in evaluation
+    and generation too (see the module docstring: the CPU inference path refuses shapes training accepts,
+    such as an ``intermediate_size`` of 176, only after training has run, and changes the weight's layout
+    in place). Returns the layers switched; on CUDA and on CPUs without AVX512-BF16 nothing changes."""
+    switched = 0
+    for module in model.modules():
+        if getattr(module, CPU_INFERENCE_SWITCH, False):
+            setattr(module, CPU_INFERENCE_SWITCH, False)
+            switched += 1
+    return switched
 
 
 def logical_numel(param) -> int:

@@ -94,14 +94,30 @@ def check_run(run) -> dict[str, Any]:
     return out
 
 
+LORA_OPTIONS = ("lora_targets", "lora_alpha", "lora_dropout")
+"""Settings of the LoRA adapters, which only ``--lora-r`` switches on."""
+
+
+def check_lora_options(given, lora_r_given: bool) -> None:
+    """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
+    without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
+    a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
+    train, estimate and plan."""
+    named = [flag(name) for name in LORA_OPTIONS if name in given]
+    if named and not lora_r_given:
+        raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
+                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
+
+
 #: TrainConfig fields: (kind, options). Kinds: "int>=N", "pos", "nonneg", "frac", "bool", "text".
 _TRAIN_FIELDS: dict[str, tuple[str, Any]] = {
-    "optimizer_lr": ("pos", None), "weight_decay": ("nonneg", None), "max_grad_norm": ("nonneg", None),
+    "optimizer_lr": ("pos?", None), "weight_decay": ("nonneg", None), "max_grad_norm": ("nonneg", None),
     "eval_fraction": ("frac", None),
     "warmup_steps": ("int", 0), "max_steps": ("int?", 1), "epochs": ("int?", 1), "seed": ("int", 0),
     "eval_every": ("int", 0), "save_every": ("int?", 0), "log_every": ("int", 1), "samples": ("int", 0),
     "batch": ("int?", 1), "keep_last": ("int", 1),
-    "num_proc": ("int", 1), "threads": ("int?", 1), "train_on_prompt": ("bool", None), "resume": ("bool", None), "extend_schedule": ("bool", None), "overwrite": ("bool", None), "merge": ("bool", None),
+    "num_proc": ("int", 1), "threads": ("int?", 1), "train_on_prompt": ("bool", None), "truncate": ("bool", None),
+    "resume": ("bool", None), "extend_schedule": ("bool", None), "overwrite": ("bool", None), "merge": ("bool", None),
     "trust_remote_code": ("bool", None), "check_equivalence": ("bool", None), "json": ("bool", None),
     "model": ("text", None), "data": ("text", None), "tokenizer": ("text", None), "output": ("text", None),
     "budget": ("text", None), "tracker": ("text", None), "data_format": ("text", None),
@@ -119,15 +135,15 @@ def check_train(config) -> dict[str, Any]:
         if not hasattr(config, name):
             continue
         value = getattr(config, name)
-        if kind == "pos":
+        if value is None and kind in ("pos?", "int?"):
+            continue  # not given: derived (memfit.defaults)
+        if kind in ("pos", "pos?"):
             out[name] = number(name, value, low=0.0, low_open=True, what="a finite positive number")
         elif kind == "nonneg":
             out[name] = number(name, value, low=0.0, what="a finite number >= 0")
         elif kind == "frac":
             out[name] = number(name, value, low=0.0, high=1.0, high_open=True, what="a number in [0, 1)")
         elif kind in ("int", "int?"):
-            if value is None and kind == "int?":
-                continue
             what = POSITIVE if option == 1 else NON_NEGATIVE
             out[name] = whole(name, value, minimum=option, what=what)
         elif kind == "bool":

@@ -14,6 +14,7 @@ import click
 
 from memfit import __version__
 from memfit.errors import UserError
+from memfit.hf_compat import quiet_bnb_kernel_notice
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("memfit.cli.train", "Train or fine-tune a causal LM on Accelerate and measure its memory."),
@@ -51,7 +52,8 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with quiet_bnb_kernel_notice():  # bitsandbytes' import-time notice (memfit.hf_compat says why)
+                return super().invoke(ctx)
         except UserError as err:
             facing = UserFacingError(str(err))
             facing.exit_code = err.exit_code  # 130 for a Ctrl-C stop, 1 otherwise

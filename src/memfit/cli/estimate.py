@@ -8,10 +8,12 @@ from pathlib import Path
 import click
 
 from memfit.cli.options import memory_options, run_config_from
+from memfit.defaults import SHAPES
 from memfit.errors import UserError
 
 
-@click.command("estimate", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model")
 @click.option("--revision", help="Branch, tag or commit of a Hub MODEL (org/name); default: its main branch.")
 @memory_options
@@ -42,10 +44,14 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate ./my-checkpoint --seq-len 1024 --micro-batch 4
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
     """
+    from memfit.cli.options import explicit
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
     from memfit.modelspec import check_seq_len, load_spec
+    from memfit.validate import check_lora_options
 
+    typed = explicit(click.get_current_context(), kwargs)
+    check_lora_options(typed, "lora_r" in typed)
     run = run_config_from(kwargs)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from memfit.config import Attention, DType, Loss, Offload, Optimizer, Precision, Quantize, Sharding
+from memfit.defaults import SHAPES
 from memfit.errors import UserError
 from memfit.files import write_text_atomic
 
@@ -30,7 +31,8 @@ Examples:
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
 the safety margin (--margin) fits the budget are ranked by a step-time model (tokens/s).
-"""
+
+Defaults: """ + SHAPES["plan"] + "\n"
 
 
 @click.command("plan", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,6 +85,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    from memfit.validate import check_lora_options
+
+    # without --full (or with --lora-r) the planner may choose LoRA, with these options
+    check_lora_options({k for k, v in pins.items() if v is not None},
+                       pins.get("lora_r") is not None or not pins.get("full"))
     if output:  # before the search: a plan that cannot be written is not worth computing
         from memfit.validate import check_writable_target
 

@@ -12,8 +12,10 @@ import click
 from memfit.cli.data_options import data_options
 from memfit.cli.options import explicit, memory_options
 from memfit.config import RunConfig, TrainConfig
+from memfit.defaults import DEMO_LR, DEMO_SEQ_LEN, DEMO_STEPS, FULL_LR, LORA_LR, SHAPES, fmt_lr
 from memfit.errors import UserError
 from memfit.trackers import TRACKERS
+from memfit.validate import check_lora_options
 
 _D = TrainConfig()
 
@@ -32,7 +34,8 @@ Examples:
   memfit train --check-equivalence --micro-batch 2 --grad-accum 4   # 8x1 vs 2x4: same weights?
   accelerate launch --num_processes 2 -m memfit train         # data-parallel on 2 GPUs
   ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m memfit train   # 2 CPU processes
-"""
+
+Defaults: """ + SHAPES["train"] + """ The preamble names every default derived from your data or method."""
 
 
 def _train_options(func):
@@ -44,12 +47,18 @@ def _train_options(func):
                      "default: the corpus shipped with memfit."),
         click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
         *data_options(),
-        click.option("--lr", type=float, default=_D.optimizer_lr, show_default=True, help="Peak learning rate."),
+        click.option("--lr", type=float, default=None,
+                     help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random weights (a preset, "
+                     f"the demo), {fmt_lr(LORA_LR)} for LoRA, {fmt_lr(FULL_LR)} for a full fine-tune."),
         click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True),
         click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True),
-        click.option("--max-steps", type=int, default=_D.max_steps, show_default=True,
-                     help="Optimizer steps (with --epochs: whichever ends first)."),
-        click.option("--epochs", type=int, default=None, help="Passes over the training data."),
+        click.option("--max-steps", type=int, default=None,
+                     help=f"Optimizer steps (with --epochs: whichever ends first); default: {DEMO_STEPS} for the "
+                     "demo, else 1 epoch."),
+        click.option("--epochs", type=int, default=None, help="Passes over the training data (never capped by a "
+                     "default --max-steps)."),
+        click.option("--truncate", is_flag=True, help="Keep conversations longer than --seq-len cut to it (when the "
+                     "cut keeps a reply token) instead of dropping them."),
         click.option("--batch", type=int, default=None,
                      help="Effective batch in sequences per optimizer step (sets --grad-accum)."),
         click.option("--seed", type=int, default=_D.seed, show_default=True),
@@ -139,8 +148,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     merged = {**kwargs, **from_file, **typed}
     merged["json"] = merged.pop("as_json", False)
     chosen = set(typed) | set(from_file)
-    if merged.get("epochs") and "max_steps" not in chosen:
-        merged["max_steps"] = None  # --epochs alone: train the whole epochs
+    check_lora_options(chosen, "lora_r" in chosen)
     if "mixed_precision" not in chosen:
         from memfit.training.setup import default_precision
 
@@ -200,3 +208,7 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
         from memfit.training.progress import print_summary
 
         print_summary(summary)
+
+
+# --seq-len's shown default: the demo's value is not what a real run gets (memfit.defaults)
+next(p for p in command.params if p.name == "seq_len").show_default = f"from the data; {DEMO_SEQ_LEN} for the demo"

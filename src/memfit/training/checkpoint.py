@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from memfit.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training import manifest
 from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
@@ -61,7 +62,8 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any],
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    (save_state or accelerator.save_state)(str(tmp))  # sharded runs: training.sharding.state_saver
+    with quiet_tied_weight_save():  # a tied head is saved once, and restored on load (memfit.hf_compat)
+        (save_state or accelerator.save_state)(str(tmp))  # sharded runs: training.sharding.state_saver
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         manifest.write_file(tmp / STATE_FILE, json.dumps(state, indent=2))
@@ -221,7 +223,8 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, fina
     if merge:
         import copy
 
-        merged = copy.deepcopy(model).merge_and_unload()
+        with quiet_4bit_merge():  # a 4-bit base is quantized again after the merge: the docs say so
+            merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(output / "merged")
         if tokenizer is not None:  # self-contained: from_pretrained(merged) needs no other folder
             tokenizer.save_pretrained(output / "merged")

@@ -31,6 +31,8 @@ SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last"
                   # how the same steps are spread over ranks and saved (the loader refuses a checkpoint
                   # format it cannot read, training.sharding.state_loader)
                   "sharding", "state_dict"})
+#: How long the run trains, said two ways: when the user gives one, the saved other one is not restored.
+LENGTH = frozenset({"max_steps", "epochs"})
 #: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
 #: and allow_pickle_weights in particular are never switched on by a file: the user passes them again.
 NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
@@ -109,12 +111,14 @@ def merge(config, saved: dict[str, Any], output: Path):
 
     current = config.to_flat()
     current.update({k: _absolute(current.get(k)) for k in ("model", "data", "tokenizer")})
-    given = set(config.explicit) if config.explicit is not None else {
-        k for k in current if k in saved and current[k] != saved[k]}
+    given = set(config.explicit) if config.explicit is not None else {  # lr None: not given (memfit.defaults)
+        k for k in current if k in saved and current[k] != saved[k] and not (k == "lr" and current[k] is None)}
     merged = dict(current)
     for key, value in saved.items():
         if key in NOT_RESTORED or key not in current:
             continue
+        if key in LENGTH and given & LENGTH and key not in given:
+            continue  # one length given (--epochs 20): the saved other one (--max-steps 300) does not cap it
         if key in given and current[key] != value:
             if key not in SAFE:
                 raise UserError(f"--resume continues the run in {output} with its own settings, and {flag(key)} "

@@ -20,7 +20,7 @@ from memfit import optim_in_backward
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, deepspeed_engine, resume, sharding
+from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
@@ -147,18 +147,22 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     preflight(config.run)
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.max_grad_norm)
+    resumed = resume_point is not None and isinstance(resume_point.state.get("settings"), dict)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
     with accelerator.main_process_first():  # a Hub --model: one download, the other ranks read the cache
         config, hub_model = fetch_hub_model(config, progress=show and not config.json and accelerator.is_main_process)
+        # --seq-len from the data, unless given: the main process tokenizes, the others read datasets' cache
+        config, seq_len_note = derived.with_seq_len(config, resumed=resumed, hub_model=hub_model)
     run, plan_result = resolve_run(config, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = run.grad_accum
     source = resolve_model(config, run, hub_model)
+    config, lr_note = derived.with_lr(config, random_init=source.random_init, lora=run.is_lora())
     deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
     resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
     data = build_data(config, run, source.tokenizer)
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
-    total_steps = _total_steps(config, schedule)
+    total_steps, steps_note = derived.total_steps(config, schedule.steps_per_epoch())
     resume.check_extension(resume_point, config, total_steps)  # a finished run trained on: only when asked
     output = Path(config.output)
     guard.open_folder(config, is_main=accelerator.is_main_process)
@@ -189,6 +193,9 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     if source.hub is not None:
         bar.note(source.hub.describe())
     bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
+    notes = [note for note in (seq_len_note, lr_note, steps_note) if note]
+    if notes:  # the defaults derived from the data and the method, each with its reason
+        bar.note("\n".join(f"default {note}" for note in notes))
     bar.note(threads.describe())
     if data.note:
         bar.note(data.note)
@@ -274,17 +281,6 @@ def _reapply_schedule(optimizer, scheduler) -> tuple[list[float], list[float]]:
         group["lr"] = lr
     inner._last_lr = [group["lr"] for group in optimizer.param_groups]
     return before, list(inner._last_lr)
-
-
-def _total_steps(config: TrainConfig, schedule: StepSchedule) -> int:
-    steps = []
-    if config.epochs:
-        steps.append(config.epochs * schedule.steps_per_epoch())
-    if config.max_steps:
-        steps.append(config.max_steps)
-    if not steps:
-        raise UserError("Set --max-steps or --epochs to say how long to train.")
-    return min(steps)
 
 
 def predict(model_name, run: RunConfig, device: str = "cuda"):

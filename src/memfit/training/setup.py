@@ -253,9 +253,10 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
                                                          trust_remote_code=config.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
-        from memfit.quant_support import accept_own_quant_state
+        from memfit.quant_support import accept_own_quant_state, keep_training_path
 
         accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
+        keep_training_path(model)  # evaluation and samples on training's path: bitsandbytes' CPU one fails late
     if run.grad_checkpointing:
         enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
     if run.is_lora():
@@ -350,7 +351,7 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     from memfit.data_prep import data_note
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
-                      note=data_note(tokenized, run))
+                      note=data_note(tokenized, run, config.truncate))
 
 
 def spread(items: list, count: int) -> list:

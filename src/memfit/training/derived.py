@@ -1,0 +1,79 @@
+"""The run's defaults that come from its data and method (``memfit.defaults``), applied as it is built.
+
+``build_session`` calls these in order: ``with_seq_len`` before the run's settings are resolved (the
+``--budget`` planner needs the length), ``with_lr`` once the model is resolved (random weights or
+pretrained), ``total_steps`` once the data is packed. Each returns the line that names the value and
+why (None when nothing was derived); the values land in the ``TrainConfig``/``RunConfig`` the run saves
+in its checkpoints, so ``--resume`` continues with them instead of deriving again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memfit import defaults
+from memfit.config import TrainConfig
+from memfit.modelspec import is_preset
+
+
+def is_demo(model: str, data: str | None) -> bool:
+    """``memfit train``'s demo: a preset (random weights) on the corpus shipped with memfit. (Here, not in
+    ``memfit.defaults``, which ``config`` reads: that must not import the model spec, a cycle.)"""
+    return data is None and is_preset(model)
+
+
+def _given(config: TrainConfig, name: str) -> bool:
+    """Whether the user set ``name``; library callers (``explicit`` None) set everything."""
+    return config.explicit is None or name in config.explicit
+
+
+def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple[TrainConfig, str | None]:
+    """``config`` with ``--seq-len`` from the data when the user did not give it and this is no demo.
+
+    The lengths are those of the encoded training records (``memfit.data_prep.record_lengths``: every
+    record, tokenized once; ``build_data`` reuses that encoding from the ``datasets`` cache). The cap is
+    the model's ``max_position_embeddings``. A resumed run keeps its saved length (``resumed``).
+    ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
+    tokenizer is the one training uses.
+    """
+    if resumed or _given(config, "seq_len") or is_demo(config.model, config.data):
+        return config, None
+    from memfit import data, modelspec
+    from memfit.data_prep import record_lengths
+
+    # the tokenizer and config resolve_model loads next (it checks them against the derived length)
+    hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code,
+                                         revision=config.revision)
+    folder = str(hub_model.path) if hub_model is not None else config.model
+    tokenizer = data.load_tokenizer(config.tokenizer, folder, is_preset=modelspec.is_preset(config.model),
+                                    trust_remote_code=config.trust_remote_code)
+    choice = defaults.seq_len_from_lengths(record_lengths(config, tokenizer),
+                                           getattr(hf_config, "max_position_embeddings", None))
+    if choice is None:  # no training record: build_data says so in its own words
+        return config, None
+    run = config.run.replace(seq_len=choice.seq_len)
+    return dataclasses.replace(config, run=run), choice.describe()
+
+
+def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[TrainConfig, str | None]:
+    """``config`` with the learning rate by method when ``--lr`` was not given (``defaults.default_lr``)."""
+    if config.optimizer_lr is not None:
+        return config, None
+    lr, why = defaults.default_lr(random_init=random_init, lora=lora)
+    note = None if is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
+    return dataclasses.replace(config, optimizer_lr=lr), note
+
+
+def total_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, str | None]:
+    """Optimizer steps of the run: ``--max-steps`` or ``--epochs`` (whichever ends first when both are
+    given), else ``defaults.default_steps``."""
+    steps = []
+    if config.epochs:
+        steps.append(config.epochs * steps_per_epoch)
+    if config.max_steps:
+        steps.append(config.max_steps)
+    if steps:
+        return min(steps), None
+    count, note = defaults.default_steps(demo=is_demo(config.model, config.data),
+                                         steps_per_epoch=steps_per_epoch)
+    return count, note or None
