@@ -29,10 +29,6 @@ from memfit.config import Attention, Packing, Quantize, RunConfig
 
 FP32 = 4
 
-#: Projections that read a layer's (normalised) input, per family: frozen in LoRA's first layer.
-ATTN_IN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn")
-
-
 @dataclass(frozen=True)
 class Precisions:
     """Bytes per element of the tensors of a step."""
