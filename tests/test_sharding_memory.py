@@ -28,8 +28,8 @@ TOLERANCE = 0.03
 # backward's 111,538,560 B against 114,653,300 B measured (-2.7%); without the layers' reshard after their
 # backward (released_after_backward) the first layer's moment rises to 117,475,904 B (+2.5%). With both:
 # 116,195,328 B, the forward's peak, +1.3% (measured at the last layer's forward, as predicted). Those
-# predictions priced packed documents' attention mask; the bench feeds whole rows and now predicts them
-# (packing none): 294,912 B less at each moment, 115,900,416 B (+1.1%).
+# predictions priced packed documents' attention mask; the bench feeds whole, unpadded rows and predicts
+# them as such (packing concat: no mask): 294,912 B less at each moment, 115,900,416 B (+1.1%).
 ZERO2_TOLERANCE = 0.02
 
 
