@@ -139,7 +139,7 @@ def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
         raise UserError(f"Unknown {flag} {value!r}; choose one of: {choices}.") from None
 
 
-_ALL = ("estimate", "plan", "train")
+_ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.schema.PLAN_ROLES)
 _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) and the data's packing itself
 _DEMO = f"train's own default: sized for the demo (memfit.defaults.SHAPES['train']: {SHAPES['train']})"
 
@@ -150,61 +150,75 @@ class RunConfig:
 
     Each field is a setting of the schema (``memfit.schema``): its flag, help, check and resume rule."""
 
-    seq_len: int = setting(256, resume="restored", check="int>=1", commands=_ALL, help="Tokens per sequence.",
+    seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
+                           help="Tokens per sequence.",
                            overrides={"train": {"default": DEMO_SEQ_LEN, "why": _DEMO,
-                                                "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"}})
+                                                "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"},
+                                      "plan": {"default": 1024, "why": SHAPES["plan"]}})
     """Tokens per sequence."""
-    micro_batch: int = setting(8, resume="may-change", check="int>=1", commands=_ALL,
+    micro_batch: int = setting(8, plan="searched", resume="may-change", check="int>=1", commands=_ALL,
                                help="Sequences per forward/backward on one process.",
-                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _DEMO}})
+                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _DEMO},
+                                          "plan": {"help": "Pin the micro-batch (grad-accum follows from --batch)."}})
     """Sequences per forward/backward pass on one process."""
-    grad_accum: int = setting(1, resume="may-change", check="int>=1", commands=_NOT_PLAN,
+    grad_accum: int = setting(1, plan="searched", resume="may-change", check="int>=1", commands=_NOT_PLAN,
                               help="Micro-batches accumulated per optimizer step.")
     """Micro-batches accumulated per optimizer step."""
-    num_processes: int = setting(1, resume="never-restored", check="int>=1", commands=_ALL,
+    num_processes: int = setting(1, plan="given", resume="never-restored", check="int>=1", commands=_ALL,
                                  help="Data-parallel ranks (memory is per rank).")
     """Data-parallel ranks; memory numbers are per rank. Not restored by ``--resume``: the launcher decides it."""
-    mixed_precision: Precision = setting(Precision.NO, resume="restored", commands=_ALL,
+    mixed_precision: Precision = setting(Precision.NO, plan="searched", resume="restored", commands=_ALL,
                                          help="Accelerate's autocast precision (weights stay in --dtype).")
     """Accelerate's autocast precision."""
-    dtype: DType = setting(DType.FP32, resume="restored", commands=_ALL,
+    dtype: DType = setting(DType.FP32, plan="searched", resume="restored", commands=_ALL,
                            help="Stored weight dtype; bf16 with --mixed-precision no is pure bf16.")
     """Stored weight dtype (``bf16`` with ``mixed_precision=no`` is pure bf16 training)."""
-    grad_checkpointing: bool = setting(False, resume="may-change", check="bool", commands=_ALL, click={"negatable": True},
-                                       help="Recompute each layer in backward instead of storing activations.")
+    grad_checkpointing: bool = setting(False, plan="searched", resume="may-change", check="bool", commands=_ALL,
+                                       click={"negatable": True},
+                                       help="Recompute each layer in backward instead of storing activations.",
+                                       overrides={"plan": {"help": "Pin checkpointing on or off."}})
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    lora_r: int = setting(0, resume="restored", check="int>=0", what="0 (full fine-tune) or a positive rank",
-                          commands=_ALL, help="LoRA rank; 0 = full fine-tune.")
+    lora_r: int = setting(0, plan="searched", resume="restored", check="int>=0",
+                          what="0 (full fine-tune) or a positive rank",
+                          commands=_ALL, help="LoRA rank; 0 = full fine-tune.",
+                          overrides={"plan": {"help": "Pin LoRA at this rank (0 = full fine-tune)."}})
     """LoRA rank; 0 is a full fine-tune."""
-    lora_alpha: float = setting(16.0, resume="restored", check="pos", commands=_ALL)
+    lora_alpha: float = setting(16.0, plan="searched", resume="restored", check="pos", commands=_ALL)
     """LoRA's scale numerator: the adapters' update is scaled by ``lora_alpha / lora_r``."""
-    lora_dropout: float = setting(0.0, resume="restored", check="frac", commands=_ALL)
+    lora_dropout: float = setting(0.0, plan="searched", resume="restored", check="frac", commands=_ALL)
     """Dropout on the adapters' input (PEFT's ``lora_dropout``); > 0 keeps a mask per adapted linear."""
-    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, resume="restored", commands=_ALL,
+    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, plan="searched", resume="restored", commands=_ALL,
                                             help="Comma-separated module names, or all-linear.")
     """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
-    quantize: Quantize = setting(Quantize.NONE, resume="restored", commands=_ALL,
-                                 help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50).")
+    quantize: Quantize = setting(Quantize.NONE, plan="searched", resume="restored", commands=_ALL,
+                                 help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50).",
+                                 overrides={"plan": {"help": "Pin the QLoRA base (none forbids it)."}})
     """QLoRA: frozen base in 4 or 8 bit (needs ``lora_r > 0``)."""
-    optimizer: Optimizer = setting(Optimizer.ADAMW, resume="restored", commands=_ALL)
+    optimizer: Optimizer = setting(Optimizer.ADAMW, plan="searched", resume="restored", commands=_ALL,
+                                   overrides={"plan": {"help": "Pin the optimizer (default: try adamw-fused, "
+                                                               "adamw-foreach, adamw-8bit)."}})
     """The optimizer variant (``Optimizer``)."""
-    offload: Offload = setting(Offload.NONE, resume="restored", commands=_ALL)
+    offload: Offload = setting(Offload.NONE, plan="searched", resume="restored", commands=_ALL)
     """What is kept in CPU memory (``Offload``)."""
-    sharding: Sharding = setting(Sharding.DDP, resume="may-change", commands=_ALL)
+    sharding: Sharding = setting(Sharding.DDP, plan="searched", resume="may-change", commands=_ALL)
     """How model states are split over the ranks; resumable under another (the loader refuses a checkpoint
     format it cannot read, ``training.sharding.state_loader``)."""
-    attn_implementation: Attention = setting(Attention.AUTO, resume="may-change", commands=_ALL)
+    attn_implementation: Attention = setting(Attention.AUTO, plan="searched", resume="may-change", commands=_ALL)
     """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
-    packing: Packing = setting(Packing.DOCUMENTS, resume="restored", commands=_NOT_PLAN,
+    packing: Packing = setting(Packing.DOCUMENTS, plan="searched", resume="restored", commands=_NOT_PLAN,
                                help="documents: whole documents per row, each attending only to itself (position "
                                "ids restart; a block-causal mask); concat: cut one stream, documents see the ones "
                                "before; none: one document per row, padded.")
     """How documents fill rows; ``documents`` makes transformers build a block-causal (B, 1, T, T) mask."""
-    loss: Loss = setting(Loss.STANDARD, resume="restored", commands=_ALL,
-                         help="LM head + cross-entropy: chunked never builds the full logits.")
+    loss: Loss = setting(Loss.STANDARD, plan="searched", resume="restored", commands=_ALL,
+                         help="LM head + cross-entropy: chunked never builds the full logits.",
+                         overrides={"plan": {"help": "Pin the loss (default: try standard and chunked)."}})
     """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.losses``)."""
-    optimizer_in_backward: bool = setting(False, resume="restored", commands=_ALL, click={"negatable": True},
-                                          help="Step each parameter as its gradient arrives (needs --grad-accum 1).")
+    optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL,
+                                          click={"negatable": True},
+                                          help="Step each parameter as its gradient arrives (needs --grad-accum 1).",
+                                          overrides={"plan": {"help": "Pin the optimizer step in backward on or off "
+                                                                      "(default: try both where possible)."}})
     """Step each parameter as soon as its gradient is ready and free it (no full set of gradients)."""
 
     def __post_init__(self) -> None:
@@ -296,8 +310,8 @@ class TrainConfig:
     weight_decay: float = setting(0.0, resume="restored", check="nonneg")
     warmup_steps: int = setting(10, resume="restored", check="int>=0")
     max_steps: int | None = setting(None, resume="length", check="int>=1",
-                                    help=f"Optimizer steps (with --epochs: whichever ends first); default: {DEMO_STEPS} "
-                                    "for the demo, else 1 epoch.")
+                                    help="Optimizer steps (with --epochs: whichever ends first); default: "
+                                    f"{DEMO_STEPS} for the demo, else 1 epoch.")
     """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
     other run one epoch (``memfit.defaults.default_steps``)."""
     epochs: int | None = setting(None, resume="length", check="int>=1",
@@ -357,7 +371,7 @@ class TrainConfig:
                                 help="Also generate N samples at each --eval-every evaluation (samples.jsonl in "
                                 "--output).")
     """Samples generated after each ``--eval-every`` evaluation (``samples.jsonl``); 0: only at the end."""
-    batch: int | None = setting(None, resume="restored", check="int>=1", commands=("plan", "train"),
+    batch: int | None = setting(None, plan="given", resume="restored", check="int>=1", commands=("plan", "train"),
                                 help="Effective batch in sequences per optimizer step (sets --grad-accum).",
                                 overrides={"plan": {"default": 16, "why": SHAPES["plan"], "help": "Effective batch: "
                                                     "sequences per optimizer step over all processes (kept exact)."}})
@@ -380,7 +394,8 @@ class TrainConfig:
     json: bool = setting(False, resume="never-restored", check="bool",
                          help="Print the final summary as JSON on stdout.")
     # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
-    data_format: str | None = setting(None, resume="restored", check="text", click={"choices": FORMATS, "group": "data"},
+    data_format: str | None = setting(None, resume="restored", check="text",
+                                      click={"choices": FORMATS, "group": "data"},
                                       help="Force the record format instead of detecting it from the keys.")
     """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
     train_on_prompt: bool = setting(False, resume="restored", check="bool", click={"group": "data"},

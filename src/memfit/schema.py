@@ -19,6 +19,10 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
 ``commands``
     The commands that take it as a flag (``memfit.cli.options`` builds their click options from the
     schema). ``overrides`` holds a command's own default or help, each with the reason it differs.
+``plan``
+    Its part in ``memfit plan`` (``PLAN_ROLES``): ``"searched"`` settings are what the planner chooses
+    (``memfit.planning.space.Constraints`` has a field for each; ``plan``'s flag pins it, default None),
+    ``"given"`` ones are the problem it is given (the sequence length, the processes, the batch).
 ``click``
     Plain-data hints for the click option: ``choices`` (a tuple of names), ``min`` (click checks the
     bound itself), ``path`` (a file path), ``show_default`` (text instead of the value).
@@ -45,6 +49,13 @@ RESUME_RULES = {
 }
 """``--resume``'s rule for each setting, by name (``setting(resume=...)``)."""
 
+PLAN_ROLES = {
+    "searched": "the planner chooses it among its candidates unless the user pins it: plan's flag has no "
+                "default (None: the planner's choice)",
+    "given": "the problem the planner solves, kept exactly as given",
+}
+"""What ``memfit plan`` does with a setting (``setting(plan=...)``)."""
+
 CHECKS = ("int>=0", "int>=1", "pos", "nonneg", "frac", "bool", "text")
 COMMANDS = ("estimate", "plan", "train")
 
@@ -52,7 +63,7 @@ COMMANDS = ("estimate", "plan", "train")
 def setting(default: Any = MISSING, *, resume: str, help: str | None = None, check: str | None = None,
             what: str | None = None, flag: str | None = None, commands: tuple[str, ...] = ("train",),
             overrides: dict[str, dict[str, Any]] | None = None, click: dict[str, Any] | None = None,
-            default_factory: Any = MISSING) -> Any:
+            plan: str | None = None, default_factory: Any = MISSING) -> Any:
     """A dataclass field that declares a setting (the module docstring says what each key means).
 
     ``resume`` has no default: every setting states what ``--resume`` does with it.
@@ -61,6 +72,8 @@ def setting(default: Any = MISSING, *, resume: str, help: str | None = None, che
         raise ValueError(f"resume must be one of {sorted(RESUME_RULES)}, got {resume!r}")
     if check is not None and check not in CHECKS:
         raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+    if plan is not None and plan not in PLAN_ROLES:
+        raise ValueError(f"plan must be one of {sorted(PLAN_ROLES)}, got {plan!r}")
     unknown = set(commands) - set(COMMANDS) or set(overrides or {}) - set(commands)
     if unknown:
         raise ValueError(f"unknown or unlisted command(s) {sorted(unknown)}")
@@ -68,7 +81,7 @@ def setting(default: Any = MISSING, *, resume: str, help: str | None = None, che
         if "default" in changes and not changes.get("why"):
             raise ValueError(f"{command}'s own default needs its reason (why=...)")
     meta = {"resume": resume, "help": help, "check": check, "what": what, "flag": flag,
-            "commands": tuple(commands), "overrides": dict(overrides or {}), "click": dict(click or {})}
+            "commands": tuple(commands), "plan": plan, "overrides": dict(overrides or {}), "click": dict(click or {})}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=MappingProxyType(meta))
 
 
@@ -104,8 +117,15 @@ def for_command(cls, command: str) -> list[Field]:
 def option_spec(f: Field, command: str) -> dict[str, Any]:
     """``default`` and ``help`` of the field's flag in ``command`` (its override, else the schema's)."""
     spec = {"default": f.default if f.default is not MISSING else f.default_factory(), "help": f.metadata["help"]}
+    if command == "plan" and f.metadata["plan"] == "searched":
+        spec["default"] = None  # PLAN_ROLES["searched"]: not given, the planner chooses
     spec.update({k: v for k, v in f.metadata["overrides"].get(command, {}).items() if k != "why"})
     return spec
+
+
+def searched(cls) -> list[Field]:
+    """The settings of ``cls`` the planner chooses (``PLAN_ROLES``), each a field of its constraints."""
+    return [f for f in settings(cls) if f.metadata["plan"] == "searched"]
 
 
 def own_defaults(cls, command: str) -> dict[str, Any]:

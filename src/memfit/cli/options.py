@@ -70,9 +70,14 @@ def apply(func, opts: list):
     return func
 
 
+def with_options(opts: list):
+    """Decorator: ``apply(func, opts)``."""
+    return lambda func: apply(func, opts)
+
+
 def flags(cls, command: str):
     """Decorator: ``command``'s flags for the settings of ``cls``."""
-    return lambda func: apply(func, schema_options(cls, command))
+    return with_options(schema_options(cls, command))
 
 
 def memory_options(command: str):

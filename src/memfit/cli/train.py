@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from memfit.cli.options import apply, explicit, flags, memory_options
+from memfit.cli.options import explicit, flags, memory_options, with_options
 from memfit.config import RunConfig, TrainConfig
 from memfit.defaults import SHAPES
 from memfit.errors import UserError
@@ -85,7 +85,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
 
 @click.command(name="train", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @flags(TrainConfig, "train")
-@lambda func: apply(func, _COMMAND_ONLY)
+@with_options(_COMMAND_ONLY)
 @memory_options("train")  # with train's own, demo-sized defaults (the schema's overrides, memfit.defaults)
 @click.pass_context
 def command(ctx: click.Context, **kwargs: Any) -> None:
