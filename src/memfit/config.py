@@ -3,6 +3,12 @@
 One vocabulary everywhere: precision uses Accelerate's names (``no``, ``fp16``, ``bf16``); the keys of
 ``RunConfig.to_flat()`` are the names of ``memfit train``'s flags with ``-`` replaced by ``_``, so a
 plan written as YAML is read back by ``memfit train --config``.
+
+Every field is a setting of the schema (``memfit.schema.setting``): it declares its flag's help, its
+check, its group, what ``--resume`` and ``memfit plan`` do with it, and which commands take it. The
+click options of estimate, plan and train, the YAML keys, the value checks (``memfit.validate``),
+resume's rules and the planner's constraints are derived from these fields; ``tests/test_schema.py``
+fails when a flag, a key or a rule exists that the schema does not declare.
 """
 
 from __future__ import annotations
@@ -178,16 +184,17 @@ class RunConfig:
                                        help="Recompute each layer in backward instead of storing activations.",
                                        overrides={"plan": {"help": "Pin checkpointing on or off."}})
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    lora_r: int = setting(0, plan="searched", resume="restored", check="int>=0",
+    lora_r: int = setting(0, group="lora", plan="searched", resume="restored", check="int>=0",
                           what="0 (full fine-tune) or a positive rank",
                           commands=_ALL, help="LoRA rank; 0 = full fine-tune.",
                           overrides={"plan": {"help": "Pin LoRA at this rank (0 = full fine-tune)."}})
     """LoRA rank; 0 is a full fine-tune."""
-    lora_alpha: float = setting(16.0, plan="searched", resume="restored", check="pos", commands=_ALL)
+    lora_alpha: float = setting(16.0, group="lora", plan="searched", resume="restored", check="pos", commands=_ALL)
     """LoRA's scale numerator: the adapters' update is scaled by ``lora_alpha / lora_r``."""
-    lora_dropout: float = setting(0.0, plan="searched", resume="restored", check="frac", commands=_ALL)
+    lora_dropout: float = setting(0.0, group="lora", plan="searched", resume="restored", check="frac", commands=_ALL)
     """Dropout on the adapters' input (PEFT's ``lora_dropout``); > 0 keeps a mask per adapted linear."""
-    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, plan="searched", resume="restored", commands=_ALL,
+    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, group="lora", plan="searched", resume="restored",
+                                            commands=_ALL,
                                             help="Comma-separated module names, or all-linear.")
     """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
     quantize: Quantize = setting(Quantize.NONE, plan="searched", resume="restored", commands=_ALL,
@@ -395,32 +402,32 @@ class TrainConfig:
                          help="Print the final summary as JSON on stdout.")
     # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
     data_format: str | None = setting(None, resume="restored", check="text",
-                                      click={"choices": FORMATS, "group": "data"},
+                                      group="data", click={"choices": FORMATS},
                                       help="Force the record format instead of detecting it from the keys.")
     """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
-    train_on_prompt: bool = setting(False, resume="restored", check="bool", click={"group": "data"},
+    train_on_prompt: bool = setting(False, resume="restored", check="bool", group="data",
                                     help="Take the loss on prompts and user turns too (default: completions/"
                                     "assistant turns).")
     """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
-    chat_template: str | None = setting(None, resume="restored", check="text", click={"path": True, "group": "data"},
+    chat_template: str | None = setting(None, resume="restored", check="text", group="data", click={"path": True},
                                         help="Jinja chat template file for a tokenizer without one (or to replace "
                                         "its own).")
     """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
-    split: str = setting("train", resume="restored", check="text", click={"group": "data"},
+    split: str = setting("train", resume="restored", check="text", group="data",
                          help="Split of a Hub dataset or a save_to_disk DatasetDict.")
     """Split of a Hub dataset or a saved ``DatasetDict``."""
-    data_config: str | None = setting(None, resume="restored", check="text", click={"group": "data"},
+    data_config: str | None = setting(None, resume="restored", check="text", group="data",
                                       help="Configuration (subset) of a Hub dataset.")
     """Configuration (subset) name of a Hub dataset."""
-    text_field: str | None = setting(None, resume="restored", check="text", click={"group": "data"},
+    text_field: str | None = setting(None, resume="restored", check="text", group="data",
                                      help="Column holding the text (default: text).")
-    prompt_field: str | None = setting(None, resume="restored", check="text", click={"group": "data"},
+    prompt_field: str | None = setting(None, resume="restored", check="text", group="data",
                                        help="Column holding the prompt (default: prompt).")
-    completion_field: str | None = setting(None, resume="restored", check="text", click={"group": "data"},
+    completion_field: str | None = setting(None, resume="restored", check="text", group="data",
                                            help="Column holding the completion (default: completion).")
-    messages_field: str | None = setting(None, resume="restored", check="text", click={"group": "data"},
+    messages_field: str | None = setting(None, resume="restored", check="text", group="data",
                                          help="Column holding the conversation (default: messages).")
-    num_proc: int = setting(1, resume="restored", check="int>=1", click={"group": "data"},
+    num_proc: int = setting(1, resume="restored", check="int>=1", group="data",
                             help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
     threads: int | None = setting(None, resume="restored", check="int>=1", click={"min": 1},

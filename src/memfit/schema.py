@@ -23,6 +23,9 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
     Its part in ``memfit plan`` (``PLAN_ROLES``): ``"searched"`` settings are what the planner chooses
     (``memfit.planning.space.Constraints`` has a field for each; ``plan``'s flag pins it, default None),
     ``"given"`` ones are the problem it is given (the sequence length, the processes, the batch).
+``group``
+    The settings it belongs with (``"lora"``: the adapters; ``"data"``: how records are read, the flags
+    ``memfit data preview`` shares).
 ``click``
     Plain-data hints for the click option: ``choices`` (a tuple of names), ``min`` (click checks the
     bound itself), ``path`` (a file path), ``show_default`` (text instead of the value).
@@ -63,7 +66,7 @@ COMMANDS = ("estimate", "plan", "train")
 def setting(default: Any = MISSING, *, resume: str, help: str | None = None, check: str | None = None,
             what: str | None = None, flag: str | None = None, commands: tuple[str, ...] = ("train",),
             overrides: dict[str, dict[str, Any]] | None = None, click: dict[str, Any] | None = None,
-            plan: str | None = None, default_factory: Any = MISSING) -> Any:
+            plan: str | None = None, group: str | None = None, default_factory: Any = MISSING) -> Any:
     """A dataclass field that declares a setting (the module docstring says what each key means).
 
     ``resume`` has no default: every setting states what ``--resume`` does with it.
@@ -81,7 +84,8 @@ def setting(default: Any = MISSING, *, resume: str, help: str | None = None, che
         if "default" in changes and not changes.get("why"):
             raise ValueError(f"{command}'s own default needs its reason (why=...)")
     meta = {"resume": resume, "help": help, "check": check, "what": what, "flag": flag,
-            "commands": tuple(commands), "plan": plan, "overrides": dict(overrides or {}), "click": dict(click or {})}
+            "commands": tuple(commands), "plan": plan, "group": group, "overrides": dict(overrides or {}),
+            "click": dict(click or {})}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=MappingProxyType(meta))
 
 
@@ -126,6 +130,11 @@ def option_spec(f: Field, command: str) -> dict[str, Any]:
 def searched(cls) -> list[Field]:
     """The settings of ``cls`` the planner chooses (``PLAN_ROLES``), each a field of its constraints."""
     return [f for f in settings(cls) if f.metadata["plan"] == "searched"]
+
+
+def in_group(cls, group: str) -> list[Field]:
+    """The settings of ``cls`` in ``group``."""
+    return [f for f in settings(cls) if f.metadata["group"] == group]
 
 
 def own_defaults(cls, command: str) -> dict[str, Any]:

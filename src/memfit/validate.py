@@ -1,8 +1,9 @@
 """Every value a user gives, checked once at the boundary, in the same words from the command line or YAML.
 
 ``RunConfig.__post_init__`` and ``TrainConfig.__post_init__`` call ``check_run`` and ``check_train``,
-so a value is refused whether it came from a flag, a ``--config`` YAML file or a library call, and
-the sentence always names the flag (``--lr``), never the Python field. Model configs are checked by
+which check each setting as its field declares (``check`` in ``memfit.schema``), so a value is refused
+whether it came from a flag, a ``--config`` YAML file or a library call, and the sentence always names
+the flag (``--lr``), never the Python field. Model configs are checked by
 ``check_model_config`` (read by estimate, plan and train through ``modelspec.resolve_config``) before
 anything is built, so a zero size or heads that do not divide never reach torch.
 """
@@ -114,16 +115,16 @@ def check_run(run) -> dict[str, Any]:
     return check_fields(run)
 
 
-LORA_OPTIONS = ("lora_targets", "lora_alpha", "lora_dropout")
-"""Settings of the LoRA adapters, which only ``--lora-r`` switches on."""
-
-
 def check_lora_options(given, lora_r_given: bool) -> None:
     """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
     without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
     a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
     train, estimate and plan."""
-    named = [flag(name) for name in LORA_OPTIONS if name in given]
+    from memfit.config import RunConfig  # config imports this module
+    from memfit.schema import in_group
+
+    # the LoRA group's settings (memfit.schema) but --lora-r, which switches the adapters on
+    named = [flag(f.name) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
     if named and not lora_r_given:
         raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
                         f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")

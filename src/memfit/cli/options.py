@@ -60,7 +60,7 @@ def option(cls, f: Field, command: str):
 def schema_options(cls, command: str, *, group: str | None = None) -> list:
     """The click options of ``cls``'s settings that ``command`` takes (only ``group``'s when given)."""
     return [option(cls, f, command) for f in for_command(cls, command)
-            if group is None or f.metadata["click"].get("group") == group]
+            if group is None or f.metadata["group"] == group]
 
 
 def apply(func, opts: list):
