@@ -31,7 +31,7 @@ from memfit.defaults import (
     fmt_lr,
 )
 from memfit.errors import UserError
-from memfit.schema import flag_of, key_of, own_defaults, setting, settings
+from memfit.schema import flag_of, in_group, key_of, own_defaults, setting, settings
 from memfit.trackers import TRACKERS
 
 
@@ -285,6 +285,18 @@ class RunConfig:
         """Build from a flat dict, ignoring keys that are not memory settings."""
         names = {key_of(f): f.name for f in settings(cls)}
         return cls(**{names[k]: v for k, v in data.items() if k in names and v is not None})
+
+
+def check_lora_options(given, lora_r_given: bool) -> None:
+    """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
+    without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
+    a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
+    train, estimate and plan."""
+    # the LoRA group's settings (memfit.schema) but --lora-r, which switches the adapters on
+    named = [flag_of(f) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
+    if named and not lora_r_given:
+        raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
+                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
 
 
 @dataclass(frozen=True)

@@ -115,21 +115,6 @@ def check_run(run) -> dict[str, Any]:
     return check_fields(run)
 
 
-def check_lora_options(given, lora_r_given: bool) -> None:
-    """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
-    without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
-    a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
-    train, estimate and plan."""
-    from memfit.config import RunConfig  # config imports this module
-    from memfit.schema import in_group
-
-    # the LoRA group's settings (memfit.schema) but --lora-r, which switches the adapters on
-    named = [flag(f.name) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
-    if named and not lora_r_given:
-        raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
-                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
-
-
 def check_train(config) -> dict[str, Any]:
     """Checked, normalised values of a ``TrainConfig``'s own fields (those present on it)."""
     out = check_fields(config)

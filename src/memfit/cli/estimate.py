@@ -44,10 +44,10 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
     """
     from memfit.cli.options import explicit
+    from memfit.config import check_lora_options
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
     from memfit.modelspec import check_seq_len, load_spec
-    from memfit.validate import check_lora_options
 
     typed = explicit(click.get_current_context(), kwargs)
     check_lora_options(typed, "lora_r" in typed)

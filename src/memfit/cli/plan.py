@@ -69,7 +69,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
-    from memfit.validate import check_lora_options
+    from memfit.config import check_lora_options
 
     # without --full (or with --lora-r) the planner may choose LoRA, with these options
     check_lora_options({k for k, v in pins.items() if v is not None},

@@ -10,10 +10,9 @@ from typing import Any
 import click
 
 from memfit.cli.options import explicit, flags, memory_options, with_options
-from memfit.config import RunConfig, TrainConfig
+from memfit.config import RunConfig, TrainConfig, check_lora_options
 from memfit.defaults import SHAPES
 from memfit.errors import UserError
-from memfit.validate import check_lora_options
 
 EPILOG = """\b
 Examples:
