@@ -3,18 +3,36 @@
 One vocabulary everywhere: precision uses Accelerate's names (``no``, ``fp16``, ``bf16``); the keys of
 ``RunConfig.to_flat()`` are the names of ``memfit train``'s flags with ``-`` replaced by ``_``, so a
 plan written as YAML is read back by ``memfit train --config``.
+
+Every field is a setting of the schema (``memfit.schema.setting``): it declares its flag's help, its
+check, its group, what ``--resume`` and ``memfit plan`` do with it, and which commands take it. The
+click options of estimate, plan and train, the YAML keys, the value checks (``memfit.validate``),
+resume's rules and the planner's constraints are derived from these fields; ``tests/test_schema.py``
+fails when a flag, a key or a rule exists that the schema does not declare.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from memfit import validate
-from memfit.defaults import DEMO_MICRO_BATCH, DEMO_SEQ_LEN
+from memfit.data_formats import FORMATS
+from memfit.defaults import (
+    DEMO_LR,
+    DEMO_MICRO_BATCH,
+    DEMO_SEQ_LEN,
+    DEMO_STEPS,
+    FULL_LR,
+    LORA_LR,
+    SHAPES,
+    fmt_lr,
+)
 from memfit.errors import UserError
+from memfit.schema import flag_of, in_group, key_of, own_defaults, setting, settings
+from memfit.trackers import TRACKERS
 
 
 class StrEnum(str, Enum):
@@ -127,55 +145,96 @@ def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
         raise UserError(f"Unknown {flag} {value!r}; choose one of: {choices}.") from None
 
 
+_ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.schema.PLAN_ROLES)
+_NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) and the data's packing itself
+_DEMO = f"train's own default: sized for the demo (memfit.defaults.SHAPES['train']: {SHAPES['train']})"
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything about a training run that changes its memory and speed (what estimate and plan see)."""
+    """Everything about a training run that changes its memory and speed (what estimate and plan see).
 
-    seq_len: int = 256
+    Each field is a setting of the schema (``memfit.schema``): its flag, help, check and resume rule."""
+
+    seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
+                           help="Tokens per sequence.",
+                           overrides={"train": {"default": DEMO_SEQ_LEN, "why": _DEMO,
+                                                "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"},
+                                      "plan": {"default": 1024, "why": SHAPES["plan"]}})
     """Tokens per sequence."""
-    micro_batch: int = 8
+    micro_batch: int = setting(8, plan="searched", resume="may-change", check="int>=1", commands=_ALL,
+                               help="Sequences per forward/backward on one process.",
+                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _DEMO},
+                                          "plan": {"help": "Pin the micro-batch (grad-accum follows from --batch)."}})
     """Sequences per forward/backward pass on one process."""
-    grad_accum: int = 1
+    grad_accum: int = setting(1, plan="searched", resume="may-change", check="int>=1", commands=_NOT_PLAN,
+                              help="Micro-batches accumulated per optimizer step.")
     """Micro-batches accumulated per optimizer step."""
-    num_processes: int = 1
-    """Data-parallel ranks; memory numbers are per rank."""
-    mixed_precision: Precision = Precision.NO
+    num_processes: int = setting(1, plan="given", resume="never-restored", check="int>=1", commands=_ALL,
+                                 help="Data-parallel ranks (memory is per rank).")
+    """Data-parallel ranks; memory numbers are per rank. Not restored by ``--resume``: the launcher decides it."""
+    mixed_precision: Precision = setting(Precision.NO, plan="searched", resume="restored", commands=_ALL,
+                                         help="Accelerate's autocast precision (weights stay in --dtype).")
     """Accelerate's autocast precision."""
-    dtype: DType = DType.FP32
+    dtype: DType = setting(DType.FP32, plan="searched", resume="restored", commands=_ALL,
+                           help="Stored weight dtype; bf16 with --mixed-precision no is pure bf16.")
     """Stored weight dtype (``bf16`` with ``mixed_precision=no`` is pure bf16 training)."""
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = setting(False, plan="searched", resume="may-change", check="bool", commands=_ALL,
+                                       click={"negatable": True},
+                                       help="Recompute each layer in backward instead of storing activations.",
+                                       overrides={"plan": {"help": "Pin checkpointing on or off."}})
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    lora_r: int = 0
+    lora_r: int = setting(0, group="lora", plan="searched", resume="restored", check="int>=0",
+                          what="0 (full fine-tune) or a positive rank",
+                          commands=_ALL, help="LoRA rank; 0 = full fine-tune.",
+                          overrides={"plan": {"help": "Pin LoRA at this rank (0 = full fine-tune)."}})
     """LoRA rank; 0 is a full fine-tune."""
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_alpha: float = setting(16.0, group="lora", plan="searched", resume="restored", check="pos", commands=_ALL)
+    """LoRA's scale numerator: the adapters' update is scaled by ``lora_alpha / lora_r``."""
+    lora_dropout: float = setting(0.0, group="lora", plan="searched", resume="restored", check="frac", commands=_ALL)
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``); > 0 keeps a mask per adapted linear."""
+    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, group="lora", plan="searched", resume="restored",
+                                            commands=_ALL,
+                                            help="Comma-separated module names, or all-linear.")
     """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
-    quantize: Quantize = Quantize.NONE
+    quantize: Quantize = setting(Quantize.NONE, plan="searched", resume="restored", commands=_ALL,
+                                 help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50).",
+                                 overrides={"plan": {"help": "Pin the QLoRA base (none forbids it)."}})
     """QLoRA: frozen base in 4 or 8 bit (needs ``lora_r > 0``)."""
-    optimizer: Optimizer = Optimizer.ADAMW
-    offload: Offload = Offload.NONE
-    sharding: Sharding = Sharding.DDP
-    attn_implementation: Attention = Attention.AUTO
+    optimizer: Optimizer = setting(Optimizer.ADAMW, plan="searched", resume="restored", commands=_ALL,
+                                   overrides={"plan": {"help": "Pin the optimizer (default: try adamw-fused, "
+                                                               "adamw-foreach, adamw-8bit)."}})
+    """The optimizer variant (``Optimizer``)."""
+    offload: Offload = setting(Offload.NONE, plan="searched", resume="restored", commands=_ALL)
+    """What is kept in CPU memory (``Offload``)."""
+    sharding: Sharding = setting(Sharding.DDP, plan="searched", resume="may-change", commands=_ALL)
+    """How model states are split over the ranks; resumable under another (the loader refuses a checkpoint
+    format it cannot read, ``training.sharding.state_loader``)."""
+    attn_implementation: Attention = setting(Attention.AUTO, plan="searched", resume="may-change", commands=_ALL)
     """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
-    packing: Packing = Packing.DOCUMENTS
+    packing: Packing = setting(Packing.DOCUMENTS, plan="searched", resume="restored", commands=_NOT_PLAN,
+                               help="documents: whole documents per row, each attending only to itself (position "
+                               "ids restart; a block-causal mask); concat: cut one stream, documents see the ones "
+                               "before; none: one document per row, padded.")
     """How documents fill rows; ``documents`` makes transformers build a block-causal (B, 1, T, T) mask."""
-    loss: Loss = Loss.STANDARD
+    loss: Loss = setting(Loss.STANDARD, plan="searched", resume="restored", commands=_ALL,
+                         help="LM head + cross-entropy: chunked never builds the full logits.",
+                         overrides={"plan": {"help": "Pin the loss (default: try standard and chunked)."}})
     """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.losses``)."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL,
+                                          click={"negatable": True},
+                                          help="Step each parameter as its gradient arrives (needs --grad-accum 1).",
+                                          overrides={"plan": {"help": "Pin the optimizer step in backward on or off "
+                                                                      "(default: try both where possible)."}})
     """Step each parameter as soon as its gradient is ready and free it (no full set of gradients)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "mixed_precision", _enum(Precision, self.mixed_precision, "--mixed-precision"))
-        set_(self, "dtype", _enum(DType, self.dtype, "--dtype"))
-        set_(self, "optimizer", _enum(Optimizer, self.optimizer, "--optimizer"))
-        set_(self, "quantize", _enum(Quantize, self.quantize, "--quantize"))
-        set_(self, "offload", _enum(Offload, self.offload, "--offload"))
-        set_(self, "sharding", _enum(Sharding, self.sharding, "--sharding"))
-        set_(self, "attn_implementation", _enum(Attention, self.attn_implementation, "--attn-implementation"))
-        set_(self, "packing", parse_packing(self.packing))
-        set_(self, "loss", _enum(Loss, self.loss, "--loss"))
+        for f in settings(RunConfig):  # the enum settings: their type is their default's
+            if isinstance(f.default, Enum):
+                value = getattr(self, f.name)
+                set_(self, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
+                                                                                          flag_of(f)))
         if isinstance(self.lora_targets, str):
             set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
         elif isinstance(self.lora_targets, (list, tuple)) and all(isinstance(t, str) for t in self.lora_targets):
@@ -212,113 +271,194 @@ class RunConfig:
     def to_flat(self) -> dict[str, Any]:
         """Plain dict with train-flag keys and YAML-friendly values."""
         out: dict[str, Any] = {}
-        for f in fields(self):
+        for f in settings(self):
             value = getattr(self, f.name)
             if isinstance(value, Enum):
                 value = value.value
             elif isinstance(value, tuple):
                 value = ",".join(value)
-            out[f.name] = value
+            out[key_of(f)] = value
         return out
 
     @classmethod
     def from_flat(cls, data: dict[str, Any]) -> RunConfig:
         """Build from a flat dict, ignoring keys that are not memory settings."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names and v is not None})
+        names = {key_of(f): f.name for f in settings(cls)}
+        return cls(**{names[k]: v for k, v in data.items() if k in names and v is not None})
+
+
+def check_lora_options(given, lora_r_given: bool) -> None:
+    """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
+    without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
+    a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
+    train, estimate and plan."""
+    # the LoRA group's settings (memfit.schema) but --lora-r, which switches the adapters on
+    named = [flag_of(f) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
+    if named and not lora_r_given:
+        raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
+                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs."""
+    """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs.
 
-    model: str = "tiny"
+    Each field but ``run`` (the memory settings' group) is a setting of the schema (``memfit.schema``)."""
+
+    model: str = setting("tiny", resume="restored", check="text",
+                         help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
+                         "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models).")
     """Architecture preset name, local Hugging Face checkpoint directory, or Hugging Face Hub id (org/name)."""
-    data: str | None = None
+    data: str | None = setting(None, resume="restored", check="text",
+                               help=".txt, .jsonl (text or prompt/completion) or a folder; default: the corpus "
+                               "shipped with memfit.")
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
-    tokenizer: str | None = None
+    tokenizer: str | None = setting(None, resume="restored", check="text",
+                                    help="Tokenizer folder, or 'byte'; default: the model's.")
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
-    run: RunConfig = field(default_factory=lambda: RunConfig(seq_len=DEMO_SEQ_LEN, micro_batch=DEMO_MICRO_BATCH))
-    """Train's own defaults for the memory settings: sized for the demo (tiny preset, 2 CPU cores, < 3 min).
+    run: RunConfig = field(default_factory=lambda: RunConfig(**own_defaults(RunConfig, "train")))
+    """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
     On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.defaults``);
     library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
-    optimizer_lr: float | None = None
+    optimizer_lr: float | None = setting(None, resume="restored", check="pos", flag="--lr",
+                                         help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random "
+                                         f"weights (a preset, the demo), {fmt_lr(LORA_LR)} for LoRA, "
+                                         f"{fmt_lr(FULL_LR)} for a full fine-tune.")
     """Peak learning rate; None: by method (``memfit.defaults.default_lr``: 1e-3 from random weights, as
     the demo, 2e-4 for LoRA, 2e-5 for a full fine-tune), filled in when the run is built."""
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    max_steps: int | None = None
+    weight_decay: float = setting(0.0, resume="restored", check="nonneg")
+    warmup_steps: int = setting(10, resume="restored", check="int>=0")
+    max_steps: int | None = setting(None, resume="length", check="int>=1",
+                                    help="Optimizer steps (with --epochs: whichever ends first); default: "
+                                    f"{DEMO_STEPS} for the demo, else 1 epoch.")
     """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
     other run one epoch (``memfit.defaults.default_steps``)."""
-    epochs: int | None = None
-    truncate: bool = False
+    epochs: int | None = setting(None, resume="length", check="int>=1",
+                                 help="Passes over the training data (never capped by a default --max-steps).")
+    truncate: bool = setting(False, resume="restored", check="bool",
+                             help="Keep conversations longer than --seq-len cut to it (when the cut keeps a reply "
+                             "token) instead of dropping them.")
     """Keep conversations longer than ``seq_len`` cut to it (when the cut keeps a target token), instead of
     dropping them."""
-    seed: int = 0
-    eval_every: int = 40
-    eval_fraction: float = 0.02
-    save_every: int | None = None
+    seed: int = setting(0, resume="restored", check="int>=0")
+    eval_every: int = setting(40, resume="may-change", check="int>=0",
+                              help="Evaluate on the held-out split every N steps (0: never).")
+    eval_fraction: float = setting(0.02, resume="restored", check="frac")
+    save_every: int | None = setting(None, resume="may-change", check="int>=0",
+                                     help="Checkpoint every N steps (and at the end); default: ten times per run; "
+                                     "0: never.")
     """Checkpoint every N optimizer steps (and at the end); None: automatically, ten times per run; 0: never."""
-    keep_last: int = 2
+    keep_last: int = setting(2, resume="may-change", check="int>=1",
+                             help="Checkpoints kept (older ones go only once a newer one is complete).")
     """Checkpoints kept: older ones are removed only after a newer one is complete and verified."""
-    state_dict: str = "sharded"
+    state_dict: str = setting("sharded", resume="may-change", click={"choices": ("sharded", "full")},
+                              help="Checkpoints of a sharded run: each rank's shards, or the full state gathered on "
+                              "rank 0 (resumes on any number of processes, --sharding ddp on 1 included).")
     """Sharded runs' checkpoints: ``sharded`` (each rank writes its shards; resumes on any number of ranks
     of a sharded run) or ``full`` (gathered on rank 0 into an unsharded run's files; resumes on any
     number of processes, sharded or not). ``training.sharding``."""
-    init: str = "pretrained"
+    init: str = setting("pretrained", resume="restored", click={"choices": ("pretrained", "random")},
+                        help="random: train a model folder that holds only config.json from random weights.")
     """``random``: train a model folder that holds only a config.json from random initialisation."""
-    log_every: int = 5
-    max_grad_norm: float = 1.0
-    output: str | None = None
+    log_every: int = setting(5, resume="may-change", check="int>=1")
+    max_grad_norm: float = setting(1.0, resume="restored", check="nonneg", help="Gradient clipping (0: off).")
+    output: str | None = setting(None, resume="never-restored", check="text",
+                                 help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. A folder holding "
+                                 "another run is refused unless --overwrite or --resume.")
     """Run folder; None: a fresh ``runs/<model-name>-<YYYYmmdd-HHMMSS>`` per run (``--resume`` needs one given)."""
-    resume: bool = False
-    extend_schedule: bool = False
+    resume: bool = setting(False, resume="never-restored", check="bool",
+                           help="Continue from the latest checkpoint in --output (required).")
+    extend_schedule: bool = setting(False, resume="never-restored", check="bool",
+                                    help="With --resume and more --max-steps/--epochs than a finished run had: train "
+                                    "on, the learning-rate schedule recomputed over the new total (its lr rises "
+                                    "again from 0).")
     """With ``resume``: train a finished run on past its end, its learning-rate schedule recomputed over the
     new total (the lr rises again from 0); refused without it (``training.resume.check_extension``)."""
-    overwrite: bool = False
-    merge: bool = False
-    trust_remote_code: bool = False
-    samples: int = 3
+    overwrite: bool = setting(False, resume="never-restored", check="bool",
+                              help="Replace a previous run in --output.")
+    merge: bool = setting(False, resume="may-change", check="bool",
+                          help="LoRA: also save the adapter merged into the base.")
+    trust_remote_code: bool = setting(False, resume="never-restored", check="bool", commands=("estimate", "train"),
+                                      help="Allow the model's own Python code (local or Hub).",
+                                      overrides={"estimate": {"help": "Allow the model's own Python code (a local "
+                                                              "folder or a Hub model)."}})
+    samples: int = setting(3, resume="may-change", check="int>=0",
+                           help="Samples printed at the end: the model continues the beginnings of held-out "
+                           "documents.")
     """Generated samples printed at the end of the run."""
-    eval_samples: int = 0
+    eval_samples: int = setting(0, resume="may-change", click={"min": 0},
+                                help="Also generate N samples at each --eval-every evaluation (samples.jsonl in "
+                                "--output).")
     """Samples generated after each ``--eval-every`` evaluation (``samples.jsonl``); 0: only at the end."""
-    batch: int | None = None
+    batch: int | None = setting(None, plan="given", resume="restored", check="int>=1", commands=("plan", "train"),
+                                help="Effective batch in sequences per optimizer step (sets --grad-accum).",
+                                overrides={"plan": {"default": 16, "why": SHAPES["plan"], "help": "Effective batch: "
+                                                    "sequences per optimizer step over all processes (kept exact)."}})
     """Effective batch in sequences (all micro-batches and processes of one step); sets ``grad_accum``."""
-    budget: str | None = None
+    budget: str | None = setting(None, resume="restored", check="text", commands=("plan", "train"),
+                                 help="Memory budget (24GiB): plan the fastest settings that fit, then train them. "
+                                 "Full fine-tune unless --lora-r; --dtype/--mixed-precision kept when given.",
+                                 overrides={"plan": {"help": "Memory per GPU, e.g. 24GiB or 24GB (default: the "
+                                                     "--gpu's memory)."}})
     """Memory budget (``24GiB``); when set, ``memfit plan`` picks the run settings first."""
-    pinned: tuple[str, ...] = ()
+    pinned: tuple[str, ...] = setting((), resume="never-restored", commands=())
     """Run settings the user set explicitly; with ``budget`` the planner keeps them."""
-    tracker: str | None = None
+    tracker: str | None = setting(None, resume="may-change", check="text", click={"choices": tuple(TRACKERS)},
+                                  help="Also log metrics with an Accelerate tracker (files under --output; wandb/"
+                                  "mlflow/trackio/aim need their extra: pip install 'memfit[wandb]' and so on).")
     """Accelerate tracker (``tensorboard``) to log to, under ``output``."""
-    check_equivalence: bool = False
-    json: bool = False
+    check_equivalence: bool = setting(False, resume="never-restored", check="bool",
+                                      help="Train 3 steps as E x 1 and E/k x k on your model and data; print the "
+                                      "weight difference.")
+    json: bool = setting(False, resume="never-restored", check="bool",
+                         help="Print the final summary as JSON on stdout.")
     # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
-    data_format: str | None = None
+    data_format: str | None = setting(None, resume="restored", check="text",
+                                      group="data", click={"choices": FORMATS},
+                                      help="Force the record format instead of detecting it from the keys.")
     """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
-    train_on_prompt: bool = False
+    train_on_prompt: bool = setting(False, resume="restored", check="bool", group="data",
+                                    help="Take the loss on prompts and user turns too (default: completions/"
+                                    "assistant turns).")
     """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
-    chat_template: str | None = None
+    chat_template: str | None = setting(None, resume="restored", check="text", group="data", click={"path": True},
+                                        help="Jinja chat template file for a tokenizer without one (or to replace "
+                                        "its own).")
     """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
-    split: str = "train"
+    split: str = setting("train", resume="restored", check="text", group="data",
+                         help="Split of a Hub dataset or a save_to_disk DatasetDict.")
     """Split of a Hub dataset or a saved ``DatasetDict``."""
-    data_config: str | None = None
+    data_config: str | None = setting(None, resume="restored", check="text", group="data",
+                                      help="Configuration (subset) of a Hub dataset.")
     """Configuration (subset) name of a Hub dataset."""
-    text_field: str | None = None
-    prompt_field: str | None = None
-    completion_field: str | None = None
-    messages_field: str | None = None
-    num_proc: int = 1
+    text_field: str | None = setting(None, resume="restored", check="text", group="data",
+                                     help="Column holding the text (default: text).")
+    prompt_field: str | None = setting(None, resume="restored", check="text", group="data",
+                                       help="Column holding the prompt (default: prompt).")
+    completion_field: str | None = setting(None, resume="restored", check="text", group="data",
+                                           help="Column holding the completion (default: completion).")
+    messages_field: str | None = setting(None, resume="restored", check="text", group="data",
+                                         help="Column holding the conversation (default: messages).")
+    num_proc: int = setting(1, resume="restored", check="int>=1", group="data",
+                            help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
-    threads: int | None = None
+    threads: int | None = setting(None, resume="restored", check="int>=1", click={"min": 1},
+                                  help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle "
+                                  "and available to this process (affinity, cgroup quota).")
     """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
     # Hub models (issue 22; memfit.hub) --------------------------------------------------------------
-    revision: str | None = None
+    revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
+                                   help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
+                                   "records the commit).",
+                                   overrides={c: {"help": "Branch, tag or commit of a Hub MODEL (org/name); default: "
+                                                  "its main branch."} for c in ("estimate", "plan")})
     """Branch, tag or commit of a Hub ``model`` (org/name); None: its default branch. A run pins the commit
     it resolved to here, so ``--resume`` continues on the same weights (offline, from the cache)."""
-    allow_pickle_weights: bool = False
+    allow_pickle_weights: bool = setting(False, resume="never-restored", check="bool",
+                                         help="Accept a Hub model whose weights are PyTorch pickles (*.bin, *.pt), "
+                                         "which can run code when loaded; default: safetensors only.")
     """Load a Hub model whose weights are PyTorch pickles (``*.bin``/``*.pt``), which can run code when loaded."""
-
-    explicit: tuple[str, ...] | None = None
+    explicit: tuple[str, ...] | None = setting(None, resume="never-restored", commands=())
     """Settings the user gave (flags typed or in ``--config``); None for library callers, whose whole
     config counts as given. ``--resume`` restores the run's saved settings for the others."""
 
@@ -329,19 +469,22 @@ class TrainConfig:
             object.__setattr__(self, name, value)
 
     def to_flat(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
-        out["lr"] = out.pop("optimizer_lr")
+        """Flat train-flag keys (``memfit.schema.key_of``: ``lr``, not ``optimizer_lr``) with the run's settings."""
+        out = {key_of(f): getattr(self, f.name) for f in settings(self)}
         out.update(self.run.to_flat())
         return out
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """Every key a YAML config (or ``from_flat``) accepts -> its field name: the schema's settings."""
+        return {key_of(f): f.name for c in (cls, RunConfig) for f in settings(c)}
 
     @classmethod
     def from_flat(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from flat train-flag keys (a YAML config, or the CLI's merged flags)."""
         data = {k.replace("-", "_"): v for k, v in data.items()}
-        names = {f.name for f in fields(cls)} - {"run", "optimizer_lr"}
-        run_names = {f.name for f in fields(RunConfig)}
-        validate.unknown_keys(set(data) - names - run_names - {"lr"}, names | run_names | {"lr"})
-        kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if data.get("lr") is not None:
-            kwargs["optimizer_lr"] = data["lr"]  # checked (finite, positive) by validate.check_train
+        keys = cls.keys()
+        validate.unknown_keys(set(data) - set(keys), set(keys))
+        own = {f.name for f in settings(cls)}
+        kwargs = {keys[k]: v for k, v in data.items() if keys[k] in own and v is not None}
         return cls(run=RunConfig.from_flat(data), **kwargs)

@@ -1,8 +1,9 @@
 """Every value a user gives, checked once at the boundary, in the same words from the command line or YAML.
 
 ``RunConfig.__post_init__`` and ``TrainConfig.__post_init__`` call ``check_run`` and ``check_train``,
-so a value is refused whether it came from a flag, a ``--config`` YAML file or a library call, and
-the sentence always names the flag (``--lr``), never the Python field. Model configs are checked by
+which check each setting as its field declares (``check`` in ``memfit.schema``), so a value is refused
+whether it came from a flag, a ``--config`` YAML file or a library call, and the sentence always names
+the flag (``--lr``), never the Python field. Model configs are checked by
 ``check_model_config`` (read by estimate, plan and train through ``modelspec.resolve_config``) before
 anything is built, so a zero size or heads that do not divide never reach torch.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.schema import settings
 
 
 def flag(name: str) -> str:
@@ -82,74 +84,40 @@ POSITIVE = "a positive whole number"
 NON_NEGATIVE = "0 or a positive whole number"
 
 
-def check_run(run) -> dict[str, Any]:
-    """Checked, normalised values of a ``RunConfig`` (numbers only; enums are checked by the config)."""
-    out = {name: whole(name, getattr(run, name), minimum=1, what=POSITIVE)
-           for name in ("seq_len", "micro_batch", "grad_accum", "num_processes")}
-    out["lora_r"] = whole("lora_r", run.lora_r, minimum=0, what="0 (full fine-tune) or a positive rank")
-    out["lora_alpha"] = number("lora_alpha", run.lora_alpha, low=0.0, low_open=True, what="a finite positive number")
-    out["lora_dropout"] = number("lora_dropout", run.lora_dropout, low=0.0, high=1.0, high_open=True,
-                                 what="a number in [0, 1)")
-    out["grad_checkpointing"] = boolean("grad_checkpointing", run.grad_checkpointing)
+def check_fields(config) -> dict[str, Any]:
+    """Checked, normalised values of a config's settings, by each field's ``check`` (``memfit.schema``).
+
+    A setting whose default is None may be None: not given, derived later (``memfit.defaults``)."""
+    out: dict[str, Any] = {}
+    for f in settings(config):
+        kind, value = f.metadata["check"], getattr(config, f.name)
+        if kind is None or (value is None and f.default is None):
+            continue
+        what = f.metadata["what"]
+        if kind in ("int>=0", "int>=1"):
+            minimum = int(kind[-1])
+            out[f.name] = whole(f.name, value, minimum=minimum, what=what or (POSITIVE if minimum else NON_NEGATIVE))
+        elif kind == "pos":
+            out[f.name] = number(f.name, value, low=0.0, low_open=True, what=what or "a finite positive number")
+        elif kind == "nonneg":
+            out[f.name] = number(f.name, value, low=0.0, what=what or "a finite number >= 0")
+        elif kind == "frac":
+            out[f.name] = number(f.name, value, low=0.0, high=1.0, high_open=True, what=what or "a number in [0, 1)")
+        elif kind == "bool":
+            out[f.name] = boolean(f.name, value)
+        else:
+            out[f.name] = text(f.name, value)
     return out
 
 
-LORA_OPTIONS = ("lora_targets", "lora_alpha", "lora_dropout")
-"""Settings of the LoRA adapters, which only ``--lora-r`` switches on."""
-
-
-def check_lora_options(given, lora_r_given: bool) -> None:
-    """Refuse ``--lora-targets``/``--lora-alpha``/``--lora-dropout`` given (typed or in a ``--config`` file)
-    without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
-    a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
-    train, estimate and plan."""
-    named = [flag(name) for name in LORA_OPTIONS if name in given]
-    if named and not lora_r_given:
-        raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
-                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
-
-
-#: TrainConfig fields: (kind, options). Kinds: "int>=N", "pos", "nonneg", "frac", "bool", "text".
-_TRAIN_FIELDS: dict[str, tuple[str, Any]] = {
-    "optimizer_lr": ("pos?", None), "weight_decay": ("nonneg", None), "max_grad_norm": ("nonneg", None),
-    "eval_fraction": ("frac", None),
-    "warmup_steps": ("int", 0), "max_steps": ("int?", 1), "epochs": ("int?", 1), "seed": ("int", 0),
-    "eval_every": ("int", 0), "save_every": ("int?", 0), "log_every": ("int", 1), "samples": ("int", 0),
-    "batch": ("int?", 1), "keep_last": ("int", 1),
-    "num_proc": ("int", 1), "threads": ("int?", 1), "train_on_prompt": ("bool", None), "truncate": ("bool", None),
-    "resume": ("bool", None), "extend_schedule": ("bool", None), "overwrite": ("bool", None), "merge": ("bool", None),
-    "trust_remote_code": ("bool", None), "check_equivalence": ("bool", None), "json": ("bool", None),
-    "model": ("text", None), "data": ("text", None), "tokenizer": ("text", None), "output": ("text", None),
-    "budget": ("text", None), "tracker": ("text", None), "data_format": ("text", None),
-    "chat_template": ("text", None), "split": ("text", None), "data_config": ("text", None),
-    "text_field": ("text", None), "prompt_field": ("text", None), "completion_field": ("text", None),
-    "messages_field": ("text", None),
-    "revision": ("text", None), "allow_pickle_weights": ("bool", None),
-}
+def check_run(run) -> dict[str, Any]:
+    """Checked, normalised values of a ``RunConfig`` (numbers only; enums are checked by the config)."""
+    return check_fields(run)
 
 
 def check_train(config) -> dict[str, Any]:
     """Checked, normalised values of a ``TrainConfig``'s own fields (those present on it)."""
-    out: dict[str, Any] = {}
-    for name, (kind, option) in _TRAIN_FIELDS.items():
-        if not hasattr(config, name):
-            continue
-        value = getattr(config, name)
-        if value is None and kind in ("pos?", "int?"):
-            continue  # not given: derived (memfit.defaults)
-        if kind in ("pos", "pos?"):
-            out[name] = number(name, value, low=0.0, low_open=True, what="a finite positive number")
-        elif kind == "nonneg":
-            out[name] = number(name, value, low=0.0, what="a finite number >= 0")
-        elif kind == "frac":
-            out[name] = number(name, value, low=0.0, high=1.0, high_open=True, what="a number in [0, 1)")
-        elif kind in ("int", "int?"):
-            what = POSITIVE if option == 1 else NON_NEGATIVE
-            out[name] = whole(name, value, minimum=option, what=what)
-        elif kind == "bool":
-            out[name] = boolean(name, value)
-        else:
-            out[name] = text(name, value)
+    out = check_fields(config)
     if getattr(config, "model", None) is None:
         raise UserError("--model must name a preset or a model folder, got nothing.")
     if getattr(config, "init", "pretrained") not in ("pretrained", "random"):

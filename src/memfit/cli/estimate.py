@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from memfit.cli.options import memory_options, run_config_from
+from memfit.cli.options import flags, memory_options, run_config_from
+from memfit.config import TrainConfig
 from memfit.defaults import SHAPES
 from memfit.errors import UserError
 
@@ -15,8 +16,8 @@ from memfit.errors import UserError
 @click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model")
-@click.option("--revision", help="Branch, tag or commit of a Hub MODEL (org/name); default: its main branch.")
-@memory_options
+@flags(TrainConfig, "estimate")  # --revision, --trust-remote-code
+@memory_options("estimate")
 @click.option("--compare", is_flag=True, help="Show fp32, AMP fp16/bf16, pure bf16, LoRA and QLoRA side by side.")
 @click.option("--exact", is_flag=True, help="Trace the real model code on fake tensors (slower, exact).")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False),
@@ -24,8 +25,6 @@ from memfit.errors import UserError
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Stacked bar chart to this .png.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu drops the CUDA context/allocator terms and models CPU kernels.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (a local folder or a "
-              "Hub model).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (MemoryBreakdown schema) instead of a table.")
 def command(model, revision, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json, **kwargs):
     """Where every byte of one training step of MODEL goes, per GPU.
@@ -45,10 +44,10 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
     """
     from memfit.cli.options import explicit
+    from memfit.config import check_lora_options
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
     from memfit.modelspec import check_seq_len, load_spec
-    from memfit.validate import check_lora_options
 
     typed = explicit(click.get_current_context(), kwargs)
     check_lora_options(typed, "lora_r" in typed)

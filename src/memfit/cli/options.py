@@ -1,79 +1,96 @@
-"""Flags shared by ``train``, ``estimate`` and ``plan`` for what changes memory.
+"""Click options built from the settings schema (``memfit.schema``), for ``train``, ``estimate`` and ``plan``.
 
-The names are ``memfit train``'s interface; ``run_config_from`` turns them into a ``RunConfig``.
+Every flag that is a setting is made here from its field in ``RunConfig`` or ``TrainConfig``: the flag,
+type, default (the command's own where the schema gives one, with its reason), help and choices. The
+names are ``memfit train``'s interface; ``run_config_from`` turns them into a ``RunConfig``.
 ``explicit`` tells which flags the user typed, so a ``--config`` YAML fills only the rest.
 """
 
 from __future__ import annotations
 
+import enum
+import types
+import typing
+from dataclasses import Field
 from typing import Any
 
 import click
 
-from memfit.config import (
-    Attention,
-    DType,
-    Loss,
-    Offload,
-    Optimizer,
-    Packing,
-    Precision,
-    Quantize,
-    RunConfig,
-    Sharding,
-)
-
-_DEFAULT = RunConfig()
+from memfit.config import RunConfig, TrainConfig
+from memfit.schema import flag_of, for_command, key_of, option_spec, settings
 
 
-def _choice(enum) -> click.Choice:
-    return click.Choice([m.value for m in enum], case_sensitive=False)
+def _value_type(cls, f: Field):
+    """The field's type with ``None`` taken out of an optional one (``int | None`` -> ``int``)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
-def memory_options(func):
-    """Decorate a click command with the memory flags (defaults from ``RunConfig``)."""
-    opts = [
-        click.option("--seq-len", type=int, default=_DEFAULT.seq_len, show_default=True, help="Tokens per sequence."),
-        click.option("--micro-batch", type=int, default=_DEFAULT.micro_batch, show_default=True,
-                     help="Sequences per forward/backward on one process."),
-        click.option("--grad-accum", type=int, default=_DEFAULT.grad_accum, show_default=True,
-                     help="Micro-batches accumulated per optimizer step."),
-        click.option("--mixed-precision", type=_choice(Precision), default=_DEFAULT.mixed_precision.value,
-                     show_default=True, help="Accelerate's autocast precision (weights stay in --dtype)."),
-        click.option("--dtype", type=_choice(DType), default=_DEFAULT.dtype.value, show_default=True,
-                     help="Stored weight dtype; bf16 with --mixed-precision no is pure bf16."),
-        click.option("--grad-checkpointing/--no-grad-checkpointing", default=_DEFAULT.grad_checkpointing,
-                     show_default=True, help="Recompute each layer in backward instead of storing activations."),
-        click.option("--lora-r", type=int, default=_DEFAULT.lora_r, show_default=True,
-                     help="LoRA rank; 0 = full fine-tune."),
-        click.option("--lora-alpha", type=float, default=_DEFAULT.lora_alpha, show_default=True),
-        click.option("--lora-dropout", type=float, default=_DEFAULT.lora_dropout, show_default=True),
-        click.option("--lora-targets", type=str, default=",".join(_DEFAULT.lora_targets), show_default=True,
-                     help="Comma-separated module names, or all-linear."),
-        click.option("--quantize", type=_choice(Quantize), default=_DEFAULT.quantize.value, show_default=True,
-                     help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50)."),
-        click.option("--optimizer", type=_choice(Optimizer), default=_DEFAULT.optimizer.value, show_default=True),
-        click.option("--num-processes", type=int, default=_DEFAULT.num_processes, show_default=True,
-                     help="Data-parallel ranks (memory is per rank)."),
-        click.option("--sharding", type=_choice(Sharding), default=_DEFAULT.sharding.value, show_default=True),
-        click.option("--offload", type=_choice(Offload), default=_DEFAULT.offload.value, show_default=True),
-        click.option("--attn-implementation", type=_choice(Attention), default=_DEFAULT.attn_implementation.value,
-                     show_default=True),
-        click.option("--packing", type=_choice(Packing), default=_DEFAULT.packing.value, show_default=True,
-                     help="documents: whole documents per row, each attending only to itself (position ids "
-                     "restart; a block-causal mask); concat: cut one stream, documents see the ones before; "
-                     "none: one document per row, padded."),
-        click.option("--loss", type=_choice(Loss), default=_DEFAULT.loss.value, show_default=True,
-                     help="LM head + cross-entropy: chunked never builds the full logits."),
-        click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=_DEFAULT.optimizer_in_backward,
-                     show_default=True, help="Step each parameter as its gradient arrives (needs --grad-accum 1)."),
-    ]
+def _plain(value: Any) -> Any:
+    """A default as click shows and passes it: an enum's value, a tuple of names comma-separated."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    return ",".join(value) if isinstance(value, tuple) else value
+
+
+def option(cls, f: Field, command: str):
+    """The click option of setting ``f`` in ``command``."""
+    spec, hints, name = option_spec(f, command), f.metadata["click"], flag_of(f)
+    kind, default = _value_type(cls, f), spec["default"]
+    kwargs: dict[str, Any] = {"help": spec["help"]}
+    if kind is bool and not hints.get("negatable"):
+        return click.option(name, is_flag=True, **kwargs)  # off unless given
+    decls = [f"{name}/--no-{name[2:]}"] if kind is bool else [name]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs["type"] = click.Choice([m.value for m in kind], case_sensitive=False)
+    elif "choices" in hints:
+        kwargs["type"] = click.Choice(list(hints["choices"]))
+    elif hints.get("path"):
+        kwargs["type"] = click.Path(dir_okay=False)
+    elif "min" in hints:
+        kwargs["type"] = click.IntRange(min=hints["min"])
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    shown = spec.get("show_default", default is not None)
+    return click.option(*decls, default=_plain(default), show_default=shown, **kwargs)
+
+
+def schema_options(cls, command: str, *, group: str | None = None) -> list:
+    """The click options of ``cls``'s settings that ``command`` takes (only ``group``'s when given)."""
+    return [option(cls, f, command) for f in for_command(cls, command)
+            if group is None or f.metadata["group"] == group]
+
+
+def apply(func, opts: list):
+    """Decorate ``func`` with ``opts``, shown in ``--help`` in the order given."""
     for opt in reversed(opts):
         func = opt(func)
     return func
 
 
-MEMORY_KEYS = tuple(f for f in RunConfig.__dataclass_fields__)
+def with_options(opts: list):
+    """Decorator: ``apply(func, opts)``."""
+    return lambda func: apply(func, opts)
+
+
+def flags(cls, command: str):
+    """Decorator: ``command``'s flags for the settings of ``cls``."""
+    return with_options(schema_options(cls, command))
+
+
+def memory_options(command: str):
+    """Decorator: ``command``'s flags for the memory settings (``RunConfig``'s fields)."""
+    return flags(RunConfig, command)
+
+
+def train_options(command: str, *, group: str | None = None) -> list:
+    """``command``'s flags for ``TrainConfig``'s own settings (the model, the data, the loop)."""
+    return schema_options(TrainConfig, command, group=group)
+
+
+MEMORY_KEYS = tuple(key_of(f) for f in settings(RunConfig))
 
 
 def run_config_from(kwargs: dict[str, Any]) -> RunConfig:

@@ -8,15 +8,11 @@ from pathlib import Path
 
 import click
 
-from memfit.config import Attention, DType, Loss, Offload, Optimizer, Precision, Quantize, Sharding
+from memfit.cli.options import flags, memory_options, with_options
+from memfit.config import Offload, TrainConfig
 from memfit.defaults import SHAPES
 from memfit.errors import UserError
 from memfit.files import write_text_atomic
-
-
-def _choice(enum) -> click.Choice:
-    return click.Choice([m.value for m in enum], case_sensitive=False)
-
 
 EPILOG = """\b
 Examples:
@@ -35,46 +31,34 @@ the safety margin (--margin) fits the budget are ranked by a step-time model (to
 Defaults: """ + SHAPES["plan"] + "\n"
 
 
+#: plan's flags that are no setting of the schema: the machine, the search and its output.
+_MACHINE = [
+    click.option("--gpu", help="A listed GPU (memfit presets shows them) or 'auto' for the device present; "
+                               "its speed ranks the plans (default: a100-80gb as reference)."),
+    click.option("--margin", type=float, default=None, help="Safety margin: fits iff peak x (1 + margin) <= budget "
+                                                            "[default: 0.05]."),
+    click.option("--full", is_flag=True, help="Full fine-tune only (no LoRA)."),
+    click.option("--no-quantize", "no_quantize", is_flag=True, help="Do not consider QLoRA."),
+    click.option("--no-offload", "no_offload", is_flag=True, help="Do not consider CPU offload."),
+    click.option("--host-memory", help="Host RAM of the machine, e.g. 128GiB: drop plans whose offloaded state and "
+                                       "rollback snapshot need more (default: not checked)."),
+]
+_OUTPUT = [
+    click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all)."),
+    click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the chosen plan as YAML for "
+                                                                          "memfit train --config."),
+    click.option("--accelerate-config", type=click.Path(dir_okay=False),
+                 help="Write the chosen plan's Accelerate config file (the launch command uses it)."),
+    click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON."),
+]
+
+
 @click.command("plan", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
-@click.option("--revision", help="Branch, tag or commit of a Hub MODEL (org/name); default: its main branch.")
-@click.option("--budget", help="Memory per GPU, e.g. 24GiB or 24GB (default: the --gpu's memory).")
-@click.option("--gpu", help="A listed GPU (memfit presets shows them) or 'auto' for the device present; "
-                            "its speed ranks the plans (default: a100-80gb as reference).")
-@click.option("--seq-len", type=int, default=1024, show_default=True, help="Tokens per sequence.")
-@click.option("--batch", type=int, default=16, show_default=True,
-              help="Effective batch: sequences per optimizer step over all processes (kept exact).")
-@click.option("--num-processes", type=int, default=1, show_default=True, help="Data-parallel ranks.")
-@click.option("--margin", type=float, default=None, help="Safety margin: fits iff peak x (1 + margin) <= budget "
-                                                           "[default: 0.05].")
-@click.option("--full", is_flag=True, help="Full fine-tune only (no LoRA).")
-@click.option("--lora-r", type=int, help="Pin LoRA at this rank (0 = full fine-tune).")
-@click.option("--lora-alpha", type=float)
-@click.option("--lora-dropout", type=float)
-@click.option("--lora-targets", help="Comma-separated module names, or all-linear.")
-@click.option("--mixed-precision", type=_choice(Precision))
-@click.option("--dtype", type=_choice(DType), help="Stored weight dtype.")
-@click.option("--optimizer", type=_choice(Optimizer),
-              help="Pin the optimizer (default: try adamw-fused, adamw-foreach, adamw-8bit).")
-@click.option("--quantize", type=_choice(Quantize), help="Pin the QLoRA base (none forbids it).")
-@click.option("--no-quantize", "no_quantize", is_flag=True, help="Do not consider QLoRA.")
-@click.option("--grad-checkpointing/--no-grad-checkpointing", default=None, help="Pin checkpointing on or off.")
-@click.option("--offload", type=_choice(Offload))
-@click.option("--no-offload", "no_offload", is_flag=True, help="Do not consider CPU offload.")
-@click.option("--host-memory", help="Host RAM of the machine, e.g. 128GiB: drop plans whose offloaded state and "
-                                    "rollback snapshot need more (default: not checked).")
-@click.option("--sharding", type=_choice(Sharding))
-@click.option("--micro-batch", type=int, help="Pin the micro-batch (grad-accum follows from --batch).")
-@click.option("--attn-implementation", type=_choice(Attention))
-@click.option("--loss", type=_choice(Loss), help="Pin the loss (default: try standard and chunked).")
-@click.option("--optimizer-in-backward/--no-optimizer-in-backward", default=None,
-              help="Pin the optimizer step in backward on or off (default: try both where possible).")
-@click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the chosen plan as YAML for "
-                                                                         "memfit train --config.")
-@click.option("--accelerate-config", type=click.Path(dir_okay=False),
-              help="Write the chosen plan's Accelerate config file (the launch command uses it).")
-@click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON.")
+@flags(TrainConfig, "plan")  # --batch, --budget, --revision
+@with_options(_MACHINE)
+@memory_options("plan")  # --seq-len, --num-processes: the problem; the others pin the search (no default)
+@with_options(_OUTPUT)
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
             accelerate_config, **pins):
     """The fastest configuration of a training run that fits a memory budget."""
@@ -85,7 +69,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
-    from memfit.validate import check_lora_options
+    from memfit.config import check_lora_options
 
     # without --full (or with --lora-r) the planner may choose LoRA, with these options
     check_lora_options({k for k, v in pins.items() if v is not None},

@@ -9,15 +9,10 @@ from typing import Any
 
 import click
 
-from memfit.cli.data_options import data_options
-from memfit.cli.options import explicit, memory_options
-from memfit.config import RunConfig, TrainConfig
-from memfit.defaults import DEMO_LR, DEMO_SEQ_LEN, DEMO_STEPS, FULL_LR, LORA_LR, SHAPES, fmt_lr
+from memfit.cli.options import explicit, flags, memory_options, with_options
+from memfit.config import RunConfig, TrainConfig, check_lora_options
+from memfit.defaults import SHAPES
 from memfit.errors import UserError
-from memfit.trackers import TRACKERS
-from memfit.validate import check_lora_options
-
-_D = TrainConfig()
 
 EPILOG = """\b
 Examples:
@@ -38,82 +33,12 @@ Examples:
 Defaults: """ + SHAPES["train"] + """ The preamble names every default derived from your data or method."""
 
 
-def _train_options(func):
-    opts = [
-        click.option("--model", default=_D.model, show_default=True,
-                     help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
-                     "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models)."),
-        click.option("--data", default=None, help=".txt, .jsonl (text or prompt/completion) or a folder; "
-                     "default: the corpus shipped with memfit."),
-        click.option("--tokenizer", default=None, help="Tokenizer folder, or 'byte'; default: the model's."),
-        *data_options(),
-        click.option("--lr", type=float, default=None,
-                     help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random weights (a preset, "
-                     f"the demo), {fmt_lr(LORA_LR)} for LoRA, {fmt_lr(FULL_LR)} for a full fine-tune."),
-        click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True),
-        click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True),
-        click.option("--max-steps", type=int, default=None,
-                     help=f"Optimizer steps (with --epochs: whichever ends first); default: {DEMO_STEPS} for the "
-                     "demo, else 1 epoch."),
-        click.option("--epochs", type=int, default=None, help="Passes over the training data (never capped by a "
-                     "default --max-steps)."),
-        click.option("--truncate", is_flag=True, help="Keep conversations longer than --seq-len cut to it (when the "
-                     "cut keeps a reply token) instead of dropping them."),
-        click.option("--batch", type=int, default=None,
-                     help="Effective batch in sequences per optimizer step (sets --grad-accum)."),
-        click.option("--seed", type=int, default=_D.seed, show_default=True),
-        click.option("--no-packing", is_flag=True, hidden=True, help="Old spelling of --packing none."),
-        click.option("--eval-every", type=int, default=_D.eval_every, show_default=True,
-                     help="Evaluate on the held-out split every N steps (0: never)."),
-        click.option("--eval-fraction", type=float, default=_D.eval_fraction, show_default=True),
-        click.option("--log-every", type=int, default=_D.log_every, show_default=True),
-        click.option("--save-every", type=int, default=None,
-                     help="Checkpoint every N steps (and at the end); default: ten times per run; 0: never."),
-        click.option("--keep-last", type=int, default=_D.keep_last, show_default=True,
-                     help="Checkpoints kept (older ones go only once a newer one is complete)."),
-        click.option("--state-dict", type=click.Choice(["sharded", "full"]), default=_D.state_dict,
-                     show_default=True, help="Checkpoints of a sharded run: each rank's shards, or the full state "
-                     "gathered on rank 0 (resumes on any number of processes, --sharding ddp on 1 included)."),
-        click.option("--init", type=click.Choice(["pretrained", "random"]), default=_D.init, show_default=True,
-                     help="random: train a model folder that holds only config.json from random weights."),
-        click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True,
-                     help="Gradient clipping (0: off)."),
-        click.option("--output", default=None, help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. "
-                     "A folder holding another run is refused unless --overwrite or --resume."),
-        click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output (required)."),
-        click.option("--extend-schedule", is_flag=True,
-                     help="With --resume and more --max-steps/--epochs than a finished run had: train on, the "
-                     "learning-rate schedule recomputed over the new total (its lr rises again from 0)."),
-        click.option("--overwrite", is_flag=True, help="Replace a previous run in --output."),
-        click.option("--merge", is_flag=True, help="LoRA: also save the adapter merged into the base."),
-        click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (local or Hub)."),
-        click.option("--samples", type=int, default=_D.samples, show_default=True,
-                     help="Samples printed at the end: the model continues the beginnings of held-out documents."),
-        click.option("--eval-samples", type=click.IntRange(min=0), default=_D.eval_samples, show_default=True,
-                     help="Also generate N samples at each --eval-every evaluation (samples.jsonl in --output)."),
-        click.option("--budget", default=None,
-                     help="Memory budget (24GiB): plan the fastest settings that fit, then train them. Full "
-                     "fine-tune unless --lora-r; --dtype/--mixed-precision kept when given."),
-        click.option("--tracker", type=click.Choice(list(TRACKERS)), default=None,
-                     help="Also log metrics with an Accelerate tracker (files under --output; wandb/mlflow/"
-                     "trackio/aim need their extra: pip install 'memfit[wandb]' and so on)."),
-        click.option("--check-equivalence", is_flag=True,
-                     help="Train 3 steps as E x 1 and E/k x k on your model and data; print the weight difference."),
-        click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-                     help="YAML file with any of these settings; flags typed here override it."),
-        click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON on stdout."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle and "
-                     "available to this process (affinity, cgroup quota)."),
-        click.option("--revision", default=None,
-                     help="Branch, tag or commit of a Hub --model; default: its main branch (the run records the commit)."),
-        click.option("--allow-pickle-weights", is_flag=True,
-                     help="Accept a Hub model whose weights are PyTorch pickles (*.bin, *.pt), which can run code "
-                     "when loaded; default: safetensors only."),
-    ]
-    for opt in reversed(opts):
-        func = opt(func)
-    return func
+#: train's flags that are no setting of the schema: how this invocation reads its settings.
+_COMMAND_ONLY = [
+    click.option("--no-packing", is_flag=True, hidden=True, help="Old spelling of --packing none."),
+    click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                 help="YAML file with any of these settings; flags typed here override it."),
+]
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -144,9 +69,8 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
         click.echo(f"warning: {config_file} turns on trust_remote_code: the model folder's own Python code will "
                    "run; remove it from the file unless you trust that code.", err=True)
     if from_file:  # every value in the file is checked, even one a typed flag overrides
-        TrainConfig.from_flat({**{k: v for k, v in kwargs.items() if k != "as_json"}, **from_file})
+        TrainConfig.from_flat({**kwargs, **from_file})
     merged = {**kwargs, **from_file, **typed}
-    merged["json"] = merged.pop("as_json", False)
     chosen = set(typed) | set(from_file)
     check_lora_options(chosen, "lora_r" in chosen)
     if "mixed_precision" not in chosen:
@@ -158,14 +82,10 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     return TrainConfig.from_flat(merged)
 
 
-# train's own, demo-sized defaults for the shared memory flags (shown in --help, not "typed").
-_RUN_DEFAULTS = {"seq_len": _D.run.seq_len, "micro_batch": _D.run.micro_batch}
-
-
-@click.command(name="train", epilog=EPILOG,
-               context_settings={"help_option_names": ["-h", "--help"], "default_map": _RUN_DEFAULTS})
-@_train_options
-@memory_options
+@click.command(name="train", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@flags(TrainConfig, "train")
+@with_options(_COMMAND_ONLY)
+@memory_options("train")  # with train's own, demo-sized defaults (the schema's overrides, memfit.defaults)
 @click.pass_context
 def command(ctx: click.Context, **kwargs: Any) -> None:
     """Train or fine-tune a causal LM on Accelerate and report measured against predicted memory.
@@ -209,6 +129,3 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
 
         print_summary(summary)
 
-
-# --seq-len's shown default: the demo's value is not what a real run gets (memfit.defaults)
-next(p for p in command.params if p.name == "seq_len").show_default = f"from the data; {DEMO_SEQ_LEN} for the demo"

@@ -20,7 +20,9 @@ A candidate is a ``RunConfig``. The grid is the product of
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
+from enum import Enum
 from typing import Any
 
 from memfit.config import (
@@ -38,6 +40,7 @@ from memfit.config import (
     _enum,  # the enum parser RunConfig uses, so constraint errors read the same
 )
 from memfit.errors import UserError
+from memfit.schema import flag_of, searched
 
 #: LoRA rank used when the user does not pin one (a common default: PEFT examples, QLoRA paper uses 64).
 DEFAULT_LORA_R = 16
@@ -46,10 +49,6 @@ DEFAULT_LORA_R = 16
 #: the same candidate as "adamw-foreach" and is not tried twice).
 ADAMW_VARIANTS = (Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH, Optimizer.ADAMW_8BIT)
 
-
-_ENUMS = {"mixed_precision": Precision, "dtype": DType, "optimizer": Optimizer, "quantize": Quantize,
-          "offload": Offload, "sharding": Sharding, "attn_implementation": Attention, "loss": Loss,
-          "packing": Packing}
 
 #: Losses the planner tries unless one is pinned: the fused kernels (Liger, CCE) need optional packages,
 #: so a plan never proposes them by itself.
@@ -66,43 +65,14 @@ class Regime:
     quantize: Quantize = Quantize.NONE
 
 
-@dataclass(frozen=True)
-class Constraints:
-    """What the user pinned; ``None`` leaves a setting to the planner."""
-
-    lora_r: int | None = None
-    """Pin LoRA at this rank (> 0) or a full fine-tune (0)."""
-    full: bool = False
-    """Full fine-tune only (same as ``lora_r=0``)."""
-    mixed_precision: Precision | None = None
-    dtype: DType | None = None
-    optimizer: Optimizer | None = None
-    quantize: Quantize | None = None
-    """Pin the QLoRA base (``none`` forbids quantization, like ``allow_quantize=False``)."""
-    allow_quantize: bool = True
-    grad_checkpointing: bool | None = None
-    offload: Offload | None = None
-    allow_offload: bool = True
-    host_memory: int | None = None
-    """Host RAM of the machine (bytes): plans whose offloaded state and rollback snapshot exceed it are
-    dropped (``memory.snapshot.host_bytes``); None: not checked."""
-    sharding: Sharding | None = None
-    micro_batch: int | None = None
-    grad_accum: int | None = None
-    lora_alpha: float | None = None
-    lora_dropout: float | None = None
-    lora_targets: tuple[str, ...] | None = None
-    attn_implementation: Attention | None = None
-    loss: Loss | None = None
-    optimizer_in_backward: bool | None = None
-    packing: Packing | None = None
-    """How the data fills rows (not searched: it is the data's, not a memory technique); default documents."""
+class _Rules:
+    """``Constraints``' checks and helpers (its fields are made by ``_fields``)."""
 
     def __post_init__(self) -> None:
-        for name, cls in _ENUMS.items():
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, _enum(cls, value, "--" + name.replace("_", "-")))
+        for f in searched(RunConfig):  # the enum settings, read as RunConfig reads them
+            value = getattr(self, f.name)
+            if value is not None and isinstance(f.default, Enum):
+                object.__setattr__(self, f.name, _enum(type(f.default), value, flag_of(f)))
         if self.lora_r is not None and self.lora_r < 0:
             raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
         if self.full and self.lora_r:
@@ -127,6 +97,36 @@ class Constraints:
         if self.lora_r or self.quantize in (Quantize.Q4, Quantize.Q8):
             return False
         return None
+
+
+
+#: What only the planner is told (no setting of a run): what it may not consider, and the machine.
+_PLAN_ONLY = [
+    ("full", bool, False),  # full fine-tune only (same as lora_r=0)
+    ("allow_quantize", bool, True),  # False: no QLoRA candidates (--no-quantize)
+    ("allow_offload", bool, True),  # False: no offload candidates (--no-offload)
+    # host RAM of the machine (bytes): plans whose offloaded state and rollback snapshot exceed it are
+    # dropped (memory.snapshot.host_bytes); None: not checked
+    ("host_memory", int | None, None),
+]
+
+
+def _fields() -> list:
+    """One field per setting the planner chooses (``memfit.schema.searched``: every ``RunConfig`` setting
+    but the sequence length and the processes, which are the problem it is given), ``None`` by default
+    (the planner's choice), carrying the setting's metadata; then ``_PLAN_ONLY``."""
+    hints = typing.get_type_hints(RunConfig)
+    pins = [(f.name, hints[f.name] | None, field(default=None, metadata=f.metadata)) for f in searched(RunConfig)]
+    return pins + _PLAN_ONLY
+
+
+Constraints = make_dataclass("Constraints", _fields(), bases=(_Rules,), frozen=True)
+Constraints.__module__ = __name__
+Constraints.__doc__ = """What the user pinned; ``None`` leaves a setting to the planner (``packing``: documents).
+
+Derived from the schema, never kept by hand: a setting added to ``RunConfig`` with ``plan="searched"``
+becomes a constraint (``--lora-r 0`` or ``full=True`` pins a full fine-tune; ``quantize="none"``
+forbids quantization, like ``allow_quantize=False``)."""
 
 
 def regimes(bf16_ok: bool = True) -> list[Regime]:

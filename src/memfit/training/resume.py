@@ -23,21 +23,22 @@ from typing import Any
 from memfit.errors import UserError
 from memfit.validate import flag
 
-#: May differ from the saved run when resuming: they change how long, how often or how the same
-#: effective batch is split, never what is computed per optimizer step.
-SAFE = frozenset({"max_steps", "epochs", "eval_every", "save_every", "keep_last", "log_every", "samples",
-                  "eval_samples", "tracker", "merge", "micro_batch", "grad_accum", "grad_checkpointing",
-                  "attn_implementation",
-                  # how the same steps are spread over ranks and saved (the loader refuses a checkpoint
-                  # format it cannot read, training.sharding.state_loader)
-                  "sharding", "state_dict"})
-#: How long the run trains, said two ways: when the user gives one, the saved other one is not restored.
-LENGTH = frozenset({"max_steps", "epochs"})
-#: Never taken from the saved run: how this invocation behaves, not what the run is. trust_remote_code
-#: and allow_pickle_weights in particular are never switched on by a file: the user passes them again.
-NOT_RESTORED = frozenset({"resume", "overwrite", "output", "explicit", "json", "check_equivalence",
-                          "trust_remote_code", "allow_pickle_weights", "pinned", "num_processes",
-                          "extend_schedule"})
+
+def _rules():
+    """``(SAFE, LENGTH, NOT_RESTORED)``: the settings' keys by their ``resume`` rule in the schema
+    (``memfit.schema.RESUME_RULES`` says what each rule means; each field of ``RunConfig`` and
+    ``TrainConfig`` states its own)."""
+    from memfit.config import RunConfig, TrainConfig
+    from memfit.schema import with_rule
+
+    classes = (TrainConfig, RunConfig)
+    return (with_rule(classes, "may-change", "length"), with_rule(classes, "length"),
+            with_rule(classes, "never-restored"))
+
+
+#: May differ from the saved run when resuming; LENGTH: how long the run trains, said two ways (when the
+#: user gives one, the saved other one is not restored); NOT_RESTORED: never taken from the saved run.
+SAFE, LENGTH, NOT_RESTORED = _rules()
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""The settings schema is the one source: every flag, YAML key, resume rule and planner constraint is a
+field of ``RunConfig``/``TrainConfig`` (``memfit.schema``), or is listed here as the command's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from memfit.cli import cli
+from memfit.cli import data as data_cli
+from memfit.cli import estimate as estimate_cli
+from memfit.cli import plan as plan_cli
+from memfit.cli import train as train_cli
+from memfit.cli.options import _plain
+from memfit.config import RunConfig, TrainConfig
+from memfit.errors import UserError
+from memfit.planning.space import Constraints
+from memfit.schema import (
+    COMMANDS,
+    PLAN_ROLES,
+    RESUME_RULES,
+    flag_of,
+    for_command,
+    key_of,
+    option_spec,
+    searched,
+    setting,
+    settings,
+)
+from memfit.training import resume
+from memfit.validate import flag
+
+COMMANDS_CLI = {"estimate": estimate_cli.command, "plan": plan_cli.command, "train": train_cli.command}
+
+#: Flags that are no setting of a run: each command's own. A flag not here must be a schema field.
+COMMAND_ONLY = {
+    # estimate: what to show and how (the run it prices is all schema settings)
+    "estimate": {"--compare", "--exact", "--timeline", "--plot", "--device", "--json"},
+    # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
+    # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
+    "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--top", "--output",
+             "--accelerate-config", "--json"},
+    # train: where the settings come from (--config), and the old spelling of --packing none
+    "train": {"--config", "--no-packing"},
+    # data preview: which record and how to print it; its --data/--model/--revision/--tokenizer are train's
+    "data preview": {"--index", "--json"},
+}
+
+
+def _flags(command: click.Command) -> dict[str, click.Option]:
+    """Each option of ``command`` by its long flag."""
+    out = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            long = [o for o in param.opts if o.startswith("--")]
+            out[long[0]] = param
+    return out
+
+
+def _schema_flags(command: str) -> dict[str, tuple[type, dataclasses.Field]]:
+    return {flag_of(f): (cls, f) for cls in (TrainConfig, RunConfig) for f in for_command(cls, command)}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_is_a_schema_setting_or_the_commands_own(command):
+    flags, declared = _flags(COMMANDS_CLI[command]), _schema_flags(command)
+    undeclared = set(flags) - set(declared) - COMMAND_ONLY[command]
+    assert not undeclared, f"{command} has flags the schema does not declare: {sorted(undeclared)}"
+    assert not COMMAND_ONLY[command] & set(declared), "a command-only flag is also a schema setting"
+    missing = set(declared) - set(flags)
+    assert not missing, f"the schema declares {sorted(missing)} for {command}, which lacks them"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_flag_has_the_schemas_name_default_and_help(command):
+    flags = _flags(COMMANDS_CLI[command])
+    for name, (_cls, f) in _schema_flags(command).items():
+        spec, option = option_spec(f, command), flags[name]
+        assert option.name == key_of(f), name  # the kwarg is the YAML key (``lr``)
+        if option.is_flag and not option.secondary_opts:
+            assert spec["default"] is False, name  # an is_flag setting is off unless given
+        else:
+            assert option.default == _plain(spec["default"]), name
+        assert option.help == spec["help"], name
+
+
+def test_a_commands_own_default_says_why():
+    with pytest.raises(ValueError, match="reason"):
+        setting(1, resume="restored", commands=("plan",), overrides={"plan": {"default": 2}})
+    for cls in (RunConfig, TrainConfig):
+        for f in settings(cls):
+            for command, changes in f.metadata["overrides"].items():
+                assert "default" not in changes or changes["why"], (f.name, command)
+    # train's demo shape, plan's typical fine-tune: the defaults memfit.defaults.SHAPES explains
+    assert _flags(train_cli.command)["--seq-len"].default == TrainConfig().run.seq_len == 128
+    assert _flags(estimate_cli.command)["--seq-len"].default == RunConfig().seq_len == 256
+    assert _flags(plan_cli.command)["--seq-len"].default == 1024 and _flags(plan_cli.command)["--batch"].default == 16
+
+
+def test_data_preview_flags_are_train_settings():
+    flags = set(_flags(data_cli.preview))
+    assert flags - COMMAND_ONLY["data preview"] <= set(_schema_flags("train"))
+
+
+def test_every_field_is_a_setting_with_a_resume_rule_and_a_flag_validate_names():
+    for cls in (RunConfig, TrainConfig):
+        groups = {f.name for f in dataclasses.fields(cls)} - {f.name for f in settings(cls)}
+        assert groups == ({"run"} if cls is TrainConfig else set()), "a field that is no setting"
+        for f in settings(cls):
+            assert f.metadata["resume"] in RESUME_RULES, f.name
+            assert f.metadata["plan"] in (None, *PLAN_ROLES), f.name
+            assert flag(f.name) == flag_of(f), f.name  # error sentences name the flag the user types
+
+
+def test_resumes_rules_name_only_settings_and_come_from_the_schema():
+    keys = set(TrainConfig.keys())
+    named = resume.SAFE | resume.LENGTH | resume.NOT_RESTORED
+    assert named <= keys, f"resume names what is no setting: {sorted(named - keys)}"
+    assert resume.LENGTH <= resume.SAFE and not resume.SAFE & resume.NOT_RESTORED
+    # the examples the rules are written for
+    assert {"micro_batch", "grad_accum", "eval_every", "state_dict"} <= resume.SAFE
+    assert {"lora_r", "optimizer", "lr", "seq_len", "dtype"}.isdisjoint(resume.SAFE | resume.NOT_RESTORED)
+    assert {"trust_remote_code", "allow_pickle_weights", "output", "resume"} <= resume.NOT_RESTORED
+    # what a checkpoint saves (run.json's "settings") is settings only, read back by the same keys
+    saved = resume.settings(TrainConfig(), RunConfig())
+    assert set(saved) <= keys and "lr" in saved and "optimizer_lr" not in saved
+
+
+def test_the_yaml_keys_train_accepts_are_the_schemas(tmp_path):
+    keys = TrainConfig.keys()
+    assert set(keys) == {key_of(f) for cls in (TrainConfig, RunConfig) for f in settings(cls)}
+    config = TrainConfig(optimizer_lr=3e-4, max_steps=7, run=RunConfig(lora_r=8, lora_dropout=0.1))
+    assert TrainConfig.from_flat(config.to_flat()) == config  # every key round-trips
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora_dropuot: 0.1\nmax_steps: 1\n")
+    result = CliRunner().invoke(cli, ["train", "--config", str(bad)])
+    assert result.exit_code == 1
+    assert "Unknown setting(s) in config: lora_dropuot (did you mean lora_dropout?)." in result.output
+
+
+def test_the_planners_constraints_are_the_searched_settings():
+    names = [f.name for f in dataclasses.fields(Constraints)]
+    assert names[:len(searched(RunConfig))] == [f.name for f in searched(RunConfig)]
+    assert set(names) - {f.name for f in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
+                                                                    "host_memory"}
+    assert {f.name for f in settings(RunConfig) if f.metadata["plan"] == "given"} == {"seq_len", "num_processes"}
+    pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
+    assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
+
+
+def test_a_check_from_the_schema_names_the_flag_everywhere(tmp_path):
+    """``lora_dropout``'s check (``frac``) refuses the same value from the CLI, a YAML file and a library call."""
+    sentence = "--lora-dropout must be a number in [0, 1), got 1."
+    with pytest.raises(UserError, match=re.escape(sentence)):
+        RunConfig(lora_dropout=1.0)
+    for command, args in (("estimate", ["tiny"]), ("train", [])):
+        result = CliRunner().invoke(cli, [command, *args, "--lora-r", "4", "--lora-dropout", "1"])
+        assert result.exit_code == 1 and sentence in result.output, result.output
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lora_r: 4\nlora_dropout: 1\n")
+    result = CliRunner().invoke(cli, ["train", "--config", str(cfg)])
+    assert result.exit_code == 1 and sentence in result.output, result.output
