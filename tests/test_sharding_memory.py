@@ -16,7 +16,8 @@ import pytest
 
 from _launch_helpers import last_json_line
 from memfit.config import RunConfig
-from memfit.memory.estimate import estimate, model_states
+from memfit.memory.estimate import estimate
+from memfit.memory.states import model_states
 from memfit.modelspec import load_spec
 
 TOLERANCE = 0.03

@@ -51,6 +51,7 @@ from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunC
 from memfit.errors import UserError
 from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.memory.device_terms import cuda_other
 from memfit.modelspec import check_seq_len
 from memfit.optimizers import row
 from memfit.resolved import ResolvedRun, resolve
@@ -240,7 +241,7 @@ def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
     params = [p for p in model.parameters() if p.requires_grad]
     cuda_like = device == "cuda"
     if run.optimizer_in_backward:
-        from memfit.training.optim_in_backward import OptimizerInBackward
+        from memfit.optim_in_backward import OptimizerInBackward
 
         return OptimizerInBackward([{"params": params}],
                                    lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=cuda_like))
@@ -569,15 +570,13 @@ def _skip_frozen_grad_hooks(tracker, model) -> None:
 def other_bytes(tensor_peak: int, device: str) -> int:
     """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve).
 
-    ``memfit.memory.estimate.cuda_other``, the analytic estimator's documented constants, so that the
+    ``memfit.memory.device_terms.cuda_other``, the analytic estimator's documented constants, so that the
     trace and the estimate differ only in tensor bytes; 0 for ``device="cpu"``.
     """
     if device == "cpu":
         return 0
     if device != "cuda":
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
-    from memfit.memory.estimate import cuda_other
-
     return int(cuda_other(tensor_peak))
 
 
@@ -628,9 +627,12 @@ def _packed_positions(run: RunConfig) -> dict:
 
 @contextlib.contextmanager
 def _attention_path(run: RunConfig):
-    """The packed-sequence detection of the real run: real with ``--packing documents`` (the rows carry
-    restarting position ids: transformers builds a block-causal mask), else ``_unpacked_sequences``."""
-    if run.packing is Packing.DOCUMENTS:
+    """The attention mask of the real run's peak: a (B, 1, T, T) mask for ``activations.MASKED_PACKING``
+    (packed rows: transformers builds a block-causal one; padded rows: a padding one of the same shape,
+    which the fake-tensor path's "packed" answer gives too), else ``_unpacked_sequences``."""
+    from memfit.memory.activations import MASKED_PACKING
+
+    if run.packing in MASKED_PACKING:
         yield
         return
     with _unpacked_sequences():
@@ -641,7 +643,7 @@ def _attention_path(run: RunConfig):
 def _unpacked_sequences():
     """Take the attention path of a real unpadded (or packed, full-length) batch, not a fake-tensor one.
 
-    ``memfit train`` passes an all-ones ``attention_mask``; transformers then reads its values, finds no
+    ``--packing concat`` rows are full: ``memfit train`` passes an all-ones ``attention_mask``; transformers then reads its values, finds no
     padding and gives SDPA no mask (``is_causal=True``; GQA via ``enable_gqa``, k/v not repeated).
     Under fake tensors those values cannot be read, so transformers' ``find_packed_sequence_indices``
     would report "packed" and build a (B, 1, T, T) mask that the real run never has. Saying "no packed

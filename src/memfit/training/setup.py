@@ -378,7 +378,7 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     groups = [g for g in groups if g["params"]]
     # The optimizer's row of memfit.optimizers builds it: what estimate and plan priced.
     if run.optimizer_in_backward:  # one optimizer per parameter, stepped from backward's gradient hooks
-        from memfit.training.optim_in_backward import OptimizerInBackward
+        from memfit.optim_in_backward import OptimizerInBackward
 
         return OptimizerInBackward(groups, lambda one: row(run.optimizer).build(one, config.optimizer_lr))
     return row(run.optimizer).build(groups, config.optimizer_lr)
