@@ -56,7 +56,15 @@ def _run(case: dict) -> int:
 
 
 def run_case(case: dict, folder: Path, rank: int) -> int:
-    """Run one case with its output in its own files; its exit code (1 for an uncaught exception)."""
+    """Run one case with its output in its own files; its exit code (1 for an uncaught exception).
+
+    The ranks start it together, as torchrun's rendezvous starts a fresh launch: rank 0 finishes a run later
+    than the others (it exports and samples), and a rank that starts the next run seconds ahead once read
+    the other's half-written tokenized cache (datasets' Arrow file: "file seems not fully written")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
     argv, path, environ = list(sys.argv), list(sys.path), dict(os.environ)
     os.environ.update(case.get("env", {}))
     sys.stdout.flush()
