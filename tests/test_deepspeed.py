@@ -69,6 +69,7 @@ def deepspeed_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepspeed")
     cases, configs = [], {}
     for flag, stage in (("zero2", 2), ("zero3", 3)):
+        (root / flag).mkdir()
         data = write_qa(root / flag, n=22)
         two = tiny_config(root / flag / "two", data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2,
                           max_grad_norm=1.0)
