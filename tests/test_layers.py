@@ -26,11 +26,6 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: Cycles tolerated for now, each as the set of its modules, with the reason. Keep this empty.
-ALLOWED_CYCLES: list[frozenset[str]] = [
-    # The data modules were being reorganised on another branch while the other cycles were broken; the
-    # lead removes this entry after merging it (issue 23, item 3: zero cycles).
-    frozenset({"memfit.data", "memfit.data_arrow", "memfit.data_fast", "memfit.data_sources"}),
-]
 
 
 #: What ``cli/`` may import: the public API (``memfit.estimate/trace/plan/train``), the settings and
@@ -147,7 +142,7 @@ def test_memory_and_planning_never_import_training(graph):
 
 
 def test_no_import_cycle(graph):
-    found = [c for c in cycles(graph) if frozenset(c) not in ALLOWED_CYCLES]
+    found = cycles(graph)  # issue 23: zero, none allowed
     assert not found, "import cycles among memfit's modules: " + " | ".join(_describe(c, graph) for c in found)
 
 
@@ -157,12 +152,6 @@ def test_cli_reaches_no_further_than_today(graph):
            if b not in CLI_MAY_IMPORT and not b.startswith(CLI_MAY_IMPORT_PACKAGES) and b not in CLI_KNOWN_REACHES]
     assert not new, ("cli/ calls the public API (memfit.estimate/trace/plan/train) and report/ only; "
                      "put what it needs behind them: " + "; ".join(new))
-
-
-def test_allowed_cycles_still_exist(graph):
-    """An allowlisted cycle that is gone must leave the list (so the list only shrinks)."""
-    present = {frozenset(c) for c in cycles(graph)}
-    assert not [sorted(c) for c in ALLOWED_CYCLES if c not in present]
 
 
 def test_the_walk_sees_in_function_and_relative_imports(tmp_path):

@@ -376,12 +376,17 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    lr = config.optimizer_lr
+    if lr is None:  # a library caller that builds without a session (which derives it): the method's default
+        from memfit.defaults import default_lr
+
+        lr = default_lr(random_init=False, lora=run.is_lora())[0]
     # The optimizer's row of memfit.optimizers builds it: what estimate and plan priced.
     if run.optimizer_in_backward:  # one optimizer per parameter, stepped from backward's gradient hooks
         from memfit.optim_in_backward import OptimizerInBackward
 
-        return OptimizerInBackward(groups, lambda one: row(run.optimizer).build(one, config.optimizer_lr))
-    return row(run.optimizer).build(groups, config.optimizer_lr)
+        return OptimizerInBackward(groups, lambda one: row(run.optimizer).build(one, lr))
+    return row(run.optimizer).build(groups, lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):
