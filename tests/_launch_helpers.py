@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -35,3 +36,46 @@ def last_json_line(stdout: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert lines, stdout[-2000:]
     return json.loads(lines[-1])
+
+
+class CaseRun:
+    """One case of a shared launch (``launch_cases``): its exit code on every rank (``None`` where it never
+    ran because an earlier case failed), rank 0's stdout and stderr (memfit prints on the main process),
+    and the inputs its builder wrote (``paths``)."""
+
+    def __init__(self, name: str, folder: Path, nproc: int, paths: dict, launch: subprocess.CompletedProcess):
+        self.name, self.paths = name, paths
+        codes = [json.loads(p.read_text()) if p.exists() else {}
+                 for p in (folder / f"codes.rank{r}.json" for r in range(nproc))]
+        self.codes = [c.get(name) for c in codes]
+        self.texts = [tuple((folder / f"{name}.rank{r}.{s}").read_text()
+                            if (folder / f"{name}.rank{r}.{s}").exists() else "" for s in ("out", "err"))
+                      for r in range(nproc)]
+        self.stdout, self.stderr = self.texts[0]
+        self._launch = launch
+
+    @property
+    def returncode(self) -> int | None:
+        """0 when every rank finished the case; else the first rank's non-zero code (``None``: not run)."""
+        return next((c for c in self.codes if c != 0), 0)
+
+    def failure(self) -> str:
+        """What to show when the case failed: every rank's stderr tail, and the launch's own."""
+        parts = [f"--- rank {r} stderr\n{err[-2500:]}" for r, (_, err) in enumerate(self.texts) if err.strip()]
+        parts.append(f"--- launch (case {self.name}, codes {self.codes})\n{self._launch.stderr[-2000:]}")
+        return "\n".join(parts)
+
+
+DRIVER = Path(__file__).resolve().parent / "_launch_driver.py"
+
+
+def launch_cases(cases: list[dict], folder: Path, *, nproc: int = 2, env: dict | None = None,
+                 timeout_per_case: int = 400) -> dict[str, CaseRun]:
+    """Run ``cases`` (``{"name", "kind": "memfit"|"script", "argv", "script"?, "env"?, "paths"?}``) one after
+    the other in ONE ``nproc``-process torchrun (``_launch_driver.py``): ``{name: CaseRun}``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cases_file = folder / "cases.json"
+    cases_file.write_text(json.dumps([{k: v for k, v in c.items() if k != "paths"} for c in cases]))
+    proc = gloo_launch(str(DRIVER), str(cases_file), nproc=nproc, env=env,
+                       timeout=timeout_per_case * max(1, len(cases)))
+    return {c["name"]: CaseRun(c["name"], folder, nproc, c.get("paths", {}), proc) for c in cases}

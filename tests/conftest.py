@@ -34,3 +34,16 @@ def tiny_llama_config():
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+@pytest.fixture(scope="session")
+def gloo_runs(request, tmp_path_factory):
+    """``{name: CaseRun}``: the 2-process cases of ``_gloo_cases`` that this session's tests ask for
+    (``@pytest.mark.launch_cases(NAME, ...)``), run one after the other in ONE torchrun."""
+    import _gloo_cases
+    from _launch_helpers import launch_cases
+
+    wanted = {name for item in request.session.items for mark in item.iter_markers("launch_cases")
+              for name in mark.args}
+    root = tmp_path_factory.mktemp("gloo-cases")
+    return launch_cases(_gloo_cases.build(sorted(wanted), root), root)

@@ -446,14 +446,29 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("where", ["manifest", "optimizer"])
-def test_kill_9_during_a_save_leaves_a_resumable_run(tmp_path, inputs, where):
-    out = tmp_path / "out"
-    args = _train(*inputs, out, "--max-steps", "4", "--save-every", "1")
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """``{where: (output folder, exit code, stderr)}``: both kills, started at once (each a fresh process
+    that SIGKILLs itself; one thread each, so the two use the 2 cores the waiting test process leaves idle)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, where, *args], env=env, capture_output=True,
-                          timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    started = {}
+    for where in ("manifest", "optimizer"):
+        tmp = tmp_path_factory.mktemp(f"kill-{where}")
+        model, data, out = write_model(tmp / "m"), write_qa(tmp, n=24), tmp / "out"
+        args = _train(model, data, out, "--max-steps", "4", "--save-every", "1")
+        started[where] = out, subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, where, *args], env=env,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = {}
+    for where, (out, proc) in started.items():
+        stderr = proc.communicate(timeout=300)[1].decode(errors="replace")  # reads all, then waits
+        done[where] = out, proc.returncode, stderr
+    return done
+
+
+@pytest.mark.parametrize("where", ["manifest", "optimizer"])
+def test_kill_9_during_a_save_leaves_a_resumable_run(killed_runs, where):
+    out, returncode, stderr = killed_runs[where]
+    assert returncode == -signal.SIGKILL, stderr[-2000:]
     assert manifest.problem(out / "checkpoints" / "step-1") is None
     result = _run(["train", "--output", str(out), "--resume"])
     assert result.exit_code == 0, result.output

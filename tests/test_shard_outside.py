@@ -4,7 +4,8 @@ measures on real tensors, within 3% (issue 13).
 
 The measured cases launch ``bench/outside_memory.py``: every rank builds the tiny preset with memfit's
 builders, trains 3 steps (rollback snapshot kept, as ``memfit train`` does), then runs the same
-functions ``memfit train`` runs outside the step under the counter. ~40-70 s per launch on 2 shared cores.
+functions ``memfit train`` runs outside the step under the counter. ~40-70 s per launch on 2 shared cores;
+the default suite's (fsdp) is the case ``outside-fsdp`` of its shared launch (``tests/_gloo_cases.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def _check(got: dict, nproc: int) -> None:
         assert measured["evaluation"] > measured["resident"]
 
 
-def test_fsdp_outside_step_peaks_on_two_processes_within_3_percent():
-    got = _measure("fsdp", 2)
+@pytest.mark.launch_cases("outside-fsdp")
+def test_fsdp_outside_step_peaks_on_two_processes_within_3_percent(gloo_runs):
+    proc = gloo_runs["outside-fsdp"]  # bench/outside_memory.py --model tiny --seq-len 64 --micro-batch 2 --sharding fsdp
+    assert proc.returncode == 0, proc.failure()
+    got = last_json_line(proc.stdout)
     _check(got, 2)
     rank0, rank1 = got["measured_per_rank"]
     # rank 0 gathers the full state: its save peaks are far above the others' (the per-rank split matters)

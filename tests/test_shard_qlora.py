@@ -22,26 +22,26 @@ from memfit.training.setup import preflight
 
 pytest.importorskip("bitsandbytes")  # installed by scripts/setup.sh (the quant extra): runs in CI
 
-ARGS = ["--tokenizer", "byte", "--seq-len", "64", "--micro-batch", "1", "--grad-accum", "1", "--max-steps", "4",
-        "--lr", "0.01", "--warmup-steps", "0", "--optimizer", "adamw", "--no-packing", "--eval-every", "0",
-        "--eval-fraction", "0", "--samples", "0", "--log-every", "1", "--max-grad-norm", "0"]
+from _gloo_cases import QLORA_ARGS as ARGS  # the flags of every launch here
 
 
-def test_qlora_ddp_on_two_processes_matches_one(tmp_path):
-    # Effective batch 2 either way: 1 process x 2 accumulated micro-batches, or 2 processes x 1. Every rank
-    # quantizes the same seeded random base (quant_support.quantized_copy) and DDP averages adapter gradients.
-    from safetensors.torch import load_file
-
-    data = write_qa(tmp_path, n=22)
+def _single(tmp_path, data: str) -> dict:
+    """The 1-process reference's adapters: effective batch 2 as 1 process x 2 accumulated micro-batches."""
     one = run_training(tiny_config(tmp_path / "one", data=data, max_steps=4, optimizer_lr=1e-2, warmup_steps=0,
                                    run={"optimizer": "adamw", "lora_r": 4, "quantize": "4bit", "micro_batch": 1,
                                         "grad_accum": 2}), show=False)
-    two = tiny_config(tmp_path / "two", data=data)
-    proc = gloo_launch("-m", "memfit", "train", "--model", two.model, "--data", data, *ARGS, "--lora-r", "4",
-                       "--quantize", "4bit", "--output", two.output, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    single = {k.replace(".default", ""): v for k, v in one.model.state_dict().items() if "lora_" in k}
-    ddp = load_file(f"{two.output}/adapter_model.safetensors")  # PEFT's names, without the adapter name
+    return {k.replace(".default", ""): v for k, v in one.model.state_dict().items() if "lora_" in k}
+
+
+@pytest.mark.launch_cases("qlora-ddp")
+def test_qlora_ddp_on_two_processes_matches_one(tmp_path, gloo_runs):
+    # Effective batch 2 either way: 1 process x 2 accumulated micro-batches, or 2 processes x 1. Every rank
+    # quantizes the same seeded random base (quant_support.quantized_copy) and DDP averages adapter gradients.
+    # The launch (_gloo_cases): ARGS --lora-r 4 --quantize 4bit on 22 samples.
+    launched = gloo_runs["qlora-ddp"]
+    assert launched.returncode == 0, launched.failure()
+    single = _single(tmp_path, launched.paths["data"])
+    ddp = _adapters(launched.paths["output"])
     assert single.keys() == ddp.keys() and len(ddp) == 28  # A and B of 7 projections x 2 layers
     assert any(float(v.abs().max()) > 0 for k, v in ddp.items() if "lora_B" in k)  # trained (B starts at 0)
     assert max(float((single[k] - ddp[k]).abs().max()) for k in ddp) < 1e-5
@@ -55,25 +55,26 @@ def _adapters(path: str) -> dict:
 
 def _qlora_single_and_fsdp(tmp_path, *extra: str):
     data = write_qa(tmp_path, n=22)
-    one = run_training(tiny_config(tmp_path / "one", data=data, max_steps=4, optimizer_lr=1e-2, warmup_steps=0,
-                                   run={"optimizer": "adamw", "lora_r": 4, "quantize": "4bit", "micro_batch": 1,
-                                        "grad_accum": 2}), show=False)
+    single = _single(tmp_path, data)
     two = tiny_config(tmp_path / "two", data=data)
     launch = ["-m", "memfit", "train", "--model", two.model, "--data", data, *ARGS, "--lora-r", "4",
               "--quantize", "4bit", "--sharding", "fsdp", "--save-every", "2", *extra, "--output", two.output]
     proc = gloo_launch(*launch, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = {k.replace(".default", ""): v for k, v in one.model.state_dict().items() if "lora_" in k}
     return single, launch, two.output
 
 
-def test_qlora_fsdp_shards_the_4bit_base_and_matches_one_process(tmp_path):
+@pytest.mark.launch_cases("qlora-fsdp")
+def test_qlora_fsdp_shards_the_4bit_base_and_matches_one_process(tmp_path, gloo_runs):
     # The packed NF4 weights are stored as fp32 (quant_support.shards_packed_weights), so FSDP2 shards them
     # like any frozen parameter; each layer's quantization state stays whole on every rank. Same effective
     # batch as the single process (2 ranks x 1 micro-batch vs 1 x 2 accumulated), same adapters.
+    # The launch (_gloo_cases): ARGS --lora-r 4 --quantize 4bit --sharding fsdp --save-every 2 on 22 samples.
     from torch.distributed.checkpoint import FileSystemReader
 
-    single, _, output = _qlora_single_and_fsdp(tmp_path)
+    launched = gloo_runs["qlora-fsdp"]
+    assert launched.returncode == 0, launched.failure()
+    single, output = _single(tmp_path, launched.paths["data"]), launched.paths["output"]
     sharded = _adapters(output)
     assert single.keys() == sharded.keys() and len(sharded) == 28
     assert any(float(v.abs().max()) > 0 for k, v in sharded.items() if "lora_B" in k)  # trained (B starts at 0)

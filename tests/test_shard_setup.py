@@ -1,19 +1,19 @@
 """Ranks > 0 of a CPU FSDP run never hold the whole model: they build it on the meta device and receive
 their shards from rank 0 (Accelerate's ``cpu_ram_efficient_loading``, ``training.sharding.shard_model``).
-Launches ``bench/shard_setup_memory.py`` on 2 CPU processes (~20-30 s)."""
+Runs ``bench/shard_setup_memory.py`` on 2 CPU processes: the case ``shard-setup`` of the suite's shared launch
+(``tests/_gloo_cases.py``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import pytest
 
-from _launch_helpers import gloo_launch, last_json_line
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "shard_setup_memory.py"
+from _launch_helpers import last_json_line
 
 
-def test_rank_one_builds_no_full_model_and_gets_the_single_process_weights():
-    proc = gloo_launch(str(BENCH), "--model", "tiny", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.launch_cases("shard-setup")
+def test_rank_one_builds_no_full_model_and_gets_the_single_process_weights(gloo_runs):
+    proc = gloo_runs["shard-setup"]  # bench/shard_setup_memory.py --model tiny
+    assert proc.returncode == 0, proc.failure()
     got = last_json_line(proc.stdout)
     # the same weights as one process builds with the same seed: broadcast from rank 0, bit for bit
     assert got["max_abs_diff_vs_single_process"] == 0.0

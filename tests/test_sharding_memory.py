@@ -6,22 +6,20 @@ the tiny preset with memfit's own builders, runs 3 real training steps inside to
 (``estimate(..., device="cpu")``) next to every rank's measured peak of the bytes tensors hold. The
 terms these cases hold the estimator to: DDP's gradient buckets, FSDP2's units kept gathered (the tail
 [norm, head, tied embedding], every layer under ZeRO-2) and the reduce-scatter at the end of backward,
-and the single-tensor AdamW torch runs on CPU. ~20-40 s per launch on 2 shared cores.
+and the single-tensor AdamW torch runs on CPU. ~20-40 s per launch on 2 shared cores; the cases here are
+cases of the suite's shared launch (``tests/_gloo_cases.py``: ``memory-*``, the same bench arguments).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from _launch_helpers import gloo_launch, last_json_line
+from _launch_helpers import last_json_line
 from memfit.config import RunConfig
 from memfit.memory.estimate import estimate
 from memfit.memory.states import model_states
 from memfit.modelspec import load_spec
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
 TOLERANCE = 0.03
 # ZeRO-2 is held closer: each of its two FSDP2 terms alone moves tiny's prediction by more than 2%.
 # Without the forward's two layer-sized all-gather buffers (fsdp2_gathered) the prediction falls to
@@ -33,10 +31,10 @@ TOLERANCE = 0.03
 ZERO2_TOLERANCE = 0.02
 
 
-def _measure(sharding: str, model: str = "tiny", *extra: str) -> dict:
-    proc = gloo_launch(str(BENCH), "--model", model, "--seq-len", "32", "--steps", "3", "--sharding", sharding,
-                       *extra)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _measured(gloo_runs, case: str) -> dict:
+    """The JSON line of a ``bench/sharding_memory.py --model M --seq-len 32 --steps 3 --sharding S ...`` case."""
+    proc = gloo_runs[case]
+    assert proc.returncode == 0, proc.failure()
     return last_json_line(proc.stdout)
 
 
@@ -44,9 +42,10 @@ def _measure(sharding: str, model: str = "tiny", *extra: str) -> dict:
 # first step that has state (the second), so with 2 steps forward and backward never see the whole
 # snapshot: zero2's peak (forward/backward, every layer gathered) then measured 21% under the prediction,
 # while ddp's and fsdp's (the optimizer step) did not move.
+@pytest.mark.launch_cases("memory-ddp", "memory-fsdp", "memory-zero2")
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp", "zero2"])
-def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sharding):
-    got = _measure(sharding)
+def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sharding, gloo_runs):
+    got = _measured(gloo_runs, f"memory-{sharding}")  # tiny, --sharding SHARDING
     assert got["processes"] == 2 and got["sharding"] == sharding
     # Throughput counts each token once: 3 steps x 1 x 32 tokens on each of 2 ranks (train_step's count is
     # already all-reduced; round 2's table multiplied it by the process count a second time).
@@ -59,8 +58,9 @@ def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sha
                                          f"({error:+.1%}); at rank 0's peak: {got['measured_at_peak_rank0']}")
 
 
+@pytest.mark.launch_cases("memory-lora", "memory-qlora")
 @pytest.mark.parametrize("quantize", ["none", "4bit"])
-def test_lora_and_qlora_under_fsdp_are_predicted_per_rank(quantize):
+def test_lora_and_qlora_under_fsdp_are_predicted_per_rank(quantize, gloo_runs):
     # LoRA r8 on the tiny preset (8 layers, fp32), 2 ranks. The terms this holds:
     # - LoRA (none): its peak is a layer's entry into forward, where FSDPMemTracker shows the layer's unsharded
     #   parameters beside two layer-sized all-gather outputs (fsdp2_gathered's ``gathered_entry``, 3 x 3.30 MB);
@@ -70,7 +70,7 @@ def test_lora_and_qlora_under_fsdp_are_predicted_per_rank(quantize):
     #   is whole on every rank (the bench adds it to FSDPMemTracker's total, which files it nowhere), and a
     #   layer's backward holds two layers gathered, not the tail (+3.1% with it).
     pytest.importorskip("bitsandbytes") if quantize != "none" else None
-    got = _measure("fsdp", "tiny", "--lora-r", "8", "--quantize", quantize)
+    got = _measured(gloo_runs, {"none": "memory-lora", "4bit": "memory-qlora"}[quantize])  # fsdp --lora-r 8 --quantize Q
     assert got["lora_r"] == 8 and got["quantize"] == quantize
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:
@@ -117,7 +117,8 @@ def test_adamw_on_cpu_charges_the_single_tensor_loop_not_the_foreach_group():
         spec, run, device="cuda").phase_peaks["optimizer"]
 
 
-def test_a_derived_family_with_a_large_untied_embedding_is_predicted_per_rank(tmp_path):
+@pytest.mark.launch_cases("memory-qwen3")
+def test_a_derived_family_with_a_large_untied_embedding_is_predicted_per_rank(gloo_runs):
     # Qwen3 has no hand-written recipe (its activations are derived from traces: memory/derive.py), and a
     # 32,768 x 256 untied embedding (33.5 MB fp32) makes the end of backward the peak under FSDP2: the
     # embedding's unsharded gradient, the autograd temporary and the reduce-scatter input (3 x 33.5 MB)
@@ -125,13 +126,10 @@ def test_a_derived_family_with_a_large_untied_embedding_is_predicted_per_rank(tm
     # Llama of this shape before fsdp2_gathered's untied end counted it). The derived path reads the
     # same FSDP2 terms as the hand-written one (sharded gradients above the first layer, gathered_end at
     # backward's end), which it once lacked: +4.9% on fsdp, +10.9% on zero2, DDP's buckets missing (-6.6%).
-    from transformers import Qwen3Config
-
-    Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, vocab_size=32768, tie_word_embeddings=False,
-                ).save_pretrained(tmp_path)
-    assert load_spec(str(tmp_path)).family == "generic"  # derived, not a hand-written recipe
-    got = _measure("fsdp", str(tmp_path))
+    # The Qwen3 config (hidden 256, intermediate 768, 2 layers, 4 heads / 2 KV heads of 64, vocab 32,768,
+    # untied): _gloo_cases._qwen3, launched with --sharding fsdp.
+    got = _measured(gloo_runs, "memory-qwen3")
+    assert load_spec(got["model"]).family == "generic"  # derived, not a hand-written recipe
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:
         error = (predicted - measured) / measured

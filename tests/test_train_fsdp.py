@@ -1,7 +1,8 @@
 """Sharded training (FSDP2) on 2 CPU processes (gloo): the same weights as 1 process with the same
 effective batch, for a full fine-tune (``--sharding fsdp``) and a LoRA one (``--sharding zero2``);
 the sharded checkpoint really holds shards and resumes; the launch and flag checks refuse in one
-sentence. Each launch takes ~30-60 s on 2 shared cores.
+sentence. Each launch takes ~30-60 s on 2 shared cores; the default suite's two (``fsdp-full``,
+``zero2-lora``) are cases of its shared launch (``tests/_gloo_cases.py``), the slow tests launch their own.
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from _gloo_cases import TRAIN_ARGS as ARGS  # the flags of every launch here
 from _launch_helpers import gloo_launch
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
 from memfit.config import RunConfig
 from memfit.errors import UserError
 from memfit.training import sharding
 from memfit.training.loop import run_training
-
-ARGS = ["--tokenizer", "byte", "--seq-len", "64", "--micro-batch", "1", "--grad-accum", "2", "--max-steps", "6",
-        "--lr", "0.01", "--warmup-steps", "2", "--optimizer", "adamw", "--no-packing", "--eval-every", "0",
-        "--eval-fraction", "0", "--samples", "0", "--log-every", "1", "--max-grad-norm", "0"]
 
 
 def _launch(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -42,8 +40,22 @@ def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str
     return one, two
 
 
-def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path):
-    one, two = _single_and_sharded(tmp_path, "fsdp", {}, ["--save-every", "3"])
+def _single_and_launched(tmp_path, launched, run: dict, **loop):
+    """The 1-process reference of a case of the shared launch (same data, same effective batch), and the
+    case's ``TrainConfig`` (its data, model and output)."""
+    assert launched.returncode == 0, launched.failure()
+    data = launched.paths["data"]
+    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
+    one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
+    two = tiny_config(Path(launched.paths["output"]).parents[1] / "two", **common)
+    assert (two.model, two.output) == (launched.paths["model"], launched.paths["output"])
+    return one, two
+
+
+@pytest.mark.launch_cases("fsdp-full")
+def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path, gloo_runs):
+    # the launch: --sharding fsdp --save-every 3 on 22 samples (_gloo_cases)
+    one, two = _single_and_launched(tmp_path, gloo_runs["fsdp-full"], {})
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(two.output)  # a plain HF folder, gathered on rank 0
@@ -59,13 +71,13 @@ def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path):
         "sharding": "fsdp", "num_processes": 2}
 
 
-def test_lora_under_zero2_on_two_processes_matches_one(tmp_path):
+@pytest.mark.launch_cases("zero2-lora")
+def test_lora_under_zero2_on_two_processes_matches_one(tmp_path, gloo_runs):
     lora = {"lora_r": 4, "lora_targets": "q_proj,v_proj"}
     # With evaluation every 3 steps on 5 held-out rows (23 x 0.2): rank 0 gets 3, rank 1 gets 2 and one
-    # all-ignored row, so both run the same number of (collective) FSDP forwards.
-    one, two = _single_and_sharded(tmp_path, "zero2", lora, ["--lora-r", "4", "--lora-targets", "q_proj,v_proj",
-                                                             "--eval-every", "3", "--eval-fraction", "0.2"],
-                                   n=23, eval_every=3, eval_fraction=0.2)
+    # all-ignored row, so both run the same number of (collective) FSDP forwards. The launch: --sharding zero2
+    # --lora-r 4 --lora-targets q_proj,v_proj --eval-every 3 --eval-fraction 0.2 on 23 samples (_gloo_cases).
+    one, two = _single_and_launched(tmp_path, gloo_runs["zero2-lora"], lora, eval_every=3, eval_fraction=0.2)
     from transformers import AutoModelForCausalLM
 
     single = AutoModelForCausalLM.from_pretrained(one.summary.output)  # base + adapter, transformers' PEFT integration
@@ -147,7 +159,7 @@ def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
     from memfit.training.setup import build_optimizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(write_model(tmp_path)))
-    optimizer = build_optimizer(model, RunConfig(optimizer="adamw"), TrainConfig(weight_decay=0.1))
+    optimizer = build_optimizer(model, RunConfig(optimizer="adamw"), TrainConfig(weight_decay=0.1, optimizer_lr=1e-3))
     model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
     optimizer.step()
     _, by_name = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
