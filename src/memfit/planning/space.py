@@ -181,7 +181,7 @@ def micro_batches(batch: int, num_processes: int, c: Constraints) -> list[tuple[
 
 def _in_backward_possible(accum: int, num_processes: int, offload: Offload, regime: Regime) -> bool:
     """Optimizer-in-backward needs one micro-batch per step, one process, the step on the GPU, and no fp16
-    loss scaler (``training/optim_in_backward.py`` says why); it is not tried for LoRA (nothing to gain)."""
+    loss scaler (``optim_in_backward.py`` says why); it is not tried for LoRA (nothing to gain)."""
     return (accum == 1 and num_processes == 1 and offload in (Offload.NONE, Offload.ACTIVATIONS)
             and regime.mixed_precision is not Precision.FP16 and not regime.lora)  # LoRA: its gradients are tiny
 

@@ -45,10 +45,10 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     Raises:
         NothingFitsError: the planner's sentence (smallest peak reached, smallest GPU that holds it).
     """
+    from memfit import optim_in_backward
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import plan
     from memfit.planning.space import Constraints
-    from memfit.training import optim_in_backward
     from memfit.training.setup import cuda_available, preflight
 
     constraints = Constraints.from_flat(constraints_for(config, run))

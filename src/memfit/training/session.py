@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memfit import optim_in_backward
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.memory import measure
-from memfit.training import checkpoint, deepspeed_engine, derived, optim_in_backward, resume, sharding
+from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress

@@ -90,7 +90,7 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
     clip, and step the optimizer.
 
-    ``in_backward``: an ``OptimizerInBackward`` (``training/optim_in_backward.py``) that already stepped
+    ``in_backward``: an ``OptimizerInBackward`` (``memfit/optim_in_backward.py``) that already stepped
     every parameter during ``backward``; then there is no clipping, and ``optimizer.step()`` does nothing.
     ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
     to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
