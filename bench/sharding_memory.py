@@ -90,7 +90,8 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
                     sharding=sharding_flag, offload=offload, lora_r=lora_r, quantize=quantize,
                     packing="none")  # what train_steps feeds: whole rows, no per-document attention mask
-    config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0)
+    # optimizer_lr: TrainConfig leaves it to train's derived default; any value allocates the same
+    config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0, optimizer_lr=1e-3)
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)
     hf_config = modelspec.resolve_config(model_name)
