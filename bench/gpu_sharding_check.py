@@ -52,7 +52,7 @@ def worker(args) -> None:
     from accelerate.utils import gather_object
 
     import sharding_memory as sm
-    from memfit.training import sharding
+    from memfit import engines
 
     flag, offload = CONFIGS[args.config]
     accelerator, run, model, optimizer, bundle, hf_config = sm.build(
@@ -64,7 +64,7 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     else:  # dry run: torch's tensor tracker on CPU tensors
         tracker = sm._tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
-                              sharding.is_sharded(run))
+                              engines.is_sharded(run))
     t0 = time.perf_counter()
     tokens = sm.train_steps(accelerator, run, model, optimizer, bundle, hf_config, args.steps, tracker)
     if cuda:

@@ -66,6 +66,7 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     """Every rank's measured peaks outside the step, and rank 0's record (``{}`` on other ranks)."""
     from accelerate.utils import broadcast_object_list, gather_object
 
+    from memfit import engines
     from memfit.data import Example, collate
     from memfit.memory.measure import counted, resident_tensors
     from memfit.memory.outside import outside_step
@@ -79,7 +80,7 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     accelerator, run, model, optimizer, bundle, hf_config = build(model_name, sharding_flag, "none", seq_len,
                                                                   micro_batch, steps)
     snapshot = OptimizerSnapshot()  # kept for the run, as training.session does
-    buckets = _ddp_buckets(optimizer, accelerator.num_processes > 1 and not sharding.is_sharded(run))
+    buckets = _ddp_buckets(optimizer, accelerator.num_processes > 1 and not engines.is_sharded(run))
     for batch_rows in (_rows(hf_config, run, run.micro_batch, 100 * s + accelerator.process_index)
                        for s in range(steps)):
         batch = {k: v.to(accelerator.device) for k, v in collate(batch_rows, 0).items()}

@@ -163,14 +163,14 @@ def main() -> None:
 
     from accelerate.utils import gather_object
 
-    from memfit.training import sharding
+    from memfit import engines
 
     model_name = "tiny" if args.dry_run else args.model
     accelerator, run, model, optimizer, bundle, hf_config = build(
         model_name, "ddp" if args.dry_run else args.sharding, args.offload, args.seq_len, args.micro_batch, args.steps,
         args.lora_r, args.quantize)
     tracker = _tracker(accelerator.unwrap_model(model), getattr(optimizer, "optimizer", optimizer),
-                       sharding.is_sharded(run)) if not args.no_track else _NoTracker()
+                       engines.is_sharded(run)) if not args.no_track else _NoTracker()
     t0 = time.perf_counter()
     step_times: list = []
     tokens = train_steps(accelerator, run, model, optimizer, bundle, hf_config, args.steps, tracker, step_times)
@@ -179,7 +179,7 @@ def main() -> None:
     peaks = tracker.get_tracker_snapshot("peak")
     device = accelerator.device.type  # on GPUs (accelerate launch) the same script checks CUDA tensors
     measured = int(sum(v.get("Total", 0) for d, v in peaks.items() if torch.device(d).type == device))
-    measured += unseen_resident_bytes(accelerator.unwrap_model(model), sharding.is_sharded(run))
+    measured += unseen_resident_bytes(accelerator.unwrap_model(model), engines.is_sharded(run))
     all_measured = gather_object([measured])
     # what the tensors at rank 0's peak were (the tracker's categories: Parameter, Gradient, Optstate, ...)
     at_peak = {str(k): int(v) for d, cats in peaks.items() if torch.device(d).type == device

@@ -21,12 +21,12 @@ from memfit.data import (
     collate,
     count_target_tokens,
     default_corpus_path,
-    load_examples,
     load_tokenizer,
     split_documents,
     tokenize,
     unigram_loss,
 )
+from memfit.data_sources import load_examples
 from memfit.errors import UserError
 
 A, B, C = 100, 101, 102

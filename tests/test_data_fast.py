@@ -113,8 +113,7 @@ def test_a_txt_corpus_encodes_through_datasets_to_the_reference(tmp_path, monkey
     encoded by the fast path, equals the reference encoding of ``memfit.data``'s own reader."""
     import datasets
 
-    from memfit.data import load_examples
-    from memfit.data_sources import load_parts
+    from memfit.data_sources import load_examples, load_parts
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setattr(data_arrow, "BATCH_ROWS", 2)

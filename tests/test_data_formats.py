@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from memfit.cli import cli
 from memfit.data import IGNORE_INDEX as X
-from memfit.data import Example, byte_tokenizer, load_examples, record_to_example, tokenize
+from memfit.data import Example, byte_tokenizer, record_to_example, tokenize
+from memfit.data_sources import load_examples
 from memfit.errors import UserError
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},

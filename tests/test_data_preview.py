@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from memfit.cli import cli
 from memfit.config import TrainConfig
-from memfit.data import load_examples
 from memfit.data_prep import preview_record
+from memfit.data_sources import load_examples
 from memfit.data_stream import record_at
 from memfit.errors import UserError
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from memfit.config import RunConfig, TrainConfig
-from memfit.data import byte_tokenizer, load_examples, tokenize, unigram_loss
+from memfit.data import byte_tokenizer, tokenize, unigram_loss
+from memfit.data_sources import load_examples
 from memfit.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

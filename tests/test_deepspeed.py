@@ -19,6 +19,7 @@ import pytest
 
 from _launch_helpers import gloo_launch
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
+from memfit import engines
 from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.training import deepspeed_engine, sharding
@@ -127,11 +128,11 @@ def test_ds_config_comes_from_the_run():
 @pytest.fixture
 def ds_launch(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setattr(deepspeed_engine, "available", lambda: True)
+    monkeypatch.setattr(engines, "deepspeed_available", lambda: True)
 
 
 def test_deepspeed_not_installed_names_the_extra(ds_launch, monkeypatch):
-    monkeypatch.setattr(deepspeed_engine, "available", lambda: False)
+    monkeypatch.setattr(engines, "deepspeed_available", lambda: False)
     with pytest.raises(UserError, match=r"asks for DeepSpeed, which is not installed.*memfit\[deepspeed\]"):
         sharding.check_run(RunConfig(sharding="zero2", optimizer="adamw"), cuda=False)
 
@@ -156,10 +157,10 @@ def test_what_deepspeed_cannot_run_here_is_refused(ds_launch, run, message):
 
 def test_planner_refusal_follows_the_launch(ds_launch, monkeypatch):
     run = RunConfig(sharding="zero2", optimizer="adamw", lora_r=8)
-    assert "full fine-tunes only" in sharding.refusal(run, cuda=True)
-    assert sharding.refusal(run.replace(lora_r=0), cuda=True) is None
+    assert "full fine-tunes only" in engines.refusal(run, cuda=True)
+    assert engines.refusal(run.replace(lora_r=0), cuda=True) is None
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # no DeepSpeed launch: FSDP2 runs LoRA under zero2
-    assert sharding.refusal(run, cuda=True) is None
+    assert engines.refusal(run, cuda=True) is None
 
 
 @pytest.mark.parametrize(("env", "message"), [

@@ -96,7 +96,7 @@ def test_a_real_run_derives_and_names_its_defaults_and_resume_keeps_them(tmp_pat
     assert run["run"]["seq_len"] == 128 and run["settings"]["lr"] == 1e-3
     # --resume continues with the saved length and lr: nothing is derived again (a changed file could give another)
     monkeypatch.setattr(defaults, "seq_len_from_lengths", lambda *a: pytest.fail("--resume derived the seq-len"))
-    again = _train("--output", str(out), "--resume", "--max-steps", str(steps + 1))
+    again = _train("--output", str(out), "--resume", "--max-steps", str(steps + 1), "--extend-schedule")
     assert again.exit_code == 0, again.output
     assert "default " not in " ".join(again.output.split())
     resumed = json.loads((out / "run.json").read_text())
@@ -114,7 +114,7 @@ def test_epochs_are_never_capped_by_a_max_steps_not_given_with_them(tmp_path):
     first = _train(*_fast(tmp_path), "--max-steps", "2", "--save-every", "2", "--output", str(tmp_path / "out"))
     assert first.exit_code == 0, first.output
     # the run saved --max-steps 2; an --epochs given on resume is not capped by it
-    again = _train("--output", str(tmp_path / "out"), "--resume", "--epochs", "3")
+    again = _train("--output", str(tmp_path / "out"), "--resume", "--epochs", "3", "--extend-schedule")
     assert again.exit_code == 0, again.output
     assert json.loads((tmp_path / "out" / "run.json").read_text())["steps"] == 3 * 6
     fresh = _train(*_fast(tmp_path), "--epochs", "3", "--output", str(tmp_path / "fresh"))
@@ -131,10 +131,10 @@ def _chats(path, questions: list[int], reply: str = "ok"):
 
 
 def test_truncate_keeps_long_conversations_cut_where_the_cut_keeps_a_reply(tmp_path):
-    from memfit.data import byte_tokenizer, load_examples, tokenize
+    from memfit.data import byte_tokenizer, tokenize
     from memfit.data_arrow import tokenize_dataset
     from memfit.data_formats import Fields
-    from memfit.data_sources import load_parts
+    from memfit.data_sources import load_examples, load_parts
 
     # byte chat template: ~27 marker tokens a conversation; a 20-byte question fits 64 tokens with
     # its reply, a 100-byte one does not (its reply starts after the cut), a multi-turn one keeps its first turn
@@ -222,6 +222,6 @@ def test_a_library_run_without_lr_resumes_with_its_saved_lr(tmp_path):
 
     cfg = dataclasses.replace(tiny_config(tmp_path, max_steps=2, save_every=2), optimizer_lr=None)
     run_training(cfg, show=False)
-    resumed = run_training(dataclasses.replace(cfg, resume=True, max_steps=3), show=False)
+    resumed = run_training(dataclasses.replace(cfg, resume=True, max_steps=3, extend_schedule=True), show=False)
     assert resumed.summary.steps == 3
     assert json.loads((tmp_path / "out" / "run.json").read_text())["settings"]["lr"] == 1e-3  # random weights

@@ -151,7 +151,7 @@ def test_offloaded_fsdp_keeps_no_sharded_gradient_on_the_gpu():
     # FSDP2's CPUOffloadPolicy copies each reduce-scattered gradient shard to the host. tiny: 6,492,416
     # parameters, bf16 weights, fsdp over 2: 6,492,416 x 2 B / 2 = 6,492,416 B of sharded gradients per
     # rank without offload, none with it (the unsharded ones of the unit being reduced are temporaries).
-    from memfit.memory.estimate import model_states
+    from memfit.memory.states import model_states
 
     spec = load_spec("tiny")
     run = RunConfig(seq_len=64, micro_batch=1, dtype="bf16", mixed_precision="no", num_processes=2, sharding="fsdp")

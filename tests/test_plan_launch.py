@@ -9,10 +9,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from memfit import engines
 from memfit.cli import cli
 from memfit.config import RunConfig
-from memfit.memory.estimate import model_states
 from memfit.memory.outside import outside_step
+from memfit.memory.states import model_states
 from memfit.planning import launch
 from memfit.planning.search import plan
 from memfit.training import sharding
@@ -29,7 +30,7 @@ def test_plan_proposes_only_runnable_sharding_and_offload():
     result = plan("llama-3-8b", "80GiB", seq_len=2048, batch=64, num_processes=8)
     assert result.plans
     for p in result.plans:  # every candidate, fitting or not, is one train would start
-        assert sharding.refusal(p.config, cuda=True) is None
+        assert engines.refusal(p.config, cuda=True) is None
     assert all(str(p.config.offload) != "optimizer" for p in result.plans)
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from memfit.config import RunConfig, TrainConfig
-from memfit.memory.estimate import estimate, model_states
+from memfit.memory.estimate import estimate
+from memfit.memory.states import model_states
 from memfit.modelspec import load_spec
 
 pytest.importorskip("bitsandbytes")  # installed by scripts/setup.sh (the quant extra): runs in CI

@@ -13,6 +13,7 @@ import pytest
 
 from _launch_helpers import gloo_launch
 from _train_helpers import tiny_config, write_qa
+from memfit import engines
 from memfit.config import Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.training import sharding
@@ -108,13 +109,13 @@ def test_sharded_8bit_base_is_refused_in_one_sentence(shard):
     run = RunConfig(lora_r=4, quantize="8bit", sharding=shard, num_processes=2)
     expected = (f"--quantize 8bit cannot be combined with --sharding {shard}: FSDP2 cannot shard bitsandbytes' "
                 "8-bit weights (their row scales are lost); use --quantize 4bit, which shards, or --sharding ddp.")
-    assert sharding.refusal(run, cuda=True) == expected
-    assert sharding.refusal(run, cuda=False) == expected
+    assert engines.refusal(run, cuda=True) == expected
+    assert engines.refusal(run, cuda=False) == expected
     with pytest.raises(UserError) as err:
         preflight(run)
     assert str(err.value) == expected
-    assert sharding.refusal(run.replace(sharding="ddp"), cuda=False) is None
-    assert sharding.refusal(run.replace(quantize="4bit"), cuda=False) is None
+    assert engines.refusal(run.replace(sharding="ddp"), cuda=False) is None
+    assert engines.refusal(run.replace(quantize="4bit"), cuda=False) is None
 
 
 def test_planner_never_proposes_a_sharded_8bit_base():

@@ -17,7 +17,8 @@ import pytest
 
 from _launch_helpers import gloo_launch, last_json_line
 from memfit.config import RunConfig
-from memfit.memory.estimate import estimate, model_states
+from memfit.memory.estimate import estimate
+from memfit.memory.states import model_states
 from memfit.modelspec import load_spec
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"

@@ -108,7 +108,7 @@ def test_checkpointing_lowers_forward_peak(tiny, full_fp32):
 
 
 def test_cuda_adds_the_estimators_other_term(tiny, full_fp32):
-    from memfit.memory.estimate import cuda_other
+    from memfit.memory.device_terms import cuda_other
 
     out = trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cuda")
     # as on CUDA, torch's foreach AdamW: the peak of this tiny model is the step, with all grads alive,

@@ -60,7 +60,8 @@ def grid(tmp_path_factory):
 def test_data_has_unequal_target_counts_per_micro_batch(grid):
     # The grid is only a test of normalisation if micro-batches of a step hold different target counts.
     cfg, _ = grid[(1, 4)]
-    from memfit.data import load_examples, tokenize
+    from memfit.data import tokenize
+    from memfit.data_sources import load_examples
     from memfit.training.setup import build_model
 
     tok = build_model(cfg, cfg.run).tokenizer

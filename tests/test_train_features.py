@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from _train_helpers import write_model, write_qa, write_text
 from memfit.cli import cli
-from memfit.data import Example, load_examples, split_documents
+from memfit.data import Example, split_documents
+from memfit.data_sources import load_examples
 
 
 class NothingTrained(Exception):

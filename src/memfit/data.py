@@ -1,6 +1,6 @@
 """Training data: loading, the built-in byte-level tokenizer, tokenization, packing, label masks.
 
-The pipeline is ``load_examples`` -> ``tokenize`` (held-out split by document, then packing or
+The pipeline is ``data_sources.load_examples`` -> ``tokenize`` (held-out split by document, then packing or
 truncation, with loss masks in ``labels``) -> ``collate`` (right padding). ``count_target_tokens``
 is the normaliser of the training loss (issue 6) and ``unigram_loss`` the baseline to beat.
 
@@ -32,7 +32,7 @@ IGNORE_INDEX = -100
 """Label value that carries no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
 
 DATA_SUFFIXES = (".txt", ".jsonl")
-"""File types ``load_examples`` reads."""
+"""File types ``load_local_examples`` reads."""
 
 # Files a Hugging Face tokenizer can be loaded from; a folder with none of these has no tokenizer.
 _TOKENIZER_FILES = (
@@ -90,8 +90,7 @@ def default_corpus_path() -> Path:
     return Path(__file__).resolve().parent / "corpus"
 
 
-def load_examples(path: str | os.PathLike | None, *, fmt: str | None = None, fields=None, split: str = "train",
-                  data_config: str | None = None, named_fields: tuple[str, ...] = ()) -> list[Example]:
+def load_local_examples(path: str | os.PathLike | None, *, fmt: str | None = None, fields=None) -> list[Example]:
     """Read training records from a ``.txt`` file, a ``.jsonl`` file, or a folder of these.
 
     * ``None``: the corpus shipped in the package (``default_corpus_path()``).
@@ -103,21 +102,17 @@ def load_examples(path: str | os.PathLike | None, *, fmt: str | None = None, fie
       files (a README, say) and hidden files or folders are ignored.
 
     Records may also be conversations (``messages``, ShareGPT, Alpaca; see ``memfit.data_formats``),
-    and ``.json``/``.csv``/``.parquet``/``.arrow`` files, ``save_to_disk`` folders and Hub ids are read
-    through Hugging Face ``datasets`` (``memfit.data_sources``). ``fmt`` forces a record format,
-    ``fields`` renames columns.
+    ``.json``/``.csv``/``.parquet``/``.arrow`` files, ``save_to_disk`` folders and Hub ids are read through
+    Hugging Face ``datasets`` by ``memfit.data_sources.load_examples``, which calls this for the rest.
+    ``fmt`` forces a record format, ``fields`` renames columns.
 
     Raises:
         UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
             named), a record with neither text nor prompt/completion, an unsupported file type.
     """
-    from memfit import data_sources
     from memfit.data_formats import Fields
 
     fields = fields or Fields()
-    if path is not None and data_sources.handles(path):
-        return data_sources.load_examples(str(path), fmt=fmt, fields=fields, split=split, data_config=data_config,
-                                          named_fields=named_fields)
     root = default_corpus_path() if path is None else Path(path).expanduser()
     if not root.exists():
         raise UserError(f"Data path {root} does not exist.")
@@ -408,7 +403,7 @@ def tokenize(
     truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
 
     Args:
-        examples: records from ``load_examples``.
+        examples: records from ``data_sources.load_examples``.
         tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
         seq_len: tokens per sequence (>= 2).
         packing: a ``Packing`` or its name (``documents``, ``concat``, ``none``); ``True``/``False``

@@ -93,6 +93,22 @@ class ArrowRows(Sequence):
             yield flat[flat != -100]
 
 
+
+ENCODER_MODULES = ("memfit.data", "memfit.data_formats", "memfit.data_sources", "memfit.data_arrow",
+                   "memfit.data_fast")
+"""The modules whose code decides what the cached ``map`` steps write (their source is in the key)."""
+
+
+def code_fingerprint(*keys) -> str:
+    """A ``datasets`` fingerprint over ``keys`` and memfit's data code (``datasets`` hashes a module-level
+    function by reference, so without the code an upgraded memfit would reuse a cache its old code wrote)."""
+    import importlib
+
+    from datasets.fingerprint import Hasher
+
+    code = "".join(Path(importlib.import_module(name).__file__).read_text() for name in ENCODER_MODULES)
+    return Hasher.hash((keys, code))
+
 def _plain_files(ds) -> list[str] | None:
     """The Arrow files ``ds`` is exactly (all their rows, in order, no selection), or None."""
     from datasets.table import ConcatenationTable, MemoryMappedTable
@@ -159,12 +175,11 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
 
 def _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt) -> str:
     """The cache key of step 1: the source, the tokenizer (vocabulary and chat template), the options,
-    and memfit's encoding code (``memfit.data_sources._code_fingerprint``)."""
+    and memfit's encoding code (``code_fingerprint``)."""
     from datasets.fingerprint import Hasher
 
-    from memfit.data_sources import _code_fingerprint
 
-    return _code_fingerprint(ds._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None),
+    return code_fingerprint(ds._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None),
                              fmt, fields, train_on_prompt)
 
 

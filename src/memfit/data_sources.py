@@ -11,7 +11,7 @@ under the ``datasets`` cache, never all in RAM: ``.txt`` through the ``text`` bu
 further into memfit's documents by a cached ``map``), ``.jsonl`` through the ``json`` builder. Each row
 becomes a record for ``memfit.data.record_to_example`` (format detection, checks), named in messages
 as ``<source> row <n>`` (1-based); for ``.txt``/``.jsonl``, an error is traced back to the file's line
-or byte by ``memfit.data.find_bad_input``, as memfit's own reader (``memfit.data.load_examples``) names it.
+or byte by ``memfit.data.find_bad_input``, as memfit's own reader (``memfit.data.load_local_examples``) names it.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 from memfit.errors import UserError
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-"""File suffix -> the ``datasets`` packaged builder that reads it (``memfit.data.load_examples``)."""
+"""File suffix -> the ``datasets`` packaged builder that reads it (``load_examples``)."""
 
 LINE_BUILDERS = {".txt": "text", ".jsonl": "json"}
-"""The suffixes ``memfit.data.load_examples`` reads itself, and the builder that reads them for training."""
+"""The suffixes ``memfit.data.load_local_examples`` reads itself, and the builder that reads them for training."""
 
 ALL_BUILDERS = {**BUILDERS, **LINE_BUILDERS}
 
@@ -105,8 +105,24 @@ def check_columns(ds, where: str, wanted: list[str]) -> None:
         raise UserError(f"{where} has no column {missing[0]!r}; its columns are: {', '.join(ds.column_names)}.")
 
 
-def load_examples(path: str, *, fmt: str | None, fields, split: str = "train", data_config: str | None = None,
-                  named_fields: tuple[str, ...] = ()) -> list:
+def load_examples(path=None, *, fmt: str | None = None, fields=None, split: str = "train",
+                  data_config: str | None = None, named_fields: tuple[str, ...] = ()) -> list:
+    """Every record of ``--data`` in memory, as ``memfit.data.Example`` records: ``.txt``/``.jsonl`` files,
+    folders of them and the shipped corpus (``None``) by ``memfit.data.load_local_examples``; the sources
+    ``datasets`` reads (``handles``) by ``load_dataset``. The library's reader; ``memfit train`` goes through
+    ``load_parts`` and Arrow instead, so a corpus larger than memory trains."""
+    from memfit.data import load_local_examples
+    from memfit.data_formats import Fields
+
+    fields = fields or Fields()
+    if path is None or not handles(path):
+        return load_local_examples(path, fmt=fmt, fields=fields)
+    return _dataset_examples(str(path), fmt=fmt, fields=fields, split=split, data_config=data_config,
+                             named_fields=named_fields)
+
+
+def _dataset_examples(path: str, *, fmt: str | None, fields, split: str, data_config: str | None,
+                      named_fields: tuple[str, ...]) -> list:
     """The rows of a ``datasets`` source as ``memfit.data.Example`` records."""
     from memfit.data import record_to_example
 
@@ -136,7 +152,7 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
                fields=None) -> list[Part]:
     """The records of ``--data`` (``None``: the shipped corpus) as datasets, in corpus order.
 
-    A folder's files are read sorted by path (as ``memfit.data.load_examples`` reads them); consecutive
+    A folder's files are read sorted by path (as ``memfit.data.load_local_examples`` reads them); consecutive
     files of one type form one part, read by one builder.
 
     Raises:
@@ -219,7 +235,7 @@ def _read_files(files: list[Path], where: str) -> Part:
                                     encoding="utf-8-sig", chunksize=TEXT_CHUNK)
         ds = raw.map(_documents_of_paragraphs, batched=True, remove_columns=raw.column_names,
                      batch_size=data_arrow.BATCH_ROWS, writer_batch_size=data_arrow.BATCH_ROWS,
-                     new_fingerprint=_code_fingerprint(raw._fingerprint, "documents"), desc="documents")
+                     new_fingerprint=data_arrow.code_fingerprint(raw._fingerprint, "documents"), desc="documents")
     else:
         with quiet_json_parse_log():  # a parse error comes back as the exception memfit words (_refuse)
             ds = datasets.load_dataset(ALL_BUILDERS[suffix], data_files=names, split="train")
@@ -250,19 +266,3 @@ def _documents_of_paragraphs(batch: dict) -> dict:
     from memfit.data import txt_documents
 
     return {"text": [doc for paragraph in batch["text"] for doc in txt_documents(paragraph)]}
-
-
-ENCODER_MODULES = ("memfit.data", "memfit.data_formats", "memfit.data_sources", "memfit.data_arrow",
-                   "memfit.data_fast")
-"""The modules whose code decides what the cached ``map`` steps write (their source is in the key)."""
-
-
-def _code_fingerprint(*keys) -> str:
-    """A ``datasets`` fingerprint over ``keys`` and memfit's data code (``datasets`` hashes a module-level
-    function by reference, so without the code an upgraded memfit would reuse a cache its old code wrote)."""
-    import importlib
-
-    from datasets.fingerprint import Hasher
-
-    code = "".join(Path(importlib.import_module(name).__file__).read_text() for name in ENCODER_MODULES)
-    return Hasher.hash((keys, code))

@@ -62,13 +62,6 @@ def fmt_lr(value: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def is_demo(model: str, data: str | None) -> bool:
-    """``memfit train``'s demo: a preset (random weights) on the corpus shipped with memfit."""
-    from memfit.modelspec import is_preset
-
-    return data is None and is_preset(model)
-
-
 def default_lr(*, random_init: bool, lora: bool) -> tuple[float, str]:
     """``(lr, why)`` for a run that did not give ``--lr``: random weights ``DEMO_LR``, else LoRA
     ``LORA_LR``, else (a full fine-tune of a pretrained model) ``FULL_LR``."""

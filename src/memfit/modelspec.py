@@ -19,6 +19,7 @@ import yaml
 
 from memfit import validate
 from memfit.errors import UserError
+from memfit.linears import LinearShape
 
 try:  # huggingface_hub >= 0.31 validates configs with strict dataclasses (transformers 5)
     from huggingface_hub.errors import StrictDataclassError
@@ -177,26 +178,6 @@ FAMILIES: dict[str, str] = {
     "phi3": "phi3",
     "gpt2": "gpt2",
 }
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """One linear projection of the model, grouped by module name (``q_proj``) over all layers.
-
-    ``in_features``/``out_features`` are the mathematical shape (for GPT-2's ``Conv1D`` the weight is
-    stored transposed, the shape here is the same as an ``nn.Linear`` would have).
-    """
-
-    name: str
-    in_features: int
-    out_features: int
-    bias: bool
-    count: int
-    """How many modules carry this name (usually one per decoder layer)."""
-
-    @property
-    def weight_params(self) -> int:
-        return self.in_features * self.out_features * self.count
 
 
 @dataclass(frozen=True)

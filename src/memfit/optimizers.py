@@ -184,6 +184,11 @@ OPTIMIZERS: dict[Optimizer, OptimizerRow] = {
 }
 
 
+def inner_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def row(optimizer: Optimizer | str) -> OptimizerRow:
     """The table row of ``optimizer``; a member without a row is a bug, said in one sentence."""
     member = optimizer if isinstance(optimizer, Optimizer) else Optimizer(str(optimizer))

@@ -103,7 +103,7 @@ def _match(spec, targets: tuple[str, ...]) -> LoraTargets:
 
 def _grouped(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[Any, ...]:
     """``shapes`` as ``LinearShape`` groups (last name component, in, out), with their bias from ``spec``."""
-    from memfit.modelspec import LinearShape
+    from memfit.linears import LinearShape
 
     counts: dict[tuple[str, int, int], int] = {}
     for name, fan_in, fan_out in shapes:

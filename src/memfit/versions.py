@@ -12,6 +12,10 @@ from __future__ import annotations
 from functools import cache, lru_cache
 from importlib import metadata
 
+MEMFIT = "0.1.0"
+"""memfit's own version (``memfit.__version__``; ``pyproject.toml`` says the same), here, in a leaf, so that
+what the package imports (e.g. ``training.finish``, which records it in run.json) can read it without a cycle."""
+
 #: Package -> (lowest verified ``major.minor``, first ``major.minor`` not verified): a half-open range.
 VERIFIED: dict[str, tuple[str, str]] = {
     "transformers": ("5.24", "5.25"),

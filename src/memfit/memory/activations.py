@@ -29,10 +29,6 @@ from memfit.config import Attention, Packing, Quantize, RunConfig
 
 FP32 = 4
 
-#: Projections that read a layer's (normalised) input, per family: frozen in LoRA's first layer.
-ATTN_IN = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn")
-
-
 @dataclass(frozen=True)
 class Precisions:
     """Bytes per element of the tensors of a step."""
@@ -162,11 +158,22 @@ class _Ctx:
         return (1 if self.device == "cuda" else dtype) * dim
 
 
+MASKED_PACKING = (Packing.DOCUMENTS, Packing.NONE)
+"""The ``--packing`` modes whose batches reach SDPA with a (B, 1, T, T) mask, so transformers cannot pass
+``is_causal``: ``documents`` (restarting position ids: a block-causal mask) and ``none`` (one document per
+row, right-padded to the longest of the micro-batch: a padding mask as soon as two lengths differ, which is
+the peak's case). ``concat`` cuts one stream into full rows: no padding, no mask. Found on a Qwen2 LoRA run
+of ShareGPT data with ``--packing none`` at T 512, whose measured tensor peak was 14.8% above an estimate
+that assumed no mask (the mask and the repeated k/v of every layer). Read by the estimate and the trace."""
+
+
 def packed_mask_per_token(ctx: _Ctx) -> int:
-    """Extra bytes per token and layer SDPA saves under ``--packing documents``, 0 otherwise.
+    """Extra bytes per token and layer SDPA saves when its batches carry a mask (``MASKED_PACKING``), else 0.
 
     Packed rows reach the model without an attention mask but with restarting position ids, so
-    transformers builds a block-causal (B, 1, T, T) boolean mask (``find_packed_sequence_indices``).
+    transformers builds a block-causal (B, 1, T, T) boolean mask (``find_packed_sequence_indices``);
+    padded rows (``--packing none``) bring their 2-D attention mask, which becomes the same (B, 1, T, T)
+    boolean mask.
     With a mask (1) transformers does not pass ``enable_gqa`` (``use_gqa_in_sdpa``) but repeats k and v
     to all heads, so SDPA saves them ``Q`` wide instead of ``K``: ``2 (Q - K) c``; (2) each layer's SDPA
     converts the boolean mask to an additive one in the query dtype and saves it for backward:
@@ -177,7 +184,7 @@ def packed_mask_per_token(ctx: _Ctx) -> int:
     padded to a multiple of 16, ignored here); flash-attention 2 runs its varlen kernel instead: no mask.
     """
     run = ctx.run
-    if run.packing is not Packing.DOCUMENTS or run.attn_implementation is not Attention.SDPA:
+    if run.packing not in MASKED_PACKING or run.attn_implementation is not Attention.SDPA:
         return 0
     s = ctx.spec
     return 2 * (s.q_dim - s.kv_dim) * ctx.prec.c + run.seq_len * ctx.prec.c
@@ -490,8 +497,8 @@ def checkpointed_masks(spec, run: RunConfig, prec: Precisions) -> int:
 
     Eager attention gets a materialised (B, 1, T, T) additive mask in the stream dtype, one per kind of
     layer (Gemma 2: sliding and full). SDPA gets a (B, 1, T, T) boolean mask (1 byte an element) where
-    transformers cannot pass ``is_causal``: packed rows (``--packing documents``: block-causal); without
-    packing it gets none (a sliding window shorter than the sequence goes to the derived recipe).
+    transformers cannot pass ``is_causal`` (``MASKED_PACKING``: packed rows, block-causal, and padded rows);
+    ``--packing concat`` gets none (a sliding window shorter than the sequence goes to the derived recipe).
     Non-reentrant checkpointing saves each layer's inputs, the mask among them, so the masks live from
     the forward into backward (without checkpointing ``attn + mask`` saves nothing and they are freed
     when the decoder's forward returns). Read off transformers 5's ``create_causal_mask`` and the trace
@@ -503,7 +510,7 @@ def checkpointed_masks(spec, run: RunConfig, prec: Precisions) -> int:
     masks = run.micro_batch * run.seq_len * run.seq_len
     if run.attn_implementation is Attention.EAGER or spec.family == "gemma2":
         return len(_mask_kinds(spec)) * masks * prec.w
-    if run.packing is Packing.DOCUMENTS and run.attn_implementation is Attention.SDPA:
+    if run.packing in MASKED_PACKING and run.attn_implementation is Attention.SDPA:
         return masks  # bool
     return 0
 

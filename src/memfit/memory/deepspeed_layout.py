@@ -1,7 +1,7 @@
 """What DeepSpeed ZeRO-2/ZeRO-3 hold per rank (``--sharding zero2|zero3`` under a DeepSpeed launch), as the
-``ModelStates`` the analytic estimator composes its phases from (``estimate.model_states(..., engine=DEEPSPEED)``).
+``ModelStates`` the analytic estimator composes its phases from (``states.model_states(..., engine=DEEPSPEED)``).
 
-DeepSpeed's layout is not FSDP2's (``estimate.fsdp2_gathered``): it keeps flat buffers of its own next to
+DeepSpeed's layout is not FSDP2's (``states.fsdp2_gathered``): it keeps flat buffers of its own next to
 the model, an fp32 master copy of its partition even when training in fp32, and steps the optimizer inside
 the last micro-batch's backward (``training.deepspeed_engine``). Each term below names the DeepSpeed 0.19.8
 code it reads (``deepspeed/runtime/zero/``) and was checked against memfit's tensor counter
@@ -12,7 +12,7 @@ two ranks compute the same shapes). Both ranks counted the same peak there (ZeRO
 What the bucket settings are: ``zero_sizes`` (Accelerate's ``"auto"`` rule, written into the DeepSpeed config
 by ``training.deepspeed_engine.ds_config``, so the estimate reads the same numbers the run gets).
 
-Only what memfit runs under DeepSpeed is modelled (``deepspeed_engine.refusal``): full fine-tunes, fp32
+Only what memfit runs under DeepSpeed is modelled (``engines.deepspeed_refusal``): full fine-tunes, fp32
 weights, no offload, the standard loss, torch's AdamW. bf16/fp16 (DeepSpeed's own 16-bit copy on a GPU) follows
 the same code paths with 2-byte parameters and gradients, read from the source but not measured.
 """
@@ -146,7 +146,7 @@ def partition_reached(spec, run: RunConfig, rank: int) -> int:
 
 @dataclass(frozen=True)
 class ZeroStates:
-    """Per-rank bytes of a ZeRO run, in the estimator's terms (``estimate.ModelStates`` fields)."""
+    """Per-rank bytes of a ZeRO run, in the estimator's terms (``states.ModelStates`` fields)."""
 
     weights: int
     gradients: int
@@ -163,7 +163,7 @@ class ZeroStates:
 
 def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: int | None = None) -> ZeroStates:
     """DeepSpeed ZeRO-2/ZeRO-3 per rank; ``optimizer_bytes``: the torch optimizer's state for all trainable
-    parameters in fp32 (DeepSpeed steps fp32 partitions: ``estimate.optimizer_state_bytes``).
+    parameters in fp32 (DeepSpeed steps fp32 partitions: ``states.optimizer_state_bytes``).
 
     Both stages (``stage_1_and_2.py`` / ``stage3.py`` ``__init__``): the torch optimizer steps a flat fp32
     master copy of this rank's partition (``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``,

@@ -45,6 +45,9 @@ from pathlib import Path
 from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.device_terms import cuda_other
+from memfit.memory.notes import notes
+from memfit.memory.states import model_states
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 2
@@ -435,8 +438,6 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     (their gradients are those the traced step held then; with accumulation, all gradients) and backward
     end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
     """
-    from memfit.memory.estimate import cuda_other, model_states, notes
-
     recipe = derived_recipe(spec, run)
     states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)

@@ -45,6 +45,11 @@ from dataclasses import dataclass
 
 from memfit.config import Quantize, RunConfig, Sharding
 
+#: The sample budget of ``training.samples`` (a plain-text prompt's characters, the tokens generated),
+#: kept here so that the KV cache predicted and the samples generated read the same numbers.
+PROMPT_CHARS = 16
+MAX_NEW_TOKENS = 160
+
 GATHER_COPIES = 4
 """Copies of the largest parameter tensor alive at once while a sharded state dict is gathered, on a rank
 that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 on 2 CPU ranks: 3 or 4 x
@@ -108,7 +113,7 @@ class OutsideStep:
 def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device)."""
     from memfit.memory.activations import Precisions
-    from memfit.memory.estimate import base_weight_bytes, model_states, optimizer_state_bytes
+    from memfit.memory.states import base_weight_bytes, model_states, optimizer_state_bytes
     cpu = device == "cpu"
     prec = Precisions.of(run)
     states = model_states(spec, run, device)
@@ -160,7 +165,7 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
     the head's (the tail unit twice when sharded + the logits and loss)."""
     from memfit.memory.activations import logits_terms
-    from memfit.memory.estimate import _unquantized_bytes, gathered_layer_bytes
+    from memfit.memory.states import _unquantized_bytes, gathered_layer_bytes
 
     tokens = run.micro_batch * run.seq_len
     layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c
@@ -184,7 +189,5 @@ def _largest_tensor(spec) -> int:
 
 def _kv_cache(spec, prec) -> int:
     """One sample's KV cache at its longest, one layer's copy more (module docstring)."""
-    from memfit.training.samples import MAX_NEW_TOKENS, PROMPT_CHARS
-
     positions = PROMPT_CHARS + 1 + MAX_NEW_TOKENS - 1  # the last token's keys are never cached
     return (2 * spec.num_layers + 1) * spec.num_kv_heads * spec.head_dim * positions * prec.c

@@ -104,7 +104,7 @@ def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int,
     """
     if run.quantize is not Quantize.Q8:
         return {}
-    from memfit.memory.activations import ATTN_IN
+    from memfit.linears import ATTN_IN
 
     groups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
     for lin in spec.linears:

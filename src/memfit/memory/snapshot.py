@@ -62,7 +62,7 @@ def host_bytes(spec, run: RunConfig) -> int:
     embeddings and head): whether a workstation holds it decides between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
     and the dataset (a few GB per process).
     """
-    from memfit.memory.estimate import _quant_state_bytes, model_states
+    from memfit.memory.states import _quant_state_bytes, model_states
 
     on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
     per_rank = 0
@@ -77,11 +77,11 @@ def host_bytes(spec, run: RunConfig) -> int:
 def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None):
     """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
     stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.
-    ``engine`` None: the launch's (``training.deepspeed_engine.estimator_engine``)."""
+    ``engine`` None: the launch's (``engines.estimator_engine``)."""
     from memfit.memory.estimate import estimate
 
     if engine is None:
-        from memfit.training.deepspeed_engine import estimator_engine
+        from memfit.engines import estimator_engine
 
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (

@@ -50,6 +50,7 @@ from memfit import build, versions
 from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit.errors import UserError
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.memory.device_terms import cuda_other
 from memfit.modelspec import check_seq_len
 from memfit.optimizers import row
 from memfit.resolved import ResolvedRun, resolve
@@ -547,15 +548,13 @@ def _skip_frozen_grad_hooks(tracker, model) -> None:
 def other_bytes(tensor_peak: int, device: str) -> int:
     """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve).
 
-    ``memfit.memory.estimate.cuda_other``, the analytic estimator's documented constants, so that the
+    ``memfit.memory.device_terms.cuda_other``, the analytic estimator's documented constants, so that the
     trace and the estimate differ only in tensor bytes; 0 for ``device="cpu"``.
     """
     if device == "cpu":
         return 0
     if device != "cuda":
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
-    from memfit.memory.estimate import cuda_other
-
     return int(cuda_other(tensor_peak))
 
 
@@ -606,9 +605,12 @@ def _packed_positions(run: RunConfig) -> dict:
 
 @contextlib.contextmanager
 def _attention_path(run: RunConfig):
-    """The packed-sequence detection of the real run: real with ``--packing documents`` (the rows carry
-    restarting position ids: transformers builds a block-causal mask), else ``_unpacked_sequences``."""
-    if run.packing is Packing.DOCUMENTS:
+    """The attention mask of the real run's peak: a (B, 1, T, T) mask for ``activations.MASKED_PACKING``
+    (packed rows: transformers builds a block-causal one; padded rows: a padding one of the same shape,
+    which the fake-tensor path's "packed" answer gives too), else ``_unpacked_sequences``."""
+    from memfit.memory.activations import MASKED_PACKING
+
+    if run.packing in MASKED_PACKING:
         yield
         return
     with _unpacked_sequences():
@@ -619,7 +621,7 @@ def _attention_path(run: RunConfig):
 def _unpacked_sequences():
     """Take the attention path of a real unpadded (or packed, full-length) batch, not a fake-tensor one.
 
-    ``memfit train`` passes an all-ones ``attention_mask``; transformers then reads its values, finds no
+    ``--packing concat`` rows are full: ``memfit train`` passes an all-ones ``attention_mask``; transformers then reads its values, finds no
     padding and gives SDPA no mask (``is_causal=True``; GQA via ``enable_gqa``, k/v not repeated).
     Under fake tensors those values cannot be read, so transformers' ``find_packed_sequence_indices``
     would report "packed" and build a (B, 1, T, T) mask that the real run never has. Saying "no packed

@@ -20,7 +20,7 @@ DEFAULT_CONFIG_FILE = "accelerate_config.yaml"
 
 def accelerate_config(run: RunConfig) -> dict:
     """Accelerate's config for ``run`` on one machine with ``run.num_processes`` GPUs."""
-    from memfit.training.sharding import reshard_after_forward
+    from memfit.engines import reshard_after_forward
 
     n = run.num_processes
     distributed = "FSDP" if run.sharding is not Sharding.DDP else ("MULTI_GPU" if n > 1 else "NO")

@@ -227,8 +227,8 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
     host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
+    from memfit.engines import refusal
     from memfit.memory.snapshot import host_bytes
-    from memfit.training.sharding import refusal
     from memfit.units import fmt_gib
 
     plans, refused = [], []

@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
-
-STATE_FILE = "trainer_state.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+from memfit.training import manifest
+from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
 
 def default_output(model: str, root: Path = Path("runs"), now: float | None = None) -> Path:
@@ -54,16 +53,10 @@ def default_output(model: str, root: Path = Path("runs"), now: float | None = No
     return candidate
 
 
-def checkpoints_dir(output: Path) -> Path:
-    return output / "checkpoints"
-
-
 def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], keep_last: int | None = None,
                     save_state=None) -> Path:
     """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state, then
     the manifest (last), then the rename; then, and only then, older checkpoints beyond ``keep_last`` go."""
-    from memfit.training import manifest
-
     final = checkpoints_dir(output) / f"step-{step}"
     tmp = checkpoints_dir(output) / f".tmp-step-{step}"
     if accelerator.is_main_process:
@@ -106,22 +99,10 @@ def due(config, step: int, total_steps: int) -> bool:
     return every > 0 and (step % every == 0 or step == total_steps)
 
 
-def step_folders(output: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``checkpoints/step-N`` entry, newest first (files included: they are
-    reported as not a checkpoint, not skipped silently)."""
-    folder = checkpoints_dir(output)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), child) for child in folder.iterdir() if (m := _STEP_RE.match(child.name))]
-    return sorted(found, reverse=True)
-
-
 def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     """Keep the ``keep`` newest complete checkpoints (``newest`` among them); remove older ones and
     leftovers of interrupted saves. Never called before ``newest`` is complete."""
-    from memfit.training import manifest
-
-    newest_step = int(_STEP_RE.match(newest.name).group(1))
+    newest_step = int(STEP_RE.match(newest.name).group(1))
     # Checkpoints of later steps than the new one were passed over by a resume as damaged: left as they are.
     complete = [path for step, path in step_folders(output)
                 if step <= newest_step and path.is_dir() and manifest.has_manifest(path)]
@@ -136,8 +117,6 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
 def load_checkpoint(accelerator, output: Path, path: Path | None = None, load_state=None) -> dict[str, Any]:
     """Restore a verified checkpoint (``path``; default: the newest intact one) into the prepared
     objects; return memfit's loop state. Only tensors and plain data are unpickled (``weights_only``)."""
-    from memfit.training import manifest
-
     if path is None:
         path, _ = manifest.pick_intact(output)
     state = manifest.read_state(path)

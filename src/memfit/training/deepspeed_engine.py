@@ -8,7 +8,7 @@ flags say the memory layout (``--sharding zero2|zero3``), the launch says the en
 DeepSpeed launch, ``--sharding zero2|zero3`` runs on FSDP2 (``training.sharding``), the default. No
 memfit flag: it would duplicate the Accelerate config, which must agree with the flags anyway.
 ``memfit plan`` never proposes DeepSpeed (it prints FSDP2 launches); under a DeepSpeed launch, what
-DeepSpeed cannot run here is refused by ``refusal``, read by ``sharding.refusal`` (train's preflight
+DeepSpeed cannot run here is refused by ``engines.deepspeed_refusal``, read by ``engines.refusal`` (train's preflight
 and the planner of ``memfit train --budget``).
 
 **One config, from the run.** ``ds_config`` builds the whole DeepSpeed config from memfit's run
@@ -52,33 +52,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfit.config import DType, Loss, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.config import Precision, RunConfig
+from memfit.engines import DEEPSPEED_STAGES, deepspeed_requested
 from memfit.errors import UserError
 
 MARKER = "deepspeed.json"
 """Written into each DeepSpeed checkpoint: the stage and rank count it can be resumed with."""
-STAGES = {Sharding.ZERO2: 2, Sharding.ZERO3: 3}
-TESTED_OPTIMIZERS = (Optimizer.ADAMW, Optimizer.ADAMW_FOREACH)
-"""torch's AdamW (single-tensor or foreach), which DeepSpeed steps on its flat fp32 partitions."""
-EXTRA = "pip install 'memfit[deepspeed]'"
-
-
-def requested(env=None) -> bool:
-    """Whether the launch asks for DeepSpeed (an Accelerate config with ``distributed_type: DEEPSPEED``)."""
-    env = os.environ if env is None else env
-    return env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-
-
-def estimator_engine(env=None) -> str:
-    """The engine the estimator models for this launch (``memory.deepspeed_layout.ENGINES``): DeepSpeed's
-    layout under a DeepSpeed launch, FSDP2's otherwise; read by train's prediction and its planner."""
-    return "deepspeed" if requested(env) else "fsdp2"
-
-
-def available() -> bool:
-    from accelerate.utils import is_deepspeed_available
-
-    return is_deepspeed_available()
 
 
 def active(accelerator) -> bool:
@@ -88,45 +67,15 @@ def active(accelerator) -> bool:
     return getattr(accelerator, "distributed_type", None) is DistributedType.DEEPSPEED
 
 
-def refusal(run: RunConfig, *, cuda: bool) -> str | None:
-    """Why a DeepSpeed launch cannot run ``run`` here (one sentence), or None. Only what was tested runs:
-    a full fine-tune with torch's AdamW, fp32 weights, no offload, the standard loss."""
-    flag = str(run.sharding)
-    if not available():
-        return ("The Accelerate config asks for DeepSpeed, which is not installed; install the extra "
-                f"({EXTRA}) or launch with an FSDP config (memfit runs --sharding zero2|zero3 on FSDP2 without it).")
-    if run.sharding not in STAGES:
-        return (f"The Accelerate config asks for DeepSpeed but --sharding is {flag}; pass --sharding zero2 or zero3 "
-                "(DeepSpeed ZeRO-2/3), or launch with an FSDP config for --sharding fsdp or without one for ddp.")
-    if run.is_lora() or run.quantize is not Quantize.NONE:
-        return ("memfit runs DeepSpeed for full fine-tunes only (LoRA/QLoRA under DeepSpeed is untested); launch with "
-                f"an FSDP config (fsdp_version 2) for LoRA with --sharding {flag}.")
-    if run.optimizer_in_backward:
-        return "--optimizer-in-backward cannot run under DeepSpeed, which steps the optimizer itself; drop the flag."
-    if run.loss is not Loss.STANDARD:
-        return f"--loss {run.loss} is untested under DeepSpeed; use --loss standard (or an FSDP config)."
-    if run.offload is not Offload.NONE:
-        return f"--offload {run.offload} is untested under DeepSpeed here; use --offload none (or an FSDP config)."
-    if run.optimizer not in TESTED_OPTIMIZERS:
-        return (f"--optimizer {run.optimizer} is untested under DeepSpeed; use "
-                f"{' or '.join(str(o) for o in TESTED_OPTIMIZERS)}.")
-    if run.dtype is not DType.FP32:
-        return ("Under DeepSpeed the weights are given in fp32 (--dtype fp32): DeepSpeed keeps the fp32 master copy "
-                "and makes its own bf16/fp16 copy from --mixed-precision.")
-    if not cuda and run.mixed_precision is not Precision.NO:
-        return "DeepSpeed on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
-    return None
-
-
 def check_launch(run: RunConfig, env=None) -> None:
     """The DeepSpeed variables ``accelerate launch`` sets from the Accelerate config must agree with the
     flags (called while the Accelerator is built; accumulation and clipping are checked by ``configure``)."""
     env = os.environ if env is None else env
     flag = str(run.sharding)
     stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if stage is not None and run.sharding in STAGES and stage.strip() != str(STAGES[run.sharding]):
+    if stage is not None and run.sharding in DEEPSPEED_STAGES and stage.strip() != str(DEEPSPEED_STAGES[run.sharding]):
         raise UserError(f"The Accelerate config sets zero_stage: {stage} but --sharding {flag} means ZeRO stage "
-                        f"{STAGES[run.sharding]}; make them agree (zero2 = 2, zero3 = 3).")
+                        f"{DEEPSPEED_STAGES[run.sharding]}; make them agree (zero2 = 2, zero3 = 3).")
     for key, what in (("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
                       ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")):
         device = env.get(key, "none").strip().lower()
@@ -149,7 +98,7 @@ def ds_config(run: RunConfig, *, max_grad_norm: float, hidden_size: int | None =
     """
     from memfit.memory.deepspeed_layout import zero_sizes
 
-    stage = STAGES[run.sharding]
+    stage = DEEPSPEED_STAGES[run.sharding]
     zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
     if hidden_size:
         sizes = zero_sizes(hidden_size)
@@ -223,7 +172,7 @@ def build_models_whole(accelerator) -> None:
 def partial_state_kwargs(cuda: bool) -> dict:
     """``PartialState(**kwargs)`` consistent with ``accelerator_kwargs`` (a state made before the
     Accelerator, e.g. to agree on an output folder, is the one the Accelerator then reuses)."""
-    if requested() and not cuda:
+    if deepspeed_requested() and not cuda:
         return {"cpu": False, "backend": "gloo"}
     return {"cpu": not cuda}
 
@@ -232,7 +181,7 @@ def partial_state_kwargs(cuda: bool) -> dict:
 def without_cpu_flag() -> Iterator[None]:
     """Under a DeepSpeed launch, hide ``ACCELERATE_USE_CPU`` (which makes Accelerate drop DeepSpeed) while
     the Accelerator is built; otherwise nothing."""
-    saved = os.environ.pop("ACCELERATE_USE_CPU", None) if requested() else None
+    saved = os.environ.pop("ACCELERATE_USE_CPU", None) if deepspeed_requested() else None
     try:
         yield
     finally:
@@ -269,7 +218,7 @@ def state_saver(accelerator, run: RunConfig):
         accelerator.save_state(folder)
         if accelerator.is_main_process:
             (Path(folder) / MARKER).write_text(json.dumps(
-                {"stage": STAGES[run.sharding], "num_processes": accelerator.num_processes}))
+                {"stage": DEEPSPEED_STAGES[run.sharding], "num_processes": accelerator.num_processes}))
 
     return save
 
@@ -287,7 +236,7 @@ def check_resumable(folder: str, run: RunConfig, num_processes: int, *, deepspee
     if not deepspeed:
         raise UserError(f"{folder} is a DeepSpeed checkpoint, which only a DeepSpeed launch can resume: use the "
                         "Accelerate config with distributed_type DEEPSPEED.")
-    want = {"stage": STAGES.get(run.sharding), "num_processes": num_processes}
+    want = {"stage": DEEPSPEED_STAGES.get(run.sharding), "num_processes": num_processes}
     if saved != want:
         raise UserError(f"{folder} holds DeepSpeed ZeRO-{saved['stage']} partitions of {saved['num_processes']} "
                         f"ranks; resume it with the same stage and number of processes (this launch: "
@@ -297,43 +246,3 @@ def check_resumable(folder: str, run: RunConfig, num_processes: int, *, deepspee
 def full_state_dict(accelerator, model) -> dict:
     """The full weights gathered to rank 0 (a collective: every rank calls it; Accelerate's own path)."""
     return accelerator.get_state_dict(model)
-
-
-def resident_tensors(optimizer) -> list:
-    """Tensors a ZeRO optimizer holds between steps that are neither model parameters nor its optimizer
-    state: the flat fp32 partitions its torch optimizer steps (``param_groups``) and, as attributes of the
-    ZeRO optimizer and of its DeepSpeed-owned helpers (``IPGBucketZ3``, the parameter coordinator), its
-    flat parameter and gradient buffers and reduce buckets. For ``measure.StepPeak``: on CPU they are
-    device memory.
-
-    ``optimizer`` is the ZeRO optimizer itself or anything wrapping it (Accelerate's
-    ``DeepSpeedOptimizerWrapper``). Its own attributes are walked, not only its inner torch optimizer's:
-    ZeRO-3 keeps its bit16 partitions (``fp16_partitioned_groups_flat``), its fp32 master partitions
-    (``fp32_partitioned_groups_flat``), its gradient partitions (``grad_partitions_flat_buffer``) and the
-    reduce bucket there, 37.4 MiB per rank on the tiny preset over 2 ranks, which an earlier walk of the
-    torch optimizer alone left out of the measured peak.
-    """
-    import torch
-
-    zero = optimizer
-    while not type(zero).__module__.startswith("deepspeed.") and hasattr(zero, "optimizer"):
-        zero = zero.optimizer  # Accelerate's wrapper -> the ZeRO optimizer
-    inner = getattr(zero, "optimizer", zero)  # the torch optimizer stepping the flat partitions
-    found: list = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
-
-    def walk(value, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif depth and isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item, depth - 1)
-        elif depth and isinstance(value, dict):
-            for item in value.values():
-                walk(item, depth - 1)
-        elif depth and type(value).__module__.startswith("deepspeed.") and hasattr(value, "__dict__"):
-            for item in vars(value).values():  # a DeepSpeed helper object (buckets, coordinator)
-                walk(item, depth - 1)
-
-    for value in vars(zero).values():
-        walk(value, 3)
-    return found

@@ -13,6 +13,13 @@ import dataclasses
 
 from memfit import defaults
 from memfit.config import TrainConfig
+from memfit.modelspec import is_preset
+
+
+def is_demo(model: str, data: str | None) -> bool:
+    """``memfit train``'s demo: a preset (random weights) on the corpus shipped with memfit. (Here, not in
+    ``memfit.defaults``, which ``config`` reads: that must not import the model spec, a cycle.)"""
+    return data is None and is_preset(model)
 
 
 def _given(config: TrainConfig, name: str) -> bool:
@@ -29,7 +36,7 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
     tokenizer is the one training uses.
     """
-    if resumed or _given(config, "seq_len") or defaults.is_demo(config.model, config.data):
+    if resumed or _given(config, "seq_len") or is_demo(config.model, config.data):
         return config, None
     from memfit import data, modelspec
     from memfit.data_prep import record_lengths
@@ -53,7 +60,7 @@ def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[Trai
     if config.optimizer_lr is not None:
         return config, None
     lr, why = defaults.default_lr(random_init=random_init, lora=lora)
-    note = None if defaults.is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
+    note = None if is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
     return dataclasses.replace(config, optimizer_lr=lr), note
 
 
@@ -67,6 +74,6 @@ def total_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, str | N
         steps.append(config.max_steps)
     if steps:
         return min(steps), None
-    count, note = defaults.default_steps(demo=defaults.is_demo(config.model, config.data),
+    count, note = defaults.default_steps(demo=is_demo(config.model, config.data),
                                          steps_per_epoch=steps_per_epoch)
     return count, note or None

@@ -79,9 +79,9 @@ def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> N
     import torch
     import transformers
 
-    from memfit import __version__
+    from memfit.versions import MEMFIT
 
-    versions = {"memfit": __version__, "python": platform.python_version(), "torch": torch.__version__,
+    versions = {"memfit": MEMFIT, "python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "accelerate": accelerate.__version__,
                 "peft": peft.__version__}
     doc = {"settings": config.to_flat(), "versions": versions, **summary.to_dict()}

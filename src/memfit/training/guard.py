@@ -119,7 +119,7 @@ class RunGuard:
 
     # ---------------------------------------------------------------------------------- wording
     def _saved_sentence(self) -> str:
-        from memfit.training.checkpoint import step_folders
+        from memfit.training.checkpoint_dirs import step_folders
         from memfit.training.manifest import has_manifest
 
         newest = self.last_checkpoint

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_folders
 
 MANIFEST = "manifest.json"
-STATE_FILE = "trainer_state.json"
 _NEEDED = ("optimizer.bin", "scheduler.bin")  # Accelerate's names for the first optimizer and scheduler
 
 
@@ -157,8 +157,6 @@ def read_state(folder: Path) -> dict[str, Any]:
 def pick_intact(output: Path) -> tuple[Path, str | None]:
     """The newest intact checkpoint of ``output`` and, when newer ones were passed over, a sentence saying
     which and why; ``UserError`` (one sentence) when there is none."""
-    from memfit.training.checkpoint import checkpoints_dir, step_folders
-
     skipped = []
     for _, folder in step_folders(output):
         why = problem(folder)

@@ -151,7 +151,7 @@ def use_fused_adamw(optimizer) -> None:
     """
     import torch
 
-    from memfit.training.rollback import inner_optimizer
+    from memfit.optimizers import inner_optimizer
 
     opt = inner_optimizer(optimizer)
     for group in opt.param_groups:

@@ -42,10 +42,8 @@ from typing import Any
 
 import torch
 
-
-def inner_optimizer(optimizer):
-    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or the optimizer itself)."""
-    return getattr(optimizer, "optimizer", optimizer)
+from memfit.optimizers import inner_optimizer
+from memfit.training.oom import is_oom
 
 
 @dataclass
@@ -108,8 +106,6 @@ class OptimizerSnapshot:
                 self._saved[id(p)] = saved
             self.available = True
         except (RuntimeError, MemoryError) as err:
-            from memfit.training.oom import is_oom
-
             if not is_oom(err):
                 raise
             self._buffers.clear()  # the host cannot hold the copy: run the step without one

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-PROMPT_CHARS = 16
+from memfit.memory.outside import MAX_NEW_TOKENS, PROMPT_CHARS  # the generation's KV cache is predicted there
+
 TEMPERATURE = 0.6
-MAX_NEW_TOKENS = 160
 
 
 def prompt_text(example) -> str:
@@ -99,7 +99,7 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
     """
     import json
 
-    from memfit.training.sharding import is_sharded
+    from memfit.engines import is_sharded
 
     count = getattr(s.config, "eval_samples", 0)
     if count <= 0 or not s.is_main or is_sharded(s.run):

@@ -339,7 +339,12 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     """The optimizer named by ``run.optimizer`` over the trainable parameters, in weight-decay groups
     (``memfit.build``, which --exact's trace calls too). ``sgd`` is plain SGD without momentum (no state);
     torch picks the implementation for the device the parameters are on."""
-    return build.make_optimizer(run, build.parameter_groups(model, config.weight_decay), config.optimizer_lr)
+    lr = config.optimizer_lr
+    if lr is None:  # a library caller that builds without a session (which derives it): the method's default
+        from memfit.defaults import default_lr
+
+        lr = default_lr(random_init=False, lora=run.is_lora())[0]
+    return build.make_optimizer(run, build.parameter_groups(model, config.weight_decay), lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):

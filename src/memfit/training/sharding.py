@@ -28,7 +28,7 @@ sharded checkpoint resumes on any number of ranks of a sharded run; it cannot be
 unsharded (DDP or single-process) run.
 
 **QLoRA**: a 4-bit base is sharded like any frozen weight, its packed bytes stored as the compute dtype
-(``quant_support.shards_packed_weights``); an 8-bit base is refused (``quantized_refusal``).
+(``quant_support.shards_packed_weights``); an 8-bit base is refused (``engines.quantized_refusal``).
 
 **Export** gathers the full state dict (``get_model_state_dict(full_state_dict=True,
 cpu_offload=True)``, a collective: every rank takes part, rank 0 receives it) and loads it into a
@@ -43,53 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.config import Offload, Quantize, RunConfig
+from memfit.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
 from memfit.errors import UserError
 from memfit.training import deepspeed_engine
 
 DCP_DIR = "dcp"
 SHARDED_MARKER = "sharded.json"
-
-
-def is_sharded(run: RunConfig) -> bool:
-    return run.sharding is not Sharding.DDP
-
-
-def reshard_after_forward(run: RunConfig) -> bool:
-    """ZeRO-3/FSDP free the gathered parameters after each layer's forward; ZeRO-2 keeps them."""
-    return run.sharding is not Sharding.ZERO2
-
-
-def refusal(run: RunConfig, *, cuda: bool) -> str | None:
-    """Why no engine here runs ``run``'s sharding/offload (one sentence), or None. Read by ``memfit train``'s
-    preflight and by the planner, which proposes only what train runs."""
-    if deepspeed_engine.requested():  # DeepSpeed: what memfit runs under it (deepspeed_engine.refusal)
-        return deepspeed_engine.refusal(run, cuda=cuda)
-    if run.offload is Offload.ACTIVATIONS:
-        return None  # saved tensors to host memory: any engine, CUDA only (training.setup.preflight)
-    if run.offload is not Offload.NONE and not is_sharded(run):
-        return (f"--offload {run.offload} runs under FSDP2 only; add --sharding fsdp (or zero2/zero3) "
-                "and launch 2 or more processes.")
-    if run.offload is Offload.OPTIMIZER:
-        return ("FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy); "
-                "use --offload params, or --offload none.")
-    if run.offload is Offload.PARAMS and not reshard_after_forward(run):
-        # The estimator's offload saving (weights off the device) does not hold for ZeRO-2.
-        return ("--offload params with --sharding zero2 saves nothing at the peak (FSDP2 keeps every layer's "
-                "gathered parameters on the device from forward to backward); use --sharding fsdp or zero3.")
-    if is_sharded(run) and not cuda and run.mixed_precision is not Precision.NO:
-        return "Sharded training on CPU runs in fp32; use --mixed-precision no (or train on a GPU)."
-    if is_sharded(run) and run.quantize is Quantize.Q8:
-        return quantized_refusal(run)
-    return None
-
-
-def quantized_refusal(run: RunConfig) -> str:
-    """Why an 8-bit base is not sharded: FSDP2's ``fully_shard`` turns each parameter into a plain DTensor
-    parameter, and bitsandbytes' ``Int8Params`` lose their row scales (``SCB``), which, unlike the 4-bit
-    quantization state, no module keeps a copy of. A 4-bit base shards (``quant_support.shards_packed_weights``)."""
-    return (f"--quantize 8bit cannot be combined with --sharding {run.sharding}: FSDP2 cannot shard bitsandbytes' "
-            "8-bit weights (their row scales are lost); use --quantize 4bit, which shards, or --sharding ddp.")
 
 
 def check_run(run: RunConfig, *, cuda: bool) -> None:
@@ -118,7 +78,7 @@ def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) ->
     agrees with ``--sharding``/``--offload``."""
     env = os.environ if env is None else env
     flag = str(run.sharding)
-    use_deepspeed = deepspeed_engine.requested(env)
+    use_deepspeed = deepspeed_requested(env)
     if use_deepspeed:
         deepspeed_engine.check_launch(run, env)
     if num_processes == 1 and launched_several_got_one(env):
@@ -177,11 +137,11 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     Accelerate's ``DistributedDataParallelKwargs``), copies every gradient into its bucket to all-reduce
     it and back, so the buckets and ``param.grad`` are two copies of the gradients. With views each
     ``param.grad`` is a view into its bucket (the gradient autograd accumulated is copied in once and
-    freed), one copy in all (``memory.estimate.ddp_bucket_bytes``). Accelerate passes the kwargs to
+    freed), one copy in all (``memory.states.ddp_bucket_bytes``). Accelerate passes the kwargs to
     ``DistributedDataParallel`` in ``prepare_model`` (only on 2+ processes; ignored otherwise). The sum is
     the same, so the weights are too (tests/test_train_dp.py: 2 processes within 1e-6 of 1).
     """
-    if deepspeed_engine.requested():
+    if deepspeed_requested():
         return deepspeed_engine.accelerator_kwargs(run, cuda=cuda)
     if is_sharded(run):
         return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)} if cuda else {}
@@ -477,7 +437,7 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda") -
     line = f"{label} {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}"
     if several:
         # the prediction models the launch's engine (memory.deepspeed_layout under DeepSpeed): name it
-        engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_engine.requested() else ""
+        engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_requested() else ""
         line += f"; {run.sharding}{engine} over {run.num_processes} processes" if is_sharded(run) else \
             f"; {run.num_processes} processes, unsharded"
     line += ")"

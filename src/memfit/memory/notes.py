@@ -1,0 +1,52 @@
+"""One-line explanations appended to an estimate (``notes``): the terms that surprise people.
+
+Read by ``memory.estimate`` and ``memory.derive`` (the same notes for a hand-written and a derived recipe).
+"""
+
+from __future__ import annotations
+
+from memfit.config import Precision, RunConfig, Sharding
+from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.device_terms import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
+from memfit.memory.states import model_states
+from memfit.modelspec import ModelSpec
+from memfit.optimizers import row
+from memfit.units import MiB, fmt_gb, fmt_gib
+
+
+# ----------------------------------------------------------------------------------------------
+# Notes
+# ----------------------------------------------------------------------------------------------
+def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
+    """One-line explanations of the terms that surprise people."""
+    lines = []
+    n = out.trainable_params
+    if not run.is_lora() and run.dtype.value == "fp32" and n:
+        # The full states, not their composition at the peak: at a backward peak the grads are partial.
+        states = model_states(spec, run)
+        shards = max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1)
+        per = (states.weights + states.gradients + states.buckets + states.optimizer) * shards / n
+        opt = row(run.optimizer)
+        state = opt.state_bytes_per_param(4)
+        lines.append(f"model states: {per:.1f} bytes/param (weights 4 + grads 4 + {opt.label} {state:g})."
+                     if state and not opt.factored else f"model states: {per:.1f} bytes/param.")
+    if (run.mixed_precision is Precision.NO and run.dtype.value == "fp32" and not run.is_lora()
+            and row(run.optimizer).moments == 2):
+        lines.append(f"AMP (--mixed-precision bf16) would not shrink these: autocast keeps fp32 weights, grads and "
+                     f"moments, so model states stay 16 B/param = {fmt_gb(16 * n)}, not the 12 B/param "
+                     f"({fmt_gb(12 * n)}) often quoted for mixed precision; it only shrinks activations.")
+    if run.mixed_precision is not Precision.NO and run.dtype.value == "fp32":
+        lines.append("AMP does not shrink model states: autocast casts on the fly, so weights, grads and moments "
+                     "stay fp32 (16 B/param with AdamW); it shrinks activations and adds half weight copies.")
+    if out.phase == "backward" and out.logits > out.activations:
+        lines.append(f"the logits ({spec.vocab_size:,} vocab x {run.micro_batch * run.seq_len:,} tokens, fp32 for "
+                     "the loss, plus their gradient) are the largest term at the peak.")
+    if out.other:
+        lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB + cuBLAS workspace + "
+                     f"{ALLOCATOR_RESERVE_FRACTION:.0%} allocator reserve (varies by GPU/driver).")
+    if run.num_processes > 1:
+        lines.append(f"per-rank numbers for {run.num_processes} processes with {run.sharding.value}; activations "
+                     "are never sharded.")
+    if out.peak_bytes:
+        lines.append(f"peak {fmt_gib(out.peak_bytes)} ({fmt_gb(out.peak_bytes)}) in the {out.phase} phase.")
+    return lines
