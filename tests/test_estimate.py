@@ -43,9 +43,10 @@ def test_golden_fp32_full(tiny):
     assert b.activations_per_layer == 140_032
     # logits: N = 32 x 384 = 12,288; backward start holds log_softmax out + its grad + logits grad, fp32: 12 N
     # optimizer step: on CPU torch's default AdamW is the single-tensor loop (foreach only on CUDA):
-    # weights + grads + 2 moments + the head's sqrt and quotient (384 x 64 each) next to the final norm's
-    # quotient (64) still bound to the loop variable: (64 + 2 x 24,576) x 4
-    assert b.phase_peaks["optimizer"] == (4 * p + 64) + 4 * p + 8 * p + (64 + 2 * 24_576) * 4
+    # weights + grads + 2 moments + the head's sqrt and quotient (384 x 64 each) next to the quotient of the
+    # matrix before it in train's first parameter group (matrices; norms are the second group), the last
+    # layer's down_proj (128 x 64), still bound to the loop variable: (8,192 + 2 x 24,576) x 4
+    assert b.phase_peaks["optimizer"] == (4 * p + 64) + 4 * p + 8 * p + (8_192 + 2 * 24_576) * 4
     # backward start: weights + moments + 2 layers + outside (ids 256 + targets 256 + cos/sin 2x16x16x4=2048
     #   + final norm x, rsqrt, h 32 x 516 + head input 32 x 256 = 16,512 + 8,192) + logits 12 N
     outside = 256 + 256 + 2048 + 16_512 + 8_192
@@ -67,10 +68,12 @@ def test_golden_amp_bf16(tiny):
     assert autocast_weight_copies(tiny, RunConfig(mixed_precision="bf16"), Precisions.of(
         RunConfig(mixed_precision="bf16"))) == 2 * (2 * 36_864 + 24_576)
     # the peak is the optimizer step; on CPU torch's AdamW is the single-tensor loop, whose temporaries are
-    # the head's fp32 sqrt(v) and quotient (384 x 64) next to the final norm's quotient: (64 + 2 x 24,576) x 4
-    assert b.phase == "optimizer" and b.temporary == (64 + 2 * 24_576) * 4
-    # on CUDA the same run gets foreach AdamW: one fp32 sqrt(v) for every parameter at once, 4 x params
-    assert estimate(tiny, RunConfig(mixed_precision="bf16", **RUN), device="cuda").temporary == 4 * tiny.params
+    # the head's fp32 sqrt(v) and quotient (384 x 64) next to the quotient of the matrix before it in train's
+    # first parameter group, the last layer's down_proj (128 x 64): (8,192 + 2 x 24,576) x 4
+    assert b.phase == "optimizer" and b.temporary == (8_192 + 2 * 24_576) * 4
+    # on CUDA the same run gets foreach AdamW: one fp32 sqrt(v) for every parameter of a group at once, the
+    # larger group being the matrices (all but the 5 norms of 64): 4 x (params - 320)
+    assert estimate(tiny, RunConfig(mixed_precision="bf16", **RUN), device="cuda").temporary == 4 * (tiny.params - 320)
 
 
 def test_golden_lora_fp32_first_layer(tiny):

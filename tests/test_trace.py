@@ -52,12 +52,14 @@ def test_full_fp32_model_states_to_the_byte(full_fp32):
     assert out.method == "exact"
     assert out.params == PARAMS and out.trainable_params == PARAMS
     assert out.weights == PARAMS * 4 + BUFFERS
-    # On CPU torch's AdamW is the single-tensor loop: the optimizer step holds all grads, the moments (+ one
-    # fp32 step count per tensor) and the head's sqrt(exp_avg_sq) and quotient (384 x 64 each) while the
-    # final norm's quotient (64) is still bound to the loop variable: (64 + 2 x 24,576) x 4 bytes.
+    # On CPU torch's AdamW is the single-tensor loop, run once per parameter group (train's: matrices, then
+    # norms; memfit.build.parameter_groups): the optimizer step holds all grads, the moments (+ one fp32 step
+    # count per tensor) and the head's sqrt(exp_avg_sq) and quotient (384 x 64 each) while the quotient of the
+    # matrix before it, the last layer's down_proj (128 x 64 = 8,192), is still bound to the loop variable:
+    # (8,192 + 2 x 24,576) x 4 bytes. (One group, as the trace built it before, had the final norm (64) there.)
     # (The foreach golden on CUDA: the test below.)
     assert out.optimizer == 2 * PARAMS * 4 + N_TENSORS * 4
-    assert out.phase_peaks["optimizer"] == out.weights + PARAMS * 4 + out.optimizer + (64 + 2 * 24_576) * 4
+    assert out.phase_peaks["optimizer"] == out.weights + PARAMS * 4 + out.optimizer + (8_192 + 2 * 24_576) * 4
     assert out.other == 0  # device="cpu"
     assert out.peak_bytes == max(line.totals())
 
@@ -110,9 +112,11 @@ def test_cuda_adds_the_estimators_other_term(tiny, full_fp32):
 
     out = trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cuda")
     # as on CUDA, torch's foreach AdamW: the peak of this tiny model is the step, with all grads alive,
-    # the moments, and torch._foreach_sqrt(exp_avg_sq)'s parameter-sized temporary (fp32)
+    # the moments, and torch._foreach_sqrt(exp_avg_sq)'s temporary the size of one parameter group (fp32):
+    # train's first group, the matrices, is all but the 5 norms (2 per layer + the final one, 64 each):
+    # 123,200 - 320 = 122,880 parameters (one group, as the trace built it before, was PARAMS)
     assert out.phase == "optimizer"
-    assert out.gradients == PARAMS * 4 and out.temporary == PARAMS * 4
+    assert out.gradients == PARAMS * 4 and out.temporary == (PARAMS - 5 * 64) * 4
     assert out.optimizer == full_fp32[0].optimizer
     tensors = out.weights + out.gradients + out.optimizer + out.temporary
     assert out.other == cuda_other(tensors)

@@ -323,8 +323,7 @@ def _adafactor_elements(spec: ModelSpec, run: RunConfig) -> int:
     mats = sum(lin.count * (lin.in_features + lin.out_features) for lin in spec.linears)
     embed = spec.vocab_size + spec.hidden_size
     head = 0 if spec.tie_word_embeddings else spec.vocab_size + spec.hidden_size
-    vectors = spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params
-    return int(mats + embed + head + max(vectors, 0))
+    return int(mats + embed + head + _vector_params(spec, run))
 
 
 def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int,
@@ -333,13 +332,15 @@ def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, gr
 
     ``group``: torch's foreach Adam(W) (``_multi_tensor_adam``) computes ``exp_avg_sq_sqrt =
     _foreach_sqrt(...)`` for every parameter of the group at once: one param-sized temporary in the
-    state dtype (``adamw``, torch's default, is foreach on CUDA). ``largest-x2``: a per-tensor update
+    state dtype (``adamw``, torch's default, is foreach on CUDA), freed when the group is done; train's
+    groups (``memfit.build.parameter_groups``) put the matrices in the first, so that group's size is
+    the peak (``trainable`` less the norms and biases of a full fine-tune). ``largest-x2``: a per-tensor update
     (Adafactor; ``adamw`` on CPU, where torch runs the single-tensor loop) bounded by two copies of the
     largest trainable tensor. ``none``: in place (fused, 8-bit, SGD).
     """
     kind = row(run.optimizer).step_temporary_on(device)
     if kind == "group":
-        return trainable * grad_bytes
+        return (trainable - _vector_params(spec, run)) * grad_bytes
     if kind == "largest-x2":
         return _largest_trainable(spec, run) * grad_bytes * 2
     if kind == "per-tensor":
@@ -350,20 +351,31 @@ def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, gr
 def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
     """Elements a per-parameter loop holding ``previous + 2 x current`` peaks at (single-tensor AdamW).
 
-    Parameter order as transformers registers it: the token embedding (and learned positions), each
-    layer's projections in ``spec.linears`` order (its norms, hidden-sized, between), the final norm,
-    the untied head. LoRA: the largest adapter matrix twice (adapters are small and alike). Checked to the
-    byte against the exact trace on CPU (tiny Llama: final norm then head; GPT-2: wte then wpe).
+    torch runs the loop once per parameter group, the previous quotient freed between groups; train's
+    first group (``memfit.build.parameter_groups``) holds the matrices in the order transformers registers
+    them: the token embedding (and learned positions), each layer's projections in ``spec.linears`` order
+    (the last of one layer next to the first of the next: two layers' worth), the untied head. The second
+    group (norms, biases: vectors) peaks far lower. LoRA: the largest adapter matrix twice (adapters are
+    small and alike). Checked to the byte against the exact trace on CPU (tiny Llama: the last layer's
+    down projection then the head; GPT-2: wte then wpe).
     """
     if run.is_lora():
         return 2 * _largest_trainable(spec, run)
     tokens = spec.vocab_size * spec.hidden_size
     order = [tokens, max((spec.embedding_params or tokens) - tokens, 0)]
-    order += [lin.in_features * lin.out_features for lin in spec.linears] + [spec.hidden_size]
+    order += [lin.in_features * lin.out_features for lin in spec.linears] * min(spec.num_layers, 2)
     if not spec.tie_word_embeddings:
         order += [spec.lm_head_params or tokens]
     sizes = [n for n in order if n]
     return max(prev + 2 * cur for prev, cur in zip([0] + sizes, sizes, strict=False))
+
+
+def _vector_params(spec: ModelSpec, run: RunConfig) -> int:
+    """Trainable parameters of fewer than two dimensions (norms, biases): the second of train's parameter
+    groups (``memfit.build.parameter_groups``); none under LoRA (adapters are matrices)."""
+    if run.is_lora():
+        return 0
+    return max(spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params, 0)
 
 
 def _largest_trainable(spec: ModelSpec, run: RunConfig) -> int:

@@ -46,17 +46,17 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit import versions
-from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding
+from memfit import build, versions
+from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
 from memfit.modelspec import check_seq_len
 from memfit.optimizers import row
 from memfit.resolved import ResolvedRun, resolve
 
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: The learning rate the traced optimizer is built with: any positive value allocates the same.
+_TRACE_LR = 1e-4
 
 
 @dataclass
@@ -177,7 +177,8 @@ def check_supported(run: RunConfig) -> None:
 
 
 def _build_model(config, resolved: ResolvedRun):
-    """The model as ``memfit train`` builds it, on the meta device: dtype, attention, LoRA, checkpointing.
+    """The model as ``memfit train`` builds it, on the meta device: dtype, attention, then ``memfit.build``'s
+    ``adapt`` (checkpointing, LoRA on the resolved targets, training mode), the function train calls.
 
     Built on meta, not under FakeTensorMode, because ``Module.to()`` on fake parameters fails in torch
     (it swaps tensors, and fake tensors carry weak references); ``_to_fake`` then gives every parameter
@@ -191,27 +192,9 @@ def _build_model(config, resolved: ResolvedRun):
 
     run = resolved.run
     attn = "sdpa" if run.attn_implementation is Attention.FLASH else run.attn_implementation.value
-    # dtype= as from_pretrained(dtype=...) loads it: weights in that dtype, rotary buffers stay fp32.
-    dtype = getattr(torch, _TORCH_DTYPES[run.dtype.value])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype)
-        if run.grad_checkpointing:
-            # As training/setup.py build_model does it: checkpointing enabled on the base model, before PEFT.
-            enable_checkpointing(model)
-        if run.is_lora():
-            from peft import LoraConfig, get_peft_model
-
-            # The resolved targets (memfit.resolved), the list training hands to PEFT.
-            lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                              target_modules=list(resolved.lora.peft_targets), task_type="CAUSAL_LM")
-            # autocast_adapter_dtype=True (PEFT's default) keeps adapters in fp32 over a bf16/fp16 base.
-            try:
-                with peft_wrap_quietly():
-                    model = get_peft_model(model, lora)
-            except ValueError as err:
-                raise UserError(f"LoRA cannot wrap this model: {str(err).splitlines()[0]}") from None
-    model.train()
-    return model
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **build.model_kwargs(run, attn))
+        return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())
 
 
 def _to_fake(model, fake_mode) -> None:
@@ -234,18 +217,13 @@ def _to_fake(model, fake_mode) -> None:
 
 
 def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
-    """The optimizer's row builder, with the implementation torch picks on ``device`` (``cuda_like``:
-    the fake tensors are CPU tensors, on which torch would pick single-tensor AdamW; a CUDA run gets
-    foreach, ``optimizers.torch_default_is_foreach``), over the trainable parameters; with
-    ``optimizer_in_backward`` one per parameter, as ``training/setup.py`` builds it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    cuda_like = device == "cuda"
-    if run.optimizer_in_backward:
-        from memfit.optim_in_backward import OptimizerInBackward
-
-        return OptimizerInBackward([{"params": params}],
-                                   lambda one: row(run.optimizer).build(one, 1e-4, cuda_like=cuda_like))
-    return row(run.optimizer).build(params, 1e-4, cuda_like=cuda_like)
+    """The optimizer ``memfit train`` builds (``memfit.build``: its parameter groups at train's default
+    weight decay, the row's builder, one per parameter with ``optimizer_in_backward``), with the
+    implementation torch picks on ``device`` (``cuda_like``: the fake tensors are CPU tensors, on which
+    torch would pick single-tensor AdamW; a CUDA run gets foreach, ``optimizers.torch_default_is_foreach``).
+    The decay's value allocates nothing (AdamW decays in place; SGD at train's default 0 skips it)."""
+    groups = build.parameter_groups(model, TrainConfig.weight_decay)
+    return build.make_optimizer(run, groups, _TRACE_LR, cuda_like=device == "cuda")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,18 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit import validate
+from memfit import build, validate
 from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import (
-    enable_checkpointing,
-    no_loading_bar,
-    peft_wrap_quietly,
-    prepare_for_kbit_training,
-)
+from memfit.hf_compat import no_loading_bar
 from memfit.optimizers import check_device, row
-
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def cuda_available() -> bool:
@@ -226,7 +219,7 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     source = source or resolve_model(config, run)
     resolved = source.resolved
     on_gpu = device is not None and torch.device(device).type == "cuda"
-    kwargs = {"dtype": getattr(torch, TORCH_DTYPES[str(run.dtype)]), "attn_implementation": resolved.attention}
+    kwargs = build.model_kwargs(run, resolved.attention)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
         from accelerate import init_empty_weights
@@ -257,20 +250,15 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
 
         accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
         keep_training_path(model)  # evaluation and samples on training's path: bitsandbytes' CPU one fails late
-    if run.grad_checkpointing:
-        enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
+    # Checkpointing, LoRA and training mode: the steps --exact's trace takes too (memfit.build).
+    model = build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else (),
+                        revision=source.hub.commit if source.hub is not None else None)
     if run.is_lora():
-        model = _add_lora(model, run, resolved.lora.peft_targets, base=source.base_name,
-                          revision=source.hub.commit if source.hub is not None else None)
+        _name_base(model, source.base_name)
     if str(run.loss) != "standard":
         from memfit.losses import check_model_supports
 
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
-    # Training mode for every module: from_pretrained returns the model in eval mode (a checkpoint folder, and
-    # every QLoRA base, which is loaded back through bitsandbytes), and PEFT's wrapper alone is in training
-    # mode, so the decoder layers would skip checkpointing (transformers' GradientCheckpointingLayer runs it
-    # only when self.training) and dropout until the first evaluation restored the mode.
-    model.train()
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     from memfit.quant_support import logical_numel
@@ -282,30 +270,13 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
                        str(base.config._attn_implementation), wrapped)
 
 
-def _add_lora(model, run: RunConfig, targets: tuple[str, ...], *, base: str | None = None,
-              revision: str | None = None):
-    """Wrap ``targets`` (the resolved list, ``memfit.resolved.lora_targets``: what estimate counted).
-
-    ``base``/``revision``: what the saved adapter names as its base model (``ModelSource.base_name``, the Hub
-    commit). PEFT would take the path the weights were loaded from, which for a relative ``--model`` only
-    resolves from the directory train ran in.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    if run.quantize is not Quantize.NONE:
-        model = prepare_for_kbit_training(model, run.grad_checkpointing)
-    lora = LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                      target_modules=list(targets), task_type="CAUSAL_LM")
-    try:
-        with peft_wrap_quietly():
-            wrapped = get_peft_model(model, lora, revision=revision)
-    except ValueError as err:
-        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
-                        f"{str(err).splitlines()[0]}") from None
+def _name_base(wrapped, base: str | None) -> None:
+    """What the saved adapter names as its base model (``ModelSource.base_name``; the Hub commit is given
+    at the wrap). PEFT would take the path the weights were loaded from, which for a relative ``--model``
+    only resolves from the directory train ran in."""
     if base is not None:
         for cfg in wrapped.peft_config.values():
             cfg.base_model_name_or_path = base
-    return wrapped
 
 
 def _accepts_loss_kwargs(model) -> bool:
@@ -365,28 +336,15 @@ def spread(items: list, count: int) -> list:
 
 
 def build_optimizer(model, run: RunConfig, config: TrainConfig):
-    """The optimizer named by ``run.optimizer`` over the trainable parameters.
-
-    Weight decay applies to matrices only (not norms or biases), the usual convention. ``sgd`` is
-    plain SGD without momentum (no optimizer state).
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    """The optimizer named by ``run.optimizer`` over the trainable parameters, in weight-decay groups
+    (``memfit.build``, which --exact's trace calls too). ``sgd`` is plain SGD without momentum (no state);
+    torch picks the implementation for the device the parameters are on."""
     lr = config.optimizer_lr
     if lr is None:  # a library caller that builds without a session (which derives it): the method's default
         from memfit.defaults import default_lr
 
         lr = default_lr(random_init=False, lora=run.is_lora())[0]
-    # The optimizer's row of memfit.optimizers builds it: what estimate and plan priced.
-    if run.optimizer_in_backward:  # one optimizer per parameter, stepped from backward's gradient hooks
-        from memfit.optim_in_backward import OptimizerInBackward
-
-        return OptimizerInBackward(groups, lambda one: row(run.optimizer).build(one, lr))
-    return row(run.optimizer).build(groups, lr)
+    return build.make_optimizer(run, build.parameter_groups(model, config.weight_decay), lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):

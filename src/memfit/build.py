@@ -1,0 +1,111 @@
+"""What a run builds, once: the model's load options, LoRA wrapping, parameter groups and the optimizer.
+
+``memfit train`` (``training/setup.py``) and ``--exact``'s trace (``memory/trace.py``) both call these
+functions, so the model and optimizer the trace measures are the ones training steps: the same PEFT
+``LoraConfig``, the same wrapping order (checkpointing on the base model, then k-bit preparation, then
+PEFT), the same weight-decay parameter groups (torch's optimizers run their step one group at a time, so
+the groups shape the step's temporaries) and the same row of ``memfit.optimizers``. Where the two differ
+they say so at the call: train loads weights (or quantizes), the trace builds on the meta device and
+swaps in fake tensors; train names the adapter's base model; the trace picks torch's CUDA
+implementation (``cuda_like``) while running CPU kernels.
+
+A leaf below ``memory/`` and ``training/``: it imports neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.config import Quantize, RunConfig
+from memfit.errors import UserError
+from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly, prepare_for_kbit_training
+from memfit.optimizers import row
+
+#: ``--dtype`` -> the torch dtype name the weights are built in.
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(run: RunConfig):
+    """The torch dtype of the weights (``from_pretrained(dtype=...)``: rotary buffers stay fp32)."""
+    import torch
+
+    return getattr(torch, TORCH_DTYPES[str(run.dtype)])
+
+
+def model_kwargs(run: RunConfig, attention: str) -> dict[str, Any]:
+    """The keyword arguments ``AutoModelForCausalLM.from_config``/``from_pretrained`` get from the run."""
+    return {"dtype": torch_dtype(run), "attn_implementation": attention}
+
+
+def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):
+    """PEFT's ``LoraConfig`` of the run over ``targets`` (``memfit.resolved``'s ``peft_targets``: what
+    estimate counted). PEFT's defaults apply to everything else (``autocast_adapter_dtype=True`` at the
+    wrap keeps adapters in fp32 over a bf16/fp16 base)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                      target_modules=list(targets), task_type="CAUSAL_LM")
+
+
+def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, revision: str | None = None):
+    """``model`` with LoRA adapters on ``targets``: k-bit preparation first under ``--quantize``, then
+    PEFT's ``get_peft_model`` (its notices silenced). ``revision``: the Hub commit the saved adapter names.
+
+    A target PEFT cannot wrap is one sentence (``UserError``).
+    """
+    from peft import get_peft_model
+
+    if run.quantize is not Quantize.NONE:
+        model = prepare_for_kbit_training(model, run.grad_checkpointing)
+    try:
+        with peft_wrap_quietly():
+            return get_peft_model(model, lora_config(run, targets), revision=revision)
+    except ValueError as err:
+        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
+                        f"{str(err).splitlines()[0]}") from None
+
+
+def adapt(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, revision: str | None = None):
+    """The built base model made ready to train: gradient checkpointing (on the base model, before PEFT),
+    LoRA (``wrap_lora``), and training mode for every module.
+
+    Training mode: ``from_pretrained`` returns the model in eval mode (a checkpoint folder, and every QLoRA
+    base, which is loaded back through bitsandbytes), and PEFT's wrapper alone is in training mode, so the
+    decoder layers would skip checkpointing (transformers' ``GradientCheckpointingLayer`` runs it only when
+    ``self.training``) and dropout until the first evaluation restored the mode.
+    """
+    if run.grad_checkpointing:
+        enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
+    if run.is_lora():
+        model = wrap_lora(model, run, targets, revision=revision)
+    model.train()
+    return model
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """The trainable parameters in weight-decay groups: matrices (``ndim >= 2``) decay, vectors (norms,
+    biases) do not, the usual convention; an empty group is left out (LoRA's adapters are all matrices).
+
+    The groups matter to memory too: torch's optimizers step one group at a time (``Adam.step`` calls
+    ``_multi_tensor_adam``/``_single_tensor_adam`` per group), so foreach's ``_foreach_sqrt`` temporary
+    spans one group, not every trainable parameter, and the per-tensor loop starts afresh at each group.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(run: RunConfig, groups: list[dict], lr: float, *, cuda_like: bool = False):
+    """The optimizer of ``run.optimizer``'s row (``memfit.optimizers``: what estimate and plan priced) over
+    ``groups``; with ``--optimizer-in-backward`` one such optimizer per parameter, stepped from backward's
+    gradient hooks. ``cuda_like``: the implementation torch picks on CUDA (the trace's CPU tensors model a
+    CUDA run); training passes False and lets torch pick for the device it runs on."""
+    build = row(run.optimizer).build
+    if run.optimizer_in_backward:
+        from memfit.optim_in_backward import OptimizerInBackward
+
+        return OptimizerInBackward(groups, lambda one: build(one, lr, cuda_like=cuda_like))
+    return build(groups, lr, cuda_like=cuda_like)
