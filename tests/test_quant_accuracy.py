@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run(quantize: str, checkpointing: bool = False, precision: str = "no") -> RunConfig:
-    return RunConfig(seq_len=64, micro_batch=2, lora_r=16, quantize=quantize, optimizer="adamw", packing="none",
+    return RunConfig(seq_len=64, micro_batch=2, lora_r=16, quantize=quantize, optimizer="adamw", packing="concat",
                      grad_checkpointing=checkpointing, mixed_precision=precision)
 
 
