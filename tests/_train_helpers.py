@@ -114,3 +114,13 @@ FOREIGN = [
 def foreign_lines(text: str) -> list[str]:
     """The lines of ``text`` that match ``FOREIGN``, each with why."""
     return [f"{why}: {line}" for line in text.splitlines() for pattern, why in FOREIGN if re.search(pattern, line)]
+
+
+def assert_one_sentence(result, pattern: str) -> None:
+    """A click result that is memfit's one-sentence user error: exit 1, no traceback, one ``error:`` line
+    holding ``pattern``."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.output
+    assert pattern in lines[0], lines[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from _train_helpers import TINY_LLAMA, write_qa
+from _train_helpers import TINY_LLAMA, assert_one_sentence, write_qa
 from memfit.cli import cli
 from memfit.errors import UserError
 
@@ -78,14 +78,6 @@ def hub_cache(tmp_path, monkeypatch, model_source):
     return cache
 
 
-def _assert_one_sentence(result, pattern):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.output
-    assert pattern in lines[0], lines[0]
-
-
 def test_the_cache_layout_is_what_huggingface_hub_reads(hub_cache):
     """The fixture is a real cache: huggingface_hub's own offline look-up finds the snapshot."""
     from huggingface_hub import snapshot_download
@@ -140,20 +132,20 @@ def test_a_hub_id_not_in_the_offline_cache_is_one_sentence_and_leaves_no_run_fol
     out = tmp_path / "run"
     result = CliRunner().invoke(cli, ["train", "--model", "org/missing", "--data", write_qa(tmp_path), *FAST,
                                       "--output", str(out)])
-    _assert_one_sentence(result, "'org/missing' is not a local folder, and the Hugging Face cache")
+    assert_one_sentence(result, "'org/missing' is not a local folder, and the Hugging Face cache")
     assert "HF_HUB_OFFLINE" in result.output
     assert not out.exists()
     estimate = CliRunner().invoke(cli, ["estimate", "org/missing"])
-    _assert_one_sentence(estimate, "does not hold it while HF_HUB_OFFLINE is set")
+    assert_one_sentence(estimate, "does not hold it while HF_HUB_OFFLINE is set")
 
 
 def test_an_unknown_revision_is_one_sentence(hub_cache, tmp_path):
     result = CliRunner().invoke(cli, ["train", "--model", "org/tiny", "--revision", "v9", "--data", write_qa(tmp_path),
                                       *FAST, "--output", str(tmp_path / "run")])
-    _assert_one_sentence(result, "does not hold its revision 'v9'")
+    assert_one_sentence(result, "does not hold its revision 'v9'")
     assert not (tmp_path / "run").exists()
     local = CliRunner().invoke(cli, ["estimate", "tiny", "--revision", "v9"])
-    _assert_one_sentence(local, "--revision picks a version of a Hugging Face Hub model")
+    assert_one_sentence(local, "--revision picks a version of a Hugging Face Hub model")
 
 
 def test_pickle_only_weights_need_allow_pickle_weights(hub_cache, tmp_path):
@@ -161,7 +153,7 @@ def test_pickle_only_weights_need_allow_pickle_weights(hub_cache, tmp_path):
     args = ["train", "--model", "org/old", "--data", write_qa(tmp_path), *FAST, "--max-steps", "1",
             "--output", str(tmp_path / "run")]
     refused = CliRunner().invoke(cli, args)
-    _assert_one_sentence(refused, "has its weights only as PyTorch pickles (pytorch_model.bin)")
+    assert_one_sentence(refused, "has its weights only as PyTorch pickles (pytorch_model.bin)")
     assert "--allow-pickle-weights" in refused.output and not (tmp_path / "run").exists()
     allowed = CliRunner().invoke(cli, [*args, "--allow-pickle-weights"])
     assert allowed.exit_code == 0, allowed.output

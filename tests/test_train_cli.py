@@ -9,7 +9,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from _train_helpers import write_model, write_qa
+from _train_helpers import assert_one_sentence, write_model, write_qa
 from memfit.cli import cli
 
 
@@ -24,14 +24,6 @@ def _fast(tmp_path, *extra):
     return ["--model", write_model(tmp_path / "m"), "--tokenizer", "byte", "--data", write_qa(tmp_path),
             "--seq-len", "64", "--micro-batch", "4", "--max-steps", "2", "--eval-every", "0", "--samples", "0",
             "--packing", "none", "--output", str(tmp_path / "out"), *extra]
-
-
-def _assert_one_sentence(result, pattern):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.output
-    assert pattern in lines[0], lines[0]
 
 
 def _bad_inputs(tmp):
@@ -63,14 +55,14 @@ def _bad_inputs(tmp):
     "seq-len beyond positions", "resume without checkpoint", "output holds another run", "batch not a multiple"])
 def test_bad_input_is_one_sentence(tmp_path, case):
     args, pattern = _bad_inputs(tmp_path)[case]
-    _assert_one_sentence(_run(_fast(tmp_path, *args)), pattern)
+    assert_one_sentence(_run(_fast(tmp_path, *args)), pattern)
     # Model, tokenizer, data and lengths are checked before the output folder is created: nothing is left behind.
     assert not (tmp_path / "out").exists() and not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 autocast is refused on CPU only")
 def test_fp16_on_cpu_is_refused(tmp_path):
-    _assert_one_sentence(_run(_fast(tmp_path, "--mixed-precision", "fp16")), "use --mixed-precision bf16")
+    assert_one_sentence(_run(_fast(tmp_path, "--mixed-precision", "fp16")), "use --mixed-precision bf16")
 
 
 def test_config_file_and_explicit_flags(tmp_path, monkeypatch):
