@@ -212,6 +212,9 @@ def test_dropped_log_messages_are_exactly_the_named_ones(capsys):
          "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be OK"),
         (hf_compat.quiet_json_parse_log, "datasets.packaged_modules.json.json",
          "Failed to load JSON from file 'x.jsonl' with error <class 'ValueError'>: bad"),
+        # DeepSpeed's, seen in CI (its venv has the deepspeed extra) before the "normal" case's first line
+        (hf_compat.quiet_deepspeed_cpu_notice, "DeepSpeed",
+         "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."),
     ]
     for quiet, name, message in cases:
         logger = logging.getLogger(name)

@@ -18,6 +18,7 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
   each is dropped by its logger and its exact text (``dropping_log``), or its warning text, around the
   call that causes it, and every other record of the same logger still shows:
   ``quiet_bnb_kernel_notice`` (bitsandbytes at import, on a CPU with AVX512-BF16),
+  ``quiet_deepspeed_cpu_notice`` (DeepSpeed, installed, on a machine without a GPU),
   ``quiet_tied_weight_save`` (Accelerate's ``save_state`` of a model with tied embeddings),
   ``quiet_4bit_merge`` (PEFT merging an adapter into a 4-bit base), ``quiet_json_parse_log`` (``datasets``
   logging a JSON parse error before raising it).
@@ -117,6 +118,26 @@ def quiet_bnb_kernel_notice() -> contextlib.AbstractContextManager:
     this around every command (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
     """
     return dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def quiet_deepspeed_cpu_notice() -> contextlib.AbstractContextManager:
+    """DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+    Logged once per process where DeepSpeed is installed and finds no GPU, when its accelerator is first
+    asked for: Accelerate's ``unwrap_model`` imports DeepSpeed in every run, DeepSpeed or not (seen in CI,
+    whose venv has the ``deepspeed`` extra). Safe to drop: memfit's preamble already names the device
+    ("on cpu"), and on a machine with a GPU DeepSpeed finds it and says nothing.
+    """
+    return dropping_log("DeepSpeed", r"Setting accelerator to CPU\.")
+
+
+@contextlib.contextmanager
+def quiet_import_notices() -> Iterator[None]:
+    """The notices dependencies log once per process when memfit's work first imports them
+    (``quiet_bnb_kernel_notice``, ``quiet_deepspeed_cpu_notice``); held by the CLI around every command and
+    by ``memfit.training.loop.run_training`` around a run."""
+    with quiet_bnb_kernel_notice(), quiet_deepspeed_cpu_notice():
+        yield
 
 
 def quiet_tied_weight_save() -> contextlib.AbstractContextManager:

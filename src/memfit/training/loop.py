@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from memfit.config import TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import quiet_bnb_kernel_notice
+from memfit.hf_compat import quiet_import_notices
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
 from memfit.training import checkpoint, oom, resume, sharding
@@ -54,7 +54,7 @@ def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
     """Build the run, loop over its optimizer steps, finish; the typed summary and the trained model."""
     # RunGuard: Ctrl-C, non-finite steps, failing writes, the run folder's lock; bitsandbytes may be imported
     # first in here (by PEFT or transformers), on every rank: its import-time notice is not memfit's users'.
-    with quiet_bnb_kernel_notice(), RunGuard() as guard:
+    with quiet_import_notices(), RunGuard() as guard:
         session = build_session(config, guard, show=show)
         run_loop(session)
         summary, model = finish(session)
