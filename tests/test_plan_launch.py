@@ -43,7 +43,7 @@ def test_train_flags_round_trip_through_the_train_cli():
     parsed = {}
 
     @click.command()
-    @memory_options
+    @memory_options("train")
     def probe(**kwargs):
         parsed.update(kwargs)
 
