@@ -16,7 +16,8 @@ What may differ from run to run, and how it is compared (the stated tolerance; a
 * train: its numbers (losses, parameters, sequences, steps, predicted and measured tensor peaks, samples)
   are exact: the run is seeded and deterministic whatever the thread count. Timings (wall time,
   tokens/s, elapsed and ETA), the process' RSS and the torch-threads line depend on the machine and
-  its load, so they compare by form only (any value). Train's output is compared as words, so a
+  its load, so they compare by form only (any value); the note a loaded machine gets mid-run ("steps
+  now take 3.0x as long as the first ones") is not compared at all. Train's output is compared as words, so a
   table that is one column wider because "1,224 tokens/s" became "987 tokens/s" is not a difference.
 """
 
@@ -51,6 +52,9 @@ _TRAIN_VARYING = [
     (re.compile(r"(wall time )[\d.]+ s \(training loop [\d.]+ s\)"), r"\1T s (training loop T s)"),
     (re.compile(r"(wall time )[\d.]+ s"), r"\1T s"),
     (re.compile(r"(elapsed )[\d:]+"), r"\1T"),
+    # said only when the machine is loaded mid-run (training/threads.LoadWatch): how busy CI's machine is
+    (re.compile(r" ?note: steps now take [\d.]+x as long as the first ones \(.*?\): the machine seems loaded "
+                r"by other processes\. If it stays slow, fewer threads may help \(--threads 1\)\."), ""),
 ]
 _BOX = re.compile(r"[┌┐└┘├┤┬┴┼─│━┃┏┓┗┛┡┩╇╈┳┻╋]+")
 
