@@ -40,7 +40,7 @@ def peak_rss_bytes() -> int:
 
 def model_config(model: str, *, vocab_size: int | None = None):
     """A transformers config from a memfit preset (or checkpoint folder), never downloaded."""
-    from memfit.modelspec import resolve_config
+    from memfit.spec.model import resolve_config
 
     config = resolve_config(model)
     if vocab_size is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common
-from memfit.config import RunConfig
+from memfit.settings.config import RunConfig
 
 #: The memory/speed configurations issue 7 asks for; each also runs with gradient checkpointing.
 #: LoRA is the usual recipe: a frozen bf16 base, adapters trained under bf16 autocast.
@@ -80,7 +80,7 @@ def predict_analytic(model: str, run: RunConfig) -> dict[str, Any]:
     """memfit's analytic estimate (``memfit estimate``) with the time it took."""
     try:
         from memfit.memory.estimate import estimate
-        from memfit.modelspec import load_spec
+        from memfit.spec.model import load_spec
 
         t0 = time.perf_counter()
         breakdown = estimate(load_spec(model), run)
@@ -142,9 +142,9 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     """
     import torch
 
-    from memfit.config import Offload, TrainConfig
-    from memfit.data import collate
+    from memfit.data.dataset import collate
     from memfit.memory.measure import StepPeak
+    from memfit.settings.config import Offload, TrainConfig
     from memfit.training import setup
     from memfit.training.step import train_step
 
@@ -202,7 +202,7 @@ def make_dry_run_model(folder: str | Path) -> str:
     """
     from transformers import LlamaConfig
 
-    from memfit.data import byte_tokenizer
+    from memfit.data.dataset import byte_tokenizer
 
     config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -4,7 +4,7 @@ text corpus far larger than a process should hold.
 
 Two measurements:
 
-``tokenize``  ``datasets.map`` (memfit's encoding, ``memfit.data_arrow.encode_dataset``) over a
+``tokenize``  ``datasets.map`` (memfit's encoding, ``memfit.data.arrow.encode_dataset``) over a
               ``.txt`` corpus with 1 and 2 processes, each from a fresh cache: documents (rows) per
               second. The ``text`` builder's own read (and memfit's cut into documents) is timed apart.
 ``train``     ``memfit train --model tiny`` (byte tokenizer) a few steps in a subprocess, twice: with a
@@ -141,9 +141,9 @@ def cmd_tokenize(args) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     import datasets
 
-    from memfit.data import byte_tokenizer
-    from memfit.data_arrow import encode_dataset
-    from memfit.data_formats import Fields
+    from memfit.data.arrow import encode_dataset
+    from memfit.data.dataset import byte_tokenizer
+    from memfit.data.formats import Fields
 
     datasets.disable_progress_bars()
     results = {"data": args.data, "data_bytes": Path(args.data).stat().st_size, "runs": []}
@@ -151,7 +151,7 @@ def cmd_tokenize(args) -> dict:
         cache = Path(tempfile.mkdtemp(prefix="memfit-tok-cache-", dir="/tmp"))
         datasets.config.HF_DATASETS_CACHE = cache
         try:
-            from memfit.data_sources import load_parts
+            from memfit.data.sources import load_parts
 
             t0 = time.perf_counter()
             (part,) = load_parts(args.data)

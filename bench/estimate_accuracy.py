@@ -34,9 +34,9 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "tem
 
 def compare(model: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     """Trace and estimate one configuration; the per-category bytes and relative errors."""
-    from memfit.config import RunConfig
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
+    from memfit.settings.config import RunConfig
 
     run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime])
     start = time.perf_counter()
@@ -72,10 +72,10 @@ def tensor_peak(b) -> int:
 def family_row(family: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     """Analytic vs exact for one small random config of tests/_accuracy_models.py (``device="cpu"``)."""
     from _accuracy_models import accuracy_config
-    from memfit.config import RunConfig
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
-    from memfit.modelspec import spec_from_config
+    from memfit.settings.config import RunConfig
+    from memfit.spec.model import spec_from_config
 
     config = accuracy_config(family)
     extra = {"attn_implementation": "eager"} if family == "gemma2" else {}
@@ -97,10 +97,10 @@ def derive_timing(family: str = "granite") -> dict:
     import tempfile
 
     from _accuracy_models import accuracy_config
-    from memfit.config import RunConfig
     from memfit.memory import derive
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import spec_from_config
+    from memfit.settings.config import RunConfig
+    from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(accuracy_config(family), family)
     run = RunConfig(seq_len=1024, micro_batch=4, mixed_precision="bf16")

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
-from memfit.config import RunConfig  # noqa: E402
+from memfit.settings.config import RunConfig  # noqa: E402
 
 DEFAULT_MODELS = ["gpt2", "qwen2.5-1.5b", "llama-2-7b"]
 RUN = RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16", dtype="fp32")
@@ -50,7 +50,7 @@ def timed(fn, repeats: int) -> tuple[float, Any]:
 def measure_model(model: str, repeats: int, do_plan: bool, do_trace: bool) -> dict[str, Any]:
     """All timings for one model; a failing part is recorded as an error and the rest still runs."""
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     row: dict[str, Any] = {"model": model}
     t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import _device as dev  # noqa: E402
-from memfit.config import RunConfig  # noqa: E402
+from memfit.settings.config import RunConfig  # noqa: E402
 
 GPU_DEFAULTS = {"models": ["qwen2.5-0.5b", "qwen2.5-1.5b"], "seq_len": 2048, "micro_batch": 4, "steps": 6,
                 "warmup": 2}
@@ -65,8 +65,8 @@ def device_peak_flops() -> tuple[str, float | None]:
 
 def model_flops_per_token(model: str, run: RunConfig) -> float:
     """Model FLOPs per trained token, recompute excluded (MFU counts the model's work, not the device's)."""
-    from memfit.modelspec import load_spec
     from memfit.planning.cost import flops_per_token
+    from memfit.spec.model import load_spec
 
     return flops_per_token(load_spec(model), run.replace(grad_checkpointing=False))
 

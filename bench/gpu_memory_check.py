@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import _device as dev  # noqa: E402
 from gpu import start_traces  # noqa: E402
-from memfit.config import RunConfig  # noqa: E402
+from memfit.settings.config import RunConfig  # noqa: E402
 
 #: Llama (GQA, untied), Qwen2 (tied embeddings, qkv bias), GPT-2 (learned positions, Conv1D, tied).
 GPU_DEFAULTS = {"models": ["qwen2.5-0.5b", "llama-3.2-1b", "gpt2"], "seq_lens": [512, 1024], "micro_batch": 2,

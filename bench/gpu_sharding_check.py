@@ -52,7 +52,7 @@ def worker(args) -> None:
     from accelerate.utils import gather_object
 
     import sharding_memory as sm
-    from memfit import engines
+    from memfit.spec import engines
 
     flag, offload = CONFIGS[args.config]
     accelerator, run, model, optimizer, bundle, hf_config = sm.build(

@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import _device as dev  # noqa: E402
-from memfit.config import RunConfig  # noqa: E402
+from memfit.settings.config import RunConfig  # noqa: E402
 
 #: The techniques, as ``RunConfig`` fields over the base run (a full fine-tune under bf16 autocast).
 CASES: dict[str, dict[str, Any]] = {
@@ -74,7 +74,7 @@ def make_model(folder: Path, *, dry_run: bool, layers: int) -> str:
     """
     from transformers import LlamaConfig
 
-    from memfit.data import byte_tokenizer
+    from memfit.data.dataset import byte_tokenizer
 
     if dry_run:
         config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -111,7 +111,7 @@ def predict(model: str, run: RunConfig, device: str, exact: bool = False) -> dic
             breakdown = trace(model, run, device=device)
         else:
             from memfit.memory.estimate import estimate
-            from memfit.modelspec import load_spec
+            from memfit.spec.model import load_spec
 
             breakdown = estimate(load_spec(model), run, device=device)
         out = breakdown.to_dict()

@@ -21,7 +21,7 @@ import time
 import warnings
 
 import _common  # noqa: F401 - puts bench/ on sys.path for running from a checkout
-from memfit.config import RunConfig, TrainConfig
+from memfit.settings.config import RunConfig, TrainConfig
 
 
 def _llama(vocab: int, hidden: int, layers: int, inter: int):
@@ -76,7 +76,7 @@ def measure(config, run: RunConfig, seed: int = 0) -> dict:
 def case(name: str, config, base: RunConfig, variant: RunConfig) -> dict:
     """Measure and predict ``base`` and ``variant``; savings side by side."""
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(config, name)
     out = {"case": name, "params": spec.params, "vocab": config.vocab_size,

@@ -66,11 +66,11 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     """Every rank's measured peaks outside the step, and rank 0's record (``{}`` on other ranks)."""
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from memfit import engines
-    from memfit.data import Example, collate
+    from memfit.data.dataset import Example, collate
     from memfit.memory.measure import counted, resident_tensors
     from memfit.memory.outside import outside_step
-    from memfit.modelspec import load_spec
+    from memfit.spec import engines
+    from memfit.spec.model import load_spec
     from memfit.training import checkpoint, sharding
     from memfit.training.rollback import OptimizerSnapshot
     from memfit.training.samples import generate_samples
@@ -168,9 +168,9 @@ class _NoScheduler:
 
 def _plain(model_name: str, run):
     """The plain copy ``training.finish`` builds on rank 0: ``build_model`` of the same run."""
-    from memfit import modelspec
-    from memfit.config import TrainConfig
-    from memfit.resolved import resolve
+    from memfit.settings.config import TrainConfig
+    from memfit.spec import model as modelspec
+    from memfit.spec.resolved import resolve
     from memfit.training.setup import ModelSource, build_model
 
     hf_config = modelspec.resolve_config(model_name)

@@ -53,7 +53,7 @@ SEED = 0
 
 
 def pick_100m_preset() -> str:
-    from memfit.modelspec import is_preset
+    from memfit.spec.model import is_preset
 
     for name in HUNDRED_M_PRESETS:
         if is_preset(name):
@@ -152,7 +152,7 @@ def run_memfit(setup: dict[str, Any]) -> dict[str, Any]:
     whole loop body, not only on the forward/backward it reports as ``train_s``. No held-out set,
     no samples; the final export happens after the last timed step.
     """
-    from memfit.config import RunConfig, TrainConfig
+    from memfit.settings.config import RunConfig, TrainConfig
     from memfit.training.loop import train
 
     with tempfile.TemporaryDirectory() as out:

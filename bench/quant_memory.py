@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import _common  # noqa: F401 - puts bench/ on sys.path for running from a checkout
-from memfit.config import RunConfig, TrainConfig
+from memfit.settings.config import RunConfig, TrainConfig
 
 SIZES = {"full": dict(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                       num_attention_heads=16, num_key_value_heads=8),

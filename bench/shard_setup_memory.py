@@ -28,10 +28,10 @@ def main() -> None:
 
     from accelerate.utils import gather_object
 
-    from memfit import modelspec
-    from memfit.config import RunConfig, TrainConfig
     from memfit.memory.measure import counted
-    from memfit.resolved import resolve
+    from memfit.settings.config import RunConfig, TrainConfig
+    from memfit.spec import model as modelspec
+    from memfit.spec.resolved import resolve
     from memfit.training import sharding
     from memfit.training.setup import ModelSource, build_accelerator, build_model
 

@@ -38,7 +38,7 @@ def _tracker(model, optimizer, sharded: bool):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memfit.quant_support import quant_state_tensors
+    from memfit.integrations.quant_support import quant_state_tensors
 
     tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
     tracker.track_external(*([] if sharded else [model, optimizer]), *quant_state_tensors(model))
@@ -49,7 +49,7 @@ def unseen_resident_bytes(model, sharded: bool) -> int:
     """Bytes of tensors resident the whole run that ``FSDPMemTracker`` leaves out of its total: a 4-bit
     base's quantization state (module attributes, not parameters; its ``track_external`` files them under
     no FSDP category). Added to the measured peak as they are (they never change size)."""
-    from memfit.quant_support import quant_state_tensors
+    from memfit.integrations.quant_support import quant_state_tensors
 
     if not sharded:
         return 0
@@ -75,9 +75,9 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
           lora_r: int = 0, quantize: str = "none"):
     """memfit's own builders for one rank of a ``--sharding`` run (as ``memfit train`` builds it):
     ``(accelerator, run, model, optimizer, bundle, hf_config)``, the model sharded and prepared."""
-    from memfit import modelspec
-    from memfit.config import RunConfig, TrainConfig
-    from memfit.resolved import resolve
+    from memfit.settings.config import RunConfig, TrainConfig
+    from memfit.spec import model as modelspec
+    from memfit.spec.resolved import resolve
     from memfit.training import sharding
     from memfit.training.setup import (
         ModelSource,
@@ -138,8 +138,8 @@ def predicted_tensor_peak(model_name: str, run, device: str):
     the estimate as the device holds it (``memory.snapshot.device_estimate``: on CPU the rollback snapshot
     and offloaded state count), without the CUDA context (``other``),
     which no tensor tracker or ``max_memory_allocated`` sees. ``(bytes, breakdown)``."""
-    from memfit import modelspec
     from memfit.memory.snapshot import device_estimate
+    from memfit.spec import model as modelspec
 
     predicted = device_estimate(modelspec.load_spec(model_name), run, device)
     return predicted.peak_bytes - predicted.other, predicted
@@ -162,7 +162,7 @@ def main() -> None:
 
     from accelerate.utils import gather_object
 
-    from memfit import engines
+    from memfit.spec import engines
 
     model_name = "tiny" if args.dry_run else args.model
     accelerator, run, model, optimizer, bundle, hf_config = build(

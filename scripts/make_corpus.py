@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate memfit's shipped demo corpus (``src/memfit/corpus/``), deterministically.
+"""Generate memfit's shipped demo corpus (``src/memfit/data/corpus/``), deterministically.
 
 The corpus is what ``memfit train`` (no arguments) trains the ``tiny`` preset on in a few CPU
 minutes, so it must be learnable from ~100k-300k byte tokens and the learning must be visible:

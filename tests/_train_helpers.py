@@ -8,7 +8,7 @@ import random
 import re
 from pathlib import Path
 
-from memfit.config import RunConfig, TrainConfig
+from memfit.settings.config import RunConfig, TrainConfig
 
 TINY_LLAMA = {
     "model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,

@@ -12,7 +12,7 @@ import pytest
 
 from _train_helpers import tiny_config
 from memfit.memory import trace
-from memfit.resolved import resolve
+from memfit.spec.resolved import resolve
 from memfit.training.setup import build_model, build_optimizer, resolve_model
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from _train_helpers import TINY_LLAMA, foreign_lines, write_qa
-from memfit.config import RunConfig, TrainConfig
+from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training.loop import train
 
 
@@ -112,7 +112,7 @@ for line in open(sys.argv[1]):
 
 
 def _qlora_refusal() -> str | None:
-    from memfit import quant_support
+    from memfit.integrations import quant_support
 
     return quant_support.refusal("cpu", "--quantize 4bit")
 
@@ -197,13 +197,13 @@ def test_the_foreign_patterns_catch_what_issue_22_saw():
 
 
 def test_dropped_log_messages_are_exactly_the_named_ones(capsys):
-    """The filters of memfit.hf_compat drop their one message and let every other record of that logger
+    """The filters of memfit.integrations.hf_compat drop their one message and let every other record of that logger
     through; bitsandbytes' message (logged only on a CPU with AVX512-BF16, at import) is checked against its
     installed source, so a reworded message would fail here rather than print again."""
     import inspect
     import logging
 
-    from memfit import hf_compat
+    from memfit.integrations import hf_compat
 
     cases = [
         (hf_compat.quiet_bnb_kernel_notice, "bitsandbytes.backends.cpu.ops",

@@ -1,4 +1,4 @@
-"""memfit.data: formats, bad inputs, byte tokenizer, packing, prompt masks, split, collate, counts, baseline.
+"""memfit.data.dataset: formats, bad inputs, byte tokenizer, packing, prompt masks, split, collate, counts, baseline.
 
 Token ids below are those of the built-in byte tokenizer: pad 0, bos 1, eos 2, byte b -> 3 + b,
 so "a" (0x61 = 97) is 100, "b" 101, "c" 102, " " (32) 35, "\\n" (10) 13.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.data import (
+from memfit.data.dataset import (
     Example,
     TokenizedData,
     byte_tokenizer,
@@ -26,7 +26,7 @@ from memfit.data import (
     tokenize,
     unigram_loss,
 )
-from memfit.data_sources import load_examples
+from memfit.data.sources import load_examples
 from memfit.errors import UserError
 
 A, B, C = 100, 101, 102

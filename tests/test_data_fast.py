@@ -1,5 +1,5 @@
-"""The fast encoding paths (``memfit.data_fast``) give exactly the reference encoding
-(``memfit.data._encode_docs``), and the ``datasets.map`` cache key follows the encoder's source."""
+"""The fast encoding paths (``memfit.data.fast``) give exactly the reference encoding
+(``memfit.data.dataset._encode_docs``), and the ``datasets.map`` cache key follows the encoder's source."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from memfit import data_arrow, data_fast
-from memfit.data import _encode_docs, byte_tokenizer, record_to_example
-from memfit.data_formats import Fields
+from memfit.data import arrow as data_arrow
+from memfit.data import fast as data_fast
+from memfit.data.dataset import _encode_docs, byte_tokenizer, record_to_example
+from memfit.data.formats import Fields
 from memfit.errors import UserError
 
 TEXTS = [
@@ -22,7 +23,7 @@ TEXTS = [
 
 
 def _reference(records, fmt=None, fields=Fields(), tokenizer=None):
-    """What ``memfit.data``'s reference encoding gives, as rows of the encoded table."""
+    """What ``memfit.data.dataset``'s reference encoding gives, as rows of the encoded table."""
     tokenizer = tokenizer or byte_tokenizer()
     examples = [record_to_example(r, f"row {i}", fmt, fields) for i, r in enumerate(records)]
     return [{"input_ids": d[0], "labels": d[1], "conversation": len(d) > 2, "length": len(d[0])}
@@ -110,10 +111,10 @@ def test_the_byte_tokenizer_is_recognised_also_when_reloaded_and_no_other_is(tmp
 
 def test_a_txt_corpus_encodes_through_datasets_to_the_reference(tmp_path, monkeypatch, fast_calls):
     """End to end through ``datasets.map``: a .txt with non-ASCII text and empty documents (blank runs),
-    encoded by the fast path, equals the reference encoding of ``memfit.data``'s own reader."""
+    encoded by the fast path, equals the reference encoding of ``memfit.data.dataset``'s own reader."""
     import datasets
 
-    from memfit.data_sources import load_examples, load_parts
+    from memfit.data.sources import load_examples, load_parts
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.setattr(data_arrow, "BATCH_ROWS", 2)
@@ -130,7 +131,7 @@ def test_a_txt_corpus_encodes_through_datasets_to_the_reference(tmp_path, monkey
 
 def test_the_cache_key_changes_with_the_encoder_source(tmp_path, monkeypatch):
     """The ``datasets.map`` fingerprint covers the source of every module of the encoding, the fast path
-    included: a changed ``data_fast.py`` or ``data_arrow.py`` is a new cache entry."""
+    included: a changed ``data/fast.py`` or ``data/arrow.py`` is a new cache entry."""
     import datasets
 
     ds = datasets.Dataset.from_dict({"text": ["a", "b"]})
@@ -153,7 +154,7 @@ def test_the_cache_key_changes_with_the_encoder_source(tmp_path, monkeypatch):
 def test_jsonl_records_through_datasets_match_the_reference(tmp_path, monkeypatch, fast_calls):
     import datasets
 
-    from memfit.data_sources import load_parts
+    from memfit.data.sources import load_parts
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     records = [{"text": t} for t in TEXTS]
@@ -166,10 +167,10 @@ def test_jsonl_records_through_datasets_match_the_reference(tmp_path, monkeypatc
 
 
 def test_the_packed_file_key_changes_with_the_packer_source(tmp_path, monkeypatch):
-    """A changed ``memfit.packing`` writes a new packed file rather than reusing one the old packer wrote."""
+    """A changed ``memfit.data.packing`` writes a new packed file rather than reusing one the old packer wrote."""
     import datasets
 
-    import memfit.packing
+    import memfit.data.packing
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     ds = datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(6)]})
@@ -183,7 +184,7 @@ def test_the_packed_file_key_changes_with_the_packer_source(tmp_path, monkeypatc
 
     first = pack()
     assert pack() == first and len(first) == 1  # the same packer: the same file, reused
-    edited = tmp_path / "packing.py"
-    edited.write_text(open(memfit.packing.__file__).read() + "\n# changed\n")
-    monkeypatch.setattr(memfit.packing, "__file__", str(edited))
+    edited = tmp_path / "data/packing.py"
+    edited.write_text(open(memfit.data.packing.__file__).read() + "\n# changed\n")
+    monkeypatch.setattr(memfit.data.packing, "__file__", str(edited))
     assert len(pack()) == 2

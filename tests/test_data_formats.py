@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from memfit.cli import cli
-from memfit.data import IGNORE_INDEX as X
-from memfit.data import Example, byte_tokenizer, record_to_example, tokenize
-from memfit.data_sources import load_examples
+from memfit.data.dataset import IGNORE_INDEX as X
+from memfit.data.dataset import Example, byte_tokenizer, record_to_example, tokenize
+from memfit.data.sources import load_examples
 from memfit.errors import UserError
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -56,7 +56,7 @@ def test_sharegpt_and_alpaca_take_the_messages_path(tok):
 
 
 def test_chat_template_file_replaces_the_template(tok, tmp_path):
-    from memfit.data_formats import chat_template_of
+    from memfit.data.formats import chat_template_of
 
     path = tmp_path / "chatml.jinja"
     path.write_text(CHATML)
@@ -81,7 +81,7 @@ def test_bad_records_are_one_sentence_naming_file_and_record(tmp_path, record, m
 
 
 def test_tokenizer_without_template_and_a_failing_template_are_refused(tmp_path):
-    from memfit.data_formats import chat_template_of, encode_conversation
+    from memfit.data.formats import chat_template_of, encode_conversation
 
     bare = byte_tokenizer()
     bare.chat_template = None
@@ -110,7 +110,7 @@ def _rows():
 def test_parquet_csv_and_save_to_disk_sources(tmp_path):
     import datasets
 
-    from memfit.data_formats import Fields
+    from memfit.data.formats import Fields
 
     ds = datasets.Dataset.from_list(_rows())
     ds.to_parquet(str(tmp_path / "d.parquet"))
@@ -198,8 +198,8 @@ def test_arrow_path_gives_the_rows_of_the_in_memory_path(tmp_path, packing):
     held-out split) the in-memory path gives; a second call reads the cache (same Arrow files)."""
     import datasets
 
-    from memfit.data_arrow import tokenize_dataset
-    from memfit.data_formats import Fields
+    from memfit.data.arrow import tokenize_dataset
+    from memfit.data.formats import Fields
 
     tok = byte_tokenizer()
     records = [{"text": f"doc {i} " * (i % 7 + 1)} for i in range(30)] + [CHAT]
@@ -250,8 +250,8 @@ def test_folder_of_a_messages_and_a_sharegpt_file_trains_on_both(tmp_path):
     """One builder call cannot read files of different columns into one table ("cannot be read as json"):
     the files are then read one by one, each record's format detected, and every record of both counted."""
     from _train_helpers import tiny_config
-    from memfit.config import RunConfig
-    from memfit.data_prep import load_for_run
+    from memfit.data.prep import load_for_run
+    from memfit.settings.config import RunConfig
     from memfit.training.loop import train
 
     folder = tmp_path / "mix"

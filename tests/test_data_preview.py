@@ -1,4 +1,4 @@
-"""``memfit data preview`` reads the source only up to the record it shows (``memfit.data_stream``).
+"""``memfit data preview`` reads the source only up to the record it shows (``memfit.data.stream``).
 
 Each test spoils a file after its first records (bad JSON, bytes that are not UTF-8, corrupt parquet
 pages): a full read fails on them (checked), the preview of an early record does not, so it never
@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from memfit.cli import cli
-from memfit.config import TrainConfig
-from memfit.data_prep import preview_record
-from memfit.data_sources import load_examples
-from memfit.data_stream import record_at
+from memfit.data.prep import preview_record
+from memfit.data.sources import load_examples
+from memfit.data.stream import record_at
 from memfit.errors import UserError
+from memfit.settings.config import TrainConfig
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.config import RunConfig, TrainConfig
-from memfit.data import byte_tokenizer, tokenize, unigram_loss
-from memfit.data_sources import load_examples
+from memfit.data.dataset import byte_tokenizer, tokenize, unigram_loss
+from memfit.data.sources import load_examples
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -29,7 +29,7 @@ def own_datasets_cache(tmp_path, monkeypatch):
 
 
 def _load(data: str, seq_len: int = 48, packing: str = "documents", eval_fraction: float = 0.1, **config):
-    from memfit.data_prep import load_for_run
+    from memfit.data.prep import load_for_run
 
     cfg = TrainConfig(data=data, eval_fraction=eval_fraction, seed=1, **config)
     return load_for_run(cfg, RunConfig(seq_len=seq_len, packing=packing), byte_tokenizer())
@@ -52,7 +52,7 @@ def _folder(tmp_path: Path) -> Path:
 def test_txt_and_jsonl_go_through_datasets_and_give_the_in_memory_rows(tmp_path, packing):
     from datasets.table import MemoryMappedTable
 
-    from memfit.data_arrow import ArrowRows
+    from memfit.data.arrow import ArrowRows
 
     folder = _folder(tmp_path)
     examples, arrow = _load(str(folder), packing=packing)
@@ -88,8 +88,8 @@ def test_unigram_loss_reads_arrow_rows_in_batches_and_matches_a_hand_count(tmp_p
     after the shift): N = 3, V = 2, p(a) = 3/6, p(c) = 1/6 (unseen), loss = (ln 2 + ln 6) / 2."""
     import datasets
 
-    from memfit.data import TokenizedData
-    from memfit.data_arrow import ArrowRows
+    from memfit.data.arrow import ArrowRows
+    from memfit.data.dataset import TokenizedData
 
     a, b, c = 100, 101, 102
     rows = {"train": [{"input_ids": [1, a, a], "labels": [-100, a, a]}, {"input_ids": [1, b], "labels": [-100, b]}],
@@ -128,7 +128,8 @@ def test_tokenizing_a_corpus_keeps_memory_bounded(tmp_path, monkeypatch):
     (Checked: with one batch for the whole corpus the 8x corpus has a ~8x peak and this test fails.)"""
     from make_corpus import write_large
 
-    from memfit import data_arrow, data_sources
+    from memfit.data import arrow as data_arrow
+    from memfit.data import sources as data_sources
 
     monkeypatch.setattr(data_arrow, "BATCH_ROWS", 100)
     monkeypatch.setattr(data_sources, "TEXT_CHUNK", 1 << 17)
@@ -210,7 +211,7 @@ def test_arrow_packing_over_many_small_batches_gives_the_list_packing():
 
     import pyarrow as pa
 
-    from memfit.packing import pack_arrow_documents, pack_documents
+    from memfit.data.packing import pack_arrow_documents, pack_documents
 
     rng = random.Random(0)
     docs = []

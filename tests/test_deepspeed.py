@@ -19,9 +19,9 @@ import pytest
 
 from _launch_helpers import gloo_launch, launch_cases
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
-from memfit import engines
-from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig, TrainConfig
+from memfit.spec import engines
 from memfit.training import deepspeed_engine, sharding
 from memfit.training.loop import run_training
 
@@ -254,7 +254,7 @@ def test_no_rollback_snapshot_is_predicted_under_deepspeed(monkeypatch):
     # prediction must not add it (it did: 147.7 MiB predicted against 111.4 measured for the tiny preset)
     from memfit.memory.estimate import estimate, rollback_snapshot_bytes
     from memfit.memory.snapshot import device_estimate
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     spec, run = load_spec("tiny"), RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2,
                                              sharding="zero2")
@@ -290,7 +290,7 @@ DS_MEMORY_ARGS = ["--model", "tiny", "--seq-len", "128", "--micro-batch", "2", "
 @pytest.mark.parametrize(("flag", "stage"), [("zero2", 2), ("zero3", 3)])
 def test_deepspeed_per_rank_peak_matches_the_prediction(tmp_path, flag, stage):
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
     from memfit.units import MiB
 
     out = tmp_path / "out"
@@ -313,7 +313,7 @@ def test_deepspeed_per_rank_peak_matches_the_prediction(tmp_path, flag, stage):
 
 def test_deepspeed_layout_differs_from_fsdp2_only_where_deepspeed_runs():
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     spec = load_spec("tiny")
     for flag in ("ddp", "fsdp"):  # not DeepSpeed's: the engine changes nothing

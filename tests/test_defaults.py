@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from _train_helpers import TINY_LLAMA, write_model, write_qa
-from memfit import defaults
 from memfit.cli import cli
-from memfit.config import RunConfig, TrainConfig
+from memfit.settings import defaults
+from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training import derived
 
 
@@ -131,10 +131,10 @@ def _chats(path, questions: list[int], reply: str = "ok"):
 
 
 def test_truncate_keeps_long_conversations_cut_where_the_cut_keeps_a_reply(tmp_path):
-    from memfit.data import byte_tokenizer, tokenize
-    from memfit.data_arrow import tokenize_dataset
-    from memfit.data_formats import Fields
-    from memfit.data_sources import load_examples, load_parts
+    from memfit.data.arrow import tokenize_dataset
+    from memfit.data.dataset import byte_tokenizer, tokenize
+    from memfit.data.formats import Fields
+    from memfit.data.sources import load_examples, load_parts
 
     # byte chat template: ~27 marker tokens a conversation; a 20-byte question fits 64 tokens with
     # its reply, a 100-byte one does not (its reply starts after the cut), a multi-turn one keeps its first turn

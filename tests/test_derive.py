@@ -14,14 +14,14 @@ import pytest
 
 from _accuracy_models import accuracy_config
 from _trace_helpers import tensor_peak
-from memfit.config import RunConfig
+from memfit.settings.config import RunConfig
 
 RUN = RunConfig(seq_len=256, micro_batch=8, mixed_precision="bf16")
 
 
 @pytest.fixture(scope="module")
 def llama():
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     return spec_from_config(accuracy_config("llama-gqa"), "test-llama-gqa")
 
@@ -64,7 +64,7 @@ def test_cached_recipe_is_used_without_tracing(llama, monkeypatch):
 
 def test_cache_key_follows_the_settings_that_change_activations(llama):
     from memfit.memory.derive import recipe_key
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     key = recipe_key(llama, RUN)
     same = [RUN.replace(seq_len=128), RUN.replace(micro_batch=1), RUN.replace(grad_accum=4),
@@ -127,7 +127,7 @@ def test_depth_extrapolation_follows_the_trace_through_backward():
     0.00%; pricing the extra layer with its saved input instead of its gradients gives -0.6% backward)."""
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     config = accuracy_config("granite")
     run = RunConfig(seq_len=256, micro_batch=4, grad_checkpointing=True)  # shared with the accuracy grid

@@ -42,7 +42,7 @@ def test_doc_output_matches_the_tool(where, argv, shown):
 
 
 def test_held_out_fraction_in_the_docs_is_the_default():
-    from memfit.config import TrainConfig
+    from memfit.settings.config import TrainConfig
 
     data_md = (ROOT / "docs" / "data.md").read_text()
     assert f"default {TrainConfig().eval_fraction:g}" in data_md
@@ -52,8 +52,8 @@ def test_counts_the_docs_quote_are_the_tables():
     """Issue 22 found "20 presets" in the docs beside 21 in the table: the counts are checked here."""
     import re
 
-    from memfit.modelspec import preset_names
     from memfit.planning.gpus import load_gpus
+    from memfit.spec.model import preset_names
 
     readme = (ROOT / "README.md").read_text()
     estimate_md = (ROOT / "docs" / "estimate.md").read_text()

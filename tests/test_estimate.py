@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from memfit.cli import cli
-from memfit.config import RunConfig
 from memfit.memory.activations import Precisions
 from memfit.memory.estimate import autocast_weight_copies, estimate
-from memfit.modelspec import load_spec, spec_from_config
+from memfit.settings.config import RunConfig
+from memfit.spec.model import load_spec, spec_from_config
 from memfit.units import MiB
 
 # The goldens count the unmasked attention path (--packing concat); the packed-rows mask adds a term
@@ -287,7 +287,7 @@ def test_checkpointed_recompute_counts_its_input_once():
     1,024, MLP 4,128 + 1,376: 12,184, gradients 2 x 256 + 2 x 2 x 688 = 3,264, nothing shared: 15,448 x 512."""
     from _trace_helpers import family_config
     from memfit.memory.activations import layer_activations
-    from memfit.resolved import resolve
+    from memfit.spec.resolved import resolve
 
     spec = spec_from_config(family_config("llama"), "llama")
     fp32 = resolve(spec, RunConfig(seq_len=256, micro_batch=2, grad_checkpointing=True), "cpu").run  # SDPA

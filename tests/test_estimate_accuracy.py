@@ -19,7 +19,7 @@ import pytest
 
 from _accuracy_models import FAMILIES, accuracy_config, wide_config
 from _trace_helpers import compare_table, tensor_peak
-from memfit.config import RunConfig
+from memfit.settings.config import RunConfig
 from memfit.units import KiB
 
 FP32 = {}
@@ -92,7 +92,7 @@ _SPECS: dict[str, tuple] = {}
 
 def _model(family: str):
     """(transformers config, ModelSpec) of a family, built once per test session."""
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     if family not in _SPECS:
         config = accuracy_config(family)
@@ -102,7 +102,7 @@ def _model(family: str):
 
 def _wide_model(family: str):
     """(config, ModelSpec) of ``wide_config(family)``, built once per test session."""
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     key = f"wide-{family}"
     if key not in _SPECS:

@@ -293,7 +293,7 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path, base_run):
 
 # ------------------------------------------------------------------------------ the run folder
 def test_second_run_into_a_locked_folder_is_refused(tmp_path, inputs, base_run):
-    from memfit.config import TrainConfig
+    from memfit.settings.config import TrainConfig
     from memfit.training.runfolder import RunFolder
 
     run = shutil.copytree(base_run[0], tmp_path / "run")

@@ -28,7 +28,7 @@ def tiny_model_folder(folder: Path, *, pickle: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from memfit.data import byte_tokenizer
+    from memfit.data.dataset import byte_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}))
@@ -178,7 +178,7 @@ def test_online_failures_are_one_sentence_each(monkeypatch, make, expected):
     import huggingface_hub
     from huggingface_hub import errors
 
-    from memfit import hub
+    from memfit.integrations import hub
 
     def failing(*args, **kwargs):
         raise make(errors)
@@ -193,7 +193,7 @@ def test_online_failures_are_one_sentence_each(monkeypatch, make, expected):
 def test_download_bars_are_off_for_json_and_restored_after():
     from huggingface_hub.utils import are_progress_bars_disabled
 
-    from memfit import hub
+    from memfit.integrations import hub
 
     assert not are_progress_bars_disabled()
     with hub.progress_bars(False):

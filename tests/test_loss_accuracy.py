@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from _trace_helpers import compare_table, family_config, tensor_peak
-from memfit.config import RunConfig
+from memfit.settings.config import RunConfig
 
 CHUNKED = {"loss": "chunked"}
 IN_BW = {"optimizer_in_backward": True}
@@ -48,7 +48,7 @@ GRID = [
 def test_analytic_matches_trace_for_memory_techniques(family, run):
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     config = family_config(family)
     exact, line = trace(config, run, device="cpu", timeline=True)
@@ -80,7 +80,7 @@ def test_techniques_cut_what_they_claim():
     """At 1,024 tokens of a 3k vocabulary: chunked CE removes most of the logits; in-backward the optimizer
     phase's gradients (the analytic estimate, checked against the trace above)."""
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(family_config("llama"), "llama")
     base = RunConfig(seq_len=256, micro_batch=4)

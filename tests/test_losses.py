@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.config import Loss, RunConfig
 from memfit.errors import UserError
-from memfit.losses import LOSSES, check_loss_runnable, chunk_tokens, chunked_micro_loss
+from memfit.settings.config import Loss, RunConfig
+from memfit.spec.losses import LOSSES, check_loss_runnable, chunk_tokens, chunked_micro_loss
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Drop memfit's 128-token floor so the 51-token test batches run Liger's rule: chunks of 16 tokens,
     the last one partial (3 + 1 chunks), which is what the equality tests must cover."""
-    import memfit.losses
+    import memfit.spec.losses
 
-    monkeypatch.setattr(memfit.losses, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(memfit.spec.losses, "MIN_CHUNK_TOKENS", 1)
 
 
 def _model(kind: str, **extra):
@@ -107,9 +107,9 @@ def test_chunked_refuses_lora_on_the_head():
 
 
 def test_chunk_rule_is_liger_s(monkeypatch):
-    import memfit.losses
+    import memfit.spec.losses
 
-    monkeypatch.setattr(memfit.losses, "MIN_CHUNK_TOKENS", 128)
+    monkeypatch.setattr(memfit.spec.losses, "MIN_CHUNK_TOKENS", 128)
     # Llama 3 8B, 8 x 2,048 tokens: ceil(128,256 / 4,096) = 32 -> 16,384 / 32 = 512 tokens per chunk.
     assert chunk_tokens(16_384, 128_256, 4_096) == 512
     # 4,096 tokens of the tiny test model: ceil(300/64) = 5 -> 4,096 / 5 = 819.2 -> next power of two 1,024.

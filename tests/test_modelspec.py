@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.config import RunConfig
 from memfit.errors import UserError
-from memfit.modelspec import load_presets, load_spec, preset_names, spec_from_config
+from memfit.settings.config import RunConfig
+from memfit.spec.model import load_presets, load_spec, preset_names, spec_from_config
 
 REAL = [n for n in preset_names() if load_presets()[n].get("params")]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from _trace_helpers import compare_table, family_config, tensor_peak
-from memfit.config import RunConfig
+from memfit.settings.config import RunConfig
 
 OFFLOAD = {"offload": "activations"}
 
@@ -37,7 +37,7 @@ GRID = [
 def test_analytic_matches_trace_with_activation_offload(family, run):
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     config = family_config(family)
     exact = trace(config, run, device="cpu")

@@ -7,19 +7,11 @@ import pytest
 import torch
 
 from _train_helpers import TINY_LLAMA
-from memfit.config import Packing, RunConfig, parse_packing
-from memfit.data import (
-    IGNORE_INDEX as X,
-)
-from memfit.data import (
-    Example,
-    byte_tokenizer,
-    collate,
-    count_target_tokens,
-    model_inputs,
-    tokenize,
-)
-from memfit.packing import pack_documents, padding_share
+from memfit.data.dataset import IGNORE_INDEX as X
+from memfit.data.dataset import Example, byte_tokenizer, collate, count_target_tokens, tokenize
+from memfit.data.packing import pack_documents, padding_share
+from memfit.settings.config import Packing, RunConfig, parse_packing
+from memfit.spec.batch import model_inputs
 
 BOS, EOS, PAD = 1, 2, 0
 A, B, C = 100, 101, 102
@@ -125,7 +117,7 @@ def test_trace_and_estimate_model_the_block_causal_mask_of_packed_rows():
     from _trace_helpers import family_config
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     cfg = family_config("llama")
     spec = spec_from_config(cfg, "llama")
@@ -143,7 +135,7 @@ def test_golden_packed_mask_term_on_the_tiny_llama():
     from transformers import LlamaConfig
 
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import spec_from_config
+    from memfit.spec.model import spec_from_config
 
     cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -14,25 +14,25 @@ import yaml
 from click.testing import CliRunner
 
 from memfit.cli import cli
-from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig, TrainConfig
 from memfit.errors import NothingFitsError, UserError
 from memfit.planning import cost
 from memfit.planning.gpus import gpu_by_name, load_gpus, match_device, smallest_fitting
 from memfit.planning.search import LIVE_FIELDS, PlanResult, fallbacks, nothing_fits_message, plan
 from memfit.planning.space import Constraints, candidates
+from memfit.settings.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig, TrainConfig
 from memfit.units import GiB, MiB, parse_size
 
 
 @pytest.fixture(scope="module")
 def qwen():
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     return load_spec("qwen2.5-0.5b")
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     return load_spec("tiny")
 

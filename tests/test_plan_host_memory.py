@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.config import Offload, Quantize, RunConfig
 from memfit.memory.snapshot import host_bytes
-from memfit.modelspec import load_spec
 from memfit.planning.search import plan
 from memfit.planning.space import Constraints
+from memfit.settings.config import Offload, Quantize, RunConfig
+from memfit.spec.model import load_spec
 from memfit.units import parse_size
 
 

@@ -9,19 +9,19 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from memfit import engines
 from memfit.cli import cli
-from memfit.config import RunConfig
 from memfit.memory.outside import outside_step
 from memfit.memory.states import model_states
 from memfit.planning import launch
 from memfit.planning.search import plan
+from memfit.settings.config import RunConfig
+from memfit.spec import engines
 from memfit.training import sharding
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     return load_spec("tiny")
 

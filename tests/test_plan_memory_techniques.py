@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from memfit.config import RunConfig
-from memfit.modelspec import load_spec
 from memfit.planning.cost import step_time
 from memfit.planning.gpus import gpu_by_name
 from memfit.planning.search import plan
 from memfit.planning.space import Constraints, candidates
+from memfit.settings.config import RunConfig
+from memfit.spec.model import load_spec
 
 
 def test_full_fine_tune_of_llama3_8b_gets_a_larger_micro_batch_with_chunked_loss():

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from memfit.config import RunConfig, TrainConfig
 from memfit.memory.estimate import estimate
 from memfit.memory.states import model_states
-from memfit.modelspec import load_spec
+from memfit.settings.config import RunConfig, TrainConfig
+from memfit.spec.model import load_spec
 
 pytest.importorskip("bitsandbytes")  # installed by scripts/setup.sh (the quant extra): runs in CI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -42,7 +42,7 @@ def _run(quantize: str, checkpointing: bool = False, precision: str = "no") -> R
 
 @pytest.mark.parametrize("quantize", ["4bit", "8bit"])
 def test_quantized_weights_to_the_byte(model_dir, quantize):
-    from memfit.quant_support import quant_state_tensors
+    from memfit.integrations.quant_support import quant_state_tensors
     from memfit.training.setup import build_model
 
     run = _run(quantize)
@@ -91,7 +91,7 @@ def test_checkpointing_is_non_reentrant_and_the_model_trains(model_dir):
 
     import torch
 
-    from memfit.hf_compat import CHECKPOINT_KWARGS
+    from memfit.integrations.hf_compat import CHECKPOINT_KWARGS
     from memfit.training.setup import build_model
 
     run = _run("4bit", checkpointing=True)

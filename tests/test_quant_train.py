@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from _train_helpers import crash_after_first_checkpoint_then_resume, metrics, tiny_config, write_text
-from memfit import quant_support
-from memfit.config import RunConfig
 from memfit.errors import UserError
+from memfit.integrations import quant_support
+from memfit.settings.config import RunConfig
 from memfit.training.loop import run_training
 from memfit.training.setup import preflight
 

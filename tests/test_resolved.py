@@ -11,13 +11,14 @@ import pytest
 from click.testing import CliRunner
 
 from _train_helpers import TINY_LLAMA, write_qa
-from memfit import optimizers, versions
 from memfit.cli import cli
-from memfit.config import Optimizer, RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.integrations import versions
 from memfit.memory.estimate import estimate
-from memfit.modelspec import load_spec, spec_from_config
-from memfit.resolved import attention, lora_targets, resolve
+from memfit.settings.config import Optimizer, RunConfig, TrainConfig
+from memfit.spec import optimizers
+from memfit.spec.model import load_spec, spec_from_config
+from memfit.spec.resolved import attention, lora_targets, resolve
 
 TINY_GEMMA2 = {
     "model_type": "gemma2", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -86,7 +87,7 @@ class _TinyModel:
 
 
 def test_optimizer_the_device_cannot_run(monkeypatch):
-    # bitsandbytes' 8-bit AdamW runs on both (on the CPU from bitsandbytes 0.50: memfit.quant_support decides
+    # bitsandbytes' 8-bit AdamW runs on both (on the CPU from bitsandbytes 0.50: memfit.integrations.quant_support decides
     # whether this machine's install can); a row limited to CUDA is refused on the CPU in one sentence.
     optimizers.check_device("adamw-8bit", "cpu")
     optimizers.check_device("adamw-8bit", "cuda")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.config import RunConfig
 from memfit.memory.estimate import estimate, rollback_snapshot_bytes
 from memfit.memory.snapshot import with_rollback_snapshot
-from memfit.modelspec import load_spec
+from memfit.settings.config import RunConfig
+from memfit.spec.model import load_spec
 from memfit.training.rollback import OptimizerSnapshot, snapshot_needed
 
 RUN = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")

@@ -1,5 +1,5 @@
 """The settings schema is the one source: every flag, YAML key, resume rule and planner constraint is a
-field of ``RunConfig``/``TrainConfig`` (``memfit.schema``), or is listed here as the command's own."""
+field of ``RunConfig``/``TrainConfig`` (``memfit.settings.schema``), or is listed here as the command's own."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from memfit.cli import estimate as estimate_cli
 from memfit.cli import plan as plan_cli
 from memfit.cli import train as train_cli
 from memfit.cli.options import _plain
-from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
 from memfit.planning.space import Constraints
-from memfit.schema import (
+from memfit.settings.config import RunConfig, TrainConfig
+from memfit.settings.schema import (
     COMMANDS,
     PLAN_ROLES,
     RESUME_RULES,
@@ -31,8 +31,8 @@ from memfit.schema import (
     setting,
     settings,
 )
+from memfit.settings.validate import flag
 from memfit.training import resume
-from memfit.validate import flag
 
 COMMANDS_CLI = {"estimate": estimate_cli.command, "plan": plan_cli.command, "train": train_cli.command}
 
@@ -95,7 +95,7 @@ def test_a_commands_own_default_says_why():
         for f in settings(cls):
             for command, changes in f.metadata["overrides"].items():
                 assert "default" not in changes or changes["why"], (f.name, command)
-    # train's demo shape, plan's typical fine-tune: the defaults memfit.defaults.SHAPES explains
+    # train's demo shape, plan's typical fine-tune: the defaults memfit.settings.defaults.SHAPES explains
     assert _flags(train_cli.command)["--seq-len"].default == TrainConfig().run.seq_len == 128
     assert _flags(estimate_cli.command)["--seq-len"].default == RunConfig().seq_len == 256
     assert _flags(plan_cli.command)["--seq-len"].default == 1024 and _flags(plan_cli.command)["--batch"].default == 16

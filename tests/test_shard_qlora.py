@@ -13,9 +13,9 @@ import pytest
 
 from _launch_helpers import gloo_launch
 from _train_helpers import tiny_config, write_qa
-from memfit import engines
-from memfit.config import Quantize, RunConfig, Sharding
 from memfit.errors import UserError
+from memfit.settings.config import Quantize, RunConfig, Sharding
+from memfit.spec import engines
 from memfit.training import sharding
 from memfit.training.loop import run_training
 from memfit.training.setup import preflight

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 
 from _launch_helpers import last_json_line
-from memfit.config import RunConfig
 from memfit.memory.estimate import estimate
 from memfit.memory.states import model_states
-from memfit.modelspec import load_spec
+from memfit.settings.config import RunConfig
+from memfit.spec.model import load_spec
 
 TOLERANCE = 0.03
 # ZeRO-2 is held closer: each of its two FSDP2 terms alone moves tiny's prediction by more than 2%.

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from memfit.config import RunConfig
 from memfit.errors import UserError
 from memfit.memory.trace import trace
+from memfit.settings.config import RunConfig
 
 PARAMS = 123_200
 BUFFERS = 64
@@ -53,7 +53,7 @@ def test_full_fp32_model_states_to_the_byte(full_fp32):
     assert out.params == PARAMS and out.trainable_params == PARAMS
     assert out.weights == PARAMS * 4 + BUFFERS
     # On CPU torch's AdamW is the single-tensor loop, run once per parameter group (train's: matrices, then
-    # norms; memfit.build.parameter_groups): the optimizer step holds all grads, the moments (+ one fp32 step
+    # norms; memfit.builder.parts.parameter_groups): the optimizer step holds all grads, the moments (+ one fp32 step
     # count per tensor) and the head's sqrt(exp_avg_sq) and quotient (384 x 64 each) while the quotient of the
     # matrix before it, the last layer's down_proj (128 x 64 = 8,192), is still bound to the loop variable:
     # (8,192 + 2 x 24,576) x 4 bytes. (One group, as the trace built it before, had the final norm (64) there.)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from memfit.errors import UserError
-from memfit.trackers import TRACKERS, check_tracker
+from memfit.integrations.trackers import TRACKERS, check_tracker
 
 
 def _train(tmp_path: Path, tracker: str) -> tuple[Path, list[dict]]:

@@ -17,9 +17,9 @@ from _train_helpers import (
     tiny_config,
     write_text,
 )
-from memfit.config import RunConfig
-from memfit.data import collate, count_target_tokens
+from memfit.data.dataset import collate, count_target_tokens
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig
 from memfit.training import step as step_module
 from memfit.training.loop import run_training
 from memfit.training.sampler import DUMMY, StepBatchSampler, StepSchedule, split_step
@@ -60,8 +60,8 @@ def grid(tmp_path_factory):
 def test_data_has_unequal_target_counts_per_micro_batch(grid):
     # The grid is only a test of normalisation if micro-batches of a step hold different target counts.
     cfg, _ = grid[(1, 4)]
-    from memfit.data import tokenize
-    from memfit.data_sources import load_examples
+    from memfit.data.dataset import tokenize
+    from memfit.data.sources import load_examples
     from memfit.training.setup import build_model
 
     tok = build_model(cfg, cfg.run).tokenizer
@@ -231,7 +231,7 @@ def test_fp16_preflight():
 
 
 def test_fallback_ladder_keeps_the_effective_batch_and_ends():
-    from memfit.config import RunConfig
+    from memfit.settings.config import RunConfig
     from memfit.training import oom
 
     run = RunConfig(micro_batch=4, grad_accum=1)

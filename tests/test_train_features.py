@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from _train_helpers import write_model, write_qa, write_text
 from memfit.cli import cli
-from memfit.data import Example, split_documents
-from memfit.data_sources import load_examples
+from memfit.data.dataset import Example, split_documents
+from memfit.data.sources import load_examples
 
 
 class NothingTrained(Exception):
@@ -65,7 +65,7 @@ def test_budget_trains_the_chosen_plan_with_the_asked_batch(tmp_path):
 
 
 def test_budget_keeps_lora_rank_when_given(tmp_path):
-    from memfit.config import TrainConfig
+    from memfit.settings.config import TrainConfig
     from memfit.training.budget import constraints_for
 
     config = TrainConfig.from_flat({"model": "tiny", "lora_r": 8, "mixed_precision": "bf16",
@@ -153,7 +153,7 @@ def test_resume_without_output_is_one_sentence(tmp_path):
 
 # ------------------------------------------------------------------------------------------- samples
 def test_sample_prompts_are_document_beginnings():
-    from memfit.data import byte_tokenizer
+    from memfit.data.dataset import byte_tokenizer
     from memfit.training.samples import prompt_ids, prompt_text
 
     assert prompt_text(Example(text="Once upon a time, there was a duck.")) == "Once upon a time"

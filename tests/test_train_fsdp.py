@@ -17,8 +17,8 @@ import pytest
 from _gloo_cases import TRAIN_ARGS as ARGS  # the flags of every launch here
 from _launch_helpers import gloo_launch
 from _train_helpers import max_diff, metrics, tiny_config, write_qa
-from memfit.config import RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig
 from memfit.training import sharding
 from memfit.training.loop import run_training
 
@@ -155,7 +155,7 @@ def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from _train_helpers import write_model
-    from memfit.config import TrainConfig
+    from memfit.settings.config import TrainConfig
     from memfit.training.setup import build_optimizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(write_model(tmp_path)))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from _train_helpers import max_diff, metrics, tiny_config
-from memfit.config import RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig
 from memfit.training import checkpoint
 from memfit.training.loop import run_training
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from _train_helpers import max_diff, tiny_config
-from memfit.config import RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig
 from memfit.training import oom
 from memfit.training import step as step_module
 from memfit.training.loop import run_training

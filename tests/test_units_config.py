@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.config import Precision, RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.settings.config import Precision, RunConfig, TrainConfig
 from memfit.units import GB, GiB, fmt_gb, fmt_gib, parse_size
 
 

@@ -12,7 +12,7 @@ Imports are lazy so that ``import memfit`` and ``memfit --help`` stay fast (torc
 
 from __future__ import annotations
 
-from memfit.versions import MEMFIT as __version__
+from memfit.integrations.versions import MEMFIT as __version__
 
 __all__ = ["__version__", "estimate", "trace", "plan", "train"]
 

@@ -14,7 +14,7 @@ import click
 
 from memfit import __version__
 from memfit.errors import UserError
-from memfit.hf_compat import quiet_import_notices
+from memfit.integrations.hf_compat import quiet_import_notices
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("memfit.cli.train", "Train or fine-tune a causal LM on Accelerate and measure its memory."),
@@ -52,7 +52,7 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            with quiet_import_notices():  # bitsandbytes' and DeepSpeed's import-time notices (memfit.hf_compat)
+            with quiet_import_notices():  # bitsandbytes' and DeepSpeed's import-time notices (memfit.integrations.hf_compat)
                 return super().invoke(ctx)
         except UserError as err:
             facing = UserFacingError(str(err))

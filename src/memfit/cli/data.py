@@ -33,8 +33,8 @@ def command() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print input_ids, labels and the marked text as JSON.")
 def preview(**kwargs: Any) -> None:
     """Show one record rendered as training sees it; text without loss is shown as [[no loss: ...]]."""
-    from memfit.config import TrainConfig
-    from memfit.data_prep import preview_record
+    from memfit.data.prep import preview_record
+    from memfit.settings.config import TrainConfig
 
     index, as_json = kwargs.pop("index"), kwargs.pop("as_json")
     config = TrainConfig(**{k: v for k, v in kwargs.items() if v is not None and v is not False}

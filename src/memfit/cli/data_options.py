@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def data_options() -> list:
-    """The data flags as click options: ``TrainConfig``'s settings of the ``data`` group (``memfit.schema``),
+    """The data flags as click options: ``TrainConfig``'s settings of the ``data`` group (``memfit.settings.schema``),
     as ``memfit train`` takes them."""
     from memfit.cli.options import train_options
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from memfit.cli.options import flags, memory_options, run_config_from
-from memfit.config import TrainConfig
-from memfit.defaults import SHAPES
 from memfit.errors import UserError
+from memfit.settings.config import TrainConfig
+from memfit.settings.defaults import SHAPES
 
 
 @click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
@@ -44,10 +44,10 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
     """
     from memfit.cli.options import explicit
-    from memfit.config import check_lora_options
     from memfit.memory.estimate import compare as compare_regimes
     from memfit.memory.estimate import estimate
-    from memfit.modelspec import check_seq_len, load_spec
+    from memfit.settings.config import check_lora_options
+    from memfit.spec.model import check_seq_len, load_spec
 
     typed = explicit(click.get_current_context(), kwargs)
     check_lora_options(typed, "lora_r" in typed)
@@ -56,12 +56,12 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
         raise UserError("--exact and --compare cannot be combined; the comparison is analytic.")
-    from memfit.validate import check_writable_target
+    from memfit.settings.validate import check_writable_target
 
     for flag_name, path in (("--plot", plot_path), ("--timeline", timeline_path)):
         if path:  # before the work: a figure that cannot be written is found out first
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
-    from memfit.hub import progress_bars
+    from memfit.integrations.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         spec = load_spec(model, trust_remote_code, revision)

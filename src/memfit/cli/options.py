@@ -1,4 +1,4 @@
-"""Click options built from the settings schema (``memfit.schema``), for ``train``, ``estimate`` and ``plan``.
+"""Click options built from the settings schema (``memfit.settings.schema``), for ``train``, ``estimate`` and ``plan``.
 
 Every flag that is a setting is made here from its field in ``RunConfig`` or ``TrainConfig``: the flag,
 type, default (the command's own where the schema gives one, with its reason), help and choices. The
@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from memfit.config import RunConfig, TrainConfig
-from memfit.schema import flag_of, for_command, key_of, option_spec, settings
+from memfit.settings.config import RunConfig, TrainConfig
+from memfit.settings.schema import flag_of, for_command, key_of, option_spec, settings
 
 
 def _value_type(cls, f: Field):

@@ -9,10 +9,10 @@ from pathlib import Path
 import click
 
 from memfit.cli.options import flags, memory_options, with_options
-from memfit.config import Offload, TrainConfig
-from memfit.defaults import SHAPES
 from memfit.errors import UserError
 from memfit.files import write_text_atomic
+from memfit.settings.config import Offload, TrainConfig
+from memfit.settings.defaults import SHAPES
 
 EPILOG = """\b
 Examples:
@@ -62,20 +62,20 @@ _OUTPUT = [
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
             accelerate_config, **pins):
     """The fastest configuration of a training run that fits a memory budget."""
-    from memfit.modelspec import check_seq_len, load_spec
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import SAFETY_MARGIN, plan
     from memfit.planning.space import Constraints
+    from memfit.spec.model import check_seq_len, load_spec
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
-    from memfit.config import check_lora_options
+    from memfit.settings.config import check_lora_options
 
     # without --full (or with --lora-r) the planner may choose LoRA, with these options
     check_lora_options({k for k, v in pins.items() if v is not None},
                        pins.get("lora_r") is not None or not pins.get("full"))
     if output:  # before the search: a plan that cannot be written is not worth computing
-        from memfit.validate import check_writable_target
+        from memfit.settings.validate import check_writable_target
 
         check_writable_target(Path(output), flag_name="--output", is_dir=False)
     pins["allow_quantize"] = not pins.pop("no_quantize")
@@ -86,7 +86,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         pins["host_memory"] = parse_size(pins["host_memory"])
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
-    from memfit.hub import progress_bars
+    from memfit.integrations.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         spec = load_spec(model, revision=revision)  # reading the architecture is not part of the search

@@ -9,7 +9,7 @@ import click
 
 def preset_rows() -> list[dict]:
     """Name, parameter count (real checkpoint's), family and description of every preset."""
-    from memfit.modelspec import load_presets
+    from memfit.spec.model import load_presets
 
     rows = []
     for name, entry in sorted(load_presets().items()):

@@ -10,9 +10,9 @@ from typing import Any
 import click
 
 from memfit.cli.options import explicit, flags, memory_options, with_options
-from memfit.config import RunConfig, TrainConfig, check_lora_options
-from memfit.defaults import SHAPES
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig, TrainConfig, check_lora_options
+from memfit.settings.defaults import SHAPES
 
 EPILOG = """\b
 Examples:
@@ -85,7 +85,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
 @click.command(name="train", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @flags(TrainConfig, "train")
 @with_options(_COMMAND_ONLY)
-@memory_options("train")  # with train's own, demo-sized defaults (the schema's overrides, memfit.defaults)
+@memory_options("train")  # with train's own, demo-sized defaults (the schema's overrides, memfit.settings.defaults)
 @click.pass_context
 def command(ctx: click.Context, **kwargs: Any) -> None:
     """Train or fine-tune a causal LM on Accelerate and report measured against predicted memory.

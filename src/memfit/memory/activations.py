@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import Attention, Packing, Quantize, RunConfig
+from memfit.settings.config import Attention, Packing, Quantize, RunConfig
 
 FP32 = 4
 
@@ -561,7 +561,7 @@ def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
 
 
 def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
-    """Bytes of the head + loss with ``--loss chunked`` (``memfit.losses``): one chunk of ``n`` tokens at a time.
+    """Bytes of the head + loss with ``--loss chunked`` (``memfit.spec.losses``): one chunk of ``n`` tokens at a time.
 
     ``N = B * T`` tokens, ``n`` = ``chunk_tokens`` (Liger's rule), ``Vn = n * V`` elements of one chunk's logits.
     Forward, inside the function: the per-token log-sum-exp (fp32, 4 N, kept for backward), the int64
@@ -576,7 +576,7 @@ def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     trained head the chunk's (V, H) weight-gradient product in c before it is added to the fp32 buffer.
     Exact on the tracer (every tensor is explicit); what CUDA kernels allocate inside matmuls is not counted.
     """
-    from memfit.losses import chunk_tokens
+    from memfit.spec.losses import chunk_tokens
 
     tokens = run.micro_batch * run.seq_len
     n = chunk_tokens(tokens, spec.vocab_size, spec.hidden_size)

@@ -42,12 +42,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.notes import notes
 from memfit.memory.states import model_states
+from memfit.settings.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 2
@@ -386,8 +386,8 @@ def _align(lines) -> tuple[list[str], tuple[int, int], tuple[int, int]]:
 
 def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     """Trace the 2-layer version of ``spec``'s architecture at the five ``_POINTS`` (one step each)."""
-    from memfit.losses import one_chunk_per_micro_batch
     from memfit.memory.trace import trace
+    from memfit.spec.losses import one_chunk_per_micro_batch
 
     started = time.perf_counter()
     settings = recipe_settings(spec, run)
@@ -502,7 +502,7 @@ def _logits_share(spec, run: RunConfig) -> float:
     Exact for the largest chunk (a shorter last chunk is never the peak)."""
     if str(run.loss) == "standard":
         return 1.0
-    from memfit.losses import chunk_tokens
+    from memfit.spec.losses import chunk_tokens
 
     tokens = run.micro_batch * run.seq_len
     return chunk_tokens(tokens, spec.vocab_size, spec.hidden_size) / tokens

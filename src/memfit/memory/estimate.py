@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit import versions
-from memfit.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
-from memfit.linears import ATTN_IN
+from memfit.integrations import versions
+from memfit.integrations.quant_support import shards_packed_weights
 from memfit.memory import quantized
 from memfit.memory.activations import (
     Precisions,
@@ -45,10 +44,11 @@ from memfit.memory.states import (
     model_states,
     optimizer_state_bytes,
 )
-from memfit.modelspec import ModelSpec, load_spec
-from memfit.optimizers import row
-from memfit.quant_support import shards_packed_weights
-from memfit.resolved import resolve
+from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.spec.linears import ATTN_IN
+from memfit.spec.model import ModelSpec, load_spec
+from memfit.spec.optimizers import row
+from memfit.spec.resolved import resolve
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",

@@ -333,7 +333,7 @@ def resident_tensors(model, optimizer, extra=()) -> list:
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    from memfit.quant_support import quant_state_tensors
+    from memfit.integrations.quant_support import quant_state_tensors
 
     out += quant_state_tensors(model)  # bitsandbytes' quantization state lives beside the packed weights
     if type(inner).__module__.startswith("deepspeed."):  # a ZeRO optimizer's flat partitions and buffers

@@ -5,12 +5,12 @@ Read by ``memory.estimate`` and ``memory.derive`` (the same notes for a hand-wri
 
 from __future__ import annotations
 
-from memfit.config import Precision, RunConfig, Sharding
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
 from memfit.memory.states import model_states
-from memfit.modelspec import ModelSpec
-from memfit.optimizers import row
+from memfit.settings.config import Precision, RunConfig, Sharding
+from memfit.spec.model import ModelSpec
+from memfit.spec.optimizers import row
 from memfit.units import MiB, fmt_gb, fmt_gib
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import Quantize, RunConfig, Sharding
+from memfit.settings.config import Quantize, RunConfig, Sharding
 
 #: The sample budget of ``training.samples`` (a plain-text prompt's characters, the tokens generated),
 #: kept here so that the KV cache predicted and the samples generated read the same numbers.
@@ -144,7 +144,7 @@ def predicted_outside(model, run: RunConfig, device: str) -> OutsideStep | None:
     """``outside_step`` for a model name (or a ``ModelSpec``), or None where the estimator cannot describe
     the model (a prediction never stops a training run)."""
     try:
-        from memfit.modelspec import load_spec
+        from memfit.spec.model import load_spec
 
         return outside_step(load_spec(model), run, "cpu" if device == "cpu" else "cuda")
     except Exception:  # noqa: BLE001

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from memfit.config import Quantize
+from memfit.settings.config import Quantize
 
 #: bitsandbytes' NF4 block: one absmax per 64 weights (``BitsAndBytesConfig`` -> ``Linear4bit``'s default
 #: ``blocksize=64``; ``functional.quantize_4bit``).
@@ -104,7 +104,7 @@ def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int,
     """
     if run.quantize is not Quantize.Q8:
         return {}
-    from memfit.linears import ATTN_IN
+    from memfit.spec.linears import ATTN_IN
 
     groups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
     for lin in spec.linears:
@@ -154,7 +154,7 @@ def dequantized_transient(spec, run, phase: str = "backward") -> int:
         return 0
     lin = max(spec.linears, key=lambda x: x.in_features * x.out_features)
     numel = lin.in_features * lin.out_features
-    from memfit.quant_support import compute_bytes
+    from memfit.integrations.quant_support import compute_bytes
 
     c = compute_bytes(run)
     if run.quantize is Quantize.Q4:

@@ -9,7 +9,7 @@ bench/sharding_memory.py, smollm2-135m fsdp on 2 and 4 ranks, the same bytes wit
 Before ``optimizer.step()`` memfit copies what the step mutates into host buffers, so a step that runs
 out of memory half way can be undone (``training/rollback.py``). On a GPU that is host RAM, outside the
 device's budget; on CPU the host is the device, so the copy counts. How much and when follows the
-optimizer table's ``rollback`` (``memfit.optimizers.OptimizerRow.rollback``: when an OOM can leave the
+optimizer table's ``rollback`` (``memfit.spec.optimizers.OptimizerRow.rollback``: when an OOM can leave the
 step half applied):
 
 - ``every-step`` (torch's foreach and single-tensor AdamW, Adafactor, 8-bit AdamW): the copy of the
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.config import Offload, RunConfig
+from memfit.settings.config import Offload, RunConfig
 from memfit.units import fmt_bytes
 
 
@@ -43,7 +43,7 @@ def rollback_copy(spec, run: RunConfig, engine: str = "fsdp2") -> tuple[str, int
     ``never`` where no snapshot is taken: optimizer-in-backward, the DeepSpeed engine) and its bytes per rank
     (``every-step``: parameters and state; ``first-step``: the parameters)."""
     from memfit.memory.estimate import rollback_snapshot_bytes
-    from memfit.optimizers import row
+    from memfit.spec.optimizers import row
 
     kind = row(run.optimizer).rollback
     if kind == "never" or run.optimizer_in_backward or engine == "deepspeed":
@@ -81,7 +81,7 @@ def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None
     from memfit.memory.estimate import estimate
 
     if engine is None:
-        from memfit.engines import estimator_engine
+        from memfit.spec.engines import estimator_engine
 
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (

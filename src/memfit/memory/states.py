@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config import Offload, Quantize, RunConfig, Sharding
 from memfit.memory import quantized
 from memfit.memory.deepspeed_layout import zero_states
-from memfit.modelspec import ModelSpec
-from memfit.optimizers import row
+from memfit.settings.config import Offload, Quantize, RunConfig, Sharding
+from memfit.spec.model import ModelSpec
+from memfit.spec.optimizers import row
 
 FP32_BYTES = 4  # DeepSpeed steps fp32 master partitions: its optimizer state is fp32 whatever the weights
 
@@ -301,7 +301,7 @@ def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
 
 
 def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:
-    """Optimizer state, from the optimizer's row of ``memfit.optimizers.OPTIMIZERS``.
+    """Optimizer state, from the optimizer's row of ``memfit.spec.optimizers.OPTIMIZERS``.
 
     Per trainable parameter: ``moments`` tensors in the parameter's dtype (AdamW: ``exp_avg`` +
     ``exp_avg_sq``, ``zeros_like(p)`` in ``torch/optim/adam.py``), plus dtype-independent bytes (8-bit
@@ -333,7 +333,7 @@ def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, gr
     ``group``: torch's foreach Adam(W) (``_multi_tensor_adam``) computes ``exp_avg_sq_sqrt =
     _foreach_sqrt(...)`` for every parameter of the group at once: one param-sized temporary in the
     state dtype (``adamw``, torch's default, is foreach on CUDA), freed when the group is done; train's
-    groups (``memfit.build.parameter_groups``) put the matrices in the first, so that group's size is
+    groups (``memfit.builder.parts.parameter_groups``) put the matrices in the first, so that group's size is
     the peak (``trainable`` less the norms and biases of a full fine-tune). ``largest-x2``: a per-tensor update
     (Adafactor; ``adamw`` on CPU, where torch runs the single-tensor loop) bounded by two copies of the
     largest trainable tensor. ``none``: in place (fused, 8-bit, SGD).
@@ -352,7 +352,7 @@ def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
     """Elements a per-parameter loop holding ``previous + 2 x current`` peaks at (single-tensor AdamW).
 
     torch runs the loop once per parameter group, the previous quotient freed between groups; train's
-    first group (``memfit.build.parameter_groups``) holds the matrices in the order transformers registers
+    first group (``memfit.builder.parts.parameter_groups``) holds the matrices in the order transformers registers
     them: the token embedding (and learned positions), each layer's projections in ``spec.linears`` order
     (the last of one layer next to the first of the next: two layers' worth), the untied head. The second
     group (norms, biases: vectors) peaks far lower. LoRA: the largest adapter matrix twice (adapters are
@@ -372,7 +372,7 @@ def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
 
 def _vector_params(spec: ModelSpec, run: RunConfig) -> int:
     """Trainable parameters of fewer than two dimensions (norms, biases): the second of train's parameter
-    groups (``memfit.build.parameter_groups``); none under LoRA (adapters are matrices)."""
+    groups (``memfit.builder.parts.parameter_groups``); none under LoRA (adapters are matrices)."""
     if run.is_lora():
         return 0
     return max(spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params, 0)

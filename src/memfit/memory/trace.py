@@ -46,14 +46,24 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit import build, versions
-from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding, TrainConfig
+from memfit.builder import parts as build
 from memfit.errors import UserError
+from memfit.integrations import versions
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
-from memfit.modelspec import check_seq_len
-from memfit.optimizers import row
-from memfit.resolved import ResolvedRun, resolve
+from memfit.settings.config import (
+    Attention,
+    Offload,
+    Packing,
+    Precision,
+    Quantize,
+    RunConfig,
+    Sharding,
+    TrainConfig,
+)
+from memfit.spec.model import check_seq_len
+from memfit.spec.optimizers import row
+from memfit.spec.resolved import ResolvedRun, resolve
 
 #: The learning rate the traced optimizer is built with: any positive value allocates the same.
 _TRACE_LR = 1e-4
@@ -135,7 +145,7 @@ def _hf_config(model: Any):
     """A transformers ``PretrainedConfig`` from a preset name/path, a ``ModelSpec`` or a config."""
     from transformers import PretrainedConfig
 
-    from memfit.modelspec import check_causal_lm, resolve_config
+    from memfit.spec.model import check_causal_lm, resolve_config
 
     if isinstance(model, PretrainedConfig):
         check_causal_lm(model, getattr(model, "model_type", "model"))
@@ -151,7 +161,7 @@ def _hf_config(model: Any):
 
 def _spec(model: Any, config):
     """The ``ModelSpec`` of what is traced (given, or counted from the config on the meta device)."""
-    from memfit.modelspec import ModelSpec, spec_from_config
+    from memfit.spec.model import ModelSpec, spec_from_config
 
     if isinstance(model, ModelSpec):
         return model
@@ -177,7 +187,7 @@ def check_supported(run: RunConfig) -> None:
 
 
 def _build_model(config, resolved: ResolvedRun):
-    """The model as ``memfit train`` builds it, on the meta device: dtype, attention, then ``memfit.build``'s
+    """The model as ``memfit train`` builds it, on the meta device: dtype, attention, then ``memfit.builder.parts``'s
     ``adapt`` (checkpointing, LoRA on the resolved targets, training mode), the function train calls.
 
     Built on meta, not under FakeTensorMode, because ``Module.to()`` on fake parameters fails in torch
@@ -217,7 +227,7 @@ def _to_fake(model, fake_mode) -> None:
 
 
 def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
-    """The optimizer ``memfit train`` builds (``memfit.build``: its parameter groups at train's default
+    """The optimizer ``memfit train`` builds (``memfit.builder.parts``: its parameter groups at train's default
     weight decay, the row's builder, one per parameter with ``optimizer_in_backward``), with the
     implementation torch picks on ``device`` (``cuda_like``: the fake tensors are CPU tensors, on which
     torch would pick single-tensor AdamW; a CUDA run gets foreach, ``optimizers.torch_default_is_foreach``).
@@ -444,7 +454,7 @@ def _micro_loss(t: _Traced, input_ids, labels):
 
     if t.run.loss.value == "standard":
         return t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
-    from memfit.losses import chunked_micro_loss
+    from memfit.spec.losses import chunked_micro_loss
 
     autocast = contextlib.nullcontext
     if t.run.mixed_precision is not Precision.NO:
@@ -462,7 +472,7 @@ def _loss_rows(run: RunConfig, vocab: int, hidden: int) -> frozenset:
     """Token rows of one chunk's logits (the last chunk may be shorter); empty for the standard loss."""
     if run.loss.value == "standard":
         return frozenset()
-    from memfit.losses import chunk_tokens
+    from memfit.spec.losses import chunk_tokens
 
     tokens = run.micro_batch * run.seq_len
     chunk = chunk_tokens(tokens, vocab, hidden)

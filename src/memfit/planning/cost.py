@@ -26,7 +26,7 @@ the compute/bandwidth crossover and much less away from it). Per micro-batch of 
    the weights are streamed once per micro-batch whatever its size.
 3. **Loss**: the logits, their fp32 upcast and the gradient: ``LOGIT_BYTES`` per token per vocab entry;
    ``--loss chunked`` writes the same bytes chunk by chunk and recomputes the head's forward in backward
-   (``2 H V`` FLOPs per token more, ``memfit.losses.LOSSES``). ``--offload activations`` moves every
+   (``2 H V`` FLOPs per token more, ``memfit.spec.losses.LOSSES``). ``--offload activations`` moves every
    saved tensor over PCIe twice per micro-batch.
 4. **Kernel launches**: ``KERNELS_PER_LAYER`` per layer and micro-batch (x4/3 with checkpointing),
    plus ``KERNELS_PER_LORA_MODULE`` per adapted projection, ``LAUNCH_S`` each: the fixed cost per
@@ -36,7 +36,7 @@ Once per optimizer step:
 
 5. **Optimizer step**, bandwidth-bound (with ``optimizer_in_backward``: the same bytes, plus
    ``KERNELS_PER_PARAM_STEP`` launches per trainable tensor, stepped one by one in backward): bytes read and written per trainable parameter
-   (``optimizer_bytes``); torch's foreach AdamW makes ~``memfit.optimizers.FOREACH_PASSES`` passes over the state, fused
+   (``optimizer_bytes``); torch's foreach AdamW makes ~``memfit.spec.optimizers.FOREACH_PASSES`` passes over the state, fused
    one. With offload the step runs on the CPU at ``CPU_BANDWIDTH`` and gradients go down and
    weights come up over PCIe (ZeRO-Offload, Ren et al. 2021); offloading the parameters also streams
    the half-precision weights up over PCIe on every pass of every micro-batch.
@@ -55,10 +55,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memfit.config import DType, Offload, Precision, Quantize, RunConfig, Sharding
-from memfit.losses import loss_impl
-from memfit.optimizers import row
 from memfit.planning.gpus import GPU
+from memfit.settings.config import DType, Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.spec.losses import loss_impl
+from memfit.spec.optimizers import row
 from memfit.units import GB, dtype_bytes
 
 #: Fraction of the dense peak that transformer matmuls reach in training (model FLOPs utilisation).
@@ -157,7 +157,7 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
         traffic += 2 * spec.params * dtype_bytes(run.dtype)  # gradient accumulate: read + write
     traffic += tokens * spec.vocab_size * LOGIT_BYTES
     memory = traffic / (gpu.bytes_per_s("device") * BANDWIDTH_EFFICIENCY)
-    # Chunked/CCE recompute each chunk's logits in backward: one more head matmul (memfit.losses.LOSSES).
+    # Chunked/CCE recompute each chunk's logits in backward: one more head matmul (memfit.spec.losses.LOSSES).
     compute += tokens * 2 * spec.hidden_size * spec.vocab_size * loss_impl(run).extra_head_matmuls / peak
 
     kernels = KERNELS_PER_LAYER * (4 / 3 if run.grad_checkpointing else 1) * spec.num_layers
@@ -168,7 +168,7 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
 
 def optimizer_bytes(run: RunConfig) -> float:
     """Bytes read + written per trainable parameter by one optimizer step: the ``traffic`` of the
-    optimizer's row in ``memfit.optimizers`` (AdamW ``(2p + g + 4s) x passes``: param r/w, grad r, two
+    optimizer's row in ``memfit.spec.optimizers`` (AdamW ``(2p + g + 4s) x passes``: param r/w, grad r, two
     moments r/w, ``s`` the state bytes, ``FOREACH_PASSES`` for foreach; SGD without momentum ``2p + g``;
     Adafactor ``3p + g``), with ``p`` the parameter's bytes (LoRA adapters are fp32, PEFT's default).
     """

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfit.config import Offload, RunConfig, Sharding
 from memfit.files import write_text_atomic
+from memfit.settings.config import Offload, RunConfig, Sharding
 
 #: The config file name the printed command uses unless the user names another.
 DEFAULT_CONFIG_FILE = "accelerate_config.yaml"
@@ -20,7 +20,7 @@ DEFAULT_CONFIG_FILE = "accelerate_config.yaml"
 
 def accelerate_config(run: RunConfig) -> dict:
     """Accelerate's config for ``run`` on one machine with ``run.num_processes`` GPUs."""
-    from memfit.engines import reshard_after_forward
+    from memfit.spec.engines import reshard_after_forward
 
     n = run.num_processes
     distributed = "FSDP" if run.sharding is not Sharding.DDP else ("MULTI_GPU" if n > 1 else "NO")

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig
 from memfit.errors import NothingFitsError, UserError
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
-from memfit.resolved import attention
+from memfit.settings.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig
+from memfit.spec.resolved import attention
 from memfit.units import fmt_gib, parse_size
 
 #: Fraction of the predicted peak kept free on top of it: fits iff ``peak * (1 + margin) <= budget``.
@@ -172,7 +172,7 @@ def rank(plans: list[Plan]) -> list[Plan]:
 
 
 def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]:
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     spec = load_spec(model) if isinstance(model, str) else model
     if isinstance(gpu, str):
@@ -227,8 +227,8 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
     host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
-    from memfit.engines import refusal
     from memfit.memory.snapshot import host_bytes
+    from memfit.spec.engines import refusal
     from memfit.units import fmt_gib
 
     plans, refused = [], []

@@ -9,7 +9,7 @@ A candidate is a ``RunConfig``. The grid is the product of
   the algorithm, so they are only used when the user pins them),
 - offload of optimizer state or parameters to the CPU (full fine-tunes only: LoRA states are tiny),
 - sharding across ranks (only when ``num_processes > 1``),
-- the loss (standard, chunked: ``memfit.losses``) and the optimizer step in backward or after it
+- the loss (standard, chunked: ``memfit.spec.losses``) and the optimizer step in backward or after it
   (only with one micro-batch per step and one process),
 - the micro-batch: every divisor of ``batch / num_processes``, with
   ``grad_accum = batch / (micro_batch * num_processes)`` exactly, so the effective batch never changes.
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any
 
-from memfit.config import (
+from memfit.errors import UserError
+from memfit.settings.config import (
     DEFAULT_LORA_TARGETS,
     Attention,
     DType,
@@ -39,8 +40,7 @@ from memfit.config import (
     Sharding,
     _enum,  # the enum parser RunConfig uses, so constraint errors read the same
 )
-from memfit.errors import UserError
-from memfit.schema import flag_of, searched
+from memfit.settings.schema import flag_of, searched
 
 #: LoRA rank used when the user does not pin one (a common default: PEFT examples, QLoRA paper uses 64).
 DEFAULT_LORA_R = 16
@@ -112,7 +112,7 @@ _PLAN_ONLY = [
 
 
 def _fields() -> list:
-    """One field per setting the planner chooses (``memfit.schema.searched``: every ``RunConfig`` setting
+    """One field per setting the planner chooses (``memfit.settings.schema.searched``: every ``RunConfig`` setting
     but the sequence length and the processes, which are the problem it is given), ``None`` by default
     (the planner's choice), carrying the setting's metadata; then ``_PLAN_ONLY``."""
     hints = typing.get_type_hints(RunConfig)
@@ -181,7 +181,7 @@ def micro_batches(batch: int, num_processes: int, c: Constraints) -> list[tuple[
 
 def _in_backward_possible(accum: int, num_processes: int, offload: Offload, regime: Regime) -> bool:
     """Optimizer-in-backward needs one micro-batch per step, one process, the step on the GPU, and no fp16
-    loss scaler (``optim_in_backward.py`` says why); it is not tried for LoRA (nothing to gain)."""
+    loss scaler (``builder/optim_in_backward.py`` says why); it is not tried for LoRA (nothing to gain)."""
     return (accum == 1 and num_processes == 1 and offload in (Offload.NONE, Offload.ACTIVATIONS)
             and regime.mixed_precision is not Precision.FP16 and not regime.lora)  # LoRA: its gradients are tiny
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.config import Quantize, RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.settings.config import Quantize, RunConfig, TrainConfig
 
 # Settings that define the effective batch or the launch, not a choice the planner is bound by.
 _NOT_PINNED = {"micro_batch", "grad_accum", "num_processes", "seq_len"}
@@ -17,9 +17,9 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     The planner ranks by speed only, so what changes *what is trained* is pinned: a full fine-tune
     unless the user gave ``--lora-r`` (then LoRA at that rank), and ``--dtype``/``--mixed-precision``
     only when typed (``config.pinned``). memfit train runs DDP without offload, and quantization where
-    bitsandbytes runs (``memfit.quant_support.runs_on``: CUDA, or the CPU from bitsandbytes 0.50). The effective batch and the sequence length are passed to the planner separately.
+    bitsandbytes runs (``memfit.integrations.quant_support.runs_on``: CUDA, or the CPU from bitsandbytes 0.50). The effective batch and the sequence length are passed to the planner separately.
     """
-    from memfit import quant_support
+    from memfit.integrations import quant_support
     from memfit.training.setup import cuda_available
 
     typed = [k for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED]
@@ -45,7 +45,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     Raises:
         NothingFitsError: the planner's sentence (smallest peak reached, smallest GPU that holds it).
     """
-    from memfit import optim_in_backward
+    from memfit.builder import optim_in_backward
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import plan
     from memfit.planning.space import Constraints
@@ -53,7 +53,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
 
     constraints = Constraints.from_flat(constraints_for(config, run))
     gpu = detect_gpu() if cuda_available() else None
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
 
     spec = load_spec(config.model, config.trust_remote_code, config.revision)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),

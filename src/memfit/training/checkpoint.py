@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from memfit.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
+from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training import manifest
 from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
@@ -62,7 +62,7 @@ def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any],
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    with quiet_tied_weight_save():  # a tied head is saved once, and restored on load (memfit.hf_compat)
+    with quiet_tied_weight_save():  # a tied head is saved once, and restored on load (memfit.integrations.hf_compat)
         (save_state or accelerator.save_state)(str(tmp))  # sharded runs: training.sharding.state_saver
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -208,7 +208,7 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, fina
         for cfg in model.peft_config.values():
             cfg.base_model_name_or_path = str(base.resolve())
         written.append("base/")
-    # The embeddings are never adapted nor resized (memfit.resolved wraps projections only), so PEFT's "auto"
+    # The embeddings are never adapted nor resized (memfit.spec.resolved wraps projections only), so PEFT's "auto"
     # check of the base's vocabulary, which reads the base's config.json (from the Hub for a Hub id, warning
     # when offline), has nothing to find.
     model.save_pretrained(output, save_embedding_layers=False)

@@ -52,9 +52,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfit.config import Precision, RunConfig
-from memfit.engines import DEEPSPEED_STAGES, deepspeed_requested
 from memfit.errors import UserError
+from memfit.settings.config import Precision, RunConfig
+from memfit.spec.engines import DEEPSPEED_STAGES, deepspeed_requested
 
 MARKER = "deepspeed.json"
 """Written into each DeepSpeed checkpoint: the stage and rank count it can be resumed with."""

@@ -1,4 +1,4 @@
-"""The run's defaults that come from its data and method (``memfit.defaults``), applied as it is built.
+"""The run's defaults that come from its data and method (``memfit.settings.defaults``), applied as it is built.
 
 ``build_session`` calls these in order: ``with_seq_len`` before the run's settings are resolved (the
 ``--budget`` planner needs the length), ``with_lr`` once the model is resolved (random weights or
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit import defaults
-from memfit.config import TrainConfig
-from memfit.modelspec import is_preset
+from memfit.settings import defaults
+from memfit.settings.config import TrainConfig
+from memfit.spec.model import is_preset
 
 
 def is_demo(model: str, data: str | None) -> bool:
     """``memfit train``'s demo: a preset (random weights) on the corpus shipped with memfit. (Here, not in
-    ``memfit.defaults``, which ``config`` reads: that must not import the model spec, a cycle.)"""
+    ``memfit.settings.defaults``, which ``config`` reads: that must not import the model spec, a cycle.)"""
     return data is None and is_preset(model)
 
 
@@ -30,7 +30,7 @@ def _given(config: TrainConfig, name: str) -> bool:
 def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple[TrainConfig, str | None]:
     """``config`` with ``--seq-len`` from the data when the user did not give it and this is no demo.
 
-    The lengths are those of the encoded training records (``memfit.data_prep.record_lengths``: every
+    The lengths are those of the encoded training records (``memfit.data.prep.record_lengths``: every
     record, tokenized once; ``build_data`` reuses that encoding from the ``datasets`` cache). The cap is
     the model's ``max_position_embeddings``. A resumed run keeps its saved length (``resumed``).
     ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
@@ -38,8 +38,9 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     """
     if resumed or _given(config, "seq_len") or is_demo(config.model, config.data):
         return config, None
-    from memfit import data, modelspec
-    from memfit.data_prep import record_lengths
+    from memfit.data import dataset as data
+    from memfit.data.prep import record_lengths
+    from memfit.spec import model as modelspec
 
     # the tokenizer and config resolve_model loads next (it checks them against the derived length)
     hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from memfit.config import TrainConfig
+from memfit.settings.config import TrainConfig
 
 
 def _splits(config: TrainConfig) -> tuple[tuple[int, int], tuple[int, int]]:

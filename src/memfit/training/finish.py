@@ -11,8 +11,8 @@ import platform
 import time
 from pathlib import Path
 
-from memfit.config import TrainConfig
 from memfit.memory import measure
+from memfit.settings.config import TrainConfig
 from memfit.training import checkpoint, sharding
 from memfit.training.budget import plan_record
 from memfit.training.oom import not_a_batch_problem
@@ -79,7 +79,7 @@ def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> N
     import torch
     import transformers
 
-    from memfit.versions import MEMFIT
+    from memfit.integrations.versions import MEMFIT
 
     versions = {"memfit": MEMFIT, "python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "accelerate": accelerate.__version__,

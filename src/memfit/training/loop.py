@@ -19,11 +19,11 @@ import math
 import time
 from dataclasses import dataclass
 
-from memfit.config import TrainConfig
 from memfit.errors import UserError
-from memfit.hf_compat import quiet_import_notices
+from memfit.integrations.hf_compat import quiet_import_notices
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
+from memfit.settings.config import TrainConfig
 from memfit.training import checkpoint, oom, resume, sharding
 from memfit.training.finish import finish
 from memfit.training.guard import RunGuard
@@ -197,7 +197,7 @@ def micro_batches(s: TrainSession):
     """Iterator over this rank's micro-batches from ``s.state.samples`` on, for ``s.run``'s split."""
     import torch
 
-    from memfit.data import collate
+    from memfit.data.dataset import collate
 
     run, pad_id = s.run, s.pad_id
     sampler = StepBatchSampler(s.schedule, start_samples=s.state.samples, num_steps=s.total_steps - s.state.step,

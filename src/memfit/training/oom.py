@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from memfit.config import Optimizer, RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import Optimizer, RunConfig
 
 #: Optimizers whose step allocates parameter-sized temporaries, and the in-place implementation that does not.
 LOWER_TEMPORARY_OPTIMIZER = {Optimizer.ADAMW: Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH: Optimizer.ADAMW_FUSED}
@@ -135,7 +135,7 @@ def switch_live(accelerator, model, optimizer, before: RunConfig, after: RunConf
     """Apply ``after`` to the running objects: accumulation, checkpointing, the optimizer implementation."""
     accelerator.gradient_accumulation_steps = after.grad_accum
     if after.grad_checkpointing and not before.grad_checkpointing:
-        from memfit.hf_compat import enable_checkpointing
+        from memfit.integrations.hf_compat import enable_checkpointing
 
         enable_checkpointing(accelerator.unwrap_model(model))
     if after.optimizer is Optimizer.ADAMW_FUSED and before.optimizer is not Optimizer.ADAMW_FUSED:
@@ -151,7 +151,7 @@ def use_fused_adamw(optimizer) -> None:
     """
     import torch
 
-    from memfit.optimizers import inner_optimizer
+    from memfit.spec.optimizers import inner_optimizer
 
     opt = inner_optimizer(optimizer)
     for group in opt.param_groups:

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.validate import flag
+from memfit.settings.validate import flag
 
 
 def _rules():
     """``(SAFE, LENGTH, NOT_RESTORED)``: the settings' keys by their ``resume`` rule in the schema
-    (``memfit.schema.RESUME_RULES`` says what each rule means; each field of ``RunConfig`` and
+    (``memfit.settings.schema.RESUME_RULES`` says what each rule means; each field of ``RunConfig`` and
     ``TrainConfig`` states its own)."""
-    from memfit.config import RunConfig, TrainConfig
-    from memfit.schema import with_rule
+    from memfit.settings.config import RunConfig, TrainConfig
+    from memfit.settings.schema import with_rule
 
     classes = (TrainConfig, RunConfig)
     return (with_rule(classes, "may-change", "length"), with_rule(classes, "length"),
@@ -108,11 +108,11 @@ def restore(config):
 
 def merge(config, saved: dict[str, Any], output: Path):
     """The saved settings, with the user's given ones where they are safe; ``UserError`` naming the first unsafe one."""
-    from memfit.config import TrainConfig
+    from memfit.settings.config import TrainConfig
 
     current = config.to_flat()
     current.update({k: _absolute(current.get(k)) for k in ("model", "data", "tokenizer")})
-    given = set(config.explicit) if config.explicit is not None else {  # lr None: not given (memfit.defaults)
+    given = set(config.explicit) if config.explicit is not None else {  # lr None: not given (memfit.settings.defaults)
         k for k in current if k in saved and current[k] != saved[k] and not (k == "lr" and current[k] is None)}
     merged = dict(current)
     for key, value in saved.items():

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from memfit.optimizers import inner_optimizer
+from memfit.spec.optimizers import inner_optimizer
 from memfit.training.oom import is_oom
 
 
@@ -162,8 +162,8 @@ def rollback_kind(opt) -> str:
     """The optimizer table's ``rollback`` for the live torch optimizer ``opt``: fused AdamW's row when every
     group is fused (``oom.use_fused_adamw`` may switch a run to it), SGD's when no group has momentum or
     weight decay (then nothing is allocated inside its step); ``"every-step"`` for anything else."""
-    from memfit.config import Optimizer
-    from memfit.optimizers import row
+    from memfit.settings.config import Optimizer
+    from memfit.spec.optimizers import row
 
     groups = opt.param_groups
     if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and groups and all(g.get("fused") for g in groups):

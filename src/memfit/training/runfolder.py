@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.validate import check_writable_target
+from memfit.settings.validate import check_writable_target
 
 MARKER = ".memfit-run"
 LEGACY_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memfit import optim_in_backward
-from memfit.config import RunConfig, TrainConfig
+from memfit.builder import optim_in_backward
 from memfit.errors import UserError
 from memfit.memory import measure
+from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
@@ -183,7 +183,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         lrs = _reapply_schedule(optimizer, scheduler)
     if config.tracker:
-        from memfit.trackers import local_init_kwargs
+        from memfit.integrations.trackers import local_init_kwargs
 
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
                                   init_kwargs=local_init_kwargs(config.tracker, output))
@@ -293,7 +293,7 @@ def predict(model_name, run: RunConfig, device: str = "cuda"):
     """
     try:
         from memfit.memory.snapshot import device_estimate
-        from memfit.modelspec import load_spec
+        from memfit.spec.model import load_spec
 
         return device_estimate(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
     except ImportError:

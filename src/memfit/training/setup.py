@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit import build, validate
-from memfit.config import DType, Precision, Quantize, RunConfig, TrainConfig
+from memfit.builder import parts as build
 from memfit.errors import UserError
-from memfit.hf_compat import no_loading_bar
-from memfit.optimizers import check_device, row
+from memfit.integrations.hf_compat import no_loading_bar
+from memfit.settings import validate
+from memfit.settings.config import DType, Precision, Quantize, RunConfig, TrainConfig
+from memfit.spec.optimizers import check_device, row
 
 
 def cuda_available() -> bool:
@@ -45,7 +46,7 @@ def preflight(run: RunConfig) -> None:
                         "use --mixed-precision bf16 on this machine.")
     if cuda and Precision.BF16 in (run.mixed_precision, run.dtype) and not _bf16_ok():
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
-    from memfit import quant_support
+    from memfit.integrations import quant_support
 
     if run.quantize is not Quantize.NONE:
         quant_support.check("cuda" if cuda else "cpu", f"--quantize {run.quantize}")
@@ -54,7 +55,7 @@ def preflight(run: RunConfig) -> None:
     if str(run.offload) == "activations" and not cuda:
         raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
                         "only runs) on a CUDA GPU; drop it on this machine.")
-    from memfit.losses import check_loss_runnable
+    from memfit.spec.losses import check_loss_runnable
 
     check_loss_runnable(run, cuda)
     check_device(run.optimizer, "cuda" if cuda else "cpu")
@@ -82,7 +83,7 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import GradientAccumulationPlugin
 
-    from memfit.trackers import check_tracker
+    from memfit.integrations.trackers import check_tracker
 
     check_tracker(config.tracker)  # before anything is built: a missing package is one sentence
     # One process may train twice (tests, --check-equivalence): forget the previous run's precision.
@@ -132,11 +133,11 @@ class ModelSource:
     random_init: bool
     """A preset or a bare config.json: the architecture only, built with random weights."""
     resolved: object = None
-    """``memfit.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
+    """``memfit.spec.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
     path: Path | None = None
     """The local folder the weights and tokenizer load from: ``--model``, or a Hub model's cached snapshot."""
     hub: object = None
-    """``memfit.hub.HubModel`` when ``--model`` is a Hub id (the id, the commit, the snapshot folder)."""
+    """``memfit.integrations.hub.HubModel`` when ``--model`` is a Hub id (the id, the commit, the snapshot folder)."""
     spec: object = None
     """The ``ModelSpec`` every prediction of the run reads (resolved once, here)."""
 
@@ -157,7 +158,8 @@ def fetch_hub_model(config: TrainConfig, *, progress: bool = True):
     ``config.revision`` is pinned to the commit it resolved to: checkpoints save it, so ``--resume`` builds
     the same base, offline from the cache. ``progress``: huggingface_hub's bars on stderr (a terminal only).
     """
-    from memfit import hub, modelspec
+    from memfit.integrations import hub
+    from memfit.spec import model as modelspec
 
     hub.check_revision(config.model, config.revision)
     if modelspec.is_preset(config.model) or not hub.is_hub_id(config.model):
@@ -176,7 +178,8 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelS
     ``--tokenizer`` or ``--seq-len`` leaves nothing behind. ``hub_model``: the snapshot ``fetch_hub_model``
     resolved a Hub id to (fetched here when not given).
     """
-    from memfit import data, modelspec
+    from memfit.data import dataset as data
+    from memfit.spec import model as modelspec
 
     if hub_model is None:
         config, hub_model = fetch_hub_model(config)
@@ -196,7 +199,7 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelS
         check_weights(folder)  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
-    from memfit.resolved import resolve
+    from memfit.spec.resolved import resolve
 
     spec = modelspec.load_spec(config.model, config.trust_remote_code, config.revision)
     return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
@@ -228,12 +231,12 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             model = AutoModelForCausalLM.from_config(source.hf_config, trust_remote_code=config.trust_remote_code,
                                                      **kwargs)
         if run.quantize is not Quantize.NONE:
-            from memfit.quant_support import quantized_copy
+            from memfit.integrations.quant_support import quantized_copy
 
             model = quantized_copy(model, run, device=device if on_gpu else None)  # from_config cannot quantize
     else:
         if run.quantize is not Quantize.NONE:
-            from memfit.quant_support import bnb_config
+            from memfit.integrations.quant_support import bnb_config
 
             kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
@@ -246,22 +249,22 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
                                                          trust_remote_code=config.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
-        from memfit.quant_support import accept_own_quant_state, keep_training_path
+        from memfit.integrations.quant_support import accept_own_quant_state, keep_training_path
 
         accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
         keep_training_path(model)  # evaluation and samples on training's path: bitsandbytes' CPU one fails late
-    # Checkpointing, LoRA and training mode: the steps --exact's trace takes too (memfit.build).
+    # Checkpointing, LoRA and training mode: the steps --exact's trace takes too (memfit.builder.parts).
     model = build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else (),
                         revision=source.hub.commit if source.hub is not None else None)
     if run.is_lora():
         _name_base(model, source.base_name)
     if str(run.loss) != "standard":
-        from memfit.losses import check_model_supports
+        from memfit.spec.losses import check_model_supports
 
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from memfit.quant_support import logical_numel
+    from memfit.integrations.quant_support import logical_numel
 
     total = sum(logical_numel(p) for p in model.parameters())
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -312,14 +315,14 @@ class DataBundle:
 
 def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     """Load, check and tokenize the data (every data error surfaces here, before the output folder exists)."""
-    from memfit import data
-    from memfit.data_prep import load_for_run
+    from memfit.data import dataset as data
+    from memfit.data.prep import load_for_run
 
     examples, tokenized = load_for_run(config, run, tokenizer)
     train_idx, held = data.split_indices(len(examples), config.eval_fraction, config.seed)  # tokenize's split
     count = max(config.samples, config.eval_samples)
     docs = [examples[int(i)] for i in spread(held if len(held) else train_idx, count)]
-    from memfit.data_prep import data_note
+    from memfit.data.prep import data_note
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
                       note=data_note(tokenized, run, config.truncate))
@@ -337,11 +340,11 @@ def spread(items: list, count: int) -> list:
 
 def build_optimizer(model, run: RunConfig, config: TrainConfig):
     """The optimizer named by ``run.optimizer`` over the trainable parameters, in weight-decay groups
-    (``memfit.build``, which --exact's trace calls too). ``sgd`` is plain SGD without momentum (no state);
+    (``memfit.builder.parts``, which --exact's trace calls too). ``sgd`` is plain SGD without momentum (no state);
     torch picks the implementation for the device the parameters are on."""
     lr = config.optimizer_lr
     if lr is None:  # a library caller that builds without a session (which derives it): the method's default
-        from memfit.defaults import default_lr
+        from memfit.settings.defaults import default_lr
 
         lr = default_lr(random_init=False, lora=run.is_lora())[0]
     return build.make_optimizer(run, build.parameter_groups(model, config.weight_decay), lr)

@@ -43,9 +43,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.config import Offload, Quantize, RunConfig
-from memfit.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
 from memfit.errors import UserError
+from memfit.settings.config import Offload, Quantize, RunConfig
+from memfit.spec.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
 from memfit.training import deepspeed_engine
 
 DCP_DIR = "dcp"
@@ -427,7 +427,7 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda") -
     """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
     is more than one (several processes, or a sharded run); one process says "predicted peak"."""
     from memfit.memory.outside import outside_step
-    from memfit.modelspec import load_spec
+    from memfit.spec.model import load_spec
     from memfit.units import fmt_bytes
 
     several = run.num_processes > 1 or is_sharded(run)

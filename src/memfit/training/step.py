@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.config import Loss
-from memfit.data import collate, count_target_tokens, model_inputs
+from memfit.data.dataset import collate, count_target_tokens
+from memfit.settings.config import Loss
+from memfit.spec.batch import model_inputs
 from memfit.training.oom import is_oom
 from memfit.training.rollback import OptimizerSnapshot
 
@@ -70,9 +71,9 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
                loss: Loss = Loss.STANDARD, autocast=None):
     """``S_i / N`` for one micro-batch: the model's loss with ``num_items_in_batch``, or the same
     function applied to its logits for models whose forward does not take loss kwargs, or (``loss`` not
-    standard) the same sum over target tokens divided by ``N`` without the full logits (``memfit.losses``)."""
+    standard) the same sum over target tokens divided by ``N`` without the full logits (``memfit.spec.losses``)."""
     if loss is not Loss.STANDARD:
-        from memfit.losses import chunked_micro_loss
+        from memfit.spec.losses import chunked_micro_loss
 
         return chunked_micro_loss(model, batch, num_items, autocast, loss)
     if uses_model_loss:
@@ -90,7 +91,7 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
     clip, and step the optimizer.
 
-    ``in_backward``: an ``OptimizerInBackward`` (``memfit/optim_in_backward.py``) that already stepped
+    ``in_backward``: an ``OptimizerInBackward`` (``memfit/builder/optim_in_backward.py``) that already stepped
     every parameter during ``backward``; then there is no clipping, and ``optimizer.step()`` does nothing.
     ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
     to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
@@ -148,7 +149,7 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
     net = accelerator.unwrap_model(model)  # no DDP: ranks may hold different numbers of eval batches
     was_training = net.training
     net.eval()
-    # Row indices, not rows: held-out rows on disk (memfit.data_arrow) are read a batch at a time.
+    # Row indices, not rows: held-out rows on disk (memfit.data.arrow) are read a batch at a time.
     mine = range(accelerator.process_index, len(rows), accelerator.num_processes)
     # Every rank runs the same number of batches (FSDP2's forward is collective): a rank with fewer rows
     # pads with a copy of a row whose labels are all ignored (it adds no loss and no target token).

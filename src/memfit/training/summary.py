@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.config import RunConfig
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.measure import PeakMemory
+from memfit.settings.config import RunConfig
 
 #: The run settings a fallback may change; ``FallbackRecord`` shows them before and after.
 FALLBACK_KEYS = ("micro_batch", "grad_accum", "grad_checkpointing", "optimizer")
@@ -103,13 +103,13 @@ class RunSummary:
     output: str
     samples: list[dict[str, str]] = field(default_factory=list)
     attn_implementation: str = ""
-    """The attention implementation the built model runs (``memfit.resolved``)."""
+    """The attention implementation the built model runs (``memfit.spec.resolved``)."""
     lora_targets: tuple[str, ...] = ()
     outside_step: dict[str, int] | None = None
     """Predicted per-rank peaks outside the step (``memory.outside.OutsideStep.to_dict``), or None."""
     hub: dict[str, Any] | None = None
     """A Hub ``--model``: its id, the revision asked, the commit trained on and the cached snapshot
-    (``memfit.hub.HubModel.to_dict``); None for presets and local folders."""
+    (``memfit.integrations.hub.HubModel.to_dict``); None for presets and local folders."""
     process_wall_s: float | None = None
     """Wall time of this process alone (``wall_s`` less the resumed parts); None when not measured."""
 

@@ -4,9 +4,9 @@ One vocabulary everywhere: precision uses Accelerate's names (``no``, ``fp16``, 
 ``RunConfig.to_flat()`` are the names of ``memfit train``'s flags with ``-`` replaced by ``_``, so a
 plan written as YAML is read back by ``memfit train --config``.
 
-Every field is a setting of the schema (``memfit.schema.setting``): it declares its flag's help, its
+Every field is a setting of the schema (``memfit.settings.schema.setting``): it declares its flag's help, its
 check, its group, what ``--resume`` and ``memfit plan`` do with it, and which commands take it. The
-click options of estimate, plan and train, the YAML keys, the value checks (``memfit.validate``),
+click options of estimate, plan and train, the YAML keys, the value checks (``memfit.settings.validate``),
 resume's rules and the planner's constraints are derived from these fields; ``tests/test_schema.py``
 fails when a flag, a key or a rule exists that the schema does not declare.
 """
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from memfit import validate
-from memfit.data_formats import FORMATS
-from memfit.defaults import (
+from memfit.errors import UserError
+from memfit.integrations.trackers import TRACKERS
+from memfit.settings import validate
+from memfit.settings.defaults import (
     DEMO_LR,
     DEMO_MICRO_BATCH,
     DEMO_SEQ_LEN,
@@ -30,10 +31,10 @@ from memfit.defaults import (
     SHAPES,
     fmt_lr,
 )
-from memfit.errors import UserError
-from memfit.schema import flag_of, in_group, key_of, own_defaults, setting, settings
-from memfit.trackers import TRACKERS
+from memfit.settings.schema import flag_of, in_group, key_of, own_defaults, setting, settings
 
+#: The record formats ``--data-format`` names; ``memfit.data.formats`` reads each.
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt-completion", "text")
 
 class StrEnum(str, Enum):
     def __str__(self) -> str:  # so f-strings and YAML show "bf16", not "Precision.BF16"
@@ -71,7 +72,7 @@ class Optimizer(StrEnum):
 
 
 class Quantize(StrEnum):
-    """Quantized frozen base for QLoRA (bitsandbytes: CUDA, or the CPU from 0.50; ``memfit.quant_support``)."""
+    """Quantized frozen base for QLoRA (bitsandbytes: CUDA, or the CPU from 0.50; ``memfit.integrations.quant_support``)."""
 
     NONE = "none"
     Q4 = "4bit"
@@ -95,7 +96,7 @@ class Offload(StrEnum):
 
 
 class Loss(StrEnum):
-    """How the LM head and cross-entropy run; the table of what each costs is ``memfit.losses.LOSSES``."""
+    """How the LM head and cross-entropy run; the table of what each costs is ``memfit.spec.losses.LOSSES``."""
 
     STANDARD = "standard"  # transformers' head + ForCausalLMLoss: full (B, T, V) logits and their gradient
     CHUNKED = "chunked"  # memfit's pure-PyTorch chunked linear cross-entropy (any device)
@@ -145,16 +146,16 @@ def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
         raise UserError(f"Unknown {flag} {value!r}; choose one of: {choices}.") from None
 
 
-_ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.schema.PLAN_ROLES)
+_ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.settings.schema.PLAN_ROLES)
 _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) and the data's packing itself
-_DEMO = f"train's own default: sized for the demo (memfit.defaults.SHAPES['train']: {SHAPES['train']})"
+_DEMO = f"train's own default: sized for the demo (memfit.settings.defaults.SHAPES['train']: {SHAPES['train']})"
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything about a training run that changes its memory and speed (what estimate and plan see).
 
-    Each field is a setting of the schema (``memfit.schema``): its flag, help, check and resume rule."""
+    Each field is a setting of the schema (``memfit.settings.schema``): its flag, help, check and resume rule."""
 
     seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
                            help="Tokens per sequence.",
@@ -211,7 +212,7 @@ class RunConfig:
     """How model states are split over the ranks; resumable under another (the loader refuses a checkpoint
     format it cannot read, ``training.sharding.state_loader``)."""
     attn_implementation: Attention = setting(Attention.AUTO, plan="searched", resume="may-change", commands=_ALL)
-    """Requested attention; what actually runs is asked of transformers (``memfit.resolved``)."""
+    """Requested attention; what actually runs is asked of transformers (``memfit.spec.resolved``)."""
     packing: Packing = setting(Packing.DOCUMENTS, plan="searched", resume="restored", commands=_NOT_PLAN,
                                help="documents: whole documents per row, each attending only to itself (position "
                                "ids restart; a block-causal mask); concat: cut one stream, documents see the ones "
@@ -220,7 +221,7 @@ class RunConfig:
     loss: Loss = setting(Loss.STANDARD, plan="searched", resume="restored", commands=_ALL,
                          help="LM head + cross-entropy: chunked never builds the full logits.",
                          overrides={"plan": {"help": "Pin the loss (default: try standard and chunked)."}})
-    """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.losses``)."""
+    """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.spec.losses``)."""
     optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL,
                                           click={"negatable": True},
                                           help="Step each parameter as its gradient arrives (needs --grad-accum 1).",
@@ -292,7 +293,7 @@ def check_lora_options(given, lora_r_given: bool) -> None:
     without ``--lora-r``: the run would be a full fine-tune and ignore them. An explicit ``--lora-r 0`` is
     a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
     train, estimate and plan."""
-    # the LoRA group's settings (memfit.schema) but --lora-r, which switches the adapters on
+    # the LoRA group's settings (memfit.settings.schema) but --lora-r, which switches the adapters on
     named = [flag_of(f) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
     if named and not lora_r_given:
         raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
@@ -303,7 +304,7 @@ def check_lora_options(given, lora_r_given: bool) -> None:
 class TrainConfig:
     """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs.
 
-    Each field but ``run`` (the memory settings' group) is a setting of the schema (``memfit.schema``)."""
+    Each field but ``run`` (the memory settings' group) is a setting of the schema (``memfit.settings.schema``)."""
 
     model: str = setting("tiny", resume="restored", check="text",
                          help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
@@ -318,13 +319,13 @@ class TrainConfig:
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
     run: RunConfig = field(default_factory=lambda: RunConfig(**own_defaults(RunConfig, "train")))
     """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
-    On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.defaults``);
+    On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.settings.defaults``);
     library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
     optimizer_lr: float | None = setting(None, resume="restored", check="pos", flag="--lr",
                                          help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random "
                                          f"weights (a preset, the demo), {fmt_lr(LORA_LR)} for LoRA, "
                                          f"{fmt_lr(FULL_LR)} for a full fine-tune.")
-    """Peak learning rate; None: by method (``memfit.defaults.default_lr``: 1e-3 from random weights, as
+    """Peak learning rate; None: by method (``memfit.settings.defaults.default_lr``: 1e-3 from random weights, as
     the demo, 2e-4 for LoRA, 2e-5 for a full fine-tune), filled in when the run is built."""
     weight_decay: float = setting(0.0, resume="restored", check="nonneg")
     warmup_steps: int = setting(10, resume="restored", check="int>=0")
@@ -332,7 +333,7 @@ class TrainConfig:
                                     help="Optimizer steps (with --epochs: whichever ends first); default: "
                                     f"{DEMO_STEPS} for the demo, else 1 epoch.")
     """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
-    other run one epoch (``memfit.defaults.default_steps``)."""
+    other run one epoch (``memfit.settings.defaults.default_steps``)."""
     epochs: int | None = setting(None, resume="length", check="int>=1",
                                  help="Passes over the training data (never capped by a default --max-steps).")
     truncate: bool = setting(False, resume="restored", check="bool",
@@ -412,7 +413,7 @@ class TrainConfig:
                                       "weight difference.")
     json: bool = setting(False, resume="never-restored", check="bool",
                          help="Print the final summary as JSON on stdout.")
-    # Data (issue 11; see memfit.data_formats and memfit.data_sources) -------------------------------
+    # Data (issue 11; see memfit.data.formats and memfit.data.sources) -------------------------------
     data_format: str | None = setting(None, resume="restored", check="text",
                                       group="data", click={"choices": FORMATS},
                                       help="Force the record format instead of detecting it from the keys.")
@@ -446,7 +447,7 @@ class TrainConfig:
                                   help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle "
                                   "and available to this process (affinity, cgroup quota).")
     """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
-    # Hub models (issue 22; memfit.hub) --------------------------------------------------------------
+    # Hub models (issue 22; memfit.integrations.hub) --------------------------------------------------------------
     revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
                                    help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
                                    "records the commit).",
@@ -469,7 +470,7 @@ class TrainConfig:
             object.__setattr__(self, name, value)
 
     def to_flat(self) -> dict[str, Any]:
-        """Flat train-flag keys (``memfit.schema.key_of``: ``lr``, not ``optimizer_lr``) with the run's settings."""
+        """Flat train-flag keys (``memfit.settings.schema.key_of``: ``lr``, not ``optimizer_lr``) with the run's settings."""
         out = {key_of(f): getattr(self, f.name) for f in settings(self)}
         out.update(self.run.to_flat())
         return out

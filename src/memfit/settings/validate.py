@@ -1,7 +1,7 @@
 """Every value a user gives, checked once at the boundary, in the same words from the command line or YAML.
 
 ``RunConfig.__post_init__`` and ``TrainConfig.__post_init__`` call ``check_run`` and ``check_train``,
-which check each setting as its field declares (``check`` in ``memfit.schema``), so a value is refused
+which check each setting as its field declares (``check`` in ``memfit.settings.schema``), so a value is refused
 whether it came from a flag, a ``--config`` YAML file or a library call, and the sentence always names
 the flag (``--lr``), never the Python field. Model configs are checked by
 ``check_model_config`` (read by estimate, plan and train through ``modelspec.resolve_config``) before
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.schema import settings
+from memfit.settings.schema import settings
 
 
 def flag(name: str) -> str:
@@ -85,9 +85,9 @@ NON_NEGATIVE = "0 or a positive whole number"
 
 
 def check_fields(config) -> dict[str, Any]:
-    """Checked, normalised values of a config's settings, by each field's ``check`` (``memfit.schema``).
+    """Checked, normalised values of a config's settings, by each field's ``check`` (``memfit.settings.schema``).
 
-    A setting whose default is None may be None: not given, derived later (``memfit.defaults``)."""
+    A setting whose default is None may be None: not given, derived later (``memfit.settings.defaults``)."""
     out: dict[str, Any] = {}
     for f in settings(config):
         kind, value = f.metadata["check"], getattr(config, f.name)

@@ -43,7 +43,7 @@ MIN_CUDA_VERSION = (0, 43)
 
 def installed_version() -> str | None:
     """The installed bitsandbytes version, or None (read from package metadata: nothing is imported)."""
-    from memfit.versions import installed_version as version_of
+    from memfit.integrations.versions import installed_version as version_of
 
     return version_of("bitsandbytes")
 
@@ -149,7 +149,7 @@ def quantized_copy(model, run, device=None):
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    from memfit.hf_compat import no_loading_bar
+    from memfit.integrations.hf_compat import no_loading_bar
 
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
         # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0

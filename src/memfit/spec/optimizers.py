@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.config import Optimizer
 from memfit.errors import UserError
+from memfit.settings.config import Optimizer
 
 #: bitsandbytes 8-bit Adam: two uint8 moments + one fp32 absmax per 2048-element block per moment
 #: (blockwise quantization, Dettmers et al. 2022): 2 + 2*4/2048 bytes/param. Tensors under 4096
@@ -98,7 +98,7 @@ class OptimizerRow:
     devices: tuple[str, ...] = ("cuda", "cpu")
     """Devices the optimizer's kernels run on."""
     needs_bitsandbytes: bool = False
-    """Built from bitsandbytes: whether this machine runs it is ``memfit.quant_support``'s rule."""
+    """Built from bitsandbytes: whether this machine runs it is ``memfit.integrations.quant_support``'s rule."""
     traceable: bool = True
     """Whether the exact tracer can run it on fake tensors (bitsandbytes kernels cannot)."""
     build: Callable[..., Any] | None = None
@@ -144,7 +144,7 @@ def _adafactor(groups, lr: float, cuda_like: bool = False):
 
 
 def _adamw_8bit(groups, lr: float, cuda_like: bool = False):
-    """bitsandbytes' AdamW8bit: CUDA, and CPU from bitsandbytes 0.50 (``memfit.quant_support``)."""
+    """bitsandbytes' AdamW8bit: CUDA, and CPU from bitsandbytes 0.50 (``memfit.integrations.quant_support``)."""
     import bitsandbytes as bnb
 
     return bnb.optim.AdamW8bit(groups, lr=lr)
@@ -196,7 +196,7 @@ def row(optimizer: Optimizer | str) -> OptimizerRow:
         return OPTIMIZERS[member]
     except KeyError:
         raise UserError(f"--optimizer {member.value} has no row in memfit's optimizer table "
-                        "(memfit/optimizers.py), so memfit cannot estimate or build it.") from None
+                        "(memfit/spec/optimizers.py), so memfit cannot estimate or build it.") from None
 
 
 def check_device(optimizer: Optimizer | str, device: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from memfit import validate
 from memfit.errors import UserError
-from memfit.linears import LinearShape
+from memfit.settings import validate
+from memfit.spec.linears import LinearShape
 
 try:  # huggingface_hub >= 0.31 validates configs with strict dataclasses (transformers 5)
     from huggingface_hub.errors import StrictDataclassError
@@ -64,13 +64,13 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
     """Preset name, checkpoint folder, ``config.json`` path or Hub id -> ``PretrainedConfig`` of a causal LM.
 
     A Hub id (``org/name``, ``revision`` optional) is read from the Hugging Face cache, fetching only its
-    config.json when the cache lacks it (``memfit.hub``). Raises ``UserError`` (one sentence) for unknown
+    config.json when the cache lacks it (``memfit.integrations.hub``). Raises ``UserError`` (one sentence) for unknown
     names and configs that are not causal LMs.
     """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from memfit import hub
+    from memfit.integrations import hub
 
     hub.check_revision(model, revision)
     if is_preset(model):
@@ -241,10 +241,10 @@ class ModelSpec:
     def lora_linears(self, targets: tuple[str, ...]) -> list[LinearShape]:
         """The projections PEFT wraps for ``--lora-targets targets``, grouped like ``linears``.
 
-        The matching is ``memfit.resolved.lora_targets`` (the one matcher estimate, trace, plan and
+        The matching is ``memfit.spec.resolved.lora_targets`` (the one matcher estimate, trace, plan and
         train share); it raises ``UserError`` for a target that matches no projection.
         """
-        from memfit.resolved import lora_targets
+        from memfit.spec.resolved import lora_targets
 
         return list(lora_targets(self, tuple(targets)).linears)
 

@@ -9,9 +9,9 @@
 Training reads every source here (``load_parts``), so the records live in memory-mapped Arrow files
 under the ``datasets`` cache, never all in RAM: ``.txt`` through the ``text`` builder (paragraphs, cut
 further into memfit's documents by a cached ``map``), ``.jsonl`` through the ``json`` builder. Each row
-becomes a record for ``memfit.data.record_to_example`` (format detection, checks), named in messages
+becomes a record for ``memfit.data.dataset.record_to_example`` (format detection, checks), named in messages
 as ``<source> row <n>`` (1-based); for ``.txt``/``.jsonl``, an error is traced back to the file's line
-or byte by ``memfit.data.find_bad_input``, as memfit's own reader (``memfit.data.load_local_examples``) names it.
+or byte by ``memfit.data.dataset.find_bad_input``, as memfit's own reader (``memfit.data.dataset.load_local_examples``) names it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "ar
 """File suffix -> the ``datasets`` packaged builder that reads it (``load_examples``)."""
 
 LINE_BUILDERS = {".txt": "text", ".jsonl": "json"}
-"""The suffixes ``memfit.data.load_local_examples`` reads itself, and the builder that reads them for training."""
+"""The suffixes ``memfit.data.dataset.load_local_examples`` reads itself, and the builder that reads them for training."""
 
 ALL_BUILDERS = {**BUILDERS, **LINE_BUILDERS}
 
@@ -37,7 +37,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def handles(path) -> bool:
-    """Whether ``path`` is read here (rather than by ``memfit.data``'s .txt/.jsonl reader)."""
+    """Whether ``path`` is read here (rather than by ``memfit.data.dataset``'s .txt/.jsonl reader)."""
     p = Path(path).expanduser()
     if p.is_file():
         return p.suffix.lower() in BUILDERS
@@ -70,7 +70,7 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
         if len(suffixes) != 1:
             raise UserError(f"Data folder {p} mixes file types ({', '.join(sorted(suffixes))}); keep one per folder.")
         builder = BUILDERS[suffixes.pop()]
-        from memfit.hf_compat import quiet_json_parse_log
+        from memfit.integrations.hf_compat import quiet_json_parse_log
 
         try:
             with quiet_json_parse_log():  # the parse error comes back as the exception worded below
@@ -107,12 +107,12 @@ def check_columns(ds, where: str, wanted: list[str]) -> None:
 
 def load_examples(path=None, *, fmt: str | None = None, fields=None, split: str = "train",
                   data_config: str | None = None, named_fields: tuple[str, ...] = ()) -> list:
-    """Every record of ``--data`` in memory, as ``memfit.data.Example`` records: ``.txt``/``.jsonl`` files,
-    folders of them and the shipped corpus (``None``) by ``memfit.data.load_local_examples``; the sources
+    """Every record of ``--data`` in memory, as ``memfit.data.dataset.Example`` records: ``.txt``/``.jsonl`` files,
+    folders of them and the shipped corpus (``None``) by ``memfit.data.dataset.load_local_examples``; the sources
     ``datasets`` reads (``handles``) by ``load_dataset``. The library's reader; ``memfit train`` goes through
     ``load_parts`` and Arrow instead, so a corpus larger than memory trains."""
-    from memfit.data import load_local_examples
-    from memfit.data_formats import Fields
+    from memfit.data.dataset import load_local_examples
+    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     if path is None or not handles(path):
@@ -123,8 +123,8 @@ def load_examples(path=None, *, fmt: str | None = None, fields=None, split: str 
 
 def _dataset_examples(path: str, *, fmt: str | None, fields, split: str, data_config: str | None,
                       named_fields: tuple[str, ...]) -> list:
-    """The rows of a ``datasets`` source as ``memfit.data.Example`` records."""
-    from memfit.data import record_to_example
+    """The rows of a ``datasets`` source as ``memfit.data.dataset.Example`` records."""
+    from memfit.data.dataset import record_to_example
 
     ds = load_dataset(path, split=split, data_config=data_config)
     check_columns(ds, path, [getattr(fields, name) for name in named_fields])
@@ -152,14 +152,14 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
                fields=None) -> list[Part]:
     """The records of ``--data`` (``None``: the shipped corpus) as datasets, in corpus order.
 
-    A folder's files are read sorted by path (as ``memfit.data.load_local_examples`` reads them); consecutive
+    A folder's files are read sorted by path (as ``memfit.data.dataset.load_local_examples`` reads them); consecutive
     files of one type form one part, read by one builder.
 
     Raises:
         UserError: a missing path, a folder with no data file, an unreadable file (naming the line or byte
             of a ``.txt``/``.jsonl`` file where it can), an empty source.
     """
-    from memfit.data import default_corpus_path
+    from memfit.data.dataset import default_corpus_path
 
     root = default_corpus_path() if path is None else Path(path).expanduser()
     where = str(root if path is None else path)
@@ -202,8 +202,8 @@ def _read_run(files: list[Path], where: str, fmt, fields) -> list[Part]:
 
     A builder reads its files into one table, so files whose records are of different formats (a
     ``messages`` file beside a ShareGPT one) cannot be read together; the format is detected per record
-    (``memfit.data_formats.detect_format``), so each file is then read on its own, named by its path, and
-    their encodings are concatenated like any parts (``memfit.data_arrow.tokenize_dataset``). A file that
+    (``memfit.data.formats.detect_format``), so each file is then read on its own, named by its path, and
+    their encodings are concatenated like any parts (``memfit.data.arrow.tokenize_dataset``). A file that
     cannot be read even alone is named in the error.
     """
     try:
@@ -224,8 +224,8 @@ def _read_files(files: list[Path], where: str) -> Part:
     """One part: ``files`` (one suffix) read by one ``datasets`` builder call; raises what the builder raises."""
     import datasets
 
-    from memfit import data_arrow
-    from memfit.hf_compat import quiet_json_parse_log
+    from memfit.data import arrow as data_arrow
+    from memfit.integrations.hf_compat import quiet_json_parse_log
 
     datasets.disable_progress_bars()
     suffix = files[0].suffix.lower()
@@ -246,7 +246,7 @@ def _refuse(file: Path, where: str, err: Exception, fmt, fields):
     """Raise the one sentence for a file ``datasets`` could not read (``where`` names it)."""
     suffix = file.suffix.lower()
     if suffix in LINE_BUILDERS:
-        from memfit.data import find_bad_input
+        from memfit.data.dataset import find_bad_input
 
         find_bad_input(file, fmt, fields)  # a .jsonl line or .txt byte: named as memfit's own reader names it
         if file.stat().st_size < (1 << 20) and not file.read_text(encoding="utf-8-sig").strip():
@@ -263,6 +263,6 @@ def _first_line(err: BaseException) -> str:
 
 
 def _documents_of_paragraphs(batch: dict) -> dict:
-    from memfit.data import txt_documents
+    from memfit.data.dataset import txt_documents
 
     return {"text": [doc for paragraph in batch["text"] for doc in txt_documents(paragraph)]}

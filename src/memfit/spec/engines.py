@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from memfit.config import DType, Loss, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.config import DType, Loss, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 
 DEEPSPEED_STAGES = {Sharding.ZERO2: 2, Sharding.ZERO3: 3}
 """The DeepSpeed ZeRO stage each ``--sharding`` runs on under a DeepSpeed launch."""

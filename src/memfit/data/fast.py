@@ -1,5 +1,5 @@
-"""Fast paths of the encoding step (``memfit.data_arrow.encode_dataset``): the same ``input_ids``/``labels``
-as ``memfit.data._encode_docs``, built as Arrow columns from numpy instead of Python lists of ints.
+"""Fast paths of the encoding step (``memfit.data.arrow.encode_dataset``): the same ``input_ids``/``labels``
+as ``memfit.data.dataset._encode_docs``, built as Arrow columns from numpy instead of Python lists of ints.
 
 Profiled on a 4 MB ``.txt`` corpus with the built-in byte tokenizer (2026-11-30, 1 process), the
 reference path spent 4.1 s encoding: 2.0 s in ``tokenizers``' ``encode_batch``, 0.6 s in transformers'
@@ -31,7 +31,7 @@ IGNORE_INDEX = -100
 def _byte_reference() -> tuple[str, tuple]:
     """The parts of the byte tokenizer's ``tokenizer.json`` that decide its ids: normalizer, pre-tokenizer,
     model (vocabulary, no merges), and the added tokens (id, text)."""
-    from memfit.data import byte_tokenizer
+    from memfit.data.dataset import byte_tokenizer
 
     return _identity(byte_tokenizer())
 
@@ -46,9 +46,9 @@ def _identity(tokenizer) -> tuple[str, tuple]:
 
 
 def byte_offset(tokenizer) -> int | None:
-    """The id of byte 0 (3) when ``tokenizer`` is memfit's byte tokenizer (``memfit.data.byte_tokenizer``,
+    """The id of byte 0 (3) when ``tokenizer`` is memfit's byte tokenizer (``memfit.data.dataset.byte_tokenizer``,
     also as saved with a model and reloaded), else None: then no byte fast path."""
-    from memfit.data import BYTE_SPECIALS
+    from memfit.data.dataset import BYTE_SPECIALS
 
     if getattr(tokenizer, "backend_tokenizer", None) is None or tokenizer.eos_token_id is None:
         return None
@@ -66,7 +66,7 @@ def _specials(tokenizer) -> tuple[bytes, ...]:
 
 def plain_texts(batch, fmt: str | None, fields) -> list | None:
     """The ``fields.text`` column of ``batch`` when every record of it is read as plain text (forced with
-    ``fmt="text"``, or detected: ``memfit.data_formats.detect_format`` finds no other format's column
+    ``fmt="text"``, or detected: ``memfit.data.formats.detect_format`` finds no other format's column
     holding a value), else None."""
     if fmt is not None:
         return batch.get(fields.text) if fmt == "text" else None
@@ -77,11 +77,11 @@ def plain_texts(batch, fmt: str | None, fields) -> list | None:
 
 
 def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
-    """The encoded table of ``texts`` (columns as ``memfit.data_arrow._encoded_features``) for the byte
+    """The encoded table of ``texts`` (columns as ``memfit.data.arrow._encoded_features``) for the byte
     tokenizer, or None when the batch must take the reference path (see the module docstring).
 
     Document ``i`` of ``n`` bytes becomes ``[bos] + [offset + b for b in bytes] + [eos]`` (bos only when
-    the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data._encode_docs``.
+    the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data.dataset._encode_docs``.
     """
     import numpy as np
 
@@ -114,7 +114,7 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
 
 
 def docs_table(docs: list[tuple], id_type: str):
-    """``memfit.data._encode_docs``'s documents (``(ids, labels)`` or ``(ids, labels, True)``) as the
+    """``memfit.data.dataset._encode_docs``'s documents (``(ids, labels)`` or ``(ids, labels, True)``) as the
     encoded table; the cast to ``id_type`` is checked (a value out of its range raises)."""
     from itertools import chain
 

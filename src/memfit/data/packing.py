@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from memfit.config import Packing
+from memfit.settings.config import Packing
 
 __all__ = ["FirstFit", "Packing", "pack_arrow_documents", "pack_documents", "padding_share"]
 

@@ -8,7 +8,7 @@
 - the attention implementation transformers will run (``attention``), asked of transformers itself
   by building the model on the meta device with the implementation requested (``auto``: none, so
   transformers picks: SDPA where the model supports it, else eager, e.g. Gemma 2 with soft-capping);
-- the optimizer's row of ``memfit.optimizers.OPTIMIZERS``.
+- the optimizer's row of ``memfit.spec.optimizers.OPTIMIZERS``.
 
 ``ResolvedRun.run`` is the ``RunConfig`` with those answers written in (a concrete attention, the
 target list handed to PEFT), so code that reads ``run.attn_implementation`` or ``run.lora_targets``
@@ -21,10 +21,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from memfit import validate
-from memfit.config import Attention, RunConfig
 from memfit.errors import UserError
-from memfit.optimizers import OptimizerRow, check_device, row
+from memfit.settings import validate
+from memfit.settings.config import Attention, RunConfig
+from memfit.spec.optimizers import OptimizerRow, check_device, row
 
 #: PEFT's shorthand for every Linear/Conv1D but the output head (``peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND``).
 ALL_LINEAR = "all-linear"
@@ -103,7 +103,7 @@ def _match(spec, targets: tuple[str, ...]) -> LoraTargets:
 
 def _grouped(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[Any, ...]:
     """``shapes`` as ``LinearShape`` groups (last name component, in, out), with their bias from ``spec``."""
-    from memfit.linears import LinearShape
+    from memfit.spec.linears import LinearShape
 
     counts: dict[tuple[str, int, int], int] = {}
     for name, fan_in, fan_out in shapes:

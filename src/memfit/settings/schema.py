@@ -9,11 +9,11 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
     The command-line flag, when it is not ``--`` + the name with ``-`` (``optimizer_lr`` is ``--lr``).
     Its YAML key and ``to_flat()`` key is the flag without ``--``, with ``_`` (``lr``).
 ``check``
-    How ``memfit.validate.check_fields`` checks a value from a flag, a YAML file or a library call:
+    How ``memfit.settings.validate.check_fields`` checks a value from a flag, a YAML file or a library call:
     ``"int>=0"``/``"int>=1"`` (a whole number at least that), ``"pos"`` (finite, > 0), ``"nonneg"``
     (finite, >= 0), ``"frac"`` (in [0, 1)), ``"bool"``, ``"text"``; ``None``: checked elsewhere (enums by
     the config, choices by click). A field whose default is ``None`` may also be ``None`` (not given:
-    derived, ``memfit.defaults``). ``what`` replaces the standard wording of the error sentence.
+    derived, ``memfit.settings.defaults``). ``what`` replaces the standard wording of the error sentence.
 ``resume``
     What ``--resume`` does with it (``RESUME_RULES``; read by ``memfit.training.resume``).
 ``commands``
@@ -30,7 +30,7 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
     Plain-data hints for the click option: ``choices`` (a tuple of names), ``min`` (click checks the
     bound itself), ``path`` (a file path), ``show_default`` (text instead of the value).
 
-Nothing here imports torch, click or the rest of memfit: ``memfit.config`` builds on it.
+Nothing here imports torch, click or the rest of memfit: ``memfit.settings.config`` builds on it.
 """
 
 from __future__ import annotations

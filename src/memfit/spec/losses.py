@@ -28,8 +28,8 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from memfit.config import Loss, RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import Loss, RunConfig
 
 IGNORE_INDEX = -100
 
@@ -283,7 +283,7 @@ def final_hidden_states(model, batch: dict):
     handle = body.register_forward_hook(hook)
     try:
         nothing = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-        from memfit.data import model_inputs  # a packed batch goes with its position ids, without its mask
+        from memfit.spec.batch import model_inputs  # a packed batch goes with its position ids, not its mask
 
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         model(**inputs, logits_to_keep=nothing, use_cache=False)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.config import Precision, RunConfig
 from memfit.errors import UserError
+from memfit.settings.config import Precision, RunConfig
 
 
 def check(run: RunConfig, max_grad_norm: float) -> None:

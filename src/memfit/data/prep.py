@@ -6,13 +6,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from memfit.config import RunConfig, TrainConfig
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig, TrainConfig
 
 
 def fields_of(config: TrainConfig):
     """``Fields`` from ``--text-field`` and the like, and the names the user typed (checked to exist)."""
-    from memfit.data_formats import Fields
+    from memfit.data.formats import Fields
 
     given = {"text": config.text_field, "prompt": config.prompt_field, "completion": config.completion_field,
              "messages": config.messages_field}
@@ -23,15 +23,15 @@ def fields_of(config: TrainConfig):
 def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
     """``(examples, TokenizedData)`` for the run; the tokenizer gets ``--chat-template`` when given.
 
-    Every source is read through ``datasets`` and tokenized and packed on disk (``memfit.data_sources``,
-    ``memfit.data_arrow``): ``examples`` reads its records lazily, ``TokenizedData``'s rows are
+    Every source is read through ``datasets`` and tokenized and packed on disk (``memfit.data.sources``,
+    ``memfit.data.arrow``): ``examples`` reads its records lazily, ``TokenizedData``'s rows are
     memory-mapped, so a corpus larger than RAM trains.
 
     Raises:
-        UserError: any bad input (see ``memfit.data``, ``memfit.data_formats``, ``memfit.data_sources``),
+        UserError: any bad input (see ``memfit.data.dataset``, ``memfit.data.formats``, ``memfit.data.sources``),
             or data that leaves no training sequence.
     """
-    from memfit.data_arrow import pack_encoded
+    from memfit.data.arrow import pack_encoded
 
     examples, encoded = _encode(config, tokenizer)
     tokenized = pack_encoded(encoded, seq_len=run.seq_len, packing=run.packing, eval_fraction=config.eval_fraction,
@@ -43,11 +43,11 @@ def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
 def record_lengths(config: TrainConfig, tokenizer):
     """The tokenized lengths of the run's training records (held-out ones left out), as an int64 numpy array.
 
-    Read from the ``length`` column of the encoded table (``memfit.data_arrow``, step 1): every record of
+    Read from the ``length`` column of the encoded table (``memfit.data.arrow``, step 1): every record of
     every source, Hub datasets included, is tokenized whole before packing and cached by ``datasets``,
     so ``load_for_run`` then reuses this encoding instead of tokenizing again.
     """
-    from memfit.data import split_indices
+    from memfit.data.dataset import split_indices
 
     _, encoded = _encode(config, tokenizer)
     lengths = encoded.select_columns(["length"]).with_format("arrow")[:].column("length").to_numpy()
@@ -57,9 +57,10 @@ def record_lengths(config: TrainConfig, tokenizer):
 
 def _encode(config: TrainConfig, tokenizer):
     """``(examples, encoded)``: the records of ``config.data`` and their encoding, one row per document."""
-    from memfit import data_sources
-    from memfit.data_arrow import encode_parts
-    from memfit.data_formats import FORMATS, Fields, chat_template_of
+    from memfit.data import sources as data_sources
+    from memfit.data.arrow import encode_parts
+    from memfit.data.formats import Fields, chat_template_of
+    from memfit.settings.config import FORMATS
 
     if config.data_format is not None and config.data_format not in FORMATS:
         raise UserError(f"Unknown --data-format {config.data_format!r}; choose one of: {', '.join(FORMATS)}.")
@@ -78,7 +79,7 @@ def _encode(config: TrainConfig, tokenizer):
     try:
         encoded = encode_parts(plan, tokenizer, train_on_prompt=config.train_on_prompt, num_proc=config.num_proc)
     except UserError:
-        from memfit.data import find_bad_input
+        from memfit.data.dataset import find_bad_input
 
         for part in parts:  # a bad record of a .jsonl file: name its line, as memfit's own reader does
             for file in part.files:
@@ -110,7 +111,7 @@ class LazyExamples(Sequence):
         return self.starts[-1]
 
     def __getitem__(self, index):
-        from memfit.data import record_to_example
+        from memfit.data.dataset import record_to_example
 
         index = int(index)
         if not 0 <= index < len(self):
@@ -128,7 +129,7 @@ class LazyExamples(Sequence):
 def data_note(tokenized, run: RunConfig, truncate: bool = False) -> str:
     """One line before training: the packing mode, its padding share, conversations too long for
     ``--seq-len`` dropped or (``truncate``) cut."""
-    from memfit.packing import padding_share
+    from memfit.data.packing import padding_share
 
     head = tokenized.train[: 4096]  # the first rows tell the share; a corpus on disk is not read whole for it
     share = padding_share(head, run.seq_len, run.micro_batch)
@@ -149,18 +150,19 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     """Record ``index`` of ``config.data`` (read up to that record, not further) encoded as training
     encodes it (before packing), with its loss mask shown: ``{"where", "format", "tokens", "targets",
     "input_ids", "labels", "marked"}``."""
-    from memfit import data, modelspec
-    from memfit.data_formats import chat_template_of, preview
-    from memfit.data_stream import record_at
+    from memfit.data import dataset as data
+    from memfit.data.formats import chat_template_of, preview
+    from memfit.data.stream import record_at
+    from memfit.spec import model as modelspec
 
     fields, named = fields_of(config)
-    from memfit.hub import local_folder
+    from memfit.integrations.hub import local_folder
 
     model = local_folder(config.model, config.revision, files="tokenizer",  # a Hub id: its cached tokenizer
                          trust_remote_code=config.trust_remote_code)
     tokenizer = data.load_tokenizer(config.tokenizer, model, is_preset=modelspec.is_preset(config.model),
                                     trust_remote_code=config.trust_remote_code)
-    # read up to record `index` only (memfit.data_stream), not the whole source
+    # read up to record `index` only (memfit.data.stream), not the whole source
     example = record_at(config.data, index, fmt=config.data_format, fields=fields, split=config.split,
                         data_config=config.data_config, named_fields=named)
     chat_template_of(tokenizer, config.chat_template, data_has_conversations=example.is_conversation)

@@ -2,12 +2,12 @@
 records up to the one asked for: what ``memfit data preview`` shows (record 0 of a 2 GB file is read
 from its first megabyte, not from the whole file).
 
-The files of a folder come in the order training reads them (``memfit.data_sources.load_parts``:
+The files of a folder come in the order training reads them (``memfit.data.sources.load_parts``:
 sorted by path), each read the way training reads it, but streamed:
 
 * ``.txt``: ``datasets``' ``text`` builder with ``streaming=True``, by paragraph, each paragraph cut
-  into memfit's documents (``memfit.data.txt_documents``): the documents training gets;
-* ``.jsonl``: memfit's own line reader over the open file (``memfit.data.jsonl_records``), so that a
+  into memfit's documents (``memfit.data.dataset.txt_documents``): the documents training gets;
+* ``.jsonl``: memfit's own line reader over the open file (``memfit.data.dataset.jsonl_records``), so that a
   record is named by its line, as before;
 * ``.json``, ``.csv``, ``.arrow``: ``datasets``' builders with ``streaming=True``; ``.parquet``:
   ``pyarrow.parquet``'s reader, a few rows at a time (``datasets``' streaming scan reads ahead);
@@ -25,14 +25,14 @@ from memfit.errors import UserError
 
 def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: str = "train",
               data_config: str | None = None, named_fields: tuple[str, ...] = ()):
-    """Record ``index`` (0-based, across the whole source) of ``--data`` as a ``memfit.data.Example``.
+    """Record ``index`` (0-based, across the whole source) of ``--data`` as a ``memfit.data.dataset.Example``.
 
     Raises:
         UserError: a missing or unreadable source, a bad record up to ``index``, a named column the data
             lacks, an empty source, or ``index`` outside its records (the records are counted then).
     """
-    from memfit.data import record_to_example
-    from memfit.data_formats import Fields
+    from memfit.data.dataset import record_to_example
+    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     if index < 0:
@@ -42,7 +42,7 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
     for record, where, default_fmt in _records(path, split=split, data_config=data_config, wanted=wanted):
         if seen == index:
             if isinstance(record, str):  # a document of a .txt file
-                from memfit.data import Example
+                from memfit.data.dataset import Example
 
                 return Example(text=record, where=where)
             return record_to_example(record, where, fmt or default_fmt, fields)
@@ -54,8 +54,8 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
 
 def _records(path, *, split: str, data_config: str | None, wanted: list[str]) -> Iterator[tuple]:
     """``(record, where, format)`` in corpus order; a record is a dict, or a ``.txt`` document's text."""
-    from memfit import data_sources
-    from memfit.data import default_corpus_path
+    from memfit.data import sources as data_sources
+    from memfit.data.dataset import default_corpus_path
 
     root = default_corpus_path() if path is None else Path(path).expanduser()
     if path is not None and not root.exists() and not data_sources._is_local_looking(str(path)):
@@ -85,8 +85,8 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
 def _txt_documents(file: Path):
     import datasets
 
-    from memfit.data import txt_documents
-    from memfit.data_sources import TEXT_CHUNK
+    from memfit.data.dataset import txt_documents
+    from memfit.data.sources import TEXT_CHUNK
 
     datasets.disable_progress_bars()
     n = 0
@@ -105,7 +105,7 @@ def _txt_documents(file: Path):
 
 def _jsonl_records(file: Path):
     """The records of a ``.jsonl`` file line by line, each named by its line (bad JSON: ``UserError``)."""
-    from memfit.data import json_lines
+    from memfit.data.dataset import json_lines
 
     try:
         with file.open(encoding="utf-8-sig", newline="\n") as lines:  # newline: lines end at "\n" only
@@ -158,7 +158,7 @@ def _named_rows(rows, where: str, wanted: list[str]):
 
 def _saved_rows(folder: Path, split: str, wanted: list[str]):
     """A ``save_to_disk`` dataset: memory-mapped, so a row is read without the rest."""
-    from memfit.data_sources import check_columns, load_dataset
+    from memfit.data.sources import check_columns, load_dataset
 
     ds = load_dataset(str(folder), split=split)
     check_columns(ds, str(folder), wanted)

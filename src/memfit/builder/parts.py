@@ -4,7 +4,7 @@
 functions, so the model and optimizer the trace measures are the ones training steps: the same PEFT
 ``LoraConfig``, the same wrapping order (checkpointing on the base model, then k-bit preparation, then
 PEFT), the same weight-decay parameter groups (torch's optimizers run their step one group at a time, so
-the groups shape the step's temporaries) and the same row of ``memfit.optimizers``. Where the two differ
+the groups shape the step's temporaries) and the same row of ``memfit.spec.optimizers``. Where the two differ
 they say so at the call: train loads weights (or quantizes), the trace builds on the meta device and
 swaps in fake tensors; train names the adapter's base model; the trace picks torch's CUDA
 implementation (``cuda_like``) while running CPU kernels.
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.config import Quantize, RunConfig
 from memfit.errors import UserError
-from memfit.hf_compat import enable_checkpointing, peft_wrap_quietly, prepare_for_kbit_training
-from memfit.optimizers import row
+from memfit.integrations.hf_compat import enable_checkpointing, peft_wrap_quietly, prepare_for_kbit_training
+from memfit.settings.config import Quantize, RunConfig
+from memfit.spec.optimizers import row
 
 #: ``--dtype`` -> the torch dtype name the weights are built in.
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -38,7 +38,7 @@ def model_kwargs(run: RunConfig, attention: str) -> dict[str, Any]:
 
 
 def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):
-    """PEFT's ``LoraConfig`` of the run over ``targets`` (``memfit.resolved``'s ``peft_targets``: what
+    """PEFT's ``LoraConfig`` of the run over ``targets`` (``memfit.spec.resolved``'s ``peft_targets``: what
     estimate counted). PEFT's defaults apply to everything else (``autocast_adapter_dtype=True`` at the
     wrap keeps adapters in fp32 over a bf16/fp16 base)."""
     from peft import LoraConfig
@@ -99,13 +99,13 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
 
 
 def make_optimizer(run: RunConfig, groups: list[dict], lr: float, *, cuda_like: bool = False):
-    """The optimizer of ``run.optimizer``'s row (``memfit.optimizers``: what estimate and plan priced) over
+    """The optimizer of ``run.optimizer``'s row (``memfit.spec.optimizers``: what estimate and plan priced) over
     ``groups``; with ``--optimizer-in-backward`` one such optimizer per parameter, stepped from backward's
     gradient hooks. ``cuda_like``: the implementation torch picks on CUDA (the trace's CPU tensors model a
     CUDA run); training passes False and lets torch pick for the device it runs on."""
     build = row(run.optimizer).build
     if run.optimizer_in_backward:
-        from memfit.optim_in_backward import OptimizerInBackward
+        from memfit.builder.optim_in_backward import OptimizerInBackward
 
         return OptimizerInBackward(groups, lambda one: build(one, lr, cuda_like=cuda_like))
     return build(groups, lr, cuda_like=cuda_like)

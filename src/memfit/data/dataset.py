@@ -86,7 +86,7 @@ class Example:
 
 
 def default_corpus_path() -> Path:
-    """The corpus shipped inside the package (``src/memfit/corpus/``), read when ``--data`` is not given."""
+    """The corpus shipped inside the package (``src/memfit/data/corpus/``), read when ``--data`` is not given."""
     return Path(__file__).resolve().parent / "corpus"
 
 
@@ -101,16 +101,16 @@ def load_local_examples(path: str | os.PathLike | None, *, fmt: str | None = Non
     * A folder: every ``.txt`` and ``.jsonl`` file below it, recursively, sorted by path; other
       files (a README, say) and hidden files or folders are ignored.
 
-    Records may also be conversations (``messages``, ShareGPT, Alpaca; see ``memfit.data_formats``),
+    Records may also be conversations (``messages``, ShareGPT, Alpaca; see ``memfit.data.formats``),
     ``.json``/``.csv``/``.parquet``/``.arrow`` files, ``save_to_disk`` folders and Hub ids are read through
-    Hugging Face ``datasets`` by ``memfit.data_sources.load_examples``, which calls this for the rest.
+    Hugging Face ``datasets`` by ``memfit.data.sources.load_examples``, which calls this for the rest.
     ``fmt`` forces a record format, ``fields`` renames columns.
 
     Raises:
         UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
             named), a record with neither text nor prompt/completion, an unsupported file type.
     """
-    from memfit.data_formats import Fields
+    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     root = default_corpus_path() if path is None else Path(path).expanduser()
@@ -190,7 +190,7 @@ def jsonl_records(lines, path, fmt: str | None = None, fields=None):
 def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
     """Raise the ``UserError`` naming the first bad line (``.jsonl``) or byte (``.txt``) of ``path``, if any.
 
-    Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data_sources``), whose errors name
+    Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data.sources``), whose errors name
     neither; on an error, this streams the file once (a line, or 1 MiB of text, at a time) to say where."""
     try:
         with path.open(encoding="utf-8-sig", newline="\n") as f:  # newline: lines end at "\n" only
@@ -208,7 +208,7 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
 def record_to_example(record: object, where: str, fmt: str | None = None, fields=None) -> Example:
     """One record (a JSON object or a table row) as an ``Example``, in its detected or forced format."""
-    from memfit.data_formats import Fields, detect_format, to_messages
+    from memfit.data.formats import Fields, detect_format, to_messages
 
     fields = fields or Fields()
     if not isinstance(record, dict):
@@ -262,7 +262,7 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     pad, bos, eos = BYTE_SPECIALS
-    from memfit.data_formats import BYTE_CHAT_TEMPLATE
+    from memfit.data.formats import BYTE_CHAT_TEMPLATE
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -377,7 +377,7 @@ def tokenize(
 
     **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
     per row with position ids restarting at 0 each, so no document attends to another; see
-    ``memfit.packing`` for the rule and a worked example.
+    ``memfit.data.packing`` for the rule and a worked example.
 
     **Concatenation** (``packing="concat"``) concatenates the documents into one stream and cuts it into chunks
     of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
@@ -416,8 +416,8 @@ def tokenize(
     """
     if seq_len < 2:
         raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
-    from memfit.config import Packing, parse_packing
-    from memfit.packing import pack_documents
+    from memfit.data.packing import pack_documents
+    from memfit.settings.config import Packing, parse_packing
 
     train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
     mode = parse_packing(packing)
@@ -448,11 +448,11 @@ def _drop_long_conversations(docs, seq_len: int, truncate: bool = False):
 
 def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
     """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked; a conversation
-    as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data_formats``)."""
+    as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data.formats``)."""
     if not examples:
         return []
     if any(ex.is_conversation for ex in examples):
-        from memfit.data_formats import encode_conversation
+        from memfit.data.formats import encode_conversation
 
         plain = iter(_encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
         return [(*encode_conversation(tokenizer, ex.messages, train_on_prompt=train_on_prompt,
@@ -535,18 +535,6 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The keys of a collated batch the model's forward takes.
-
-    A packed batch (it has ``position_ids``) goes without its ``attention_mask``: transformers looks for
-    packed documents in the position ids only when no attention mask is given. The mask stays in the
-    batch for counting real tokens.
-    """
-    if "position_ids" in batch:
-        return {k: v for k, v in batch.items() if k != "attention_mask"}
-    return batch
-
-
 def count_target_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry loss: ``(labels[..., 1:] != -100).sum()``.
 
@@ -590,7 +578,7 @@ def unigram_loss(data: TokenizedData) -> float:
 
 def target_counts(rows) -> np.ndarray:
     """How often each token id is a target (a label after the causal shift that is not ``-100``), as an
-    int64 array indexed by token id. Rows are read a batch at a time (rows on disk, ``memfit.data_arrow.ArrowRows``,
+    int64 array indexed by token id. Rows are read a batch at a time (rows on disk, ``memfit.data.arrow.ArrowRows``,
     count themselves and keep the counts next to their table), so memory stays bounded by the vocabulary,
     not the corpus."""
     if hasattr(rows, "target_counts"):

@@ -114,7 +114,7 @@ def quiet_bnb_kernel_notice() -> contextlib.AbstractContextManager:
     Logged once per process when bitsandbytes is imported (by PEFT's or transformers' import, not only by
     memfit's) on a CPU with AVX512-BF16 without the optional ``kernels`` package (``backends/cpu/ops.py``).
     Safe to drop: that kernel serves only bitsandbytes' CPU inference path, which memfit turns off in every
-    4-bit layer (``memfit.quant_support.keep_training_path``), so no memfit run would use it. The CLI holds
+    4-bit layer (``memfit.integrations.quant_support.keep_training_path``), so no memfit run would use it. The CLI holds
     this around every command (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
     """
     return dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community")

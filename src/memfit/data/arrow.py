@@ -1,17 +1,17 @@
 """Tokenize and pack the data of a run on disk: ``datasets.map`` with its cache and ``--num-proc``.
 
-Every source of ``memfit train`` comes here (``memfit.data_sources.load_parts``: .txt, .jsonl, .json,
+Every source of ``memfit train`` comes here (``memfit.data.sources.load_parts``: .txt, .jsonl, .json,
 .csv, .parquet, .arrow, ``save_to_disk`` folders, Hub ids), so a corpus larger than RAM trains: each
 step below is an Arrow table on disk, memory-mapped, read a batch or a row at a time, never whole.
 
-1. ``map``: every record -> ``input_ids``/``labels`` (the same ``memfit.data`` encoding as the
+1. ``map``: every record -> ``input_ids``/``labels`` (the same ``memfit.data.dataset`` encoding as the
    in-memory path, chat templates included), cached by ``datasets`` under the source's cache folder
    with a fingerprint of the function, the tokenizer and the options; a second run on the same data
    and tokenizer reuses it (and ``--num-proc N`` runs it in N processes). Token ids are stored as
    int16 when the vocabulary allows (int32 otherwise): 2 bytes a token, not Arrow's default 8.
-2. the held-out split by document (``memfit.data.split_indices``) and the conversations longer than
+2. the held-out split by document (``memfit.data.dataset.split_indices``) and the conversations longer than
    ``seq_len`` (dropped), as two boolean masks over the documents (1 byte a document).
-3. packing in one streaming pass per split (``memfit.packing.pack_documents`` or the concat/none
+3. packing in one streaming pass per split (``memfit.data.packing.pack_documents`` or the concat/none
    rules) written by ``datasets``' ``ArrowWriter`` into its cache, keyed by step 1's fingerprint, the
    mask and the packing settings.
 
@@ -62,11 +62,11 @@ class ArrowRows(Sequence):
         return list(self) == list(other)
 
     def target_counts(self):
-        """``memfit.data.target_counts`` of these rows, kept next to their Arrow file (``<file>.targets.npy``)
+        """``memfit.data.dataset.target_counts`` of these rows, kept next to their Arrow file (``<file>.targets.npy``)
         so that a second run on the same cached table does not read it through again."""
         import numpy as np
 
-        from memfit.data import count_targets
+        from memfit.data.dataset import count_targets
 
         files = _plain_files(self.ds)
         cached = Path(files[0] + ".targets.npy") if files else None
@@ -94,8 +94,8 @@ class ArrowRows(Sequence):
 
 
 
-ENCODER_MODULES = ("memfit.data", "memfit.data_formats", "memfit.data_sources", "memfit.data_arrow",
-                   "memfit.data_fast")
+ENCODER_MODULES = ("memfit.data.dataset", "memfit.data.formats", "memfit.data.sources", "memfit.data.arrow",
+                   "memfit.data.fast")
 """The modules whose code decides what the cached ``map`` steps write (their source is in the key)."""
 
 
@@ -154,10 +154,10 @@ def token_type(max_value: int) -> str:
 
 def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, train_on_prompt, where,
                   byte_offset: int | None = None):
-    """One batch of records -> the encoded table (``memfit.data_fast``: the byte tokenizer's numpy path for
+    """One batch of records -> the encoded table (``memfit.data.fast``: the byte tokenizer's numpy path for
     plain text when ``byte_offset`` is set, else memfit's reference encoding turned into Arrow columns)."""
-    from memfit import data_fast
-    from memfit.data import _encode_docs, record_to_example
+    from memfit.data import fast as data_fast
+    from memfit.data.dataset import _encode_docs, record_to_example
 
     id_type = token_type(len(tokenizer))
     if byte_offset is not None:
@@ -193,7 +193,7 @@ def _encoded_features(tokenizer):
 
 def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_proc: int, where: str):
     """Step 1: the records of ``ds`` encoded, one row per document (cached; see the module docstring)."""
-    from memfit.data_fast import byte_offset
+    from memfit.data.fast import byte_offset
 
     encode = partial(_encode_batch, tokenizer=tokenizer, fmt=fmt, fields=fields,
                      train_on_prompt=train_on_prompt, where=where, byte_offset=byte_offset(tokenizer))
@@ -238,11 +238,11 @@ def encode_parts(parts, tokenizer, *, train_on_prompt: bool, num_proc: int):
 
 
 def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int, truncate: bool = False):
-    """Steps 2-3 on an encoded table (one row per document); ``truncate``: ``memfit.data.tokenize``'s."""
+    """Steps 2-3 on an encoded table (one row per document); ``truncate``: ``memfit.data.dataset.tokenize``'s."""
     import numpy as np
 
-    from memfit.config import parse_packing
-    from memfit.data import TokenizedData, split_indices
+    from memfit.data.dataset import TokenizedData, split_indices
+    from memfit.settings.config import parse_packing
 
     mode = parse_packing(packing)
     n_docs = len(encoded)
@@ -304,9 +304,9 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
 
     if not keep.any():
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
-    import memfit.packing
+    import memfit.data.packing
 
-    packer = Path(memfit.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
+    packer = Path(memfit.data.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
     cuts = cut.tobytes() if cut is not None and cut.any() else b""  # no cut: the key of a run without --truncate
     digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode() + packer
                             + keep.tobytes() + cuts).hexdigest()[:24]
@@ -326,11 +326,11 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
 
 
 def _packed_batches(encoded, keep, seq_len: int, mode: str, cut=None):
-    """Tables of packed rows: ``documents`` with numpy (``memfit.packing.pack_arrow_documents``), the
+    """Tables of packed rows: ``documents`` with numpy (``memfit.data.packing.pack_arrow_documents``), the
     others row by row in Python."""
     import pyarrow as pa
 
-    from memfit.packing import pack_arrow_documents
+    from memfit.data.packing import pack_arrow_documents
 
     cut = (cut, seq_len) if cut is not None and cut.any() else None
     if mode == "documents":
@@ -368,7 +368,7 @@ def _cut_rows(batch, rows, seq_len: int):
     import numpy as np
     import pyarrow as pa
 
-    from memfit.packing import _one_array
+    from memfit.data.packing import _one_array
 
     columns = []
     for column in batch.columns:
@@ -390,8 +390,8 @@ def _kept_docs(encoded, keep, cut=None):
 
 
 def _rows(docs, seq_len: int, mode: str):
-    from memfit.data import _n_targets
-    from memfit.packing import pack_documents
+    from memfit.data.dataset import _n_targets
+    from memfit.data.packing import pack_documents
 
     if mode == "documents":
         yield from pack_documents(docs, seq_len)

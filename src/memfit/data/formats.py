@@ -34,7 +34,6 @@ from memfit.errors import UserError
 
 IGNORE_INDEX = -100
 
-FORMATS = ("messages", "sharegpt", "alpaca", "prompt-completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "tool": "tool", "function_call": "assistant",

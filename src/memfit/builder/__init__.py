@@ -1,0 +1,1 @@
+"""Building what a run runs (model, LoRA, parameter groups, optimizer), shared by the trace and training."""
