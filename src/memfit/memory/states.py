@@ -110,12 +110,13 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
                            zero.gathered_end, zero.buckets, gathered_forward=zero.gathered_forward,
                            backward_gradients=zero.backward_gradients, gradients_after_layers=zero.after_layers,
                            engine=engine)
-    gathered, gathered_end, buckets, gathered_forward, gathered_layer, entry = 0, 0, 0, None, None, (0, 0)
+    gathered, gathered_end, buckets = Gathered(0, 0), 0, 0
     if n > 1 and run.sharding is Sharding.DDP:
         buckets, gradients = ddp_bucket_bytes(gradients), 0  # param.grad are views into the buckets
         gathered_end = ddp_embedding_grad_end(spec, run)
     if n > 1 and run.sharding is not Sharding.DDP:
-        gathered, gathered_end, gathered_forward, gathered_layer, entry = fsdp2_gathered(spec, run)
+        gathered = fsdp2_gathered(spec, run)
+        gathered_end = gathered.end
         replicated = _quant_state_bytes(spec, run)  # module attributes, not parameters: whole on every rank
         weights = (weights - replicated) // n + replicated
         gradients //= n
@@ -123,17 +124,19 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
         step_temp //= n
     if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
+    computing = gathered.computing
     if run.offload is Offload.PARAMS:
-        gathered = max(gathered, 2 * gathered_layer_bytes(spec, run))
+        computing = max(computing, 2 * gathered_layer_bytes(spec, run))
         weights = _quant_state_bytes(spec, run)  # a 4-bit base's quantization state: module attributes, not offloaded
         # FSDP2's CPUOffloadPolicy copies every reduce-scattered gradient shard to the host
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: ``.to("cpu")``), and
         # the optimizer steps there: no sharded gradient stays on the GPU. The unsharded gradients of the
         # unit being reduced are in ``gathered_end`` and the layers' backward transients.
         gradients = 0
-    return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(gathered),
-                       int(gathered_end), int(buckets), gathered_forward=gathered_forward,
-                       gathered_layer=gathered_layer, gathered_entry=entry[0], gathered_first_entry=entry[1],
+    return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(computing),
+                       int(gathered_end), int(buckets), gathered_forward=gathered.forward,
+                       gathered_layer=gathered.layer, gathered_entry=gathered.entry,
+                       gathered_first_entry=gathered.first_entry,
                        released_per_layer=released_after_backward(spec, run))
 
 
@@ -165,7 +168,25 @@ def ddp_bucket_bytes(gradients: int) -> int:
     return int(gradients)
 
 
-def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | None, int | None, tuple[int, int]]:
+@dataclass(frozen=True)
+class Gathered:
+    """The unsharded bytes FSDP2 holds per rank at each moment it is modelled (``fsdp2_gathered``)."""
+
+    computing: int
+    """While forward and backward compute: the tail unit, and the layers gathered at once."""
+    end: int
+    """At backward's end: the last unit to finish, its full gradients (and late in backward, a layer's)."""
+    forward: int | None = None
+    """At forward's peak where it differs from ``computing`` (ZeRO-2's all-gather buffers); else None."""
+    layer: int | None = None
+    """While a decoder layer computes where it differs (``fsdp``/``zero3``: two layers); else None."""
+    entry: int = 0
+    """As the last layer enters its forward (``fsdp``/``zero3``); else 0."""
+    first_entry: int = 0
+    """As the first layer enters its forward (``fsdp``/``zero3``); else 0."""
+
+
+def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
     """Unsharded bytes FSDP2 holds per rank (Accelerate's wrapping): while computing, at backward's end, at
     forward's peak where it differs (ZeRO-2; else None), while a decoder layer computes where it differs
     (``fsdp``/``zero3``; else None) and as the last and the first layer enter their forward (``fsdp``/``zero3``;
@@ -248,8 +269,8 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> tuple[int, int, int | Non
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
     late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
-    entries = (int(gathered_entry), int(gathered_first_entry))
-    return int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer, entries
+    return Gathered(int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer,
+                    int(gathered_entry), int(gathered_first_entry))
 
 
 def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:
