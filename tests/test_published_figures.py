@@ -3,7 +3,8 @@
 ``bench/published_runs.yaml`` holds the runs (source, GPU, what was measured, the exact setting);
 ``bench/published_check.py`` predicts each with the analytic estimate. The set must stay broad (at least
 20 runs from at least 4 projects, each with its source), and the median absolute error must not grow
-past what bench/README.md reports ("Against published figures: the standing check") plus a stated margin.
+past what bench/README.md reports ("published_check.py: against peaks other projects published") plus a
+stated margin.
 """
 
 from __future__ import annotations
