@@ -1,0 +1,174 @@
+"""Peak memory that other projects published for real fine-tuning runs, against memfit's analytic estimate.
+
+Reads ``bench/published_runs.yaml`` (source, GPU, what was measured and the exact setting of each run),
+predicts each with ``memfit.memory.estimate.estimate`` on the CUDA target, and prints published,
+predicted and the error per run, then the median and worst absolute error and the share of runs memfit
+under-estimates (the unsafe direction: a plan that "fits" and then runs out of memory).
+
+What is compared with what (the terms memfit has, ``memory/device_terms.py``):
+
+- ``allocated`` (``torch.cuda.max_memory_allocated``) and ``unstated``: the estimate's tensor peak,
+  without its ``other`` term (CUDA context, cuBLAS workspace, allocator reserve);
+- ``reserved`` (``max_memory_reserved``): the tensor peak plus the cuBLAS workspace and the allocator
+  reserve, without the CUDA context;
+- ``nvidia-smi`` and ``fits`` (the longest context that fit a card, whose peak is taken to be the card's
+  memory): the whole estimate, CUDA context included.
+
+Settings of the other stacks that memfit has no flag for (torch.compile, lean QLoRA preparation, paged
+optimizers, LoRA on the head...) are listed per run under ``missing`` and left out of the prediction;
+the error is then what a user of memfit would be told for that run, and the note says why it is off.
+The estimator is never tuned to these figures.
+
+    python bench/published_check.py                  # the table, then the summary
+    python bench/published_check.py --markdown       # the table as bench/README.md shows it
+    python bench/published_check.py --out -          # JSON rows and summary to stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RUNS_FILE = Path(__file__).resolve().parent / "published_runs.yaml"
+MEASURED = ("allocated", "reserved", "nvidia-smi", "unstated", "fits")
+UNITS = {"GB": 10**9, "GiB": 2**30}
+_SPECS: dict[str, Any] = {}  # the file's own models, built once per process (a meta-device model each)
+
+
+@dataclass
+class Row:
+    """One published run and memfit's prediction of it (bytes; ``error`` as a fraction of published)."""
+
+    id: str
+    project: str
+    gpu: str
+    measured: str
+    published: int
+    predicted: int
+    error: float
+    missing: list[str]
+    note: str
+
+
+def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The file's ``models`` (inline architectures) and ``runs``."""
+    data = yaml.safe_load(Path(path).read_text())
+    return data.get("models") or {}, data["runs"]
+
+
+def spec_for(name: str, models: dict[str, Any]):
+    """A preset name, or a model of the file's ``models`` section: a preset's config (``base``) updated
+    with ``config``, built by transformers like any preset (``memfit.modelspec.spec_from_config``)."""
+    from memfit.modelspec import load_presets, load_spec, spec_from_config
+
+    if name not in models:
+        return load_spec(name)  # cached by memfit
+    if name in _SPECS:
+        return _SPECS[name]
+    entry = models[name]
+    config = dict(load_presets()[entry["base"]]["config"]) if "base" in entry else {}
+    config.update(entry.get("config") or {})
+    from transformers import AutoConfig
+
+    _SPECS[name] = spec_from_config(AutoConfig.for_model(config.pop("model_type"), **config), name)
+    return _SPECS[name]
+
+
+def predicted_bytes(breakdown, measured: str) -> int:
+    """The part of a CUDA estimate that a figure of kind ``measured`` counts (see the module docstring)."""
+    from memfit.memory.device_terms import CUDA_CONTEXT_BYTES
+
+    if measured in ("allocated", "unstated"):
+        return breakdown.peak_bytes - breakdown.other
+    if measured == "reserved":
+        return breakdown.peak_bytes - CUDA_CONTEXT_BYTES
+    return breakdown.peak_bytes
+
+
+def run_config(run: dict[str, Any]):
+    """The run's ``memfit`` flags (spelled as ``memfit estimate`` takes them) as a ``RunConfig``; a flag that
+    is not a memory setting is refused (``RunConfig.from_flat`` would drop it silently)."""
+    from memfit.config import RunConfig
+
+    flat = {str(k).replace("-", "_"): v for k, v in run["memfit"].items()}
+    unknown = sorted(set(flat) - set(RunConfig().to_flat()))
+    if unknown:
+        raise ValueError(f"{run['id']}: not memfit memory settings: {', '.join(unknown)}")
+    return RunConfig.from_flat(flat)
+
+
+def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
+    """memfit's analytic estimate of one published run."""
+    from memfit.memory.estimate import estimate
+
+    if run["measured"] not in MEASURED:
+        raise ValueError(f"{run['id']}: measured must be one of {', '.join(MEASURED)}, got {run['measured']!r}")
+    breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda")
+    published = int(round(float(run["published"]) * UNITS[run["unit"]]))
+    predicted = predicted_bytes(breakdown, run["measured"])
+    return Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
+               (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "")
+
+
+def check(path: Path = RUNS_FILE) -> list[Row]:
+    """Every run of the file, predicted."""
+    models, runs = load(path)
+    return [predict(run, models) for run in runs]
+
+
+def summary(rows: list[Row]) -> dict[str, Any]:
+    """Median and worst absolute error, and the share of runs memfit under-estimates."""
+    errors = [abs(r.error) for r in rows]
+    worst = max(rows, key=lambda r: abs(r.error))
+    return {"runs": len(rows), "projects": len({r.project for r in rows}),
+            "median_abs_error": statistics.median(errors), "worst_abs_error": abs(worst.error),
+            "worst_run": worst.id, "under_share": sum(r.error < 0 for r in rows) / len(rows)}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def render(rows: list[Row], stats: dict[str, Any], markdown: bool) -> str:
+    head = ["run", "GPU", "measured", "published", "memfit", "error", "memfit lacks"]
+    lines = []
+    if markdown:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.id, r.gpu, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}",
+                 "; ".join(m.split(" (")[0] for m in r.missing) or "-"]
+        lines.append("| " + " | ".join(cells) + " |" if markdown else "  ".join(cells))
+    lines.append("")
+    lines.append(f"{stats['runs']} runs from {stats['projects']} projects: median |error| "
+                 f"{stats['median_abs_error']:.1%}, worst {stats['worst_abs_error']:.1%} ({stats['worst_run']}), "
+                 f"memfit under-estimates {stats['under_share']:.0%} of the runs")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=Path, default=RUNS_FILE, help="the data file (default: %(default)s)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--out", help="write JSON rows and summary to this file ('-' for stdout)")
+    args = parser.parse_args(argv)
+    rows = check(args.runs)
+    stats = summary(rows)
+    if args.out:
+        payload = json.dumps({"rows": [asdict(r) for r in rows], "summary": stats}, indent=2)
+        if args.out == "-":
+            print(payload)
+            return 0
+        Path(args.out).write_text(payload + "\n")
+    print(render(rows, stats, args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
