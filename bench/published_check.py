@@ -65,8 +65,8 @@ def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def spec_for(name: str, models: dict[str, Any]):
     """A preset name, or a model of the file's ``models`` section: a preset's config (``base``) updated
-    with ``config``, built by transformers like any preset (``memfit.modelspec.spec_from_config``)."""
-    from memfit.modelspec import load_presets, load_spec, spec_from_config
+    with ``config``, built by transformers like any preset (``memfit.spec.model.spec_from_config``)."""
+    from memfit.spec.model import load_presets, load_spec, spec_from_config
 
     if name not in models:
         return load_spec(name)  # cached by memfit
@@ -95,7 +95,7 @@ def predicted_bytes(breakdown, measured: str) -> int:
 def run_config(run: dict[str, Any]):
     """The run's ``memfit`` flags (spelled as ``memfit estimate`` takes them) as a ``RunConfig``; a flag that
     is not a memory setting is refused (``RunConfig.from_flat`` would drop it silently)."""
-    from memfit.config import RunConfig
+    from memfit.settings.config import RunConfig
 
     flat = {str(k).replace("-", "_"): v for k, v in run["memfit"].items()}
     unknown = sorted(set(flat) - set(RunConfig().to_flat()))
