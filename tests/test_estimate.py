@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from memfit.cli import cli
 from memfit.memory.activations import Precisions
-from memfit.memory.estimate import autocast_weight_copies, estimate
+from memfit.memory.autocast import autocast_weight_copies
+from memfit.memory.estimate import estimate
 from memfit.settings.config import RunConfig
 from memfit.spec.model import load_spec, spec_from_config
 from memfit.units import MiB

@@ -197,3 +197,25 @@ def test_the_walk_sees_in_function_and_relative_imports(tmp_path):
     assert fake["memfit.training.b"] == {"memfit.memory.a": 1}
     assert cycles(fake) == [["memfit.memory.a", "memfit.training.b"]]
     assert "memfit.memory.a:2 -> memfit.training.b" in _describe(cycles(fake)[0], fake)
+
+
+#: Over these, a module says why in a paragraph of its docstring that starts with "Size:" (issue 23, item 5).
+MODULE_LINES, FUNCTION_LINES = 500, 60
+
+
+def test_long_modules_and_functions_say_why():
+    """A module over 500 lines, or with a function over 60, explains itself: readable arithmetic is the
+    default, and the exceptions are decisions a reader can see (and a reviewer can question)."""
+    silent = []
+    for module, path in sorted(_modules().items()):
+        text = path.read_text()
+        tree = ast.parse(text)
+        long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.end_lineno - node.lineno + 1 > FUNCTION_LINES]
+        lines = len(text.splitlines())
+        if (lines > MODULE_LINES or long) and "\nSize: " not in (ast.get_docstring(tree) or ""):
+            silent.append(f"{module} ({lines} lines; {', '.join(long) or 'no long function'})")
+    assert not silent, ("split these, or say why not in a 'Size:' paragraph of the module docstring: "
+                        + "; ".join(silent))
+

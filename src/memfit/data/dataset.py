@@ -7,6 +7,10 @@ is the normaliser of the training loss (issue 6) and ``unigram_loss`` the baseli
 Label convention (the Hugging Face one): ``labels`` has the same length as ``input_ids``; the
 model shifts internally, so ``labels[t]`` is the target of the prediction made at position
 ``t - 1``. ``-100`` marks a position that carries no loss (prompt tokens, padding).
+
+Size: over 500 lines, and ``tokenize`` over 60, because the label convention, the byte tokenizer and the
+collation that depend on it are kept in one place; ``tokenize`` is one pass over a record whose branches
+(text, prompt/completion, conversation turns) share the same truncation and masking rules.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ exact saved tensors (CPU flash SDPA saves output + logsumexp like CUDA flash; me
 logsumexp to 32 rows: at most 31*B*H*4 bytes per layer), CUDA's autocast fp32 op list (``pow``,
 ``softmax``, ``layer_norm``... run in fp32 on CUDA but in the input dtype on CPU; HF decoders upcast
 explicitly, except GPT-2's ``gelu_new``), allocator block rounding (512 B) and fragmentation.
+
+Size: over 500 lines, with ``trace`` and ``_make_recorder`` over 60, because the tracer is the only user of
+torch's private dispatch and fake-tensor APIs: keeping every such call in one module keeps the
+version-sensitive surface in one place; the recorder's dispatch handler reads as one unit.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 source, data, output folder, model, optimizer, schedule, resume), so ``training.loop`` only runs
 steps and ``training.finish`` only reports. Everything a user can get wrong (model, tokenizer, data,
 length) is checked before the output folder is created, so a bad input leaves nothing behind.
+
+Size: ``build_session`` is over 60 lines because it is the ordered list of builders itself; the order
+is the contract (nothing is written before every user input is checked) and reads best in one place.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Each builder does one job with the library that owns it (Accelerate, transformers, PEFT, torch);
 ``train.loop`` wires them together.
+
+Size: ``build_model`` is over 60 lines because it carries the load options of every model source
+(preset, folder, Hub snapshot, quantized base) through one ``from_pretrained``/``from_config`` call.
 """
 
 from __future__ import annotations
