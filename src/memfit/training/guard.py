@@ -166,6 +166,10 @@ class RunGuard:
 
 
 
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
 def _as_write_error(exc: BaseException, output: Path) -> BaseException:
     """A failed write that a library reports as something else (torch's ``RuntimeError: ... file write
     failed``, safetensors' own error), as the ``OSError`` it is when the disk under ``output`` is full."""
@@ -175,7 +179,7 @@ def _as_write_error(exc: BaseException, output: Path) -> BaseException:
     if "write" not in text and "no space" not in text and "enospc" not in text:
         return exc
     try:
-        full = shutil.disk_usage(output).free < (1 << 20)
+        full = free_bytes(output) < (1 << 20)
     except OSError:
         full = False
     if full or "no space" in text:

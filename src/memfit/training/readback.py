@@ -137,8 +137,12 @@ def rng_problem(path: Path) -> str | None:
         return f"lacks {path.name}"
     from accelerate.utils import load
 
+    import warnings
+
     try:
-        states = load(path)
+        with warnings.catch_warnings():  # torch's note on a foreign pickle precedes the refusal anyway
+            warnings.simplefilter("ignore")
+            states = load(path)
     except Exception:  # noqa: BLE001 - truncated, hostile or foreign: any failure to unpickle it
         return f"has {path.name} that cannot be read back (truncated, or not written by this save)"
     keys = ("random_state", "numpy_random_seed", "torch_manual_seed")

@@ -79,6 +79,7 @@ class RunFolder:
         """Names this run's staging folders (the main process's, shared with the other ranks)."""
         self.ledger: dict | None = None
         """The run's own manifest (``ledger``), kept by the main process."""
+        self._made_marker = False
 
     @property
     def holds_lock(self) -> bool:
@@ -174,6 +175,7 @@ class RunFolder:
             kind = "a symbolic link" if path.is_symlink() else "a folder or special file"
             raise UserError(f"{path} is {kind}, not memfit's lock file; remove it (memfit recreates it), or choose "
                             "another --output.")
+        self._made_marker = not path.exists()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
@@ -193,6 +195,8 @@ class RunFolder:
     def close(self, *, failed: bool) -> None:
         """Release the lock; after a failure before the first step, remove the folder if this run made it."""
         held = self.holds_lock
+        if failed and held and not self.started and self._made_marker and not self.created:
+            (self.output / MARKER).unlink(missing_ok=True)  # a refused run leaves the folder as it found it
         if self._lock_fd is not None:
             import fcntl
 

@@ -23,6 +23,10 @@ MARGIN = 1.02
 SLACK = 1 * MiB
 
 
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
 def known_size(output: Path) -> tuple[int, str] | None:
     """``(bytes, checkpoint name)`` of the newest checkpoint with a readable manifest."""
     from memfit.training.manifest import MANIFEST
@@ -66,7 +70,7 @@ def check_before_save(s) -> None:
     if need <= 0:
         return
     folder = checkpoints_dir(s.output) if checkpoints_dir(s.output).is_dir() else s.output
-    free = shutil.disk_usage(folder).free
+    free = free_bytes(folder)
     short = free < need * MARGIN + SLACK
     if s.accelerator.num_processes > 1:  # every rank stops at the same save, or none does
         import torch
