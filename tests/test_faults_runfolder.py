@@ -283,36 +283,45 @@ def test_write_error_reported_as_another_exception_is_a_full_disk(tmp_path, own_
 
 
 TMPFS_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, shutil, sys
     from click.testing import CliRunner
     from memfit.cli import cli
     from memfit.training import space
-    root, model, data, case = sys.argv[1:5]
-    out = os.path.join(root, "out")
+    root, model, data = sys.argv[1:4]
+    real_check = space.check_before_save
     def fill(leave):  # a filler file that leaves ``leave`` bytes free
         st = os.statvfs(root)
         with open(os.path.join(root, "filler"), "wb") as fh:
             fh.write(b"x" * max(st.f_bavail * st.f_frsize - leave, 0))
-    train = ["train", "--model", model, "--tokenizer", "byte", "--data", data, "--seq-len", "32", "--micro-batch",
-             "2", "--eval-every", "0", "--samples", "0", "--no-packing", "--optimizer", "adamw", "--output", out]
-    runner = CliRunner()
-    if case == "plot":
-        fill(0)
-        r = runner.invoke(cli, ["estimate", "tiny", "--plot", os.path.join(root, "x.png")])
-    else:
-        if case == "write":  # the write itself hits ENOSPC: the check before the save is not in the way
-            space.check_before_save = lambda s: None
-        r = runner.invoke(cli, train + ["--max-steps", "4", "--save-every", "2"] if case != "export" else
-                          train + ["--max-steps", "2", "--save-every", "0"])
-        if case in ("check", "write"):
-            pass
-    print(json.dumps({"exit": r.exit_code, "output": r.output, "exc": repr(r.exception),
-                      "listing": sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
-                                        for f in fs)}))
+    # A checkpoint of this model is about 1.5 MB and its estimate before the first save 2.6 MB (margin
+    # included): "check" leaves 3.5 MB (step-2 fits, step-4 is refused before writing), "write" 2.5 MB
+    # (step-4's write itself fails), "export" 0.3 MB (the 0.5 MB model.safetensors fails), "plot" nothing.
+    cases = {"check": 3_500_000, "write": 2_500_000, "export": 300_000, "plot": 0}
+    found = {}
+    for case, leave in cases.items():
+        out = os.path.join(root, case)
+        fill(leave)
+        space.check_before_save = real_check if case != "write" else (lambda s: None)
+        train = ["train", "--model", model, "--tokenizer", "byte", "--data", data, "--seq-len", "32",
+                 "--micro-batch", "2", "--eval-every", "0", "--samples", "0", "--no-packing", "--optimizer",
+                 "adamw", "--output", out]
+        args = {"check": train + ["--max-steps", "4", "--save-every", "2"],
+                "write": train + ["--max-steps", "4", "--save-every", "2"],
+                "export": train + ["--max-steps", "2", "--save-every", "0"],
+                "plot": ["estimate", "tiny", "--plot", os.path.join(root, "x.png")]}[case]
+        r = CliRunner().invoke(cli, args)
+        found[case] = {"exit": r.exit_code, "output": r.output, "exc": repr(r.exception),
+                       "listing": sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+                                         for f in fs)}
+        os.remove(os.path.join(root, "filler"))
+    print(json.dumps(found))
 """)
 
 
-def _tmpfs_case(tmp_path, own_run, case, fill_after=None):
+@pytest.mark.slow
+def test_a_real_full_disk(tmp_path, own_run):
+    """A 20 MB tmpfs (in a private mount namespace), filled up: before a save, in the write itself, at the
+    export, and under ``estimate --plot``. One sentence each, no partial file, no traceback."""
     mount = tmp_path / "mnt"
     mount.mkdir()
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mount}"],
@@ -322,30 +331,17 @@ def _tmpfs_case(tmp_path, own_run, case, fill_after=None):
     script = tmp_path / "case.py"
     script.write_text(TMPFS_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    shell = (f"mount -t tmpfs -o size=20m tmpfs {mount} && {fill_after or ''} "
-             f"{sys.executable} {script} {mount} {own_run[1]} {own_run[2]} {case}")
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, env=env,
-                          timeout=300)
+    shell = f"mount -t tmpfs -o size=20m tmpfs {mount} && {sys.executable} {script} {mount} {own_run[1]} {own_run[2]}"
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case, said", [("plot", "(No space left on device)"), ("check", "is free under"),
-                                        ("write", "failed (No space left on device)"),
-                                        ("export", "failed (No space left on device)")])
-def test_a_real_full_disk(tmp_path, own_run, case, said):
-    """A 20 MB tmpfs (private mount namespace), filled up: at the first save, by the write itself, at the
-    export, and under ``estimate --plot``. One sentence each, no partial file, no traceback."""
-    # A checkpoint of this model is about 1.5 MB and its estimate before the first save 2.6 MB (margin included):
-    # "check" leaves 3.5 MB (step-2 fits, step-4 is refused before writing), "write" 2.5 MB (step-4's write
-    # fails), "export" 0.3 MB (the 0.5 MB model.safetensors fails).
-    leave = {"plot": 0, "check": 3_500_000, "write": 2_500_000, "export": 300_000}[case]
-    filler = f"head -c {20 * 2**20 - leave} /dev/zero > {tmp_path}/mnt/filler;" if leave else ""
-    doc = _tmpfs_case(tmp_path, own_run, case, filler)
-    errors = [line for line in doc["output"].splitlines() if line.startswith("error: ")]
-    assert doc["exit"] == 1 and len(errors) == 1 and said in errors[0], doc
-    assert "Traceback" not in doc["output"]
-    assert not [p for p in doc["listing"] if ".tmp" in p], doc["listing"]
-    if case in ("check", "write"):
-        assert "step-2 (continue with" in errors[0], errors[0]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    said = {"plot": "(No space left on device)", "check": "is free under", "write": "failed (No space left on device)",
+            "export": "failed (No space left on device)"}
+    for case, doc in found.items():
+        errors = [line for line in doc["output"].splitlines() if line.startswith("error: ")]
+        assert doc["exit"] == 1 and len(errors) == 1 and said[case] in errors[0], (case, doc)
+        assert "Traceback" not in doc["output"], (case, doc["output"])
+        assert not [p for p in doc["listing"] if ".tmp" in p], (case, doc["listing"])
+        if case in ("check", "write"):
+            assert "step-2 (continue with" in errors[0], errors[0]
+            assert f"{case}/checkpoints/step-2/manifest.json" in doc["listing"]

@@ -175,14 +175,11 @@ def _as_write_error(exc: BaseException, output: Path) -> BaseException:
     failed``, safetensors' own error), as the ``OSError`` it is when the disk under ``output`` is full."""
     if isinstance(exc, OSError) or isinstance(exc, UserError) or not isinstance(exc, Exception):
         return exc
-    text = str(exc).lower()
-    if "write" not in text and "no space" not in text and "enospc" not in text:
-        return exc
-    try:
+    try:  # torch's writer says only "unexpected pos 433984 vs 433876" (seen on a full 20 MB tmpfs)
         full = free_bytes(output) < (1 << 20)
     except OSError:
         full = False
-    if full or "no space" in text:
+    if full or "no space left" in str(exc).lower():
         return OSError(errno.ENOSPC, "No space left on device", None)
     return exc
 

@@ -135,9 +135,9 @@ def rng_problem(path: Path) -> str | None:
     (dropout, sampling) than the run had. Loaded as Accelerate loads it (``weights_only``)."""
     if not path.is_file():
         return f"lacks {path.name}"
-    from accelerate.utils import load
-
     import warnings
+
+    from accelerate.utils import load
 
     try:
         with warnings.catch_warnings():  # torch's note on a foreign pickle precedes the refusal anyway
