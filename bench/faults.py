@@ -435,6 +435,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated categories")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    import faults_runfolder  # issue 27's cases (beside this file)
     import memfit.cli.train as train_cli
 
     tmp = Path(tempfile.mkdtemp(prefix="memfit-faults-"))
@@ -448,6 +449,10 @@ def main() -> None:
             ("checkpoint", lambda: checkpoint_cases(c, tmp, model, data)),
             ("resume", lambda: resume_cases(c, tmp, model, data)), ("folder", lambda: folder_cases(c, tmp, data)),
             ("disk", lambda: disk_cases(c, tmp, model, data)),
+            ("runfolder", lambda: faults_runfolder.runfolder_cases(c, tmp, model, data)),
+            ("lineage", lambda: faults_runfolder.lineage_cases(c, tmp, model, data)),
+            ("readback", lambda: faults_runfolder.readback_cases(c, tmp, model, data)),
+            ("space", lambda: faults_runfolder.space_cases(c, tmp, model, data)),
             ("kill", lambda: kill_trials(c, tmp, model, data, args.kills))]
     for name, fn in plan:
         if only is None or name in only:

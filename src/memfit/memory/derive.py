@@ -339,12 +339,11 @@ def _load(path: Path, key: str) -> DerivedRecipe | None:
 
 def _store(path: Path, recipe: DerivedRecipe) -> None:
     """Write atomically; a cache that cannot be written only costs the next run a derivation."""
+    from memfit.files import write_atomic
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(recipe.to_json(), separators=(",", ":")))
-        os.replace(tmp, path)
-    except OSError:
+        write_atomic(path, json.dumps(recipe.to_json(), separators=(",", ":")))
+    except UserError:
         pass
 
 

@@ -42,7 +42,10 @@ def plot_breakdowns(rows: list[tuple[str, MemoryBreakdown]], path: str | Path, t
     ax.legend(fontsize=8, loc="upper left")
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from memfit.files import figure_bytes, write_atomic
+
+    try:  # rendered in memory, then written whole (a full disk or a device node: one sentence)
+        write_atomic(path, figure_bytes(fig, path, dpi=120), what="--plot")
+    finally:
+        plt.close(fig)
     return path

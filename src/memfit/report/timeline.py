@@ -62,10 +62,9 @@ def plot_timeline(timeline, path) -> None:
     ax.legend(loc="upper left", fontsize="small", ncol=2)
     fig.tight_layout()
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-    except OSError as err:
-        raise UserError(f"Cannot write the timeline to {path}: {err.strerror}.") from None
+    from memfit.files import figure_bytes, write_atomic
+
+    try:  # rendered in memory, then written whole (a full disk or a device node: one sentence)
+        write_atomic(path, figure_bytes(fig, path, dpi=120), what="--timeline")
     finally:
         plt.close(fig)

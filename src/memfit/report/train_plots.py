@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 
 def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of ``metrics.jsonl``, checked (``training.readback.read_metrics``)."""
+    from memfit.training.readback import read_metrics as checked
+
+    return checked(path)
 
 
 def plot_loss(metrics_path: Path, out_path: Path, *, unigram: float | None = None) -> Path | None:
@@ -39,6 +39,10 @@ def plot_loss(metrics_path: Path, out_path: Path, *, unigram: float | None = Non
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+    from memfit.files import figure_bytes, write_atomic
+
+    try:  # in memory, then replaced whole: a link planted as loss.png is replaced, never written through
+        write_atomic(Path(out_path), figure_bytes(fig, out_path), root=Path(out_path).parent, user_error=False)
+    finally:
+        plt.close(fig)
     return Path(out_path)

@@ -375,6 +375,11 @@ class TrainConfig:
                                     "again from 0).")
     """With ``resume``: train a finished run on past its end, its learning-rate schedule recomputed over the
     new total (the lr rises again from 0); refused without it (``training.resume.check_extension``)."""
+    allow_data_change: bool = setting(False, resume="never-restored", check="bool",
+                                      help="With --resume: train on although the data file's content changed since "
+                                      "the checkpoint was saved (refused otherwise).")
+    """With ``resume``: go on although the data's fingerprint differs from the checkpoint's
+    (``training.resume.check_data``)."""
     overwrite: bool = setting(False, resume="never-restored", check="bool",
                               help="Replace a previous run in --output.")
     merge: bool = setting(False, resume="may-change", check="bool",

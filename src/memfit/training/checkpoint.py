@@ -10,12 +10,14 @@ Layout of ``--output DIR``::
     DIR/metrics.jsonl, run.json, loss.png   what happened
     DIR/checkpoints/step-N/                 Accelerate save_state + trainer_state.json
 
-A checkpoint is written to ``checkpoints/.tmp-step-N`` by every rank; the main process then writes
+A checkpoint is written to ``checkpoints/.tmp-step-N-<pid>-<random>`` (the run's staging tag,
+``runfolder``) by every rank; the main process then writes
 ``manifest.json`` (every file's size and sha256) last, and renames the folder into place once all
 ranks are done, so a crash mid-save never leaves a half checkpoint that ``--resume`` would pick.
 ``--resume`` verifies the manifest before loading anything (``training.manifest``) and falls back to
 the newest intact checkpoint. Older checkpoints are removed (``--keep-last``) only after a newer one
-is complete. The final export is written to ``.tmp-export`` and moved into place file by file
+is complete. Before each save the free space is checked against the checkpoint's size (``space``). The
+final export is written to ``.tmp-export-<tag>`` and moved into place file by file
 (``os.replace``), so a failing write never leaves a half-written file under a final name.
 """
 
@@ -31,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from memfit.files import check_no_links
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training import manifest
 from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
@@ -54,19 +57,22 @@ def default_output(model: str, root: Path = Path("runs"), now: float | None = No
 
 
 def save_checkpoint(accelerator, output: Path, step: int, state: dict[str, Any], keep_last: int | None = None,
-                    save_state=None) -> Path:
+                    save_state=None, tag: str | None = None) -> Path:
     """Accelerate ``save_state`` (model, optimizer, scheduler, scaler, RNG) plus memfit's loop state, then
-    the manifest (last), then the rename; then, and only then, older checkpoints beyond ``keep_last`` go."""
+    the manifest (last), then the rename; then, and only then, older checkpoints beyond ``keep_last`` go.
+    ``tag``: the run's staging tag (the same on every rank); the staging folder is made new (``mkdir``
+    fails on anything already there, a planted link included), never reused."""
     final = checkpoints_dir(output) / f"step-{step}"
-    tmp = checkpoints_dir(output) / f".tmp-step-{step}"
+    tmp = checkpoints_dir(output) / f".tmp-step-{step}-{tag or os.getpid()}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        check_no_links(output, tmp / STATE_FILE)  # ``checkpoints -> elsewhere`` is refused, not followed
+        tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     with quiet_tied_weight_save():  # a tied head is saved once, and restored on load (memfit.integrations.hf_compat)
         (save_state or accelerator.save_state)(str(tmp))  # sharded runs: training.sharding.state_saver
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        manifest.write_file(tmp / STATE_FILE, json.dumps(state, indent=2))
+        manifest.write_file(tmp / STATE_FILE, json.dumps(state, indent=2))  # memfit.files: the one writer
         manifest.write_manifest(tmp)  # last: its presence says every file above is complete
         _put_in_place(tmp, final)
         manifest.fsync_dir(final.parent)
@@ -109,9 +115,10 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     for path in complete[max(keep, 1):]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)
-    for leftover in checkpoints_dir(output).glob(".tmp-step-*"):
-        if leftover.name != f".tmp-{newest.name}":
-            shutil.rmtree(leftover, ignore_errors=True)
+    from memfit.training.runfolder import remove_entry
+
+    for leftover in checkpoints_dir(output).glob(".tmp-step-*"):  # the lock holder's call: none is in use
+        remove_entry(leftover)
 
 
 def load_checkpoint(accelerator, output: Path, path: Path | None = None, load_state=None) -> dict[str, Any]:
@@ -130,18 +137,19 @@ def load_checkpoint(accelerator, output: Path, path: Path | None = None, load_st
     return state
 
 
-def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_preset: bool) -> list[str]:
+def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_preset: bool, tag: str | None = None,
+           record=None) -> list[str]:
     """Save the trained model the way ``AutoModelForCausalLM.from_pretrained(output)`` loads it.
 
-    Returns the paths written (relative to ``output``).
+    Returns the paths written (relative to ``output``); ``record`` is called with the top-level names moved
+    into ``output`` (the run's ledger: what ``--overwrite`` may remove later).
     """
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     if not accelerator.is_main_process:
         return []
     written = []
-    staging = output / ".tmp-export"  # written whole, then moved into place: no half file under a final name
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = output / f".tmp-export-{tag or os.getpid()}"  # written whole, then moved into place
     staging.mkdir(parents=True)
     tokenizer.save_pretrained(staging)
     with _quiet_transformers():
@@ -151,18 +159,24 @@ def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_
         else:
             model.save_pretrained(staging)
             written.append("model.safetensors")
-    _move_into_place(staging, output)
+    moved = _move_into_place(staging, output)
+    if record is not None:
+        record(*moved)
     return written
 
 
-def _move_into_place(staging: Path, output: Path) -> None:
-    """Move every file of ``staging`` to the same place under ``output`` (``os.replace``: atomic per file)."""
-    for src in sorted(staging.rglob("*")):
-        if src.is_file():
-            dst = output / src.relative_to(staging)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+def _move_into_place(staging: Path, output: Path) -> list[str]:
+    """Move every file of ``staging`` to the same place under ``output`` (``os.replace``: atomic per file, a
+    link at the name replaced, never followed; a link on the way is refused); the top-level names moved."""
+    files = [src for src in sorted(staging.rglob("*")) if src.is_file()]
+    for src in files:
+        check_no_links(output, output / src.relative_to(staging))
+    for src in files:
+        dst = output / src.relative_to(staging)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
     shutil.rmtree(staging, ignore_errors=True)
+    return list(dict.fromkeys(src.relative_to(staging).parts[0] for src in files))
 
 
 @contextmanager

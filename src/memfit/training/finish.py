@@ -33,7 +33,8 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         net = sharding.gathered_model(s.accelerator, s.run, s.model,
                                       lambda: build_model(s.config, s.run, s.source).model) or net
         checkpoint.export(s.accelerator, net, s.bundle.tokenizer, s.output, merge=s.config.merge,
-                          base_is_preset=s.bundle.random_init)
+                          base_is_preset=s.bundle.random_init, tag=s.guard.tag if s.guard else None,
+                          record=s.guard.record if s.guard else None)
     summary = RunSummary(
         steps=s.state.step, sequences=s.state.samples, final_train_loss=s.state.last_loss,
         final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.data.unigram,
@@ -85,7 +86,10 @@ def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> N
                 "transformers": transformers.__version__, "accelerate": accelerate.__version__,
                 "peft": peft.__version__}
     doc = {"settings": config.to_flat(), "versions": versions, **summary.to_dict()}
-    (output / "run.json").write_text(json.dumps(doc, indent=2, default=str))
+    from memfit.files import write_atomic
+
+    # replaced whole (a link planted as run.json is replaced, never written through)
+    write_atomic(output / "run.json", json.dumps(doc, indent=2, default=str), root=output, user_error=False)
     from memfit.report.train_plots import plot_loss
 
     plot_loss(output / "metrics.jsonl", output / "loss.png", unigram=summary.unigram_loss)

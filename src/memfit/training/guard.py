@@ -56,26 +56,60 @@ class RunGuard:
         if self._previous_handler is not None:
             signal.signal(signal.SIGINT, self._previous_handler)
         if self.folder is not None:
+            if exc is not None:
+                self.folder.remove_partial_writes()  # only while holding the lock: a refused run removes nothing
             self.folder.close(failed=exc is not None)
         if exc is None or self.output is None:
             return False
-        self._remove_partial_writes()
+        exc = _as_write_error(exc, self.output)
         if isinstance(exc, KeyboardInterrupt) and self._interrupts:
-            raise Interrupted(f"Stopped at once by a second Ctrl-C; {self._saved_sentence()}") from None
+            raise Interrupted(f"Stopped at once by a second Ctrl-C; {self.saved_sentence()}") from None
         if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS and not isinstance(exc, FileNotFoundError):
             what = Path(exc.filename).name if exc.filename else "a file"
             reason = exc.strerror or errno.errorcode.get(exc.errno, "write failed")
             raise UserError(f"Writing {what} under {self.output} failed ({reason}), so the run stopped; "
-                            f"{self._saved_sentence()}") from None
+                            f"{self.saved_sentence()}") from None
         return False
 
-    def open_folder(self, config, *, is_main: bool):
-        """Check, create and lock ``config.output`` (``runfolder.RunFolder.open``)."""
+    def lock_existing(self, config, *, is_main: bool) -> None:
+        """Lock ``--output`` if it already holds a run, before anything there is read (``RunFolder.lock_existing``)."""
         from memfit.training.runfolder import RunFolder
 
-        self.output = Path(config.output)
-        self.folder = RunFolder(self.output).open(config, is_main=is_main)
+        if config.output:
+            self.folder = RunFolder(Path(config.output))
+            self.folder.lock_existing(config, is_main=is_main)
+
+    def open_folder(self, config, accelerator=None, *, is_main: bool, run_id: str | None = None,
+                    data: dict | None = None):
+        """Check, create and lock ``config.output`` (``runfolder.RunFolder.open``); the staging tag is the main
+        process's on every rank."""
+        from memfit.training.runfolder import RunFolder
+
+        if self.folder is None or self.folder.output != Path(config.output):
+            self.folder = RunFolder(Path(config.output))
+        self.folder.open(config, is_main=is_main, run_id=run_id, data=data)
+        self.output = Path(config.output)  # from here on a failure names the run's checkpoints
+        if accelerator is not None and accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            shared = [self.folder.tag]
+            broadcast_object_list(shared)
+            self.folder.tag = shared[0]
         return self.folder
+
+    def lineage(self) -> dict:
+        """The run id and data fingerprint each checkpoint records (``ledger``; main process)."""
+        doc = self.folder.ledger if self.folder is not None else None
+        return {"run_id": doc["run_id"], "data_fingerprint": doc.get("data")} if doc else {}
+
+    @property
+    def tag(self) -> str | None:
+        return self.folder.tag if self.folder is not None else None
+
+    def record(self, *names: str) -> None:
+        """Add ``names`` to what memfit wrote in the run folder (``ledger``)."""
+        if self.folder is not None:
+            self.folder.record(*names)
 
     def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._interrupts += 1
@@ -102,7 +136,7 @@ class RunGuard:
             bad = "the weights became NaN/inf"
         if bad:
             raise UserError(f"At step {step} {bad}, so the run stopped without saving that step (lower --lr or "
-                            f"check the data); {self._saved_sentence()}")
+                            f"check the data); {self.saved_sentence()}")
 
     def should_stop(self, accelerator) -> bool:
         """Whether a Ctrl-C asked to stop (on any process: all stop at the same step)."""
@@ -115,10 +149,10 @@ class RunGuard:
 
     def stop(self, step: int) -> None:
         """After the checkpoint the Ctrl-C asked for: stop with where it is and how to continue."""
-        raise Interrupted(f"Interrupted at step {step}; {self._saved_sentence()}")
+        raise Interrupted(f"Interrupted at step {step}; {self.saved_sentence()}")
 
     # ---------------------------------------------------------------------------------- wording
-    def _saved_sentence(self) -> str:
+    def saved_sentence(self) -> str:
         from memfit.training.checkpoint_dirs import step_folders
         from memfit.training.manifest import has_manifest
 
@@ -130,11 +164,24 @@ class RunGuard:
         return (f"the newest complete checkpoint is {newest} (continue with: memfit train --output {self.output} "
                 "--resume).")
 
-    def _remove_partial_writes(self) -> None:
-        if self.output is None or not self.output.is_dir():
-            return
-        for leftover in [*(self.output / "checkpoints").glob(".tmp-step-*"), self.output / ".tmp-export"]:
-            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _as_write_error(exc: BaseException, output: Path) -> BaseException:
+    """A failed write that a library reports as something else (torch's ``RuntimeError: ... file write
+    failed``, safetensors' own error), as the ``OSError`` it is when the disk under ``output`` is full."""
+    if isinstance(exc, OSError) or isinstance(exc, UserError) or not isinstance(exc, Exception):
+        return exc
+    try:  # torch's writer says only "unexpected pos 433984 vs 433876" (seen on a full 20 MB tmpfs)
+        full = free_bytes(output) < (1 << 20)
+    except OSError:
+        full = False
+    if full or "no space left" in str(exc).lower():
+        return OSError(errno.ENOSPC, "No space left on device", None)
+    return exc
 
 
 def _weights_finite(model) -> bool:

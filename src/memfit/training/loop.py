@@ -24,7 +24,7 @@ from memfit.integrations.hf_compat import quiet_import_notices
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
 from memfit.settings.config import TrainConfig
-from memfit.training import checkpoint, oom, resume, sharding
+from memfit.training import checkpoint, oom, resume, sharding, space
 from memfit.training.finish import finish
 from memfit.training.guard import RunGuard
 from memfit.training.oom import not_a_batch_problem
@@ -177,10 +177,13 @@ def save_due(s: TrainSession) -> None:
     if checkpoint.due(s.config, s.state.step, s.total_steps) or stop:
         s.state.wall_s = time.perf_counter() - s.t_start
         with not_a_batch_problem("saving a checkpoint"):
+            space.check_before_save(s)  # a checkpoint that cannot fit: one sentence before writing any of it
             s.guard.last_checkpoint = checkpoint.save_checkpoint(
                 s.accelerator, s.output, s.state.step,
-                {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config, s.total_steps)},
-                keep_last=s.config.keep_last, save_state=s.save_state)
+                {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config, s.total_steps),
+                 **s.guard.lineage()},
+                keep_last=s.config.keep_last, save_state=s.save_state, tag=s.guard.tag)
+            s.guard.record(f"checkpoints/{s.guard.last_checkpoint.name}")
     if stop:
         s.guard.stop(s.state.step)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.training import readback
 from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_folders
 
 MANIFEST = "manifest.json"
@@ -44,14 +45,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: the final name only ever
-    holds a complete file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """``memfit.files.write_atomic``: the final name only ever holds a complete file, never written through a
+    link; a failing write raises its ``OSError`` (``training.guard`` names the intact checkpoint)."""
+    from memfit.files import write_atomic
+
+    write_atomic(path, text, user_error=False)
 
 
 def _sha256(path: Path) -> str:
@@ -93,6 +91,10 @@ def _manifest_problem(folder: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         return f"has an unreadable {MANIFEST}"
     for name, entry in listed.items():
+        why = readback.manifest_entry_problem(name, entry)
+        if why:
+            return f"has {MANIFEST} that {why}"
+    for name, entry in listed.items():
         path = folder / name
         if not path.is_file():
             return f"lacks {name}"
@@ -103,12 +105,18 @@ def _manifest_problem(folder: Path) -> str | None:
             return f"has {name} changed since it was saved (checksum differs)"
     if STATE_FILE not in listed:
         return f"lacks {STATE_FILE}"
-    return _state_problem(folder)
+    return _state_problem(folder) or _rng_problem(folder)
+
+
+def _rng_problem(folder: Path) -> str | None:
+    """Every process's RNG state must load (a manifest recomputed over a damaged one does not make it good)."""
+    files = sorted(folder.glob("random_states_*.pkl")) or [folder / "random_states_0.pkl"]
+    return next((why for why in map(readback.rng_problem, files) if why), None)
 
 
 def _structure_problem(folder: Path) -> str | None:
     """A checkpoint without a manifest (written by an older memfit): check what can be checked."""
-    state = _state_problem(folder)
+    state = _state_problem(folder) or _rng_problem(folder)
     if state:
         return state
     for name in _NEEDED:
@@ -140,17 +148,14 @@ def read_state(folder: Path) -> dict[str, Any]:
     """The loop state of a checkpoint: a JSON object with whole, non-negative ``step`` and ``samples``."""
     path = folder / STATE_FILE
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(path.read_bytes().decode("utf-8"))
     except OSError:
         raise UserError(f"{folder}: lacks {STATE_FILE}.") from None
     except ValueError:
         raise UserError(f"{folder}: has {STATE_FILE} that is not valid JSON.") from None
-    if not isinstance(state, dict):
-        raise UserError(f"{folder}: has {STATE_FILE} that is not a JSON object.")
-    for key in ("step", "samples"):
-        value = state.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise UserError(f"{folder}: has {STATE_FILE} whose {key} is {value!r}, not a step count.")
+    why = readback.state_problem(state)
+    if why:
+        raise UserError(f"{folder}: has {STATE_FILE} that {why}.")
     return state
 
 

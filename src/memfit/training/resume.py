@@ -48,6 +48,8 @@ class ResumePoint:
     state: dict[str, Any]
     note: str | None
     """Which newer checkpoints were passed over and why (None when the newest was intact)."""
+    data: dict[str, Any] | None = None
+    """The fingerprint of the data now (``ledger.fingerprint``), checked against the checkpoint's."""
 
 
 def _absolute(value: Any) -> Any:
@@ -100,10 +102,48 @@ def restore(config):
     path, note = manifest.pick_intact(output)
     state = manifest.read_state(path)
     point = ResumePoint(path, state, note)
+    check_run(point, output)
     saved = state.get("settings")
-    if not isinstance(saved, dict):  # a checkpoint from before settings were saved: keep the flags given
-        return config, point
-    return merge(config, saved, output), point
+    if isinstance(saved, dict):  # else a checkpoint from before settings were saved: keep the flags given
+        config = merge(config, saved, output)
+    check_data(point, config)
+    return config, point
+
+
+def check_run(point: ResumePoint, output: Path) -> None:
+    """Refuse a checkpoint whose run id is not the run folder's (one of another run, copied in)."""
+    from memfit.training import ledger
+
+    doc = ledger.read(output)
+    mine, theirs = (doc or {}).get("run_id"), point.state.get("run_id")
+    if mine and theirs and mine != theirs:
+        raise UserError(f"{point.path} belongs to another run (run id {theirs[:12]}) than {output} (run id "
+                        f"{mine[:12]}), so it was not resumed; remove it, or resume that run in its own folder.")
+
+
+def check_data(point: ResumePoint, config) -> None:
+    """Refuse data whose content changed since the checkpoint was saved, unless ``--allow-data-change``."""
+    from memfit.training import ledger
+
+    point.data = ledger.fingerprint(config.data)
+    saved = point.state.get("data_fingerprint")
+    if not ledger.valid_fingerprint(saved) or point.data is None:
+        return  # a checkpoint from before fingerprints, or Hub data: nothing to compare
+    if (saved["bytes"], saved["sha256"]) == (point.data["bytes"], point.data["sha256"]):
+        return
+    what = (f"the data {config.data} changed since {point.path.name} was saved ({ledger.describe(saved)} then, "
+            f"{ledger.describe(point.data)} now)")
+    if not getattr(config, "allow_data_change", False):
+        raise UserError(f"--resume: {what}; restore the data the run trained on, or add --allow-data-change to "
+                        "train on the new data.")
+    point.note = "; ".join(n for n in (point.note, f"{what}: training on the new data (--allow-data-change)") if n)
+
+
+def data_now(point: ResumePoint | None, config) -> dict[str, Any] | None:
+    """The data's fingerprint, computed once per run (a resume has it from ``check_data``)."""
+    from memfit.training import ledger
+
+    return point.data if point is not None and point.data is not None else ledger.fingerprint(config.data)
 
 
 def merge(config, saved: dict[str, Any], output: Path):
@@ -219,17 +259,11 @@ def note_resume(output: Path, point: ResumePoint | None, is_main: bool) -> dict[
     if not is_main:
         return event
     from memfit.training.manifest import write_file
+    from memfit.training.readback import read_metrics
 
     path = output / "metrics.jsonl"
-    kept = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill: drop it
-            if isinstance(rec, dict) and (rec.get("event") or int(rec.get("step", 0)) <= step):
-                kept.append(json.dumps(rec))
+    kept = [json.dumps(rec) for rec in read_metrics(path)  # checked; a last line cut by a kill is dropped
+            if rec.get("event") or rec.get("step", 0) <= step]
     kept.append(json.dumps(event))
     write_file(path, "\n".join(kept) + "\n")
     return event

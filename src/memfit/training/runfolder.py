@@ -6,26 +6,37 @@ Rules (issue 14):
   run's ``run.json``/``metrics.jsonl``/``checkpoints``), into an empty folder, or, with ``--overwrite``,
   into a folder holding other files; it never writes into the input model, tokenizer or data folder,
   even with ``--overwrite``.
-- ``--overwrite`` removes only files memfit writes itself (``OWN_FILES``), never anything else there.
+- ``--overwrite`` removes only what the run's own manifest (``ledger``: ``.memfit-files.json``) says memfit
+  wrote, never anything else there; a file memfit would replace but did not write is refused.
 - While a run writes a folder it holds an exclusive ``fcntl.flock`` on ``.memfit-run``; a second run
   into the folder is refused in one sentence. The kernel drops the lock when the process dies, so a
-  lock left by a killed run is never in the way.
+  lock left by a killed run is never in the way. An existing folder is locked before anything in it is
+  read, created or removed (``lock_existing``, the first thing a run does), so a refused run touches
+  nothing, and a resume reads its checkpoint only while it holds the lock.
+- Staging folders (``checkpoints/.tmp-step-N-<pid>-<random>``, ``.tmp-export-<pid>-<random>``) are named
+  for the run that made them; leftovers are removed only by the process that holds the lock.
+- Nothing in the folder is written through a symlink (``memfit.files``): a link at a file's name is
+  replaced, a link on the way (``checkpoints -> elsewhere``) or as the lock file is refused.
 - A run that fails before its first optimizer step removes the folder again if it created it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import check_no_links
 from memfit.settings.validate import check_writable_target
+from memfit.training import ledger
 
 MARKER = ".memfit-run"
 LEGACY_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")
-#: What a memfit run writes at the top of its folder (the model export's files are replaced, not removed).
-OWN_FILES = ("checkpoints", "metrics.jsonl", "run.json", "loss.png", "memfit", ".tmp-export")
+STAGING = (".tmp-step-*", ".tmp-export*")
 
 
 def is_run_folder(path: Path) -> bool:
@@ -64,9 +75,26 @@ class RunFolder:
         self.started = False
         """Set once the first optimizer step ran: from then on the folder holds work worth keeping."""
         self._lock_fd: int | None = None
+        self.tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        """Names this run's staging folders (the main process's, shared with the other ranks)."""
+        self.ledger: dict | None = None
+        """The run's own manifest (``ledger``), kept by the main process."""
+        self._made_marker = False
 
-    def open(self, config, *, is_main: bool) -> RunFolder:
-        """Check the folder against the rules above, create it if needed, and lock it (main process)."""
+    @property
+    def holds_lock(self) -> bool:
+        return self._lock_fd is not None
+
+    def lock_existing(self, config, *, is_main: bool) -> None:
+        """Lock ``--output`` when it already holds a run (or ``--resume`` continues one), before anything
+        there is read; a folder that is not a run yet is locked by ``open`` once it is checked."""
+        output = self.output.expanduser()
+        if is_main and not self.holds_lock and output.is_dir() and (config.resume or is_run_folder(output)):
+            self._lock()
+
+    def open(self, config, *, is_main: bool, run_id: str | None = None, data: dict | None = None) -> RunFolder:
+        """Check the folder against the rules above, create it if needed, lock it and write its ledger (main
+        process); ``run_id`` and ``data``: the run's id and data fingerprint (``ledger``)."""
         output = self.output
         check_writable_target(output, flag_name="--output", is_dir=True)
         for label, folder, whole_tree in input_folders(config):
@@ -76,7 +104,12 @@ class RunFolder:
         if not is_main:  # the main process decides (and creates the marker the others would then see)
             return self
         if config.resume:
-            self._lock()
+            self._lock()  # held already when ``lock_existing`` ran: then a no-op
+            self.ledger = ledger.read(output) or {"version": 1, "run_id": run_id or ledger.new_run_id(),
+                                                  "files": ledger.legacy_files(output)}
+            self.ledger["data"] = data
+            self.ledger["files"] = list(dict.fromkeys([*self.ledger["files"], *ledger.RUN_FILES]))
+            ledger.write(output, self.ledger)
             return self
         exists = output.is_dir()
         foreign = exists and any(p.name != MARKER for p in output.iterdir()) and not is_run_folder(output)
@@ -87,41 +120,107 @@ class RunFolder:
             raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
                             "--resume to continue it, or choose another --output.")
         if not exists:
-            output.mkdir(parents=True)
+            output.mkdir(parents=True, exist_ok=True)
             self.created = True
         self._lock()
         if config.overwrite:
-            for name in OWN_FILES:
-                target = output / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
+            self._remove_own()
+        self.ledger = {"version": 1, "run_id": run_id or ledger.new_run_id(), "data": data,
+                       "files": list(ledger.RUN_FILES)}
+        ledger.write(output, self.ledger)
         return self
+
+    def _remove_own(self) -> None:
+        """``--overwrite``: remove what the ledger lists (or an older memfit's files), after checking that
+        nothing this run will replace is someone else's."""
+        doc = ledger.read(self.output)
+        own = doc["files"] if doc else ledger.legacy_files(self.output)
+        for name in ledger.RUN_FILES:
+            path = self.output / name
+            if (path.exists() or path.is_symlink()) and name not in own:
+                raise UserError(f"{path} was not written by memfit, and --overwrite replaces only memfit's own "
+                                "files; move it away, or choose another --output.")
+        for name in own:
+            check_no_links(self.output, self.output / name)
+        for name in own:
+            remove_entry(self.output / name)
+        self.remove_partial_writes()
+        checkpoints = self.output / "checkpoints"
+        if checkpoints.is_dir() and not checkpoints.is_symlink() and not any(checkpoints.iterdir()):
+            checkpoints.rmdir()
+
+    def record(self, *names: str) -> None:
+        """Add ``names`` (relative to the folder) to what memfit wrote here (main process)."""
+        if self.holds_lock:
+            ledger.add(self.output, self.ledger, *names)
+
+    def remove_partial_writes(self) -> None:
+        """Remove staging folders (every run's: only the lock holder calls this, so none is in use)."""
+        if not self.holds_lock or not self.output.is_dir():
+            return
+        checkpoints = self.output / "checkpoints"
+        found = list(self.output.glob(STAGING[1]))
+        if checkpoints.is_dir() and not checkpoints.is_symlink():
+            found += list(checkpoints.glob(STAGING[0]))
+        for leftover in found:
+            remove_entry(leftover)
 
     def _lock(self) -> None:
         import fcntl
 
+        if self.holds_lock:
+            return
         path = self.output / MARKER
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a symbolic link" if path.is_symlink() else "a folder or special file"
+            raise UserError(f"{path} is {kind}, not memfit's lock file; remove it (memfit recreates it), or choose "
+                            "another --output.")
+        self._made_marker = not path.exists()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR):
+                raise UserError(f"{path} is not memfit's lock file; remove it, or choose another --output.") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise UserError(f"Another memfit run (pid {holder}) is writing to {self.output}; wait for it to end or "
-                            "choose another --output.") from None
+            raise UserError(f"Another memfit run (pid {read_holder(path)}) is writing to {self.output}; wait for it "
+                            "to end or choose another --output.") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
 
     def close(self, *, failed: bool) -> None:
         """Release the lock; after a failure before the first step, remove the folder if this run made it."""
+        held = self.holds_lock
+        if failed and held and not self.started and self._made_marker and not self.created:
+            (self.output / MARKER).unlink(missing_ok=True)  # a refused run leaves the folder as it found it
         if self._lock_fd is not None:
             import fcntl
 
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
-        if failed and self.created and not self.started:
+        if failed and held and self.created and not self.started:
             shutil.rmtree(self.output, ignore_errors=True)
+
+
+def read_holder(path: Path) -> str:
+    """The pid in a lock file, validated (digits only; whatever else is there is not echoed)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(32).decode("ascii", errors="replace")
+    except OSError:
+        return "unknown"
+    match = re.fullmatch(r"\s*(\d{1,10})\s*", text)
+    return match.group(1) if match else "unknown"
+
+
+def remove_entry(path: Path) -> None:
+    """Remove a file, a link (the link itself, never what it points to) or a folder."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)

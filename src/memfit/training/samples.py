@@ -113,9 +113,10 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
                                seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
     finally:
         rng.restore()
-    with (s.output / SAMPLES_FILE).open("a") as fh:
-        for sample in out:
-            fh.write(json.dumps({"step": s.state.step, **sample}) + "\n")
+    from memfit.files import append_line
+
+    for sample in out:
+        append_line(s.output / SAMPLES_FILE, json.dumps({"step": s.state.step, **sample}))
     for sample in out:
         s.bar.note(f"sample at step {s.state.step}: {sample['prompt']!r} -> {sample['completion']!r}")
     return out

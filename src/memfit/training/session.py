@@ -146,6 +146,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     run) is checked before the output folder is created, so a bad input leaves nothing behind.
     """
     t_start = t_process = time.perf_counter()
+    guard.lock_existing(config, is_main=_launched_as_main())  # before anything in --output is read or removed
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     preflight(config.run)
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
@@ -168,7 +169,9 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     total_steps, steps_note = derived.total_steps(config, schedule.steps_per_epoch())
     resume.check_extension(resume_point, config, total_steps)  # a finished run trained on: only when asked
     output = Path(config.output)
-    guard.open_folder(config, is_main=accelerator.is_main_process)
+    data_fp = resume.data_now(resume_point, config) if accelerator.is_main_process else None
+    guard.open_folder(config, accelerator, is_main=accelerator.is_main_process, data=data_fp,
+                      run_id=resume_point.state.get("run_id") if resume_point is not None else None)
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device,
                          empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
@@ -221,6 +224,14 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                                                         config.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
                         t_process=t_process)
+
+
+def _launched_as_main() -> bool:
+    """Whether this process will be the main one (rank 0), before the Accelerator exists: ``accelerate
+    launch``/``torchrun`` set ``RANK``; a plain run is the only process."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def resolve_output(config: TrainConfig) -> TrainConfig:
@@ -313,8 +324,9 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            from memfit.files import append_line
+
+            append_line(self.path, json.dumps(record))  # never through a link planted as metrics.jsonl
 
 
 def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
