@@ -6,16 +6,9 @@ import math
 from pathlib import Path
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The records of ``metrics.jsonl``, checked (``training.readback.read_metrics``)."""
-    from memfit.training.readback import read_metrics as checked
-
-    return checked(path)
-
-
-def plot_loss(metrics_path: Path, out_path: Path, *, unigram: float | None = None) -> Path | None:
-    """Plot the losses logged in ``metrics.jsonl``; returns the written path (None when nothing was logged)."""
-    records = read_metrics(Path(metrics_path))
+def plot_loss(records: list[dict], out_path: Path, *, unigram: float | None = None) -> Path | None:
+    """Plot the losses logged in ``metrics.jsonl`` (its records, read and checked by the caller:
+    ``training.readback.read_metrics``); returns the written path (None when nothing was logged)."""
     if not records:
         return None
     import matplotlib

@@ -91,5 +91,6 @@ def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> N
     # replaced whole (a link planted as run.json is replaced, never written through)
     write_atomic(output / "run.json", json.dumps(doc, indent=2, default=str), root=output, user_error=False)
     from memfit.report.train_plots import plot_loss
+    from memfit.training.readback import read_metrics
 
-    plot_loss(output / "metrics.jsonl", output / "loss.png", unigram=summary.unigram_loss)
+    plot_loss(read_metrics(output / "metrics.jsonl"), output / "loss.png", unigram=summary.unigram_loss)
