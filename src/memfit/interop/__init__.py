@@ -49,10 +49,10 @@ def run_from(reading: Reading, typed: dict):
 
 def plan_pins(reading: Reading) -> dict:
     """What ``plan --from`` keeps of the file: the method (full fine-tune or LoRA, with its rank, alpha, dropout
-    and targets) and how documents fill rows; the planner chooses the rest (precision, checkpointing, optimizer,
+    and targets) how documents fill rows and the attention; the planner chooses the rest (precision, checkpointing, optimizer,
     micro-batch, loss, ...) among what the tool runs."""
     run = reading.run
-    pins = {"lora_r": run.lora_r, "packing": str(run.packing)}
+    pins = {"lora_r": run.lora_r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
     if run.is_lora():
         pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
     return pins
