@@ -39,10 +39,14 @@ class MemfitCallback(TrainerCallback):
         seq_len: tokens per row of the training batches; default: ``args.max_length`` (TRL), which pads to it.
         budget: memory to fit in (bytes or ``"24GiB"``); default: the GPU's memory (no check on the CPU).
         trainer: the trainer whose ``log`` reports the figures (``attach`` sets it).
+        full_rows: the rows hold no padding (fixed-length or packed rows), so transformers builds no padding mask
+            (memfit's ``concat`` rows); False: batches are padded to their longest row and carry a (B, 1, T, T)
+            mask (memfit's ``none`` packing, priced at ``seq_len``: an upper bound).
     """
 
-    def __init__(self, seq_len: int | None = None, budget: int | str | None = None, trainer=None) -> None:
-        self.seq_len, self.budget, self.trainer = seq_len, budget, trainer
+    def __init__(self, seq_len: int | None = None, budget: int | str | None = None, trainer=None,
+                 full_rows: bool = True) -> None:
+        self.seq_len, self.budget, self.trainer, self.full_rows = seq_len, budget, trainer, full_rows
         self.prediction = None
         self.run = None
         self.spec = None
@@ -56,14 +60,15 @@ class MemfitCallback(TrainerCallback):
         from memfit.memory.estimate import estimate
         from memfit.memory.measure import reset_peak
 
-        self.spec, self.run = run_of(args, model, self.seq_len, sft=_is_sft(self.trainer, args))
+        self.spec, self.run = run_of(args, model, self.seq_len, sft=_is_sft(self.trainer, args),
+                                     full_rows=self.full_rows)
         device = "cuda" if args.device.type == "cuda" else "cpu"
         self.prediction = estimate(self.spec, self.run, device=device)
         self._device, self._optimizer, self._model = device, optimizer, model
         self._target = min(MEASURED_STEP, state.max_steps) if state.max_steps > 0 else MEASURED_STEP
         budget = self._budget(device)
         if budget is not None and self.prediction.peak_bytes > budget:
-            raise DoesNotFit(_refusal(self.spec, self.run, self.prediction.peak_bytes, budget))
+            raise DoesNotFit(_refusal(self.spec, self.run, self.prediction.peak_bytes, budget, device))
         reset_peak(device)
 
     def _budget(self, device: str) -> int | None:
@@ -132,7 +137,7 @@ def _is_sft(trainer, args) -> bool:
     return hasattr(args, "max_length") and hasattr(args, "packing")
 
 
-def run_of(args, model, seq_len: int | None = None, *, sft: bool = False):
+def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_rows: bool = True):
     """(ModelSpec, RunConfig) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over it."""
     from memfit.interop import trl
     from memfit.modelspec import spec_from_config
@@ -151,6 +156,8 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False):
         raise UserError("MemfitCallback needs the rows' length: pass seq_len=... (TrainingArguments has none).")
     changes["seq_len"] = int(length)
     changes.update(_adapters(model))
+    if str(run.packing) == "none" and full_rows:
+        changes["packing"] = "concat"  # all-ones attention mask: transformers runs plain causal attention
     attention = getattr(base.config, "_attn_implementation", None)
     if attention in ("sdpa", "eager", "flash_attention_2"):
         changes["attn_implementation"] = attention
@@ -190,7 +197,7 @@ def _adapters(model) -> dict[str, Any]:
     return out
 
 
-def _refusal(spec, run, peak: int, budget: int) -> str:
+def _refusal(spec, run, peak: int, budget: int, device: str) -> str:
     """One sentence: the predicted peak, the budget, and the fastest plan that fits (or that none does)."""
     from memfit.errors import NothingFitsError
     from memfit.planning.search import describe, plan
@@ -199,7 +206,7 @@ def _refusal(spec, run, peak: int, budget: int) -> str:
     head = f"This run needs {fmt_gib(peak)} at its peak, more than the {fmt_gib(budget)} it has"
     try:
         result = plan(spec, budget, seq_len=run.seq_len, batch=run.micro_batch * run.grad_accum,
-                      constraints=None)
+                      constraints=None, cpu=device == "cpu")
     except NothingFitsError:
         return f"{head}, and no plan memfit knows fits it; use a larger device or shorter rows."
     return f"{head}; this plan fits ({fmt_gib(result.best.peak_bytes)}): {describe(result.best.config)}."

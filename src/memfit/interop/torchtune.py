@@ -96,6 +96,8 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
         if not isinstance(attn, list) or any(m not in MODULES for m in attn):
             raise keys.error("model.lora_attn_modules", f"{attn!r} is not a list of {', '.join(MODULES)}.")
         targets = [MODULES[m] for m in attn] + (list(MLP) if args.get("apply_lora_to_mlp") else [])
+        if set(targets) == set(MODULES.values()) | set(MLP):
+            targets = ["all-linear"]  # every linear of the decoder, PEFT's shorthand
         run.update(lora_r=rank, lora_alpha=float(args.get("lora_alpha", 16)),
                    lora_dropout=float(args.get("lora_dropout", 0.0)), lora_targets=tuple(targets))
         if args.get("apply_lora_to_output"):
