@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _train_helpers import assert_one_sentence
 from click.testing import CliRunner
 
+from _train_helpers import assert_one_sentence
 from memfit.cli import cli
 from memfit.interop import read
 

@@ -47,7 +47,7 @@ def test_a_run_that_cannot_fit_stops_before_the_first_step_with_a_plan(tmp_path,
 
     trainer = _trainer(tmp_path, tiny_llama_config, "full")
     attach(trainer, seq_len=64, budget=4_500_000)
-    with pytest.raises(DoesNotFit, match=r"more than the .* it has; this plan fits .*LoRA|checkpointing") as err:
+    with pytest.raises(DoesNotFit, match=r"more than the .* it has; this plan fits \(") as err:
         trainer.train()
     assert trainer.state.global_step == 0
     assert str(err.value).count(". ") == 0  # one sentence

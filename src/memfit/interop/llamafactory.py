@@ -17,8 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.interop.common import Keys, Reading, deepspeed, flash_attention, lora_targets, model_name, precision, \
-    trainer_optimizer
+from memfit.interop.common import (
+    Keys,
+    Reading,
+    deepspeed,
+    flash_attention,
+    lora_targets,
+    model_name,
+    precision,
+    trainer_optimizer,
+)
 
 NAME = "llamafactory"
 MARKERS = frozenset({"finetuning_type", "stage", "cutoff_len", "template", "lora_target", "quantization_bit"})

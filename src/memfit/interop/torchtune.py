@@ -37,7 +37,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 NO_MEMORY = frozenset({
     "output_dir", "tokenizer", "checkpointer", "resume_from_checkpoint", "save_adapter_weights_only", "dataset",
     "seed", "shuffle", "lr_scheduler", "epochs", "max_steps_per_epoch", "clip_grad_norm", "device", "metric_logger",
-    "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "output_dir", "run_val_every_n_steps",
+    "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "run_val_every_n_steps",
     "dataset_val", "batch_size_val", "custom_sharded_layers", "fsdp_reshard_after_forward", "cudnn_deterministic_mode",
     "ac_mode", "ac_option", "tensor_parallel_dim", "tensor_parallel_plan", "data_parallel_shard_dim",
     "data_parallel_replicate_dim", "context_parallel_dim", "gradient_accumulation_steps",

@@ -18,8 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.interop.common import Keys, Reading, deepspeed, flash_attention, fsdp, lora_targets, model_name, \
-    precision, trainer_optimizer
+from memfit.interop.common import (
+    Keys,
+    Reading,
+    deepspeed,
+    flash_attention,
+    fsdp,
+    lora_targets,
+    model_name,
+    precision,
+    trainer_optimizer,
+)
 
 NAME = "trl"
 
