@@ -61,9 +61,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         check_lora_options(typed, "lora_r" in typed)
         run = run_config_from(kwargs)
     else:
-        from memfit import interop
-
-        run = interop.run_from(reading, typed)
+        run = reading.with_flags(typed)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
@@ -76,8 +74,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     from memfit.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
-        spec = load_spec(model, trust_remote_code, revision) if model else interop.check_model(reading,
-                                                                                               trust_remote_code)
+        spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     if compare:
         rows = compare_regimes(spec, run, device=device)

@@ -28,9 +28,9 @@ def read_from(path, fmt):
         if fmt is not None:
             raise UserError("--from-format names the format of a --from FILE; add --from.")
         return None
-    from memfit import interop
+    import memfit
 
-    return interop.read(path, fmt)
+    return memfit.read_config(path, fmt)
 
 
 def show_reading(console, reading) -> None:

@@ -97,27 +97,25 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     reading = read_from(from_path, from_format)
     adapt = None
     if reading is not None:
-        from memfit import interop
-
         typed = explicit(click.get_current_context(), {"seq_len": seq_len, "batch": batch,
                                                        "num_processes": num_processes})
         seq_len = typed.get("seq_len", reading.run.seq_len)
         num_processes = typed.get("num_processes", reading.run.num_processes)
         batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
-        pins = {**interop.plan_pins(reading), **{k: v for k, v in pins.items() if v is not None}}
+        pins = {**reading.plan_pins(), **{k: v for k, v in pins.items() if v is not None}}
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
     if emit or reading is not None:
-        from memfit import interop
+        import memfit
 
-        adapt = interop.realize(emit[0] if emit else reading.tool)
+        adapt = memfit.config_realizer(emit[0] if emit else reading.tool)
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     from memfit.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         # reading the architecture is not part of the search
-        spec = load_spec(model, revision=revision) if model else interop.check_model(reading)
+        spec = load_spec(model, revision=revision) if model else reading.spec()
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
@@ -126,12 +124,13 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     if output:
         write_plan_yaml(result, Path(output), revision)
     if emit:
+        import memfit
         from memfit.units import fmt_gib
 
         best = result.best
         header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
                   f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")
-        interop.emit(emit[0], emit[1], model or reading.model, best.config, reading, header)
+        memfit.write_config(emit[0], emit[1], model or reading.model, best.config, reading, header)
     from memfit.planning import launch
 
     config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE

@@ -40,24 +40,6 @@ def read(path: str | Path, fmt: str | None = None) -> Reading:
     return TOOLS[fmt or detect(path, data)].read(str(path), data)
 
 
-def run_from(reading: Reading, typed: dict):
-    """The reading's run with the memory flags typed on the command line written over it."""
-    from memfit.config import RunConfig
-
-    return RunConfig.from_flat({**reading.run.to_flat(), **typed})
-
-
-def plan_pins(reading: Reading) -> dict:
-    """What ``plan --from`` keeps of the file: the method (full fine-tune or LoRA, with its rank, alpha, dropout
-    and targets) how documents fill rows and the attention; the planner chooses the rest (precision, checkpointing, optimizer,
-    micro-batch, loss, ...) among what the tool runs."""
-    run = reading.run
-    pins = {"lora_r": run.lora_r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
-    if run.is_lora():
-        pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
-    return pins
-
-
 def realize(tool: str):
     """The tool's ``realize``: a planner candidate as it runs it."""
     return TOOLS[tool].realize

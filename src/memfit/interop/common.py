@@ -38,6 +38,24 @@ class Reading:
     data: dict = field(default_factory=dict, compare=False, repr=False)
     """The file's contents as read (``emit`` updates them for the same tool)."""
 
+    def with_flags(self, typed: dict[str, Any]) -> RunConfig:
+        """The run with the memory flags typed on the command line written over it."""
+        return RunConfig.from_flat({**self.run.to_flat(), **typed})
+
+    def spec(self, trust_remote_code: bool = False):
+        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
+        return check_model(self, trust_remote_code)
+
+    def plan_pins(self) -> dict[str, Any]:
+        """What ``plan --from`` keeps of the file: the method (full fine-tune or LoRA, with its rank, alpha,
+        dropout and targets), how documents fill rows, and the attention; the planner chooses the rest
+        (precision, checkpointing, optimizer, micro-batch, loss, ...) among what the tool runs."""
+        run = self.run
+        pins = {"lora_r": run.lora_r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
+        if run.is_lora():
+            pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
+        return pins
+
     def to_dict(self) -> dict[str, Any]:
         return {"file": self.path, "format": self.tool, "model": self.model, "priced": list(self.priced),
                 "unmapped": list(self.unmapped)}

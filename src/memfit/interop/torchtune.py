@@ -66,6 +66,7 @@ def read(path: str, data: dict) -> Reading:
         "dtype": keys.choice("dtype", {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}, "bf16"),
         "grad_checkpointing": keys.bool("enable_activation_checkpointing", False),
         "optimizer_in_backward": keys.bool("optimizer_in_bwd", False),
+        "attn_implementation": "sdpa",  # torchtune's attention is torch's scaled_dot_product_attention
     }
     if keys.bool("enable_activation_offloading", False):
         run["offload"] = "activations"
@@ -229,4 +230,4 @@ def realize(run):
     if str(run.sharding) in ("zero2", "zero3"):
         return None
     half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
-    return run.replace(mixed_precision="no", dtype=half or str(run.dtype))
+    return run.replace(mixed_precision="no", dtype=half or str(run.dtype), attn_implementation="sdpa")
