@@ -42,6 +42,7 @@ def test_trainer_prediction_within_3_percent_of_measured_tensor_peak(tmp_path, t
     assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
 
 
+@pytest.mark.slow  # a Trainer and a CPU plan: ~1 min on a loaded 2-core machine
 def test_a_run_that_cannot_fit_stops_before_the_first_step_with_a_plan(tmp_path, tiny_llama_config):
     from memfit.interop.callback import DoesNotFit, attach
 
