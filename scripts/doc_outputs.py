@@ -88,6 +88,9 @@ def _write_fixtures(root: Path) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": ["a first row", "a second row"], "n": [1, 2]}), root / "data.parquet")
+    for example in sorted((ROOT / "docs" / "examples").glob("*.y*ml")):  # other tools' configs (docs/interop.md)
+        (root / "examples").mkdir(exist_ok=True)
+        (root / "examples" / example.name).write_text(example.read_text())
 
 
 @lru_cache(maxsize=1)

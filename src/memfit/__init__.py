@@ -6,6 +6,9 @@ Public API (each is what one CLI subcommand calls):
 - ``trace(model, run)``: the same breakdown from the model's real code on fake tensors (``memory.trace``).
 - ``plan(model, budget, ...)``: ranked configurations that fit a memory budget (``plan.search``).
 - ``train(config)``: train on Accelerate and report measured against predicted memory (``train.loop``).
+- ``read_config(path)`` / ``write_config(tool, path, model, run)``: another tool's training configuration
+  (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit run, or a run written as one
+  (``interop``); ``config_realizer(tool)``: a planner candidate as that tool runs it.
 
 Imports are lazy so that ``import memfit`` and ``memfit --help`` stay fast (torch is not loaded).
 """
@@ -14,7 +17,10 @@ from __future__ import annotations
 
 from memfit.integrations.versions import MEMFIT as __version__
 
-__all__ = ["__version__", "estimate", "trace", "plan", "train"]
+__all__ = ["__version__", "estimate", "trace", "plan", "train", "read_config", "write_config", "config_realizer"]
+
+#: Public names of ``memfit.interop``: ``memfit.read_config`` is ``interop.read``, and so on.
+_INTEROP = {"read_config": "read", "write_config": "emit", "config_realizer": "realize"}
 
 
 def __getattr__(name: str):
@@ -34,4 +40,8 @@ def __getattr__(name: str):
         from memfit.training.loop import train
 
         return train
+    if name in _INTEROP:
+        from memfit import interop
+
+        return getattr(interop, _INTEROP[name])
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

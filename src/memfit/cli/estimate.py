@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from memfit.cli.interop import from_options, read_from, show_reading
 from memfit.cli.options import flags, memory_options, run_config_from
 from memfit.errors import UserError
 from memfit.settings.config import TrainConfig
@@ -15,7 +16,7 @@ from memfit.settings.defaults import SHAPES
 
 @click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.argument("model")
+@click.argument("model", required=False)
 @flags(TrainConfig, "estimate")  # --revision, --trust-remote-code
 @memory_options("estimate")
 @click.option("--compare", is_flag=True, help="Show fp32, AMP fp16/bf16, pure bf16, LoRA and QLoRA side by side.")
@@ -26,7 +27,9 @@ from memfit.settings.defaults import SHAPES
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu drops the CUDA context/allocator terms and models CPU kernels.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (MemoryBreakdown schema) instead of a table.")
-def command(model, revision, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json, **kwargs):
+@from_options
+def command(model, revision, compare, exact, timeline_path, plot_path, device, trust_remote_code, as_json,
+            from_path, from_format, **kwargs):
     """Where every byte of one training step of MODEL goes, per GPU.
 
     MODEL is a preset (`memfit presets`), a local model folder or config.json, or a Hugging Face Hub
@@ -42,6 +45,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate tiny --exact --timeline step.png
       memfit estimate ./my-checkpoint --seq-len 1024 --micro-batch 4
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
+      memfit estimate --from axolotl.yml        # also TRL/Trainer, LLaMA-Factory, torchtune files
     """
     from memfit.cli.options import explicit
     from memfit.memory.estimate import compare as compare_regimes
@@ -50,8 +54,14 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     from memfit.spec.model import check_seq_len, load_spec
 
     typed = explicit(click.get_current_context(), kwargs)
-    check_lora_options(typed, "lora_r" in typed)
-    run = run_config_from(kwargs)
+    reading = read_from(from_path, from_format)
+    if reading is None:
+        if model is None:
+            raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
+        check_lora_options(typed, "lora_r" in typed)
+        run = run_config_from(kwargs)
+    else:
+        run = reading.with_flags(typed)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
@@ -64,7 +74,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     from memfit.integrations.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
-        spec = load_spec(model, trust_remote_code, revision)
+        spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     if compare:
         rows = compare_regimes(spec, run, device=device)
@@ -76,7 +86,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         from memfit.report.plots import plot_breakdowns
 
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    _render(spec, run, rows, compare, as_json, plot_path)
+    _render(spec, run, rows, compare, as_json, plot_path, reading)
 
 
 def _exact(model, spec, run, device, timeline_path):
@@ -95,9 +105,9 @@ def _exact(model, spec, run, device, timeline_path):
     return breakdown
 
 
-def _render(spec, run, rows, compare, as_json, plot_path) -> None:
+def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
     if as_json:
-        payload = {"model": spec.name, "config": run.to_flat()}
+        payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict()} if reading else {})}
         if compare:
             payload["regimes"] = [{"name": name, "config": _regime_config(run, name), **b.to_dict()}
                                   for name, b in rows]
@@ -129,6 +139,8 @@ def _render(spec, run, rows, compare, as_json, plot_path) -> None:
         console.print(f"[dim]{legend(b)}[/]")
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
+    if reading is not None:
+        show_reading(console, reading)
     if plot_path:
         console.print(f"plot written to {plot_path}")
 

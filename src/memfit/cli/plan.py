@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from memfit.cli.options import flags, memory_options, with_options
+from memfit.cli.interop import from_options, read_from
+from memfit.cli.options import explicit, flags, memory_options, with_options
 from memfit.errors import UserError
 from memfit.files import write_text_atomic
 from memfit.settings.config import Offload, TrainConfig
@@ -50,18 +51,23 @@ _OUTPUT = [
     click.option("--accelerate-config", type=click.Path(dir_okay=False),
                  help="Write the chosen plan's Accelerate config file (the launch command uses it)."),
     click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON."),
+    click.option("--emit", nargs=2, type=(click.Choice(("trl", "axolotl", "llamafactory", "torchtune")),
+                                          click.Path(dir_okay=False)), metavar="TOOL FILE", default=None,
+                 help="Write the chosen plan as TOOL's config (trl, axolotl, llamafactory, torchtune); the plan "
+                      "is searched among what TOOL runs."),
 ]
 
 
 @click.command("plan", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model")
+@click.argument("model", required=False)
 @flags(TrainConfig, "plan")  # --batch, --budget, --revision
 @with_options(_MACHINE)
 @memory_options("plan")  # --seq-len, --num-processes: the problem; the others pin the search (no default)
 @with_options(_OUTPUT)
+@from_options
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
-            accelerate_config, **pins):
-    """The fastest configuration of a training run that fits a memory budget."""
+            accelerate_config, emit, from_path, from_format, **pins):
+    """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import SAFETY_MARGIN, plan
     from memfit.planning.space import Constraints
@@ -84,31 +90,67 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         from memfit.units import parse_size
 
         pins["host_memory"] = parse_size(pins["host_memory"])
+    if emit:
+        from memfit.settings.validate import check_writable_target
+
+        check_writable_target(Path(emit[1]), flag_name="--emit", is_dir=False)
+    reading = read_from(from_path, from_format)
+    adapt = None
+    if reading is not None:
+        typed = explicit(click.get_current_context(), {"seq_len": seq_len, "batch": batch,
+                                                       "num_processes": num_processes})
+        seq_len = typed.get("seq_len", reading.run.seq_len)
+        num_processes = typed.get("num_processes", reading.run.num_processes)
+        batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
+        pins = {**reading.plan_pins(), **{k: v for k, v in pins.items() if v is not None}}
+    elif model is None:
+        raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
+    if emit or reading is not None:
+        import memfit
+
+        adapt = memfit.config_realizer(emit[0] if emit else reading.tool)
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     from memfit.integrations.hub import progress_bars
 
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
-        spec = load_spec(model, revision=revision)  # reading the architecture is not part of the search
+        # reading the architecture is not part of the search
+        spec = load_spec(model, revision=revision) if model else reading.spec()
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
-                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin)
+                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin, adapt=adapt)
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
+    if emit:
+        import memfit
+        from memfit.units import fmt_gib
+
+        best = result.best
+        header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
+                  f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")
+        memfit.write_config(emit[0], emit[1], model or reading.model, best.config, reading, header)
     from memfit.planning import launch
 
     config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE
     if accelerate_config:
         launch.write_accelerate_config(result.best.config, Path(accelerate_config))
-    command_line = launch.launch_command(model, result.best.config, config_file, revision=revision)
+    command_line = launch.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
     shown = top or None
     if as_json:
         click.echo(json.dumps({**result.to_dict(top=shown), "launch": command_line,
                                "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
         return
     _print(result, shown, elapsed, output)
+    if reading is not None:
+        from rich.console import Console
+
+        from memfit.cli.interop import show_reading
+
+        show_reading(Console(), reading)
+    if emit:
+        click.echo(f"Wrote {emit[1]} ({emit[0]} config of the chosen plan).")
     click.echo("Launch:\n" + launch.shell_lines(command_line))
     if accelerate_config:
         click.echo(f"Wrote {accelerate_config} (Accelerate config).")

@@ -187,7 +187,7 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
-         safety_margin: float = SAFETY_MARGIN, cpu: bool = False) -> PlanResult:
+         safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None) -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -201,6 +201,8 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         constraints: settings the user pinned.
         safety_margin: fits iff ``peak * (1 + safety_margin) <= budget``.
         cpu: the budget is a CPU's memory (``memfit train --budget`` without CUDA; see ``evaluate``).
+        adapt: each candidate as another tool would run it, or None where it cannot (``memfit.interop``'s
+            ``realize``: ``plan --emit axolotl`` plans only what Axolotl runs, priced as it runs it).
 
     Raises:
         NothingFitsError: one sentence with the smallest peak reached, its settings and the smallest
@@ -210,6 +212,11 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
     spec, device, budget = _resolve(model, gpu, budget_bytes)
     runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16)
+    if adapt is not None:
+        runs = list(dict.fromkeys(r for r in map(adapt, runs) if r is not None))
+        if not runs:
+            raise UserError("No candidate the planner considers can be run by that tool with the settings pinned; "
+                            "pin fewer settings.")
     # Refuse once what no candidate can run (bad LoRA targets, an attention the model cannot run),
     # instead of every candidate being skipped for it.
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))

@@ -1,0 +1,62 @@
+"""Other tools' training configurations as memfit runs: read (``estimate --from``, ``plan --from``), written
+(``plan --emit``), and a callback for transformers' Trainer (``memfit.interop.callback``).
+
+One module per tool, each with ``NAME``, ``detect(data)``, ``read(path, data) -> Reading``,
+``emit(model, run, source) -> dict`` and ``realize(run)`` (a planner candidate as that tool would run it,
+or None where it cannot). The tools themselves are never imported: their files are read from their
+documented schemas.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memfit.errors import UserError
+from memfit.interop import axolotl, llamafactory, torchtune, trl
+from memfit.interop.common import Reading, check_model, load_file
+
+#: In the order formats are detected: the most specific markers first (LLaMA-Factory files also hold Trainer
+#: keys; TRL's are the plainest).
+TOOLS = {m.NAME: m for m in (torchtune, axolotl, llamafactory, trl)}
+FORMATS = tuple(TOOLS)
+
+__all__ = ["FORMATS", "TOOLS", "Reading", "check_model", "detect", "emit", "read", "realize"]
+
+
+def detect(path: str | Path, data: dict) -> str:
+    """The tool whose configuration ``data`` is, or one sentence naming the file."""
+    for name, module in TOOLS.items():
+        if module.detect(data):
+            return name
+    raise UserError(f"{path} is none of the configurations memfit reads ({', '.join(FORMATS)}): it has none of "
+                    "their keys (base_model, model._component_, finetuning_type, per_device_train_batch_size, ...).")
+
+
+def read(path: str | Path, fmt: str | None = None) -> Reading:
+    """Read ``path`` as ``fmt``'s configuration (detected from its keys when None)."""
+    data = load_file(path)
+    if fmt is not None and fmt not in TOOLS:
+        raise UserError(f"--from-format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    return TOOLS[fmt or detect(path, data)].read(str(path), data)
+
+
+def realize(tool: str):
+    """The tool's ``realize``: a planner candidate as it runs it."""
+    return TOOLS[tool].realize
+
+
+def emit(tool: str, path: str | Path, model: str, run, source: Reading | None = None, header: str = "") -> None:
+    """Write ``run`` as ``tool``'s configuration to ``path`` (YAML; JSON for a .json path), atomically."""
+    import json
+
+    import yaml
+
+    from memfit.files import write_text_atomic
+
+    data = TOOLS[tool].emit(model, run, source)
+    path = Path(path)
+    if path.suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        text = header + yaml.safe_dump(data, sort_keys=False)
+    write_text_atomic(path, text, what="--emit")

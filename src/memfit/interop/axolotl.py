@@ -1,0 +1,227 @@
+"""Axolotl's YAML (``axolotl train config.yml``), read from its documented schema (docs/config-reference.qmd).
+
+How Axolotl runs a step, where it differs from memfit's own trainer:
+
+- weights load in the training precision (``bf16: true`` loads bf16 and trains under bf16 autocast, no fp32
+  master copy): memfit's pure bf16 with bf16 autocast;
+- ``sample_packing`` (multipack): ``micro_batch_size`` rows of ``sequence_len`` tokens, each a bin of whole
+  documents whose position ids restart (flash-attention varlen, no cross-document attention): memfit's
+  ``documents`` packing at full rows;
+- ``adapter: qlora`` runs PEFT's ``prepare_model_for_kbit_training`` (non-quantized weights cast to fp32),
+  as memfit does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.interop.common import (
+    Keys,
+    Reading,
+    deepspeed,
+    flash_attention,
+    lora_targets,
+    model_name,
+    precision,
+    trainer_optimizer,
+)
+
+NAME = "axolotl"
+
+#: Axolotl's own optimizers beside Trainer's (docs/optimizers.qmd).
+OWN_OPTIMIZERS = ("ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8", "adopt_adamw", "muon", "came_pytorch",
+                  "optimi_adamw", "dion", "lion_pytorch")
+
+NO_MEMORY = frozenset({
+    "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "trust_remote_code", "datasets",
+    "test_datasets", "dataset_prepared_path", "val_set_size", "output_dir", "wandb_project", "wandb_entity",
+    "wandb_watch", "wandb_name", "wandb_log_model", "num_epochs", "max_steps", "lr_scheduler", "learning_rate",
+    "train_on_inputs", "group_by_length", "tf32", "early_stopping_patience", "resume_from_checkpoint",
+    "logging_steps", "warmup_steps", "warmup_ratio", "evals_per_epoch", "eval_steps", "saves_per_epoch",
+    "save_steps", "weight_decay", "special_tokens", "tokens", "loss_watchdog_threshold", "loss_watchdog_patience",
+    "eval_sample_packing", "eval_batch_size", "strict", "chat_template", "hub_model_id", "seed",
+    "lora_model_dir", "lora_fan_in_fan_out", "local_rank", "debug", "eval_table_size", "eval_max_new_tokens",
+    "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon", "cosine_min_lr_ratio", "lr_scheduler_kwargs",
+    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "save_total_limit",
+    "peft_use_rslora", "shuffle_merged_datasets", "default_system_message", "dataset_processes", "plugins",
+    "save_safetensors", "save_strategy", "eval_strategy", "auto_resume_from_checkpoints", "gradient_checkpointing_kwargs",
+    "pad_to_sequence_len", "sequence_len_overflow_handling", "remove_unused_columns", "is_llama_derived_model",
+    "is_mistral_derived_model", "is_qwen_derived_model", "hub_strategy", "use_tensorboard", "xformers_attention",
+    "save_first_step", "load_best_model_at_end", "dataset_exact_deduplication", "eval_causal_lm_metrics",
+})
+
+
+def detect(data: dict) -> bool:
+    return "base_model" in data and bool(set(data) & {"micro_batch_size", "sequence_len", "adapter", "datasets",
+                                                        "sample_packing", "num_epochs"})
+
+
+def read(path: str, data: dict) -> Reading:
+    keys = Keys(path, NAME, data)
+    mixed = precision(keys, bf16_default=False, extra=("auto",))
+    if keys.data.get("bf16") == "auto":
+        keys.price("bf16: auto is bf16 on a GPU that has it (Ampere and newer); priced as bf16.")
+    half = {"bf16": "bf16", "fp16": "fp16"}.get(mixed, "fp32")
+    run: dict[str, Any] = {
+        "seq_len": keys.int("sequence_len", 2048),
+        "micro_batch": keys.int("micro_batch_size", 1),
+        "grad_accum": keys.int("gradient_accumulation_steps", 1),
+        "mixed_precision": mixed, "dtype": half,  # Axolotl loads the weights in the training precision
+        "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS),
+    }
+    run.update(_checkpointing(keys))
+    run.update(_adapter(keys))
+    run.update(_packing(keys))
+    run.update(_attention(keys))
+    run.update(_fsdp(keys))
+    run.update(deepspeed(keys))
+    run["loss"] = _loss(keys)
+    if keys.bool("torch_compile", False, extra=("auto",)):
+        keys.not_mapped("torch_compile", "memfit prices the eager model; a compiled one may save fewer activations.")
+    model = model_name(keys, "base_model")
+    keys.leftovers(NO_MEMORY)
+    return keys.reading(model, "base_model", run)
+
+
+def _checkpointing(keys: Keys) -> dict[str, Any]:
+    value = keys.bool("gradient_checkpointing", False, extra=("offload", "offload_disk"))
+    out: dict[str, Any] = {"grad_checkpointing": bool(value)}
+    offload = keys.bool("activation_offloading", False, extra=("legacy", "disk"))
+    if value in ("offload", "offload_disk") or offload:
+        out["offload"] = "activations"
+        keys.price("Activation offloading: the tensors saved for backward go to host memory; priced as memfit's "
+                   "activations offload.")
+    return out
+
+
+def _adapter(keys: Keys) -> dict[str, Any]:
+    adapter = keys.choice("adapter", {"lora": "lora", "qlora": "qlora"})
+    four, eight = keys.bool("load_in_4bit", False), keys.bool("load_in_8bit", False)
+    if adapter is None:
+        if four or eight:
+            keys.price("load_in_4bit/load_in_8bit without an adapter: Axolotl trains no quantized full model; "
+                       "priced as a full fine-tune.")
+        return {}
+    if adapter == "qlora" and not four:
+        raise keys.error("adapter", "qlora needs load_in_4bit: true.")
+    out: dict[str, Any] = {"lora_r": keys.int("lora_r", 8), "lora_alpha": keys.float("lora_alpha", 16.0),
+                           "lora_dropout": keys.float("lora_dropout", 0.0)}
+    linear = keys.bool("lora_target_linear", False)
+    out["lora_targets"] = ("all-linear",) if linear else lora_targets(keys, "lora_target_modules")
+    if linear and keys.has("lora_target_modules"):
+        keys.get("lora_target_modules")
+        keys.price("lora_target_linear: true wraps every linear; lora_target_modules adds nothing to it.")
+    out["quantize"] = "4bit" if four else "8bit" if eight else "none"
+    saved = keys.get("lora_modules_to_save")
+    if saved:
+        keys.not_mapped("lora_modules_to_save", f"{saved} train in full beside the adapters (their weights, "
+                        "gradients and optimizer state); memfit prices adapters only, so the estimate is low by them.")
+    if keys.bool("peft_use_dora", False):
+        keys.not_mapped("peft_use_dora", "DoRA's weight norms per adapted linear are not priced (estimate low).")
+    return out
+
+
+def _packing(keys: Keys) -> dict[str, Any]:
+    if keys.bool("sample_packing", False):
+        keys.price("sample_packing (multipack): micro_batch_size rows of sequence_len tokens of whole documents, "
+                   "position ids restarting per document; priced as memfit's documents packing at full rows.")
+        return {"packing": "documents"}
+    return {"packing": "none"}
+
+
+def _attention(keys: Keys) -> dict[str, Any]:
+    if keys.bool("flash_attention", False):
+        return {"attn_implementation": flash_attention(keys, "flash_attention")}
+    if keys.bool("sdp_attention", False):
+        return {"attn_implementation": "sdpa"}
+    if keys.bool("eager_attention", False):
+        return {"attn_implementation": "eager"}
+    value = keys.get("attn_implementation")
+    if value is not None:
+        found = {"flash_attention_2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}.get(str(value))
+        if found == "flash_attention_2":
+            return {"attn_implementation": flash_attention(keys, "attn_implementation")}
+        if found:
+            return {"attn_implementation": found}
+        keys.not_mapped("attn_implementation", f"{value} is priced as the attention transformers picks.")
+    return {}
+
+
+def _fsdp(keys: Keys) -> dict[str, Any]:
+    value = keys.get("fsdp")
+    config = keys.get("fsdp_config") or {}
+    keys.get("fsdp_version")
+    if not value and not config:
+        return {}
+    words = " ".join(value if isinstance(value, list) else [str(value or "")]).lower()
+    strategy = str(config.get("fsdp_sharding_strategy") or config.get("sharding_strategy") or "").lower()
+    reshard = config.get("reshard_after_forward", config.get("fsdp_reshard_after_forward", True))
+    out: dict[str, Any] = {"sharding": "zero2" if "shard_grad_op" in words + strategy or reshard is False
+                           else "fsdp"}
+    if config.get("offload_params") or config.get("fsdp_offload_params") or "offload" in words:
+        out["offload"] = "params"
+    return out
+
+
+def _loss(keys: Keys) -> str:
+    for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"):
+        if keys.bool(key, False):
+            keys.not_mapped(key, "Liger's layer kernel saves fewer activations than the module it replaces; "
+                            "priced without it (a slight over-estimate).")
+    if keys.bool("cut_cross_entropy", False):
+        return "cce"
+    if keys.bool("liger_fused_linear_cross_entropy", False):
+        return "liger"
+    if keys.bool("chunked_cross_entropy", False):
+        keys.price("chunked_cross_entropy: Axolotl's chunked loss never holds the full fp32 logits; priced as "
+                   "memfit's chunked loss.")
+        keys.get("chunked_cross_entropy_num_chunks")
+        return "chunked"
+    return "standard"
+
+
+def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
+    """``run`` as an Axolotl YAML (the source's datasets and schedule kept when it is an Axolotl file)."""
+    from memfit.interop.emitting import merged
+
+    out: dict[str, Any] = {
+        "base_model": model, "sequence_len": run.seq_len, "micro_batch_size": run.micro_batch,
+        "gradient_accumulation_steps": run.grad_accum, "sample_packing": str(run.packing) == "documents",
+        "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
+        "gradient_checkpointing": run.grad_checkpointing,
+        "optimizer": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
+                      "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "activation_offloading": str(run.offload) == "activations",
+        "adapter": ("qlora" if str(run.quantize) == "4bit" else "lora") if run.is_lora() else None,
+        "load_in_4bit": str(run.quantize) == "4bit", "load_in_8bit": str(run.quantize) == "8bit",
+        "flash_attention": str(run.attn_implementation) == "flash_attention_2",
+        "sdp_attention": str(run.attn_implementation) == "sdpa",
+        "chunked_cross_entropy": str(run.loss) == "chunked", "cut_cross_entropy": str(run.loss) == "cce",
+    }
+    if run.is_lora():
+        linear = run.lora_targets == ("all-linear",)
+        out.update(lora_r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                   lora_target_linear=linear, lora_target_modules=None if linear else list(run.lora_targets))
+    if str(run.sharding) in ("fsdp", "zero2"):
+        out["fsdp_version"] = 2
+        out["fsdp_config"] = {"reshard_after_forward": str(run.sharding) == "fsdp",
+                              "offload_params": str(run.offload) == "params"}
+    elif str(run.sharding) == "zero3":
+        out["deepspeed"] = "deepspeed_configs/zero3_bf16.json"
+    drop = ("fsdp", "fsdp_config", "deepspeed", "gradient_checkpointing_kwargs", "lora_modules_to_save",
+            "liger_fused_linear_cross_entropy", "eager_attention", "attn_implementation", "xformers_attention")
+    return merged(source, NAME, out, drop)
+
+
+def realize(run):
+    """A planner candidate as Axolotl runs it (None: it cannot): the weights load in the training precision
+    (fp32 weights under bf16 autocast become bf16 weights), the optimizer steps after backward, optimizer-state
+    offload only through DeepSpeed (not emitted)."""
+    if run.optimizer_in_backward or str(run.offload) == "optimizer":
+        return None
+    if str(run.offload) == "params" and str(run.sharding) not in ("fsdp", "zero2"):
+        return None
+    half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
+    if half is None and str(run.dtype) != "fp32":
+        return run.replace(mixed_precision=str(run.dtype))
+    return run.replace(dtype=half or "fp32")

@@ -1,0 +1,351 @@
+"""What every reader of another tool's training configuration shares: the file, its keys, the model.
+
+A reader walks the keys of one file with a ``Keys`` object: every key it reads is marked, values are
+checked as they are read (one sentence naming the file and the key on a bad one), and what it cannot
+map is recorded as a sentence saying what that means for the number. Keys never read are reported
+too: known ones that do not change memory in one summary sentence, unknown ones by name, so a reading
+never drops a setting silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UserError
+from memfit.settings.config import RunConfig
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One tool's configuration read as memfit's run description."""
+
+    path: str
+    tool: str
+    """The tool's name as ``--from-format`` spells it (``trl``, ``axolotl``, ``llamafactory``, ``torchtune``)."""
+    model: str | None
+    """What ``memfit.spec.model.load_spec`` takes: a preset, a local folder or a Hub id; None: the file names none."""
+    model_key: str
+    run: RunConfig
+    priced: tuple[str, ...] = ()
+    """How the tool's own behaviour was priced where it differs from memfit's stack (sentences)."""
+    unmapped: tuple[str, ...] = ()
+    """Every setting that could not be mapped, with what it means for the number (sentences)."""
+    data: dict = field(default_factory=dict, compare=False, repr=False)
+    """The file's contents as read (``emit`` updates them for the same tool)."""
+
+    def with_flags(self, typed: dict[str, Any]) -> RunConfig:
+        """The run with the memory flags typed on the command line written over it."""
+        return RunConfig.from_flat({**self.run.to_flat(), **typed})
+
+    def spec(self, trust_remote_code: bool = False):
+        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
+        return check_model(self, trust_remote_code)
+
+    def plan_pins(self) -> dict[str, Any]:
+        """What ``plan --from`` keeps of the file: the method (full fine-tune or LoRA, with its rank, alpha,
+        dropout and targets), how documents fill rows, and the attention; the planner chooses the rest
+        (precision, checkpointing, optimizer, micro-batch, loss, ...) among what the tool runs."""
+        run = self.run
+        pins = {"lora_r": run.lora_r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
+        if run.is_lora():
+            pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
+        return pins
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.path, "format": self.tool, "model": self.model, "priced": list(self.priced),
+                "unmapped": list(self.unmapped)}
+
+
+def load_file(path: str | Path) -> dict:
+    """A YAML or JSON file's top-level mapping, or one sentence naming the file."""
+    import yaml
+
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} cannot be read ({getattr(err, 'strerror', None) or err}).") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        where = getattr(getattr(err, "problem_mark", None), "line", None)
+        at = f" (line {where + 1})" if where is not None else ""
+        raise UserError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}{at}, so it is no "
+                        "training configuration.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a mapping of settings, so it is no training configuration.")
+    return data
+
+
+class Keys:
+    """The keys of one file as a reader consumes them (see the module docstring)."""
+
+    def __init__(self, path: str, tool: str, data: dict) -> None:
+        self.path, self.tool, self.data = str(path), tool, data
+        self.read: set[str] = set()
+        self.unmapped: list[str] = []
+        self.priced: list[str] = []
+
+    def error(self, key: str, message: str) -> UserError:
+        """One sentence naming the file and the key."""
+        return UserError(f"{self.path}, {key}: {message}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key`` (``default`` when absent or null), marked as read."""
+        self.read.add(key)
+        value = self.data.get(key, _MISSING)
+        return default if value is _MISSING or value is None else value
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(key, f"{value!r} is not a whole number >= {minimum}.")
+        return value
+
+    def float(self, key: str, default: float | None = None) -> float | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise self.error(key, f"{value!r} is not a non-negative number.")
+        return float(value)
+
+    def bool(self, key: str, default: bool = False, *, extra: tuple = ()) -> Any:
+        """A boolean (YAML true/false, or the strings true/false); ``extra``: other values the tool allows."""
+        value = self.get(key, default)
+        if value in extra:
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            allowed = ", ".join(["true", "false", *map(str, extra)])
+            raise self.error(key, f"{value!r} is not one of {allowed}.")
+        return value
+
+    def choice(self, key: str, table: dict, default: Any = None) -> Any:
+        """``table[value]`` (matched in lower case); an unknown value is one sentence listing the known ones."""
+        value = self.get(key, default)
+        if value is None:
+            return None
+        found = table.get(str(value).lower(), _MISSING)
+        if found is _MISSING:
+            raise self.error(key, f"{value!r} is not one of {', '.join(sorted(table))}.")
+        return found
+
+    def not_mapped(self, key: str, sentence: str) -> None:
+        """Record that ``key`` (given in the file) is not mapped; ``sentence`` says what that means."""
+        self.read.add(key)
+        self.unmapped.append(f"{key}: {sentence}")
+
+    def price(self, sentence: str) -> None:
+        self.priced.append(sentence)
+
+    def leftovers(self, no_memory_effect: frozenset[str]) -> None:
+        """Report the keys no reader step read: those known to change nothing in memory in one sentence,
+        the rest by name (a setting memfit does not know is not priced)."""
+        rest = [k for k, v in self.data.items() if k not in self.read and v is not None]
+        quiet = sorted(k for k in rest if k in no_memory_effect)
+        unknown = sorted(k for k in rest if k not in no_memory_effect)
+        if unknown:
+            self.unmapped.append(f"{', '.join(unknown)}: not settings memfit knows for {self.tool}; if "
+                                 f"{'they change' if len(unknown) > 1 else 'it changes'} memory, the estimate "
+                                 "does not include it.")
+        if quiet:
+            self.priced.append(f"{len(quiet)} setting{'s' if len(quiet) > 1 else ''} with no effect on memory "
+                               f"(data, schedule, logging, saving) left aside: {', '.join(quiet)}.")
+
+    def reading(self, model: str | None, model_key: str, run: dict[str, Any]) -> Reading:
+        """The ``Reading``; a value ``RunConfig`` refuses is one sentence naming the file."""
+        try:
+            config = RunConfig(**run)
+        except UserError as err:
+            raise UserError(f"{self.path}: {err}") from None
+        return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),
+                       self.data)
+
+
+def model_name(keys: Keys, key: str) -> str | None:
+    """The base model a file names under ``key``: a preset whose ``source`` has the same repository name (so a
+    known model is read offline, mirrors such as ``NousResearch/Llama-3.2-1B`` included), else the value as
+    it is (a local folder or a Hub id, read by ``load_spec``)."""
+    value = keys.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise keys.error(key, f"{value!r} is not a model name or path.")
+    from memfit.spec.model import is_preset, load_presets
+
+    if is_preset(value):
+        return value.lower()
+    name = _base_name(value)
+    if "/" in value and not Path(value).expanduser().exists():
+        for preset, entry in load_presets().items():
+            if _base_name(str(entry.get("source", ""))) == name:
+                if entry["source"].lower() != value.lower():
+                    keys.price(f"{key} {value} read as the preset {preset} (the architecture of "
+                               f"{entry['source']}; no download).")
+                return preset
+    return value
+
+
+def _base_name(repo_id: str) -> str:
+    """A Hub repository's model name without the variant suffix that keeps the architecture (an instruct or chat
+    tune, ``-hf`` conversions): ``meta-llama/Meta-Llama-3-8B-Instruct`` -> ``meta-llama-3-8b``."""
+    name = repo_id.rstrip("/").split("/")[-1].lower()
+    for suffix in ("-instruct", "-chat", "-it", "-hf"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def check_model(reading: Reading, trust_remote_code: bool = False):
+    """The reading's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
+    from memfit.spec.model import load_spec
+
+    if reading.model is None:
+        raise UserError(f"{reading.path} names no base model ({reading.model_key}); give MODEL too.")
+    try:
+        return load_spec(reading.model, trust_remote_code)
+    except UserError as err:
+        raise UserError(f"{reading.path}, {reading.model_key}: {err}") from None
+
+
+def precision(keys: Keys, bf16_key: str = "bf16", fp16_key: str = "fp16", *, bf16_default: Any = False,
+              extra: tuple = ()) -> str:
+    """Accelerate's ``mixed_precision`` from a pair of bf16/fp16 switches (Trainer's and its followers')."""
+    bf16 = keys.bool(bf16_key, bf16_default, extra=extra)
+    fp16 = keys.bool(fp16_key, False, extra=extra)
+    if bf16 is True and fp16 is True:
+        raise keys.error(fp16_key, f"true together with {bf16_key}: true; a run uses one of them.")
+    return "bf16" if bf16 is True or bf16 == "auto" else "fp16" if fp16 is True else "no"
+
+
+def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",)) -> tuple[str, ...]:
+    """LoRA target modules: a list, a comma-separated string, ``all`` / ``all-linear``."""
+    value = keys.get(key)
+    if value is None:
+        return default
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise keys.error(key, f"{value!r} is not a list of module names.")
+    if [v.lower() for v in value] in (["all"], ["all-linear"], ["all_linear"]):
+        return ("all-linear",)
+    return tuple(value)
+
+
+def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
+    """Sharding and offload from a DeepSpeed config (a dict, or a JSON file beside the config or by path).
+
+    ZeRO-1 shards only the optimizer state, which memfit has no setting for: priced as ZeRO-2 (gradients
+    sharded too) would understate it, so it is priced as DDP (replicated) with a sentence."""
+    value = keys.get(key)
+    if value is None:
+        return {}
+    config = value
+    if isinstance(value, str):
+        found = [p for p in (Path(keys.path).parent / value, Path(value).expanduser()) if p.is_file()]
+        if not found:
+            import re
+
+            named = re.search(r"z(?:ero)?[_-]?([0-3])(?![0-9])", Path(value).name.lower())  # ds_z3_config, zero2
+            stage = int(named.group(1)) if named else None
+            if stage is None:
+                keys.not_mapped(key, f"{value} is not found here and its name gives no ZeRO stage; priced without "
+                                "DeepSpeed (replicated states: an upper bound).")
+                return {}
+            keys.price(f"{key}: {value} is not found here; its name reads as ZeRO-{stage}, without offload.")
+            config = {"zero_optimization": {"stage": stage}}
+        else:
+            config = load_file(found[0])
+    if not isinstance(config, dict):
+        raise keys.error(key, f"{value!r} is neither a DeepSpeed config file nor a mapping.")
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise keys.error(key, f"zero_optimization.stage {stage!r} is not 0, 1, 2 or 3.")
+    out: dict[str, Any] = {}
+    if stage == 1:
+        keys.not_mapped(key, "ZeRO-1 shards only the optimizer state, which memfit cannot express; priced as "
+                        "replicated (DDP), an upper bound by the sharded part of the optimizer state.")
+    elif stage in (2, 3):
+        out["sharding"] = f"zero{stage}"
+    device = lambda part: str((zero.get(part) or {}).get("device", "none")).lower()  # noqa: E731
+    if device("offload_param") in ("cpu", "nvme"):
+        out["offload"] = "params"
+    elif device("offload_optimizer") in ("cpu", "nvme"):
+        out["offload"] = "optimizer"
+    return out
+
+
+def fsdp(keys: Keys, key: str = "fsdp") -> dict[str, Any]:
+    """Sharding and offload from Trainer's ``fsdp`` option string/list (``full_shard auto_wrap offload``)."""
+    value = keys.get(key)
+    if not value:
+        return {}
+    words = value.split() if isinstance(value, str) else value if isinstance(value, list) else None
+    if words is None or not all(isinstance(w, str) for w in words):
+        raise keys.error(key, f"{value!r} is not a list of FSDP options (full_shard, shard_grad_op, offload, ...).")
+    words = [w.lower() for w in words]
+    out: dict[str, Any] = {}
+    if "full_shard" in words or "hybrid_shard" in words:
+        out["sharding"] = "fsdp"
+    elif "shard_grad_op" in words or "hybrid_shard_zero2" in words:
+        out["sharding"] = "zero2"
+    else:
+        keys.not_mapped(key, f"{value!r} names no sharding strategy memfit knows; priced replicated (DDP).")
+    if "offload" in words:
+        out["offload"] = "params"
+    return out
+
+
+#: transformers' ``TrainingArguments.optim`` names memfit prices exactly (Trainer, TRL, Axolotl and LLaMA-Factory
+#: pass them on): torch's AdamW (``adamw_torch``: foreach on CUDA, as memfit's ``adamw``), its fused kernel,
+#: bitsandbytes' 8-bit AdamW (paged or not: paging moves the state to host memory only under pressure), SGD and
+#: Adafactor.
+TRAINER_OPTIMIZERS = {
+    "adamw_torch": "adamw", "adamw_torch_fused": "adamw-fused", "adamw_apex_fused": "adamw-fused",
+    "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
+    "paged_adamw_32bit": "adamw", "adafactor": "adafactor", "sgd": "sgd",
+}
+
+
+def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
+    """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
+    but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
+    from transformers.training_args import OptimizerNames
+
+    value = str(keys.get(key, default)).lower()
+    if value in TRAINER_OPTIMIZERS:
+        if value.startswith("paged_"):
+            keys.price(f"{key} {value}: bitsandbytes pages the state to host memory only when the GPU runs out; "
+                       "priced resident on the GPU.")
+        return TRAINER_OPTIMIZERS[value]
+    if value in {o.value for o in OptimizerNames} or value in known:
+        keys.not_mapped(key, f"{value} has no row in memfit's optimizer table; priced as AdamW (two fp32 moments "
+                        "per trained parameter), so the optimizer state may be over- or under-stated.")
+        return "adamw"
+    raise keys.error(key, f"{value!r} is not an optimizer name transformers' Trainer knows (adamw_torch_fused, "
+                     "adamw_torch, adamw_8bit, paged_adamw_8bit, adafactor, sgd, ...).")
+
+
+def flash_attention(keys: Keys, key: str) -> str:
+    """``flash_attention_2`` where the flash-attn package is installed here, else SDPA with a sentence: memfit
+    refuses to price flash-attn without it, and SDPA's CUDA flash backend saves the same tensors (the output and
+    its log-sum-exp per head), so the number is the same to within the kernel's workspace."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    keys.price(f"{key}: flash-attention is priced as SDPA (flash-attn is not installed here; SDPA's CUDA flash "
+               "backend saves the same tensors).")
+    return "sdpa"

@@ -1,0 +1,176 @@
+"""LLaMA-Factory's YAML (``llamafactory-cli train config.yaml``), read from its documented schema
+(``src/llamafactory/hparams``: ModelArguments, DataArguments, FinetuningArguments, and Trainer's arguments).
+
+How LLaMA-Factory runs a step, where it differs from memfit's own trainer:
+
+- the model loads in the compute dtype (bf16 with ``bf16: true``); a full fine-tune then casts its trainable
+  weights to fp32 unless ``pure_bf16`` (``cast_trainable_params_to_fp32``): fp32 weights under bf16 autocast,
+  as memfit's AMP; LoRA keeps the base in bf16 and the adapters in fp32, as memfit's LoRA on a bf16 base;
+- gradient checkpointing is on unless ``disable_gradient_checkpointing``;
+- ``packing`` concatenates documents that then attend to the ones before them (memfit's ``concat``);
+  ``neat_packing`` keeps them apart (memfit's ``documents``);
+- ``quantization_bit`` runs PEFT's ``prepare_model_for_kbit_training`` (non-quantized weights in fp32), as
+  memfit's QLoRA does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.interop.common import (
+    Keys,
+    Reading,
+    deepspeed,
+    flash_attention,
+    lora_targets,
+    model_name,
+    precision,
+    trainer_optimizer,
+)
+
+NAME = "llamafactory"
+MARKERS = frozenset({"finetuning_type", "stage", "cutoff_len", "template", "lora_target", "quantization_bit"})
+
+NO_MEMORY = frozenset({
+    "trust_remote_code", "stage", "do_train", "do_eval", "dataset", "eval_dataset", "dataset_dir", "template",
+    "max_samples", "overwrite_cache", "preprocessing_num_workers", "dataloader_num_workers", "output_dir",
+    "logging_steps", "save_steps", "plot_loss", "overwrite_output_dir", "save_only_model", "report_to",
+    "learning_rate", "num_train_epochs", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "ddp_timeout",
+    "resume_from_checkpoint", "val_size", "per_device_eval_batch_size", "eval_strategy", "eval_steps",
+    "weight_decay", "max_grad_norm", "max_steps", "seed", "adapter_name_or_path", "export_dir", "export_size",
+    "export_device", "export_legacy_format", "run_name", "save_strategy", "save_total_limit", "streaming",
+    "buffer_size", "mix_strategy", "tokenized_path", "train_on_prompt", "mask_history", "lora_rank_pattern",
+    "create_new_adapter", "use_rslora", "pref_beta", "pref_loss", "pref_ftx", "media_dir", "image_max_pixels",
+    "video_max_pixels", "freeze_vision_tower", "freeze_multi_modal_projector", "default_system", "enable_thinking",
+    "quantization_method", "quantization_type", "double_quantization", "ddp_find_unused_parameters",
+    "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "use_reentrant_gc", "disable_shuffling",
+})
+
+
+def detect(data: dict) -> bool:
+    return "model_name_or_path" in data and bool(set(data) & MARKERS)
+
+
+def read(path: str, data: dict) -> Reading:
+    keys = Keys(path, NAME, data)
+    mixed = precision(keys)
+    method = keys.choice("finetuning_type", {"lora": "lora", "full": "full", "freeze": "freeze", "oft": "oft"},
+                         "lora")
+    run: dict[str, Any] = {
+        "seq_len": keys.int("cutoff_len", 2048),
+        "micro_batch": keys.int("per_device_train_batch_size", 8),
+        "grad_accum": keys.int("gradient_accumulation_steps", 1),
+        "mixed_precision": mixed,
+        "grad_checkpointing": not keys.bool("disable_gradient_checkpointing", False),
+        "optimizer": trainer_optimizer(keys, "optim", "adamw_torch_fused"),
+    }
+    half = {"bf16": "bf16", "fp16": "fp16"}.get(mixed, "fp32")
+    if method in ("lora", "oft"):
+        run.update(_lora(keys, method), dtype=half)
+    else:
+        pure = keys.bool("pure_bf16", False)
+        run["dtype"] = "bf16" if pure else "fp32"  # trainable weights cast to fp32 unless pure_bf16
+        if method == "freeze":
+            keys.not_mapped("finetuning_type", "freeze trains only the last freeze_trainable_layers layers; "
+                            "priced as a full fine-tune (gradients and optimizer state of every weight: an "
+                            "over-estimate).")
+            keys.get("freeze_trainable_layers")
+            keys.get("freeze_trainable_modules")
+    run.update(_packing(keys))
+    run.update(_attention(keys))
+    run.update(deepspeed(keys))
+    if keys.bool("enable_liger_kernel", False):
+        run["loss"] = "liger"
+        keys.price("enable_liger_kernel: Liger's fused linear cross-entropy is patched in; priced as memfit's "
+                   "liger loss (its layer kernels are not priced: a slight over-estimate).")
+    for key in ("use_galore", "use_apollo", "use_badam", "use_unsloth", "use_unsloth_gc", "upcast_layernorm",
+                "upcast_lmhead_output", "use_dora", "pissa_init"):
+        if keys.bool(key, False):
+            keys.not_mapped(key, "memfit has no term for it; the estimate is the run without it.")
+    model = model_name(keys, "model_name_or_path")
+    keys.leftovers(NO_MEMORY)
+    return keys.reading(model, "model_name_or_path", run)
+
+
+def _lora(keys: Keys, method: str) -> dict[str, Any]:
+    if method == "oft":
+        keys.not_mapped("finetuning_type", "OFT's orthogonal blocks are priced as LoRA adapters of the same rank.")
+    rank = keys.int("lora_rank", 8)
+    out: dict[str, Any] = {"lora_r": rank, "lora_alpha": keys.float("lora_alpha", None) or 2.0 * rank,
+                           "lora_dropout": keys.float("lora_dropout", 0.0),
+                           "lora_targets": lora_targets(keys, "lora_target")}
+    bits = keys.choice("quantization_bit", {"4": "4bit", "8": "8bit"})
+    if bits:
+        out["quantize"] = bits
+    extra = keys.get("additional_target")
+    if extra:
+        keys.not_mapped("additional_target", f"{extra} train in full beside the adapters; their gradients and "
+                        "optimizer state are not priced (the estimate is low by them).")
+    return out
+
+
+def _packing(keys: Keys) -> dict[str, Any]:
+    if keys.bool("neat_packing", False):
+        return {"packing": "documents"}
+    packing = keys.get("packing")
+    if packing is None:  # LLaMA-Factory packs pre-training (stage pt) only, by default
+        packing = keys.data.get("stage") == "pt"
+    elif not isinstance(packing, bool):
+        raise keys.error("packing", f"{packing!r} is not true or false.")
+    return {"packing": "concat" if packing else "none"}
+
+
+def _attention(keys: Keys) -> dict[str, Any]:
+    value = keys.choice("flash_attn", {"auto": "auto", "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2",
+                                       "fa3": "flash_attention_2"}, "auto")
+    if value == "flash_attention_2":
+        value = flash_attention(keys, "flash_attn")
+    return {"attn_implementation": value}
+
+
+def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
+    """``run`` as a LLaMA-Factory training YAML (the source's dataset and schedule kept when it is one)."""
+    from memfit.interop.emitting import merged
+
+    out: dict[str, Any] = {
+        "model_name_or_path": model, "stage": "sft", "do_train": True,
+        "finetuning_type": "lora" if run.is_lora() else "full",
+        "cutoff_len": run.seq_len, "per_device_train_batch_size": run.micro_batch,
+        "gradient_accumulation_steps": run.grad_accum,
+        "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
+        "disable_gradient_checkpointing": not run.grad_checkpointing,
+        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
+                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "packing": str(run.packing) == "concat", "neat_packing": str(run.packing) == "documents",
+        "flash_attn": {"auto": "auto", "eager": "disabled", "sdpa": "sdpa",
+                       "flash_attention_2": "fa2"}[str(run.attn_implementation)],
+        "enable_liger_kernel": str(run.loss) == "liger",
+    }
+    if run.is_lora():
+        out.update(lora_rank=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                   lora_target="all" if run.lora_targets == ("all-linear",) else ",".join(run.lora_targets))
+        if str(run.quantize) != "none":
+            out["quantization_bit"] = int(str(run.quantize)[0])
+    elif str(run.dtype) == "bf16":
+        out["pure_bf16"] = True
+    if str(run.sharding) in ("zero2", "zero3"):
+        out["deepspeed"] = {"zero_optimization": {"stage": int(str(run.sharding)[-1])}}
+    drop = ("quantization_bit", "pure_bf16", "deepspeed", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
+            "freeze_trainable_layers", "freeze_trainable_modules", "additional_target")
+    return merged(source, NAME, out, drop)
+
+
+def realize(run):
+    """A planner candidate as LLaMA-Factory runs it (None: it cannot): the weight dtype follows the method
+    (full: fp32 under autocast, or pure bf16 with bf16 autocast; LoRA: the base in the compute dtype), the loss
+    is transformers' (or Liger's), the optimizer steps after backward, nothing offloaded outside DeepSpeed."""
+    if run.optimizer_in_backward or str(run.offload) != "none" or str(run.loss) in ("chunked", "cce"):
+        return None
+    if str(run.sharding) == "fsdp":
+        return None
+    half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
+    if run.is_lora():
+        return run.replace(dtype=half) if half else None
+    if str(run.dtype) == "bf16":  # pure_bf16: bf16 weights under bf16 autocast
+        return run.replace(mixed_precision="bf16")
+    return run

@@ -1,0 +1,233 @@
+"""torchtune's recipe YAML (``tune run RECIPE --config FILE``), read from its documented schema (the configs
+under ``recipes/configs/``: ``model._component_`` builders, ``batch_size``, ``dtype``, ``optimizer``, ``loss``).
+
+How torchtune runs a step, where it differs from memfit's own trainer:
+
+- no autocast: ``dtype: bf16`` stores and computes everything in bf16 (memfit's pure bf16), LoRA adapters
+  included (memfit's LoRA keeps PEFT's fp32 adapters: a few MB more);
+- ``LinearCrossEntropyLoss`` (the default) projects and scores the hidden states in chunks, never the full
+  logits; ``CEWithChunkedOutputLoss`` chunks the logits and upcasts one chunk at a time: both priced as
+  memfit's chunked loss;
+- the model builder names the architecture; a ``checkpointer.checkpoint_dir`` holding a Hugging Face
+  config.json is read instead where it exists (the exact model).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from memfit.interop.common import Keys, Reading
+
+NAME = "torchtune"
+
+#: torchtune builder (its name without the lora_/qlora_ prefix) -> memfit preset of the same architecture.
+BUILDERS = {
+    "llama3_2_1b": "llama-3.2-1b", "llama3_2_3b": "llama-3.2-3b", "llama3_8b": "llama-3-8b",
+    "llama3_1_8b": "llama-3-8b", "llama2_7b": "llama-2-7b", "llama2_13b": "llama-2-13b",
+    "llama2_70b": "llama-2-70b", "mistral_7b": "mistral-7b", "gemma2_2b": "gemma-2-2b",
+    "qwen2_5_0_5b": "qwen2.5-0.5b", "qwen2_5_1_5b_base": "qwen2.5-1.5b", "qwen2_5_1_5b_instruct": "qwen2.5-1.5b",
+    "qwen2_5_7b_base": "qwen2.5-7b", "qwen2_5_7b_instruct": "qwen2.5-7b", "phi3_mini": "phi-3-mini",
+}
+#: torchtune's module names -> transformers' (Llama-style models).
+MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+NO_MEMORY = frozenset({
+    "output_dir", "tokenizer", "checkpointer", "resume_from_checkpoint", "save_adapter_weights_only", "dataset",
+    "seed", "shuffle", "lr_scheduler", "epochs", "max_steps_per_epoch", "clip_grad_norm", "device", "metric_logger",
+    "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "run_val_every_n_steps",
+    "dataset_val", "batch_size_val", "custom_sharded_layers", "fsdp_reshard_after_forward", "cudnn_deterministic_mode",
+    "ac_mode", "ac_option", "tensor_parallel_dim", "tensor_parallel_plan", "data_parallel_shard_dim",
+    "data_parallel_replicate_dim", "context_parallel_dim", "gradient_accumulation_steps",
+})
+
+
+def detect(data: dict) -> bool:
+    model = data.get("model")
+    return isinstance(model, dict) and "_component_" in model
+
+
+def _component(keys: Keys, key: str) -> tuple[str, dict]:
+    value = keys.get(key) or {}
+    if not isinstance(value, dict) or not isinstance(value.get("_component_", ""), str):
+        raise keys.error(key, f"{value!r} is not a component (a mapping with _component_).")
+    return value.get("_component_", ""), value
+
+
+def read(path: str, data: dict) -> Reading:
+    keys = Keys(path, NAME, data)
+    builder, model_args = _component(keys, "model")
+    run: dict[str, Any] = {
+        "micro_batch": keys.int("batch_size", 2),
+        "grad_accum": keys.int("gradient_accumulation_steps", 1),
+        "mixed_precision": "no",
+        "dtype": keys.choice("dtype", {"bf16": "bf16", "fp32": "fp32", "fp16": "fp16"}, "bf16"),
+        "grad_checkpointing": keys.bool("enable_activation_checkpointing", False),
+        "optimizer_in_backward": keys.bool("optimizer_in_bwd", False),
+        "attn_implementation": "sdpa",  # torchtune's attention is torch's scaled_dot_product_attention
+    }
+    if keys.bool("enable_activation_offloading", False):
+        run["offload"] = "activations"
+    model = _model(keys, builder, model_args, run)
+    run.update(_sequence(keys))
+    run["optimizer"] = _optimizer(keys)
+    run["loss"] = _loss(keys)
+    if keys.bool("compile", False):
+        keys.not_mapped("compile", "memfit prices the eager model; torch.compile may save fewer activations.")
+    if any(k.startswith("fsdp") for k in data) or "fsdp_cpu_offload" in data:
+        run["sharding"] = "fsdp"
+        if keys.bool("fsdp_cpu_offload", False):
+            run["offload"] = "params"
+        keys.price("A distributed recipe (FSDP2, full shard): per rank, on --num-processes ranks (1 unless given).")
+    keys.leftovers(NO_MEMORY)
+    return keys.reading(model, "model._component_", run)
+
+
+def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
+    """The model: the checkpointer's local Hugging Face folder where it exists, else the builder's preset."""
+    name = builder.rsplit(".", 1)[-1]
+    base = re.sub(r"^(q?lora)_", "", name)
+    if name.startswith(("lora_", "qlora_")):
+        rank = args.get("lora_rank", 8)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise keys.error("model.lora_rank", f"{rank!r} is not a whole number >= 1.")
+        attn = args.get("lora_attn_modules", ["q_proj", "v_proj"])
+        if not isinstance(attn, list) or any(m not in MODULES for m in attn):
+            raise keys.error("model.lora_attn_modules", f"{attn!r} is not a list of {', '.join(MODULES)}.")
+        targets = [MODULES[m] for m in attn] + (list(MLP) if args.get("apply_lora_to_mlp") else [])
+        if set(targets) == set(MODULES.values()) | set(MLP):
+            targets = ["all-linear"]  # every linear of the decoder, PEFT's shorthand
+        run.update(lora_r=rank, lora_alpha=float(args.get("lora_alpha", 16)),
+                   lora_dropout=float(args.get("lora_dropout", 0.0)), lora_targets=tuple(targets))
+        if args.get("apply_lora_to_output"):
+            keys.not_mapped("model.apply_lora_to_output", "an adapter on the output projection is not priced "
+                            "(its activations and state are small beside the head's).")
+        if name.startswith("qlora_"):
+            run["quantize"] = "4bit"
+            keys.price("QLoRA: torchtune's NF4 base (torchao) is priced as bitsandbytes' 4-bit NF4 base "
+                       "(the same 4-bit blocks and scales).")
+    checkpoint = (keys.data.get("checkpointer") or {}).get("checkpoint_dir")
+    if checkpoint and (Path(str(checkpoint)).expanduser() / "config.json").is_file():
+        return str(checkpoint)
+    if base not in BUILDERS:
+        raise keys.error("model._component_", f"{builder!r} is a model builder memfit has no architecture for "
+                         f"({', '.join(sorted(BUILDERS))}), and checkpointer.checkpoint_dir holds no config.json.")
+    return BUILDERS[base]
+
+
+def _sequence(keys: Keys) -> dict[str, Any]:
+    tokenizer, dataset = keys.get("tokenizer") or {}, keys.get("dataset") or {}
+    length = tokenizer.get("max_seq_len") if isinstance(tokenizer, dict) else None
+    out: dict[str, Any] = {}
+    if length is not None:
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise keys.error("tokenizer.max_seq_len", f"{length!r} is not a whole number >= 1.")
+        out["seq_len"] = length
+    else:
+        keys.not_mapped("tokenizer.max_seq_len", "null: samples are not truncated, so the longest one sets the "
+                        "peak; priced at memfit's default length unless --seq-len is given.")
+    packed = isinstance(dataset, dict) and dataset.get("packed") is True
+    out["packing"] = "documents" if packed else "none"
+    return out
+
+
+def _optimizer(keys: Keys) -> str:
+    component, args = _component(keys, "optimizer")
+    name = component.rsplit(".", 1)[-1].lower()
+    if name == "adamw":
+        if "bitsandbytes" in component or "torchao" in component:
+            return "adamw-8bit"
+        return "adamw-fused" if args.get("fused") else "adamw-foreach" if args.get("foreach") else "adamw"
+    table = {"adamw8bit": "adamw-8bit", "pagedadamw8bit": "adamw-8bit", "sgd": "sgd", "adafactor": "adafactor"}
+    if name in table:
+        return table[name]
+    keys.not_mapped("optimizer", f"{component} has no row in memfit's optimizer table; priced as AdamW (two fp32 "
+                    "moments per trained parameter).")
+    return "adamw"
+
+
+def _loss(keys: Keys) -> str:
+    component, args = _component(keys, "loss")
+    name = component.rsplit(".", 1)[-1]
+    if name in ("LinearCrossEntropyLoss", "CEWithChunkedOutputLoss"):
+        keys.price(f"loss {name}: never the full fp32 logits; priced as memfit's chunked loss (chunk sizes differ).")
+        return "chunked"
+    if name == "CrossEntropyLoss" or not component:
+        return "standard"
+    keys.not_mapped("loss", f"{component} is priced as transformers' standard loss (full logits).")
+    return "standard"
+
+
+def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
+    """``run`` as a torchtune single-device (or distributed, when sharded) recipe config."""
+    module, preset = _builder(model, source)
+    model_cfg: dict[str, Any] = {"_component_": f"{module}.{preset}"}
+    if run.is_lora():
+        prefix = "qlora_" if str(run.quantize) == "4bit" else "lora_"
+        model_cfg["_component_"] = f"{module}.{prefix}{preset}"
+        inverse = {v: k for k, v in MODULES.items()}
+        targets = list(MODULES.values()) + list(MLP) if run.lora_targets == ("all-linear",) else run.lora_targets
+        model_cfg.update(lora_attn_modules=[inverse[t] for t in targets if t in inverse],
+                         apply_lora_to_mlp=all(m in targets for m in MLP), apply_lora_to_output=False,
+                         lora_rank=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout)
+    out: dict[str, Any] = dict(source.data) if source is not None and source.tool == NAME else {}
+    tokenizer = dict(out.get("tokenizer") or {})
+    tokenizer["max_seq_len"] = run.seq_len
+    dataset = dict(out.get("dataset") or {})
+    dataset["packed"] = str(run.packing) == "documents"
+    out.update({
+        "model": model_cfg, "tokenizer": tokenizer, "dataset": dataset, "batch_size": run.micro_batch,
+        "gradient_accumulation_steps": run.grad_accum, "dtype": str(run.dtype),
+        "enable_activation_checkpointing": run.grad_checkpointing,
+        "enable_activation_offloading": str(run.offload) == "activations",
+        "optimizer_in_bwd": run.optimizer_in_backward,
+        "optimizer": _optimizer_cfg(run, out.get("optimizer")),
+        "loss": {"_component_": "torchtune.modules.loss.LinearCrossEntropyLoss" if str(run.loss) == "chunked"
+                 else "torch.nn.CrossEntropyLoss"},
+    })
+    return out
+
+
+def _builder(model: str, source: Reading | None) -> tuple[str, str]:
+    """(module, builder without lora_/qlora_) of ``model``: the source file's own where it names the same model
+    (a checkpoint folder), else the builder of its preset."""
+    if source is not None and source.tool == NAME and source.model == model:
+        module, name = source.data["model"]["_component_"].rsplit(".", 1)
+        return module, re.sub(r"^(q?lora)_", "", name)
+    preset = {v: k for k, v in BUILDERS.items()}.get(model)
+    if preset is None:
+        from memfit.errors import UserError
+
+        raise UserError(f"{model} has no torchtune builder memfit knows; torchtune builds "
+                        f"{', '.join(sorted(set(BUILDERS.values())))}.")
+    return f"torchtune.models.{_family(preset)}", preset
+
+
+def _family(builder: str) -> str:
+    return builder.split("_")[0] if not builder.startswith(("llama3_2", "llama3_1", "qwen2_5")) else \
+        "_".join(builder.split("_")[:2])
+
+
+def _optimizer_cfg(run, old) -> dict[str, Any]:
+    kept = {k: v for k, v in (old or {}).items() if k in ("lr", "weight_decay", "betas", "eps")}
+    component = {"adamw-8bit": "bitsandbytes.optim.PagedAdamW8bit", "sgd": "torch.optim.SGD",
+                 "adafactor": "torchtune.training.Adafactor"}.get(str(run.optimizer), "torch.optim.AdamW")
+    out: dict[str, Any] = {"_component_": component, **kept}
+    if str(run.optimizer) == "adamw-fused":
+        out["fused"] = True
+    elif str(run.optimizer) == "adamw-foreach":
+        out["foreach"] = True
+    return out
+
+
+def realize(run):
+    """A planner candidate as torchtune runs it (None: it cannot): no autocast (the weights' dtype is the
+    compute dtype), no 8-bit base, no optimizer-state offload on one device, the loss chunked or torch's."""
+    if str(run.quantize) == "8bit" or str(run.offload) in ("optimizer", "params") or str(run.loss) in ("liger", "cce"):
+        return None
+    if str(run.sharding) in ("zero2", "zero3"):
+        return None
+    half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
+    return run.replace(mixed_precision="no", dtype=half or str(run.dtype), attn_implementation="sdpa")

@@ -1,0 +1,223 @@
+"""transformers ``TrainingArguments`` and TRL ``SFTConfig`` (+ TRL's ``ModelConfig``) as YAML or JSON.
+
+Written from the documented schema: ``transformers.TrainingArguments`` (5.x) and TRL 1.x's ``SFTConfig``
+and ``ModelConfig``, which ``trl sft --config FILE.yaml`` reads from one flat file. A file holding any of
+SFTConfig's own keys is read with SFTConfig's defaults (``gradient_checkpointing`` and ``bf16`` on,
+``max_length`` 1024); a plain ``TrainingArguments`` file with Trainer's.
+
+How the tools run a step, where it differs from memfit's own trainer:
+
+- ``SFTTrainer`` (TRL >= 1.14) computes the loss with a fused, chunked LM head (``add_fused_lm_head``):
+  the full (B, T, V) logits are never built. memfit's ``chunked`` loss has that term; priced with it.
+- ``Trainer`` computes the loss in the model's forward (transformers' ``ForCausalLMLoss``, logits upcast to
+  fp32): memfit's ``standard`` loss, the same code.
+- PEFT's ``prepare_model_for_kbit_training`` (QLoRA) casts the non-quantized weights to fp32, as memfit does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.interop.common import (
+    Keys,
+    Reading,
+    deepspeed,
+    flash_attention,
+    fsdp,
+    lora_targets,
+    model_name,
+    precision,
+    trainer_optimizer,
+)
+
+NAME = "trl"
+
+#: Keys only SFTConfig/ModelConfig have (a file with one of them is a TRL file: SFTConfig's defaults apply).
+SFT_KEYS = frozenset({
+    "max_length", "max_seq_length", "packing", "padding_free", "packing_strategy", "dataset_text_field",
+    "completion_only_loss", "assistant_only_loss", "model_name_or_path", "use_peft", "lora_target_modules",
+    "load_in_4bit", "load_in_8bit", "model_init_kwargs", "dataset_name", "activation_offloading", "loss_type",
+    "dataset_num_proc", "eos_token", "chat_template_path", "dataset_kwargs", "truncation_mode",
+})
+#: TrainingArguments keys that mark a Trainer file.
+TRAINER_KEYS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "optim",
+                          "num_train_epochs", "learning_rate", "lr_scheduler_type"})
+
+NO_MEMORY = frozenset({
+    "output_dir", "overwrite_output_dir", "do_train", "do_eval", "do_predict", "eval_strategy", "evaluation_strategy",
+    "eval_steps", "per_device_eval_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs",
+    "warmup_ratio", "warmup_steps", "logging_dir", "logging_strategy", "logging_steps", "logging_first_step",
+    "save_strategy", "save_steps", "save_total_limit", "save_only_model", "seed", "data_seed", "report_to",
+    "run_name", "push_to_hub", "hub_model_id", "hub_strategy", "load_best_model_at_end", "metric_for_best_model",
+    "greater_is_better", "dataloader_num_workers", "dataloader_pin_memory", "remove_unused_columns",
+    "label_names", "disable_tqdm", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+    "dataset_text_field", "dataset_num_proc", "dataset_kwargs", "completion_only_loss", "assistant_only_loss",
+    "eos_token", "chat_template_path", "truncation_mode", "shuffle_dataset", "eval_packing", "model_revision",
+    "trust_remote_code", "lora_task_type", "tf32", "group_by_length", "resume_from_checkpoint", "log_level",
+    "eval_on_start", "include_num_input_tokens_seen", "average_tokens_across_devices", "ddp_find_unused_parameters",
+    "lora_modules_to_save", "loss_type", "pad_to_multiple_of", "gradient_checkpointing_kwargs", "optim_args",
+})
+
+
+def detect(data: dict) -> bool:
+    return bool(set(data) & (SFT_KEYS | TRAINER_KEYS))
+
+
+def read(path: str, data: dict) -> Reading:
+    keys = Keys(path, NAME, data)
+    sft = bool(set(data) & SFT_KEYS)
+    run: dict[str, Any] = {
+        "micro_batch": keys.int("per_device_train_batch_size", 8),
+        "grad_accum": keys.int("gradient_accumulation_steps", 1),
+        "mixed_precision": precision(keys, bf16_default=sft),
+        "grad_checkpointing": keys.bool("gradient_checkpointing", sft),
+        "optimizer": trainer_optimizer(keys, "optim", "adamw_torch_fused"),
+    }
+    _checkpointing_kwargs(keys)
+    run.update(_sequence(keys, sft))
+    run.update(_model(keys, sft))
+    run.update(fsdp(keys))
+    run.update(deepspeed(keys))
+    if keys.bool("activation_offloading", False):
+        run["offload"] = "activations"
+    run["loss"] = _loss(keys, sft)
+    if keys.bool("torch_compile", False):
+        keys.not_mapped("torch_compile", "memfit prices the eager model; a compiled one may save fewer activations.")
+    model = model_name(keys, "model_name_or_path")
+    keys.leftovers(NO_MEMORY)
+    return keys.reading(model, "model_name_or_path", run)
+
+
+def _checkpointing_kwargs(keys: Keys) -> None:
+    kwargs = keys.data.get("gradient_checkpointing_kwargs") or {}
+    if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is True:
+        keys.price("gradient_checkpointing_kwargs use_reentrant: true: torch's reentrant checkpointing keeps the "
+                   "same tensors as the non-reentrant one memfit prices (transformers 5's default).")
+
+
+def _sequence(keys: Keys, sft: bool) -> dict[str, Any]:
+    """Sequence length and packing. A TrainingArguments file has no sequence length: memfit's default."""
+    out: dict[str, Any] = {}
+    length = keys.int("max_length", None) or keys.int("max_seq_length", None)
+    if length is None and sft:
+        length = 1024  # SFTConfig's default
+    if length is not None:
+        out["seq_len"] = length
+    else:
+        keys.price("No sequence length (Trainer's arguments have none): priced at memfit's default unless "
+                   "--seq-len is given.")
+    packing = keys.bool("packing", False)
+    padding_free = keys.bool("padding_free", False)
+    if packing or padding_free:
+        out["packing"] = "documents"  # position ids restart per document, no cross-document attention
+        keys.get("packing_strategy")
+    else:
+        out["packing"] = "none"
+        if sft:
+            keys.price("No packing: each batch is padded to its longest row; priced at max_length (the upper bound).")
+    return out
+
+
+def _model(keys: Keys, sft: bool) -> dict[str, Any]:
+    """TRL's ModelConfig: weight dtype, attention, PEFT (LoRA/QLoRA)."""
+    out: dict[str, Any] = {}
+    init = keys.get("model_init_kwargs") or {}
+    if not isinstance(init, dict):
+        raise keys.error("model_init_kwargs", f"{init!r} is not a mapping of from_pretrained arguments.")
+    dtype = keys.get("dtype") or init.get("dtype") or init.get("torch_dtype")
+    table = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
+             "fp16": "fp16"}
+    if dtype is not None and str(dtype).lower() != "auto":
+        if str(dtype).lower() not in table:
+            raise keys.error("dtype", f"{dtype!r} is not one of float32, bfloat16, float16, auto.")
+        out["dtype"] = table[str(dtype).lower()]
+    elif dtype is not None:
+        keys.not_mapped("dtype", "auto loads the checkpoint's own dtype, which a config alone does not say; "
+                        "priced with fp32 weights (bf16 checkpoints take half the weight bytes).")
+    attention = keys.get("attn_implementation")
+    if attention is not None:
+        out["attn_implementation"] = {"flash_attention_2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager",
+                                      "kernels-community/flash-attn": "flash_attention_2",
+                                      "kernels-community/vllm-flash-attn3": "flash_attention_2"}.get(
+            str(attention).lower(), "auto")
+        if out["attn_implementation"] == "flash_attention_2":
+            out["attn_implementation"] = flash_attention(keys, "attn_implementation")
+        if out["attn_implementation"] == "auto":
+            keys.not_mapped("attn_implementation", f"{attention} is priced as the attention transformers picks.")
+    if keys.bool("use_peft", False):
+        out.update(lora_r=keys.int("lora_r", 16), lora_alpha=keys.float("lora_alpha", 32.0),
+                   lora_dropout=keys.float("lora_dropout", 0.05),
+                   lora_targets=lora_targets(keys, "lora_target_modules"))
+        if keys.bool("load_in_4bit", False):
+            out["quantize"] = "4bit"
+        elif keys.bool("load_in_8bit", False):
+            out["quantize"] = "8bit"
+        if keys.bool("use_bnb_nested_quant", False):
+            keys.not_mapped("use_bnb_nested_quant", "double quantization saves ~0.4 bit per base weight; priced "
+                            "without it (a slight over-estimate).")
+        if keys.bool("use_dora", False):
+            keys.not_mapped("use_dora", "DoRA keeps a magnitude vector and a weight-norm per adapted linear that "
+                            "memfit does not price; the estimate is low by those activations.")
+        keys.get("use_rslora")  # a scale, not a size
+    else:
+        for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit"):
+            if keys.has(key):
+                keys.get(key)
+                keys.price(f"{key} is ignored: use_peft is off, so TRL trains the full model.")
+    return out
+
+
+def _loss(keys: Keys, sft: bool) -> str:
+    liger = keys.bool("use_liger_kernel", False)
+    if sft:
+        keys.price("SFTTrainer's loss: TRL's fused LM head computes the log-probabilities in chunks, never the "
+                   "full logits; priced as memfit's chunked loss (its chunk sizes differ from TRL's).")
+        if liger:
+            keys.price("use_liger_kernel: TRL applies Liger's layer kernels only (not its fused cross-entropy); "
+                       "priced without them.")
+        return "chunked"
+    if liger:
+        keys.price("use_liger_kernel: Trainer patches Liger's fused linear cross-entropy in; priced as memfit's "
+                   "liger loss.")
+        return "liger"
+    return "standard"
+
+
+def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
+    """``run`` as an SFTConfig + ModelConfig file for ``trl sft --config``."""
+    from memfit.interop.emitting import dtype_name, merged
+
+    out: dict[str, Any] = {
+        "model_name_or_path": model, "dtype": dtype_name(run.dtype),
+        "per_device_train_batch_size": run.micro_batch, "gradient_accumulation_steps": run.grad_accum,
+        "max_length": run.seq_len, "packing": str(run.packing) == "documents",
+        "padding_free": False, "bf16": str(run.mixed_precision) == "bf16",
+        "fp16": str(run.mixed_precision) == "fp16", "gradient_checkpointing": run.grad_checkpointing,
+        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
+                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "use_peft": run.is_lora(), "activation_offloading": str(run.offload) == "activations",
+    }
+    if run.is_lora():
+        out.update(lora_r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                   lora_target_modules=list(run.lora_targets),
+                   load_in_4bit=str(run.quantize) == "4bit", load_in_8bit=str(run.quantize) == "8bit")
+    if str(run.attn_implementation) != "auto":
+        out["attn_implementation"] = str(run.attn_implementation)
+    if str(run.sharding) in ("fsdp", "zero2"):
+        words = ["full_shard" if str(run.sharding) == "fsdp" else "shard_grad_op", "auto_wrap"]
+        out["fsdp"] = " ".join(words + (["offload"] if str(run.offload) == "params" else []))
+    elif str(run.sharding) == "zero3":
+        out["deepspeed"] = {"zero_optimization": {"stage": 3}}
+    drop = ("fsdp", "deepspeed", "use_liger_kernel", "model_init_kwargs", "max_seq_length")
+    return merged(source, NAME, out, drop)
+
+
+def realize(run):
+    """A planner candidate as SFTTrainer runs it (None: it cannot): its own chunked LM head always, the optimizer
+    stepped after backward, optimizer-state offload only through DeepSpeed (not emitted)."""
+    if run.optimizer_in_backward or str(run.offload) in ("optimizer",) or str(run.loss) in ("liger", "cce"):
+        return None
+    if str(run.offload) == "params" and str(run.sharding) not in ("fsdp", "zero2"):
+        return None
+    return run.replace(loss="chunked")

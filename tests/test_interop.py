@@ -1,0 +1,134 @@
+"""Other tools' configurations: ``estimate --from``, ``plan --from``, ``plan --emit`` (memfit.interop).
+
+The files under tests/data/interop are the tools' own examples (README.md there names each source)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from _train_helpers import assert_one_sentence
+from memfit.cli import cli
+from memfit.interop import read
+
+DATA = Path(__file__).parent / "data" / "interop"
+
+#: What each example must read as: (format, model, the RunConfig settings that matter for it).
+EXPECTED = {
+    "axolotl_lora_1b.yml": ("axolotl", "llama-3.2-1b", dict(
+        seq_len=2048, micro_batch=2, grad_accum=2, lora_r=16, dtype="bf16", mixed_precision="bf16",
+        optimizer="adamw-8bit", packing="documents", grad_checkpointing=True, loss="standard")),
+    "axolotl_qlora_1b.yml": ("axolotl", "llama-3.2-1b", dict(
+        quantize="4bit", lora_r=32, lora_targets="all-linear", grad_accum=4)),
+    "axolotl_fft_8b.yml": ("axolotl", "llama-3-8b", dict(
+        lora_r=0, seq_len=8192, dtype="bf16", loss="liger", optimizer="adamw-8bit")),
+    "llamafactory_lora_sft.yaml": ("llamafactory", "llama-3-8b", dict(
+        lora_r=8, lora_alpha=16.0, lora_targets="all-linear", dtype="bf16", grad_checkpointing=True,
+        micro_batch=1, grad_accum=8, packing="none")),
+    "llamafactory_qlora_otfq.yaml": ("llamafactory", "llama-3-8b", dict(quantize="4bit", lora_r=8)),
+    "llamafactory_full_sft.yaml": ("llamafactory", "llama-3-8b", dict(
+        lora_r=0, dtype="fp32", mixed_precision="bf16", sharding="zero3")),
+    "torchtune_1B_lora_single_device.yaml": ("torchtune", "llama-3.2-1b", dict(
+        lora_r=64, lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", dtype="bf16",
+        mixed_precision="no", loss="chunked", optimizer="adamw-fused", micro_batch=4, grad_accum=8)),
+    "torchtune_1B_qlora_single_device.yaml": ("torchtune", "llama-3.2-1b", dict(
+        quantize="4bit", seq_len=2048, grad_checkpointing=True)),
+    "torchtune_1B_full_single_device.yaml": ("torchtune", "llama-3.2-1b", dict(
+        lora_r=0, optimizer_in_backward=True, optimizer="adamw-8bit", packing="documents")),
+    "trl_sft_lora.yaml": ("trl", "qwen2.5-0.5b", dict(
+        lora_r=32, seq_len=1024, packing="documents", loss="chunked", mixed_precision="bf16", dtype="fp32")),
+    "trl_sft_full_packing.yaml": ("trl", "smollm2-135m", dict(
+        lora_r=0, dtype="bf16", micro_batch=8, grad_accum=2, optimizer="adamw-fused")),
+    "trainer_args.json": ("trl", None, dict(
+        micro_batch=4, grad_accum=4, mixed_precision="bf16", grad_checkpointing=True, loss="standard")),
+}
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_tools_examples_read_as_that_run(name):
+    tool, model, settings = EXPECTED[name]
+    reading = read(DATA / name)
+    assert (reading.tool, reading.model) == (tool, model)
+    flat = reading.run.to_flat()
+    assert {k: flat[k] for k in settings} == settings
+
+
+def test_estimate_from_names_what_it_could_not_map():
+    result = _run("estimate", "--from", DATA / "torchtune_1B_lora_single_device.yaml", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["from"]["format"] == "torchtune"
+    assert any(line.startswith("tokenizer.max_seq_len:") for line in payload["from"]["unmapped"])
+    table = _run("estimate", "--from", DATA / "axolotl_fft_8b.yml")
+    assert table.exit_code == 0, table.output
+    assert "Not mapped" in table.output and "liger_rope" in table.output
+
+
+def test_estimate_from_typed_flags_override_the_file():
+    base = json.loads(_run("estimate", "--from", DATA / "axolotl_lora_1b.yml", "--json").output)
+    shorter = json.loads(_run("estimate", "--from", DATA / "axolotl_lora_1b.yml", "--seq-len", "512",
+                              "--json").output)
+    assert shorter["config"]["seq_len"] == 512 and shorter["config"]["lora_r"] == 16
+    assert shorter["peak_bytes"] < base["peak_bytes"]
+
+
+def test_trainer_args_without_a_model_take_model_argument():
+    assert_one_sentence(_run("estimate", "--from", DATA / "trainer_args.json"), "names no base model")
+    result = _run("estimate", "tiny", "--from", DATA / "trainer_args.json", "--seq-len", "64", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["micro_batch"] == 4
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("lr: 0.1\nfoo: 1\n", "is none of the configurations memfit reads"),
+    ("base_model: tiny\nmicro_batch_size: -1\n", "micro_batch_size: -1 is not a whole number"),
+    ("base_model: tiny\nmicro_batch_size: 1\noptimizer: adamw_magic\n", "optimizer: 'adamw_magic' is not"),
+    ("base_model: nobody/no-such-model-here\nmicro_batch_size: 1\n", "base_model:"),
+    ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\n", "model._component_:"),
+    ("model_name_or_path: tiny\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
+    ("- a list\n", "does not hold a mapping"),
+])
+def test_bad_input_is_one_sentence_naming_file_and_key(tmp_path, text, pattern):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    result = _run("estimate", "--from", path)
+    assert_one_sentence(result, pattern)
+    assert str(path) in result.output
+
+
+@pytest.mark.parametrize("tool, source, budget", [
+    ("axolotl", "axolotl_lora_1b.yml", "24GiB"), ("llamafactory", "llamafactory_lora_sft.yaml", "24GiB"),
+    ("torchtune", "torchtune_1B_lora_single_device.yaml", "24GiB"), ("trl", "trl_sft_lora.yaml", "24GiB"),
+    ("torchtune", "axolotl_qlora_1b.yml", "24GiB"), ("trl", "llamafactory_full_sft.yaml", "80GiB"),
+])
+def test_plan_emit_round_trips_to_the_same_prediction(tmp_path, tool, source, budget):
+    out = tmp_path / f"emitted-{tool}.yaml"
+    planned = _run("plan", "--from", DATA / source, "--budget", budget, "--seq-len", "1024", "--emit", tool, out,
+                   "--json", "--top", "1")
+    assert planned.exit_code == 0, planned.output
+    best = json.loads(planned.output)["plans"][0]
+    reading = read(out)
+    assert reading.tool == tool
+    assert reading.run.to_flat() == best["config"]
+    estimated = json.loads(_run("estimate", "--from", out, "--json").output)
+    assert estimated["peak_bytes"] == best["peak_bytes"]
+    if tool == read(DATA / source).tool:  # the source's own settings (data, schedule) are kept
+        source_keys = set(yaml.safe_load((DATA / source).read_text()))
+        assert len(source_keys & set(yaml.safe_load(out.read_text()))) > len(source_keys) // 2
+
+
+def test_plan_from_searches_only_what_the_tool_runs(tmp_path):
+    """torchtune has no autocast: every plan for it stores the weights in its compute dtype."""
+    result = _run("plan", "--from", DATA / "torchtune_1B_full_single_device.yaml", "--budget", "24GiB", "--json",
+                  "--top", "0")
+    assert result.exit_code == 0, result.output
+    configs = [p["config"] for p in json.loads(result.output)["plans"]]
+    assert configs and all(c["mixed_precision"] == "no" and c["lora_r"] == 0 for c in configs)
