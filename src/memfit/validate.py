@@ -26,8 +26,21 @@ def flag(name: str) -> str:
     return "--lr" if name in ("optimizer_lr", "lr") else "--" + name.replace("_", "-")
 
 
+INT_MAX = 2**63 - 1
+"""The largest whole number a setting may hold: torch's and numpy's int64 (a ``--seed`` beyond it overflows
+``torch.Generator.manual_seed``; a step count beyond it is no run)."""
+
+
 def _shown(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+    """A value as the error sentence shows it, cut short: a YAML alias bomb (a list of lists of lists ...)
+    would otherwise print for ever (``reprlib`` bounds the depth and the items shown)."""
+    import reprlib
+
+    shower = reprlib.Repr()
+    shower.maxlevel, shower.maxlist, shower.maxdict, shower.maxstring, shower.maxother = 2, 4, 4, 60, 60
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a whole number of {value.bit_length()} bits"  # str() of a huge int is slow, or refused
+    return shower.repr(value) if isinstance(value, (str, list, dict, tuple, set)) else str(value)[:60]
 
 
 # ------------------------------------------------------------------------------------- scalar checks
@@ -42,6 +55,8 @@ def whole(name: str, value: Any, *, minimum: int, what: str) -> int:
             raise UserError(f"{flag(name)} must be {what}, got {_shown(value)}.")
     if value < minimum:
         raise UserError(f"{flag(name)} must be {what}, got {value}.")
+    if value > INT_MAX:
+        raise UserError(f"{flag(name)} must be {what} below 2**63, got {_shown(value)}.")
     return value
 
 
@@ -65,9 +80,15 @@ def number(name: str, value: Any, *, low: float = -math.inf, high: float = math.
     return value
 
 
+_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
 def boolean(name: str, value: Any) -> bool:
+    """True or false; YAML's words ``yes``/``no``/``on``/``off`` too (``memfit.config_file`` leaves them words)."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, str) and value.strip().lower() in _WORDS:
+        return _WORDS[value.strip().lower()]
     raise UserError(f"{flag(name)} must be true or false, got {_shown(value)}.")
 
 
