@@ -437,6 +437,9 @@ def main() -> None:
     args = parser.parse_args()
     import memfit.cli.train as train_cli
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _faults_inputs as inputs  # issue 27's input cases: user files, model config fields, flags and YAML
+
     tmp = Path(tempfile.mkdtemp(prefix="memfit-faults-"))
     c = Census(tmp)
     c.has_init = any(p.name == "init" for p in train_cli.command.params)
@@ -448,6 +451,9 @@ def main() -> None:
             ("checkpoint", lambda: checkpoint_cases(c, tmp, model, data)),
             ("resume", lambda: resume_cases(c, tmp, model, data)), ("folder", lambda: folder_cases(c, tmp, data)),
             ("disk", lambda: disk_cases(c, tmp, model, data)),
+            ("input", lambda: inputs.input_cases(c, tmp, model, data, fast)),
+            ("config", lambda: inputs.config_cases(c, tmp, data, fast, TINY)),
+            ("flags2", lambda: inputs.flag_cases(c, tmp, model, data, fast)),
             ("kill", lambda: kill_trials(c, tmp, model, data, args.kills))]
     for name, fn in plan:
         if only is None or name in only:
