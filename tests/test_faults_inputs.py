@@ -81,9 +81,8 @@ def test_invalid_utf8_in_yaml_config_and_chat_template(tmp_path, inputs):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name", ["../../../x", "."])
-def test_chat_template_that_is_no_file(tmp_path, inputs, name):
-    _one_sentence(_run(_train(*inputs, tmp_path / "o", "--chat-template", name)), "is not a file")
+def test_chat_template_that_is_no_file(tmp_path, inputs):
+    _one_sentence(_run(_train(*inputs, tmp_path / "o", "--chat-template", "../../../x")), "is not a file")
 
 
 def test_binary_file_as_txt_is_refused(tmp_path, inputs):
@@ -308,15 +307,15 @@ def test_terminal_escapes_in_a_field_name_are_shown_escaped(tmp_path, inputs):
 
 
 def test_ctrl_c_during_tokenization_removes_the_run_and_exits_130(tmp_path, inputs, monkeypatch):
-    import memfit.data_prep as data_prep
+    import memfit.data_arrow as data_arrow
 
-    real = data_prep.encode_parts
+    real = data_arrow.encode_parts
 
     def ctrl_c_then_encode(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data_prep, "encode_parts", ctrl_c_then_encode)
+    monkeypatch.setattr(data_arrow, "encode_parts", ctrl_c_then_encode)
     out = tmp_path / "o"
     _one_sentence(_run(_train(*inputs, out, "--max-steps", "3")), "Interrupted by Ctrl-C before the first step",
                   code=130)
