@@ -490,3 +490,11 @@ class TrainConfig:
         own = {f.name for f in settings(cls)}
         kwargs = {keys[k]: v for k, v in data.items() if keys[k] in own and v is not None}
         return cls(run=RunConfig.from_flat(data), **kwargs)
+
+
+def read_config_file(path) -> dict[str, Any]:
+    """The settings of a ``--config`` YAML file (``memfit.config_file.read_settings``: UTF-8 checked,
+    ``no``/``off`` kept as words, nested ``config:`` refused)."""
+    from memfit.config_file import read_settings
+
+    return read_settings(path)

@@ -2,7 +2,7 @@
 
 Every text file memfit reads from the user is UTF-8 (a byte-order mark tolerated). A byte that is not
 UTF-8 is one sentence naming the file, the line and the byte offset, so the user can open the file at
-that place; a file that is binary data (NUL bytes, or mostly control characters, in its first 64 KiB)
+that place; a file that is binary data (over 10 % NULs or other control characters in its first 64 KiB)
 is refused before a tokenizer would turn its bytes into training tokens.
 """
 
@@ -19,13 +19,11 @@ _TEXT_CONTROLS = frozenset(b"\t\n\r\f\v\x1b")
 
 
 def looks_binary(sample: bytes) -> bool:
-    """Whether ``sample`` (the start of a file) is binary data: it holds a NUL byte (no UTF-8 text has one;
-    UTF-16 text, images and archives do), or over 30 % of its bytes are control characters (the heuristic
-    of ``file`` and ``grep``: text has tabs and newlines, not bytes 0x01-0x1f at every turn)."""
-    if b"\0" in sample:
-        return True
+    """Whether ``sample`` (the start of a file) is binary data: over 10 % of its bytes are NULs or other
+    control characters (text has tabs and newlines, not bytes 0x00-0x1f at every turn; UTF-16 text is
+    half NULs, images and archives are full of them). A stray NUL in a text is still text."""
     controls = sum(1 for b in sample if b < 0x20 and b not in _TEXT_CONTROLS)
-    return bool(sample) and controls > 0.3 * len(sample)
+    return bool(sample) and controls > 0.1 * len(sample)
 
 
 def refuse_binary(path: Path) -> None:
@@ -38,7 +36,7 @@ def refuse_binary(path: Path) -> None:
     if looks_binary(sample):
         nul = sample.find(b"\0")
         line = sample[:nul].count(b"\n") + 1
-        where = f" (a NUL byte at line {line}, byte offset {nul})" if nul >= 0 else ""
+        where = f" (its first NUL byte at line {line}, byte offset {nul})" if nul >= 0 else ""
         raise UserError(f"{path} is binary data, not UTF-8 text{where}; give a text file.")
 
 

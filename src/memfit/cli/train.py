@@ -40,9 +40,9 @@ _COMMAND_ONLY = [
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    from memfit.config_file import read_settings
+    from memfit.config import read_config_file
 
-    return read_settings(path)
+    return read_config_file(path)
 
 
 def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
