@@ -438,6 +438,9 @@ def main() -> None:
     import faults_runfolder  # issue 27's cases (beside this file)
     import memfit.cli.train as train_cli
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _faults_inputs as inputs  # issue 27's input cases: user files, model config fields, flags and YAML
+
     tmp = Path(tempfile.mkdtemp(prefix="memfit-faults-"))
     c = Census(tmp)
     c.has_init = any(p.name == "init" for p in train_cli.command.params)
@@ -453,6 +456,9 @@ def main() -> None:
             ("lineage", lambda: faults_runfolder.lineage_cases(c, tmp, model, data)),
             ("readback", lambda: faults_runfolder.readback_cases(c, tmp, model, data)),
             ("space", lambda: faults_runfolder.space_cases(c, tmp, model, data)),
+            ("input", lambda: inputs.input_cases(c, tmp, model, data, fast)),
+            ("config", lambda: inputs.config_cases(c, tmp, data, fast, TINY)),
+            ("flags2", lambda: inputs.flag_cases(c, tmp, model, data, fast)),
             ("kill", lambda: kill_trials(c, tmp, model, data, args.kills))]
     for name, fn in plan:
         if only is None or name in only:

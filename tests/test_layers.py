@@ -29,7 +29,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: only those listed before it (and the leaves ``errors``, ``units``, ``files``). ``cli/`` and the
 #: package's own ``__init__`` (the lazy public API) sit on top.
 LAYERS = ("integrations", "settings", "spec", "data", "builder", "memory", "report", "planning", "interop", "training", "cli")
-LEAVES = ("memfit.errors", "memfit.units", "memfit.files")
+LEAVES = ("memfit.errors", "memfit.units", "memfit.files", "memfit.textfiles")
 
 
 #: What ``cli/`` may import: the public API (``memfit.estimate/trace/plan/train``), the settings (and
@@ -166,7 +166,7 @@ def test_every_package_imports_only_the_layers_below_it(graph):
 
 def test_the_top_level_holds_entry_points_and_leaves_only():
     loose = sorted(p.stem for p in (SRC / "memfit").glob("*.py"))
-    assert loose == ["__init__", "__main__", "errors", "files", "units"], loose
+    assert loose == ["__init__", "__main__", "errors", "files", "textfiles", "units"], loose
 
 
 def test_no_import_cycle(graph):

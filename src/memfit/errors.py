@@ -16,3 +16,14 @@ class UserError(Exception):
 
 class NothingFitsError(UserError):
     """No configuration fits the memory budget (raised by the planner)."""
+
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+"""Terminal control characters (C0, DEL, C1) -> their ``\\xNN`` escape: an escape sequence carried by a
+user's value (a JSONL field name, a path) would otherwise recolour, move or retitle the user's terminal."""
+
+
+def printable(text: str) -> str:
+    """``text`` with every terminal control character escaped (``\\x1b[31m`` shown, not obeyed); a line
+    break inside a value is escaped too, so an echoed sentence stays one line."""
+    return str(text).translate(_CONTROLS)

@@ -7,6 +7,7 @@ This is the only module that divides by 1e9 or 2**30.
 
 from __future__ import annotations
 
+import math
 import re
 
 from memfit.errors import UserError
@@ -51,14 +52,18 @@ def dtype_bytes(name: str) -> float:
     return DTYPE_BYTES[key]
 
 
+MAX_SIZE = 2**60
+"""The largest memory size memfit reads (1 EiB): beyond it a figure is a typo, and ``int()`` of ``inf`` fails."""
+
+
 def parse_size(text: str | int | float) -> int:
     """Parse ``"24GiB"``, ``"24 GB"``, ``"80gib"``, ``"1.5e9"`` or a plain number of bytes into bytes.
 
     A bare ``"24G"`` is ambiguous; memfit reads it as GiB because that is what GPU makers mean.
     """
     if isinstance(text, (int, float)):
-        if text <= 0:
-            raise UserError(f"Memory size must be positive, got {text}.")
+        if not math.isfinite(text) or text <= 0 or text > MAX_SIZE:
+            raise UserError(f"Memory size must be a positive number of bytes up to 1 EiB, got {text:g}.")
         return int(text)
     raw = str(text)
     match = _SIZE_RE.match(raw)
@@ -84,7 +89,7 @@ def parse_size(text: str | int | float) -> int:
         raise UserError(f"Unknown memory unit {match.group(2)!r} in {raw!r}; use GiB, GB, MiB or MB.")
     if number <= 0:
         raise UserError(f"Memory size must be positive, got {raw!r}.")
-    return int(round(number * _UNITS[unit]))
+    return parse_size(number * _UNITS[unit])  # the bound: 1e400GiB is no size either
 
 
 def to_gib(n_bytes: float) -> float:

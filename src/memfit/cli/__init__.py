@@ -13,7 +13,7 @@ import sys
 import click
 
 from memfit import __version__
-from memfit.errors import UserError
+from memfit.errors import UserError, printable
 from memfit.integrations.hf_compat import quiet_import_notices
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -31,7 +31,7 @@ class UserFacingError(click.ClickException):
     exit_code = 1
 
     def show(self, file=None) -> None:  # noqa: ARG002 - click's signature
-        click.echo(f"error: {self.message}", err=True)
+        click.echo(f"error: {printable(self.message)}", err=True)  # values in it are the user's: escaped
 
 
 class LazyGroup(click.Group):
@@ -58,6 +58,9 @@ class LazyGroup(click.Group):
             facing = UserFacingError(str(err))
             facing.exit_code = err.exit_code  # 130 for a Ctrl-C stop, 1 otherwise
             raise facing from None
+        except click.ClickException as err:  # click's own "Invalid value for '--lr': ..." echoes the value
+            err.message = printable(err.message)
+            raise
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -75,6 +75,10 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    if margin is not None:
+        from memfit.settings.validate import number
+
+        margin = number("margin", margin, low=0.0, high=10.0, what="a finite number from 0 to 10")
     from memfit.settings.config import check_lora_options
 
     # without --full (or with --lora-r) the planner may choose LoRA, with these options

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
 from memfit.cli.options import explicit, flags, memory_options, with_options
-from memfit.errors import UserError
 from memfit.settings.config import RunConfig, TrainConfig, check_lora_options
 from memfit.settings.defaults import SHAPES
 
@@ -42,19 +40,9 @@ _COMMAND_ONLY = [
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
+    from memfit.settings.config import read_config_file
 
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"Config file {file} does not exist.")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{file} is not valid YAML ({str(err).splitlines()[0]}).") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{file} must hold a mapping of settings (key: value), not a {type(data).__name__}.")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
-    return data.get("config", data) if isinstance(data.get("config"), dict) else data  # plan.yaml nests it
+    return read_config_file(path)
 
 
 def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:

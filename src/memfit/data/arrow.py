@@ -71,8 +71,10 @@ class ArrowRows(Sequence):
         files = _plain_files(self.ds)
         cached = Path(files[0] + ".targets.npy") if files else None
         if cached is not None and cached.is_file():
-            return np.load(cached)
-        counts = count_targets(self.target_batches())
+            counts = _load_counts(cached)
+            if counts is not None:
+                return counts
+        counts = count_targets(self.target_batches())  # none cached, or a damaged file: counted again
         if cached is not None:
             try:
                 np.save(cached, counts)
@@ -92,6 +94,32 @@ class ArrowRows(Sequence):
             flat = flat.astype("int64")
             yield flat[flat != -100]
 
+
+
+def _load_counts(path: Path):
+    """The counts saved at ``path``, or None when the file is damaged (truncated, another dtype, a pickle,
+    negative counts): the cache is memfit's, so it is rebuilt, never reported as the user's problem."""
+    import numpy as np
+
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if counts.ndim != 1 or counts.dtype != np.int64 or (counts.size and int(counts.min()) < 0):
+        return None
+    return counts
+
+
+def cache_damage(err: BaseException) -> bool:
+    """Whether ``err`` (raised while ``datasets`` opened or wrote its cache) says a cached Arrow file is
+    damaged: pyarrow's invalid-file errors and short reads (a truncated or overwritten cache file)."""
+    import pyarrow as pa
+
+    while err is not None:
+        if isinstance(err, (pa.ArrowInvalid, pa.ArrowIOError, EOFError)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 ENCODER_MODULES = ("memfit.data.dataset", "memfit.data.formats", "memfit.data.sources", "memfit.data.arrow",
@@ -198,11 +226,20 @@ def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_pro
     encode = partial(_encode_batch, tokenizer=tokenizer, fmt=fmt, fields=fields,
                      train_on_prompt=train_on_prompt, where=where, byte_offset=byte_offset(tokenizer))
     fingerprint = _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt)
-    try:
+
+    def run(from_cache: bool):
         return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names,
-                      batch_size=BATCH_ROWS, writer_batch_size=BATCH_ROWS,
+                      batch_size=BATCH_ROWS, writer_batch_size=BATCH_ROWS, load_from_cache_file=from_cache,
                       num_proc=num_proc if num_proc > 1 else None, desc="tokenizing",
                       features=_encoded_features(tokenizer), new_fingerprint=fingerprint)
+
+    try:
+        try:
+            return run(True)
+        except Exception as err:
+            if isinstance(err, UserError) or not cache_damage(err):
+                raise
+            return run(False)  # a damaged cached encoding (truncated .arrow): encode again, over it
     except UserError:
         raise
     except Exception as err:  # a UserError raised in a worker process comes back wrapped
@@ -311,6 +348,14 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
     digest = hashlib.sha256(f"{encoded._fingerprint}|{name}|{seq_len}|{mode}|".encode() + packer
                             + keep.tobytes() + cuts).hexdigest()[:24]
     path = Path(datasets.config.HF_DATASETS_CACHE) / "memfit-packed" / f"{digest}.arrow"
+    if path.is_file():
+        try:
+            return datasets.Dataset.from_file(str(path))
+        except Exception as err:
+            if not cache_damage(err):
+                raise
+            path.unlink()  # a damaged packed file (truncated, overwritten): packed again below
+            Path(f"{path}.targets.npy").unlink(missing_ok=True)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial_path = path.with_name(f"{path.name}.{os.getpid()}.partial")

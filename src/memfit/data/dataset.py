@@ -67,7 +67,8 @@ class Example:
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[tuple[str, ...], ...] | None = None
+    """``((role, content), ...)``; a turn with tool calls is ``(role, content, extras_json)`` (``memfit.data.formats``)."""
     where: str = field(default="", compare=False)
     """File and record, for messages about this record."""
 
@@ -143,12 +144,9 @@ def _load_file(path: Path, fmt: str | None = None, fields=None) -> list[Example]
         raise UserError(
             f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them."
         )
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {err.start}).") from None
-    except OSError as err:
-        raise UserError(f"{path} cannot be read ({err.strerror or err}).") from None
+    from memfit import textfiles
+
+    text = textfiles.read_text(path, what="Data file")  # UTF-8 (a byte-order mark tolerated), not binary
     examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path, fmt, fields)
     if not examples:
         raise UserError(f"Data file {path} is empty.")
@@ -196,16 +194,15 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
     Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data.sources``), whose errors name
     neither; on an error, this streams the file once (a line, or 1 MiB of text, at a time) to say where."""
+    from memfit import textfiles
+
     try:
-        with path.open(encoding="utf-8-sig", newline="\n") as f:  # newline: lines end at "\n" only
-            if path.suffix.lower() == ".jsonl":
+        textfiles.refuse_binary(path)
+        textfiles.check_utf8_stream(path)  # the line and byte offset of a byte that is not UTF-8
+        if path.suffix.lower() == ".jsonl":
+            with path.open(encoding="utf-8-sig", newline="\n") as f:  # newline: lines end at "\n" only
                 for _ in jsonl_records(f, path, fmt, fields):
                     pass
-            else:
-                while f.read(1 << 20):
-                    pass
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text.") from None
     except OSError as err:
         raise UserError(f"{path} cannot be read ({err.strerror or err}).") from None
 

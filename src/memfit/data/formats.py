@@ -28,6 +28,7 @@ sentence. ``--train-on-prompt`` takes the loss on every token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from memfit.errors import UserError
@@ -42,11 +43,18 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m.get('tool_calls') %}{{ m['tool_calls'] | tojson }}{% endif %}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 """The chat template of the built-in byte tokenizer (and so of the ``tiny`` preset): each turn is
-``<|role|>\\n`` + content + newline, an assistant turn ends with eos (so generation stops there)."""
+``<|role|>\\n`` + content (+ an assistant's tool calls as JSON) + newline, an assistant turn ends with eos
+(so generation stops there)."""
+
+TURN_EXTRAS = ("tool_calls", "tool_call_id", "name")
+"""The keys of a ``messages`` turn beyond role and content that reach the chat template (OpenAI's and
+transformers' tool-use format): an assistant's ``tool_calls`` (its content may then be empty or null), a
+``tool`` message's ``tool_call_id`` and ``name``. A turn carrying any is ``(role, content, extras_json)``."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,9 @@ def to_messages(record: dict, fmt: str, where: str, fields: Fields) -> tuple[tup
             raise UserError(f"{where} has a {key} field that is not a non-empty list of turns.")
         turns = []
         for n, turn in enumerate(raw, start=1):
+            extras = _extras(turn) if fmt == "messages" and isinstance(turn, dict) else {}
+            if extras.get("tool_calls") and turn.get(text_key) is None:
+                turn = {**turn, text_key: ""}  # OpenAI's format: a reply that only calls tools has null content
             if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str):
                 raise UserError(f"{where} turn {n} is not an object with {role_key} and {text_key} strings.")
             role = turn.get(role_key)
@@ -99,10 +110,34 @@ def to_messages(record: dict, fmt: str, where: str, fields: Fields) -> tuple[tup
             if role not in ROLES:
                 known = ", ".join(SHAREGPT_ROLES if fmt == "sharegpt" else ROLES)
                 raise UserError(f"{where} turn {n} has the unknown role {turn.get(role_key)!r} (known: {known}).")
-            turns.append((role, turn[text_key]))
-    if not any(role == "assistant" for role, _ in turns):
+            if extras.get("tool_calls") and role != "assistant":
+                raise UserError(f"{where} turn {n} is a {role} turn with tool_calls; only an assistant calls tools.")
+            turns.append((role, turn[text_key], json.dumps(extras, sort_keys=True)) if extras
+                         else (role, turn[text_key]))
+    if not any(turn[0] == "assistant" for turn in turns):
         raise UserError(f"{where} has no assistant turn, so it carries no loss.")
     return tuple(turns)
+
+
+def _extras(turn: dict) -> dict:
+    """The ``TURN_EXTRAS`` a turn carries, nulls left out (a table gives every row every column, null where
+    the row has none: a plain turn of a data set with tool calls has ``tool_calls: null``)."""
+    out = {key: _without_nulls(turn[key]) for key in TURN_EXTRAS if turn.get(key) is not None}
+    return {key: value for key, value in out.items() if value not in ({}, [], "")}
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def as_dicts(messages) -> list[dict]:
+    """``((role, content[, extras_json]), ...)`` as the chat template takes them: ``[{"role", "content", ...}]``."""
+    return [{"role": turn[0], "content": turn[1], **(json.loads(turn[2]) if len(turn) > 2 else {})}
+            for turn in messages]
 
 
 def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversations: bool) -> None:
@@ -114,11 +149,12 @@ def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversat
     if template_file:
         from pathlib import Path
 
+        from memfit import textfiles
+
         path = Path(template_file).expanduser()
-        try:
-            tokenizer.chat_template = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise UserError(f"Chat template {path} cannot be read ({err.strerror or err}).") from None
+        if not path.is_file():  # a folder, a missing file, a name such as ../../../x: never a template name
+            raise UserError(f"Chat template {path} is not a file; pass --chat-template FILE (a Jinja template).")
+        tokenizer.chat_template = textfiles.read_text(path, what="Chat template")
     if data_has_conversations and not getattr(tokenizer, "chat_template", None):
         raise UserError("The data holds conversations but the tokenizer has no chat template; pass "
                         "--chat-template FILE (a Jinja template).")
@@ -126,7 +162,7 @@ def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversat
 
 def _render(tokenizer, messages, *, generation_prompt: bool, where: str) -> str:
     try:
-        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+        return tokenizer.apply_chat_template(as_dicts(messages), tokenize=False,
                                              add_generation_prompt=generation_prompt)
     except Exception as err:  # noqa: BLE001 - jinja raises many types; any of them is the template's fault
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -136,9 +172,10 @@ def _render(tokenizer, messages, *, generation_prompt: bool, where: str) -> str:
 def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (see module docstring)."""
     full = _render(tokenizer, messages, generation_prompt=False, where=where)
+    _check_tools_rendered(tokenizer, messages, full, where)
     spans = []
-    for i, (role, _) in enumerate(messages):
-        if role != "assistant":
+    for i, turn in enumerate(messages):
+        if turn[0] != "assistant":
             continue
         start_text = _render(tokenizer, messages[:i], generation_prompt=True, where=where) if i else ""
         end_text = _render(tokenizer, messages[: i + 1], generation_prompt=False, where=where)
@@ -147,6 +184,24 @@ def assistant_spans(tokenizer, messages, where: str) -> tuple[str, list[tuple[in
                             "conversation is not a prefix of its rendering); pass --chat-template FILE.")
         spans.append((len(start_text), len(end_text)))
     return full, spans
+
+
+def _check_tools_rendered(tokenizer, messages, full: str, where: str) -> None:
+    """Refuse a template that drops a tool call or a tool message: rendered without it, the conversation
+    must change (templates that know no tools skip such keys and roles silently, so the data would train
+    without them)."""
+    for i, turn in enumerate(messages):
+        if turn[0] == "tool":
+            without, what = messages[:i] + messages[i + 1:], "the tool message"
+        elif len(turn) > 2 and "tool_calls" in json.loads(turn[2]):
+            extras = {k: v for k, v in json.loads(turn[2]).items() if k != "tool_calls"}
+            without = (*messages[:i], (turn[0], turn[1], json.dumps(extras)), *messages[i + 1:])
+            what = "the tool_calls"
+        else:
+            continue
+        if _render(tokenizer, without, generation_prompt=False, where=where) == full:
+            raise UserError(f"The chat template does not render {what} of {where} turn {i + 1}, so training "
+                            "would drop it; pass --chat-template FILE with a template that renders tool use.")
 
 
 def encode_conversation(tokenizer, messages, *, train_on_prompt: bool, where: str) -> tuple[list[int], list[int]]:

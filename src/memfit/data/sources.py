@@ -62,7 +62,11 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
     datasets.disable_progress_bars()
     p = Path(path).expanduser()
     if p.is_dir() and _is_saved_dataset(p):
-        ds = datasets.load_from_disk(str(p))
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except Exception as err:  # noqa: BLE001 - a deleted .arrow, a damaged state.json: pyarrow/OS/JSON errors
+            raise UserError(f"{p} is a save_to_disk folder whose data cannot be read ({_first_line(err)}); its "
+                            ".arrow files are missing or damaged: save the data set again.") from None
         return _pick_split(ds, split, str(p))
     if p.exists():
         files = [p] if p.is_file() else _table_files(p)
@@ -206,22 +210,54 @@ def _read_run(files: list[Path], where: str, fmt, fields) -> list[Part]:
     their encodings are concatenated like any parts (``memfit.data.arrow.tokenize_dataset``). A file that
     cannot be read even alone is named in the error.
     """
+    _check_text_files(files, fmt)
     try:
-        return [_read_files(files, where)]
+        return [_read_fresh_on_damage(files, where)]
     except Exception as err:  # noqa: BLE001 - pyarrow/json/csv/unicode raise many types; all mean "cannot read"
         if len(files) == 1:
             _refuse(files[0], where, err, fmt, fields)
     parts = []
     for file in files:
         try:
-            parts.append(_read_files([file], str(file)))
+            parts.append(_read_fresh_on_damage([file], str(file)))
         except Exception as err:  # noqa: BLE001 - as above
             _refuse(file, str(file), err, fmt, fields)
     return parts
 
 
-def _read_files(files: list[Path], where: str) -> Part:
-    """One part: ``files`` (one suffix) read by one ``datasets`` builder call; raises what the builder raises."""
+def _read_fresh_on_damage(files: list[Path], where: str) -> Part:
+    """``_read_files``, read again past the cache when ``datasets``' cached copy of the files is damaged
+    (a truncated ``.arrow``): the cache is rebuilt, and the user's file is blamed only when it fails itself."""
+    from memfit.data.arrow import cache_damage
+
+    try:
+        return _read_files(files, where)
+    except Exception as err:
+        if not cache_damage(err):
+            raise
+    return _read_files(files, where, fresh=True)
+
+
+def _check_text_files(files: list[Path], fmt: str | None) -> None:
+    """Refuse, before ``datasets`` reads them, ``.txt``/``.jsonl`` files that are binary data or not UTF-8
+    (pyarrow's JSON reader takes any bytes into a text column and fails only when a row is read, and the
+    ``text`` builder would train on a binary file's bytes), and a ``--data-format`` that a ``.txt`` file
+    cannot hold: its documents are plain text, never conversations or prompt/completion pairs."""
+    from memfit import textfiles
+
+    for file in files:
+        if file.suffix.lower() not in LINE_BUILDERS:
+            continue
+        if file.suffix.lower() == ".txt" and fmt not in (None, "text"):
+            raise UserError(f"--data-format {fmt} does not match {file}: a .txt file holds plain text documents; "
+                            f"drop --data-format or give a .jsonl/.json/.parquet file of {fmt} records.")
+        textfiles.refuse_binary(file)
+        textfiles.check_utf8_stream(file)
+
+
+def _read_files(files: list[Path], where: str, *, fresh: bool = False) -> Part:
+    """One part: ``files`` (one suffix) read by one ``datasets`` builder call; raises what the builder raises.
+    ``fresh``: rebuild ``datasets``' cached copy (and the documents ``map``) instead of reusing it."""
     import datasets
 
     from memfit.data import arrow as data_arrow
@@ -230,15 +266,17 @@ def _read_files(files: list[Path], where: str) -> Part:
     datasets.disable_progress_bars()
     suffix = files[0].suffix.lower()
     names = [str(f) for f in files]
+    mode = "force_redownload" if fresh else None  # local files: rebuild the cached Arrow copy from them
     if suffix == ".txt":  # paragraphs (cut at "\n\n"), then memfit's documents (blank lines, stripped)
         raw = datasets.load_dataset("text", data_files=names, split="train", sample_by="paragraph",
-                                    encoding="utf-8-sig", chunksize=TEXT_CHUNK)
+                                    encoding="utf-8-sig", chunksize=TEXT_CHUNK, download_mode=mode)
         ds = raw.map(_documents_of_paragraphs, batched=True, remove_columns=raw.column_names,
+                     load_from_cache_file=not fresh,
                      batch_size=data_arrow.BATCH_ROWS, writer_batch_size=data_arrow.BATCH_ROWS,
                      new_fingerprint=data_arrow.code_fingerprint(raw._fingerprint, "documents"), desc="documents")
     else:
         with quiet_json_parse_log():  # a parse error comes back as the exception memfit words (_refuse)
-            ds = datasets.load_dataset(ALL_BUILDERS[suffix], data_files=names, split="train")
+            ds = datasets.load_dataset(ALL_BUILDERS[suffix], data_files=names, split="train", download_mode=mode)
     return Part(ds, where, files if suffix in LINE_BUILDERS else [])
 
 

@@ -82,8 +82,20 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
             yield from _table_rows(file, data_sources.ALL_BUILDERS[suffix], wanted)
 
 
+def _not_utf8(file: Path):
+    """Raise the sentence naming the line and byte offset of ``file``'s first byte that is not UTF-8."""
+    from memfit import textfiles
+
+    textfiles.check_utf8_stream(file)
+    raise UserError(f"{file} is not UTF-8 text.")
+
+
 def _txt_documents(file: Path):
     import datasets
+
+    from memfit import textfiles
+
+    textfiles.refuse_binary(file)  # the text builder would read a binary file's bytes as documents
 
     from memfit.data.dataset import txt_documents
     from memfit.data.sources import TEXT_CHUNK
@@ -98,7 +110,7 @@ def _txt_documents(file: Path):
                 n += 1
                 yield doc, f"{file} document {n}", "text"
     except UnicodeDecodeError:
-        raise UserError(f"{file} is not UTF-8 text.") from None
+        _not_utf8(file)
     except OSError as err:
         raise UserError(f"{file} cannot be read ({err.strerror or err}).") from None
 
@@ -112,7 +124,7 @@ def _jsonl_records(file: Path):
             for record, where in json_lines(lines, file):
                 yield record, where, None
     except UnicodeDecodeError:
-        raise UserError(f"{file} is not UTF-8 text.") from None
+        _not_utf8(file)
     except OSError as err:
         raise UserError(f"{file} cannot be read ({err.strerror or err}).") from None
 

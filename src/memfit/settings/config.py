@@ -128,6 +128,8 @@ class Packing(StrEnum):
 
 def parse_packing(value: Any) -> Packing:
     """From a flag or a YAML value; the old boolean ``packing: true/false`` reads as documents / none."""
+    if isinstance(value, str) and value.strip().lower() in ("yes", "on", "true", "no", "off", "false"):
+        value = value.strip().lower() in ("yes", "on", "true")  # YAML's words for the old boolean
     if isinstance(value, bool):
         return Packing.DOCUMENTS if value else Packing.NONE
     return _enum(Packing, value, "--packing")
@@ -222,7 +224,7 @@ class RunConfig:
                          help="LM head + cross-entropy: chunked never builds the full logits.",
                          overrides={"plan": {"help": "Pin the loss (default: try standard and chunked)."}})
     """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.spec.losses``)."""
-    optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL,
+    optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL, check="bool",
                                           click={"negatable": True},
                                           help="Step each parameter as its gradient arrives (needs --grad-accum 1).",
                                           overrides={"plan": {"help": "Pin the optimizer step in backward on or off "
@@ -494,3 +496,11 @@ class TrainConfig:
         own = {f.name for f in settings(cls)}
         kwargs = {keys[k]: v for k, v in data.items() if keys[k] in own and v is not None}
         return cls(run=RunConfig.from_flat(data), **kwargs)
+
+
+def read_config_file(path) -> dict[str, Any]:
+    """The settings of a ``--config`` YAML file (``memfit.settings.config_file.read_settings``: UTF-8 checked,
+    ``no``/``off`` kept as words, nested ``config:`` refused)."""
+    from memfit.settings.config_file import read_settings
+
+    return read_settings(path)

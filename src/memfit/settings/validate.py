@@ -26,8 +26,21 @@ def flag(name: str) -> str:
     return "--lr" if name in ("optimizer_lr", "lr") else "--" + name.replace("_", "-")
 
 
+INT_MAX = 2**63 - 1
+"""The largest whole number a setting may hold: torch's and numpy's int64 (a ``--seed`` beyond it overflows
+``torch.Generator.manual_seed``; a step count beyond it is no run)."""
+
+
 def _shown(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+    """A value as the error sentence shows it, cut short: a YAML alias bomb (a list of lists of lists ...)
+    would otherwise print for ever (``reprlib`` bounds the depth and the items shown)."""
+    import reprlib
+
+    shower = reprlib.Repr()
+    shower.maxlevel, shower.maxlist, shower.maxdict, shower.maxstring, shower.maxother = 2, 4, 4, 60, 60
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a whole number of {value.bit_length()} bits"  # str() of a huge int is slow, or refused
+    return shower.repr(value) if isinstance(value, (str, list, dict, tuple, set)) else str(value)[:60]
 
 
 # ------------------------------------------------------------------------------------- scalar checks
@@ -42,6 +55,8 @@ def whole(name: str, value: Any, *, minimum: int, what: str) -> int:
             raise UserError(f"{flag(name)} must be {what}, got {_shown(value)}.")
     if value < minimum:
         raise UserError(f"{flag(name)} must be {what}, got {value}.")
+    if value > INT_MAX:
+        raise UserError(f"{flag(name)} must be {what} below 2**63, got {_shown(value)}.")
     return value
 
 
@@ -65,9 +80,15 @@ def number(name: str, value: Any, *, low: float = -math.inf, high: float = math.
     return value
 
 
+_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
 def boolean(name: str, value: Any) -> bool:
+    """True or false; YAML's words ``yes``/``no``/``on``/``off`` too (``memfit.settings.config_file`` leaves them words)."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, str) and value.strip().lower() in _WORDS:
+        return _WORDS[value.strip().lower()]
     raise UserError(f"{flag(name)} must be true or false, got {_shown(value)}.")
 
 
@@ -118,6 +139,11 @@ def check_run(run) -> dict[str, Any]:
 def check_train(config) -> dict[str, Any]:
     """Checked, normalised values of a ``TrainConfig``'s own fields (those present on it)."""
     out = check_fields(config)
+    for name in ("output", "data", "chat_template"):  # `--output ~/runs/x` the shell did not expand (=, YAML)
+        if isinstance(out.get(name), str) and out[name].startswith("~"):
+            out[name] = os.path.expanduser(out[name])
+    if out.get("output"):
+        check_path_names(Path(out["output"]), flag_name="--output")
     if getattr(config, "model", None) is None:
         raise UserError("--model must name a preset or a model folder, got nothing.")
     if getattr(config, "init", "pretrained") not in ("pretrained", "random"):
@@ -173,6 +199,89 @@ def check_model_config(config, name: str) -> None:
     if heads and kv and heads % kv:
         raise UserError(f"{where} has {kv} key/value heads, which do not divide its {heads} attention heads "
                         f"(each key/value head serves a whole group of query heads).")
+    _check_activation(config, where)
+    _check_token_ids(config, where)
+    _check_rope(config, where)
+
+
+def _check_activation(config, where: str) -> None:
+    """The MLP's activation must be one transformers has (``transformers.activations.ACT2FN``, which the
+    model looks it up in when built: an unknown name is a ``KeyError`` there)."""
+    from transformers.activations import ACT2FN
+
+    for field in ("hidden_act", "hidden_activation", "activation_function"):
+        act = getattr(config, field, None)
+        if act is None or callable(act):
+            continue
+        if not isinstance(act, str) or act not in ACT2FN:
+            known = ", ".join(sorted(k for k in ACT2FN if k in ("gelu", "gelu_new", "relu", "silu", "gelu_pytorch_tanh")))
+            raise UserError(f"{where} has {field} = {_shown(act)}, an activation transformers does not know "
+                            f"(e.g. {known}).")
+
+
+def _check_token_ids(config, where: str) -> None:
+    """``pad_token_id`` is the embedding's ``padding_idx``, which torch requires inside the vocabulary."""
+    _, vocab = _get(config, "vocab_size")
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None or not isinstance(vocab, int):
+        return
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab:
+        raise UserError(f"{where} has pad_token_id = {_shown(pad)}; it must be a token id below its vocab_size "
+                        f"{vocab} (or null).")
+
+
+def _rope_dicts(config, where: str) -> list[dict]:
+    """The RoPE parameter sets of a config: transformers 5's ``rope_parameters`` (one set, or one per layer
+    type), a raw config.json's ``rope_scaling``, and the top-level ``rope_theta`` of older configs."""
+    out = []
+    for field in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise UserError(f"{where} has {field} = "
+                            f"{_shown(value)}; it must be a mapping (rope_type, factor, ...) or null.")
+        nested = value and all(isinstance(v, dict) or v is None for v in value.values())
+        out += [v for v in value.values() if v] if nested else [value]
+    theta = getattr(config, "rope_theta", None)
+    if theta is not None:
+        out.append({"rope_theta": theta})
+    return out
+
+
+def _check_rope(config, where: str) -> None:
+    """RoPE: a known ``rope_type`` (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``, the table the model
+    builds its rotary embedding from), and ``rope_theta``/``factor`` finite positive numbers (the inverse
+    frequencies are ``theta ** (-2i/d)``: text there is a ``TypeError`` inside torch)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for params in _rope_dicts(config, where):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in known:
+            raise UserError(f"{where} has the RoPE type {_shown(kind)}, which transformers does not know "
+                            f"({', '.join(sorted(known))}).")
+        for key in ("rope_theta", "factor"):
+            value = params.get(key)
+            if value is None:
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            if not ok:
+                raise UserError(f"{where} has {'rope_theta' if key == 'rope_theta' else 'rope factor'} = "
+                                f"{_shown(value)}; it must be a finite positive number.")
+
+
+def check_rope_with_transformers(config, where: str) -> None:
+    """transformers' own RoPE validation (``PretrainedConfig.validate_rope``: the keys each RoPE type needs),
+    its error as one sentence."""
+    validate_rope = getattr(config, "validate_rope", None)
+    if validate_rope is None:
+        return
+    try:
+        validate_rope()
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
+        raise UserError(f"The model config of {where} has RoPE parameters transformers refuses: "
+                        f"{' '.join(str(err).split())[:200]}") from None
 
 
 def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
@@ -181,6 +290,37 @@ def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- machine facts
+def machine_memory() -> tuple[int, int]:
+    """``(host RAM, GPU memory)`` of this machine in bytes: all the memory a model could be built in."""
+    import psutil  # an Accelerate dependency
+
+    gpu = 0
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    except (ImportError, RuntimeError):  # no torch / a broken driver: the host alone
+        gpu = 0
+    return int(psutil.virtual_memory().total), gpu
+
+
+def check_buildable(name: str, params: int, bytes_per_param: float, dtype: str) -> None:
+    """Refuse, before anything is allocated, a model whose weights alone exceed all the memory of this
+    machine (host RAM plus every GPU): building it could only fail, or first swap the machine to a halt.
+    A lower bound of what training needs (no gradients, optimizer state or activations counted), so it
+    never refuses a model that could be built; ``memfit estimate`` and ``plan`` predict the rest."""
+    from memfit.units import fmt_count, fmt_gib
+
+    need = params * bytes_per_param
+    ram, gpu = machine_memory()
+    if need > ram + gpu:
+        on_gpu = f" and {fmt_gib(gpu)} of GPU memory" if gpu else " and no GPU"
+        raise UserError(f"{name} has {fmt_count(params)} parameters: {fmt_gib(need)} of {dtype} weights alone, more "
+                        f"than this machine's {fmt_gib(ram)} of RAM{on_gpu}, so it cannot be built here (memfit "
+                        "estimate and memfit plan predict its memory without building it).")
+
+
 def check_attention_available(attn: str) -> None:
     """``flash_attention_2`` needs the flash-attn package (and CUDA); say so before transformers does."""
     if str(attn) == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
@@ -188,10 +328,39 @@ def check_attention_available(attn: str) -> None:
                         "installed; use --attn-implementation auto (the default: transformers chooses) or sdpa.")
 
 
+def check_path_names(path: Path, *, flag_name: str) -> None:
+    """Refuse an output path the file system cannot hold (a name over its limit, 255 bytes on most, or a
+    path over 4096 bytes) or a symlink to nothing (``mkdir`` would fail on it with "File exists")."""
+    path = Path(path).expanduser()
+    name_max = _name_max(path)
+    long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise UserError(f"{flag_name} has a name of {len(os.fsencode(long))} bytes ({long[:40]}...), longer than "
+                        f"the {name_max} bytes the file system allows; choose a shorter name.")
+    if len(os.fsencode(str(path.absolute()))) > 4000:  # PATH_MAX is 4096, and memfit adds names below it
+        raise UserError(f"{flag_name} is a path of {len(os.fsencode(str(path.absolute())))} bytes, longer than "
+                        "the file system allows; choose a shorter path.")
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{flag_name} {path} is a symbolic link to {os.readlink(path)}, which does not exist; "
+                        "remove the link or give another path.")
+
+
+def _name_max(path: Path) -> int:
+    """The longest file name the file system under ``path`` takes (its nearest existing folder's)."""
+    for folder in path.absolute().parents:
+        try:
+            if folder.is_dir():
+                return os.pathconf(folder, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
+
+
 def check_writable_target(path: Path, *, flag_name: str, is_dir: bool) -> None:
     """Refuse an output that cannot be written: a file where a folder must go (or the reverse), or a
     read-only place (the nearest existing folder above it is not writable)."""
     path = Path(path).expanduser()
+    check_path_names(path, flag_name=flag_name)
     if path.exists():
         if is_dir and not path.is_dir():
             raise UserError(f"{flag_name} {path} is an existing file, not a folder; choose a folder.")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -82,6 +83,7 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
         path = Path(model).expanduser()
         if path.is_file() and path.suffix == ".json":
             data = _check_json(path)
+            validate.check_model_config(SimpleNamespace(**data), model)  # before transformers divides by it
             model_type = data.pop("model_type")
             if str(model_type) not in CONFIG_MAPPING:
                 raise UserError(f"{path} has model_type {model_type!r}, which this transformers does not know.")
@@ -97,6 +99,7 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
             raise unknown_model_error(model)
     check_causal_lm(config, model)
     validate.check_model_config(config, model)
+    validate.check_rope_with_transformers(config, model)
     return config
 
 
@@ -104,7 +107,8 @@ def _folder_config(path: Path, name: str, trust_remote_code: bool):
     """The config of a model folder (a local checkpoint or a Hub snapshot), or one sentence naming ``name``."""
     from transformers import AutoConfig
 
-    _check_json(path / "config.json", name)
+    data = _check_json(path / "config.json", name)
+    validate.check_model_config(SimpleNamespace(**data), name)  # before transformers divides by it
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, StrictDataclassError) as err:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
+from memfit.errors import UserError
 from memfit.settings.config import TrainConfig
 
 
@@ -30,6 +31,10 @@ def check_equivalence(config: TrainConfig, steps: int = 3) -> dict[str, Any]:
     from memfit.training.loop import run_training
 
     big, small = _splits(config)
+    if big == small:  # an effective batch of 1 has one split only: the run would be compared with itself
+        raise UserError(f"--check-equivalence compares one batch with the same samples in accumulated "
+                        f"micro-batches, and an effective batch of {big[0]} cannot be split; give a --micro-batch "
+                        "(or --batch) of 2 or more.")
     results = []
     for micro, accum in (big, small):
         with tempfile.TemporaryDirectory(prefix="memfit-equiv-") as tmp:

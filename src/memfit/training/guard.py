@@ -2,7 +2,8 @@
 
 ``RunGuard`` wraps one training run (``with RunGuard() as guard: ...``):
 
-- **Ctrl-C** (SIGINT): the first asks for a stop at the next optimizer-step boundary, where the loop
+- **Ctrl-C** (SIGINT): before the first step (tokenizing, building the model) it stops at once, and what
+  the run created is removed (exit 130). Once training, the first asks for a stop at the next optimizer-step boundary, where the loop
   saves a checkpoint and stops with one sentence saying where it is and the command that resumes it
   (exit 130); a second Ctrl-C stops at once and says which checkpoint is the newest.
 - **Non-finite numbers**: after every step ``check_finite`` stops the run, naming the step, when the
@@ -59,6 +60,9 @@ class RunGuard:
             if exc is not None:
                 self.folder.remove_partial_writes()  # only while holding the lock: a refused run removes nothing
             self.folder.close(failed=exc is not None)
+        if isinstance(exc, KeyboardInterrupt) and self._interrupts and not self._started():
+            raise Interrupted("Interrupted by Ctrl-C before the first step; nothing was trained or saved, and "
+                              "nothing this run created is left.") from None
         if exc is None or self.output is None:
             return False
         exc = _as_write_error(exc, self.output)
@@ -111,8 +115,13 @@ class RunGuard:
         if self.folder is not None:
             self.folder.record(*names)
 
+    def _started(self) -> bool:
+        return self.folder is not None and bool(getattr(self.folder, "started", False))
+
     def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._interrupts += 1
+        if not self._started():  # tokenizing, building: nothing to save, so stop now (__exit__ cleans up)
+            raise KeyboardInterrupt
         self.stop_requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C raises at once
         import sys

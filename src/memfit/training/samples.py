@@ -20,7 +20,7 @@ TEMPERATURE = 0.6
 def prompt_text(example) -> str:
     """The beginning of a document that a sample continues (a conversation: its first user turn)."""
     if example.is_conversation:
-        return next(content for role, content in example.messages if role == "user")
+        return next(turn[1] for turn in example.messages if turn[0] == "user")
     if example.is_prompt_completion:
         return example.prompt
     text = example.text.strip()
@@ -34,7 +34,7 @@ def prompt_text(example) -> str:
 
 def conversation_prompt(example) -> tuple:
     """The turns before a conversation's first assistant reply (system and user turns)."""
-    first = next(i for i, (role, _) in enumerate(example.messages) if role == "assistant")
+    first = next(i for i, turn in enumerate(example.messages) if turn[0] == "assistant")
     return example.messages[:first]
 
 
@@ -43,7 +43,9 @@ def prompt_ids(tokenizer, text: str, example=None) -> list[int]:
     for a conversation, its turns before the first reply rendered by the chat template with the
     generation prompt (the assistant's header), as in training."""
     if example is not None and example.is_conversation:
-        turns = [{"role": r, "content": c} for r, c in conversation_prompt(example)]
+        from memfit.data.formats import as_dicts
+
+        turns = as_dicts(conversation_prompt(example))
         rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id

@@ -148,6 +148,9 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     t_start = t_process = time.perf_counter()
     guard.lock_existing(config, is_main=_launched_as_main())  # before anything in --output is read or removed
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
+    if config.merge and not config.run.is_lora():  # after restore: a resumed LoRA run knows its own --lora-r
+        raise UserError("--merge merges trained LoRA adapters into the base model, and this run trains none "
+                        "(--lora-r 0: a full fine-tune is saved whole anyway); drop --merge or add --lora-r.")
     preflight(config.run)
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.max_grad_norm)

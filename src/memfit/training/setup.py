@@ -205,7 +205,17 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelS
     from memfit.spec.resolved import resolve
 
     spec = modelspec.load_spec(config.model, config.trust_remote_code, config.revision)
+    _check_buildable(spec, run)
     return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
+
+
+def _check_buildable(spec, run: RunConfig) -> None:
+    """The weights in the dtype (or quantization) they are built in must fit this machine (``validate.check_buildable``)."""
+    from memfit.units import dtype_bytes
+
+    per_param = {Quantize.Q4: 0.5, Quantize.Q8: 1.0}.get(run.quantize, dtype_bytes(str(run.dtype)))
+    what = str(run.dtype) if run.quantize is Quantize.NONE else str(run.quantize)
+    validate.check_buildable(spec.name, spec.params, per_param, what)
 
 
 def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,

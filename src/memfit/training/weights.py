@@ -42,8 +42,14 @@ def check_weights(folder: Path) -> None:
 @contextmanager
 def loading(folder: Path):
     """One sentence for weights ``from_pretrained`` cannot load (damaged, missing shards, wrong shapes)."""
+    import pickle
+
     try:
         yield
+    except pickle.UnpicklingError:  # torch's weights-only loader refused it; its advice (turn that off) is not ours
+        raise UserError(f"The weights in {folder} are a pickle holding more than tensors (code that would run "
+                        "when loaded); memfit does not run such files: use a safetensors copy of the model from "
+                        "a source you trust.") from None
     except (OSError, ValueError, RuntimeError, KeyError) as err:
         if _is_oom(err):
             raise
