@@ -73,42 +73,13 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     from memfit.planning.space import Constraints
     from memfit.spec.model import check_seq_len, load_spec
 
-    if top < 0:
-        raise UserError(f"--top must be 0 (all) or positive, got {top}.")
-    if margin is not None:
-        from memfit.settings.validate import number
-
-        margin = number("margin", margin, low=0.0, high=10.0, what="a finite number from 0 to 10")
-    from memfit.settings.config import check_lora_options
-
-    # without --full (or with --lora-r) the planner may choose LoRA, with these options
-    check_lora_options({k for k, v in pins.items() if v is not None},
-                       pins.get("lora_r") is not None or not pins.get("full"))
-    if output:  # before the search: a plan that cannot be written is not worth computing
-        from memfit.settings.validate import check_writable_target
-
-        check_writable_target(Path(output), flag_name="--output", is_dir=False)
-    pins["allow_quantize"] = not pins.pop("no_quantize")
-    pins["allow_offload"] = not pins.pop("no_offload")
-    if pins.get("host_memory") is not None:
-        from memfit.units import parse_size
-
-        pins["host_memory"] = parse_size(pins["host_memory"])
-    if emit:
-        from memfit.settings.validate import check_writable_target
-
-        check_writable_target(Path(emit[1]), flag_name="--emit", is_dir=False)
+    margin = _checked_inputs(top, margin, output, emit, pins)
     reading = read_from(from_path, from_format)
-    adapt = None
     if reading is not None:
-        typed = explicit(click.get_current_context(), {"seq_len": seq_len, "batch": batch,
-                                                       "num_processes": num_processes})
-        seq_len = typed.get("seq_len", reading.run.seq_len)
-        num_processes = typed.get("num_processes", reading.run.num_processes)
-        batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
-        pins = {**reading.plan_pins(), **{k: v for k, v in pins.items() if v is not None}}
+        seq_len, batch, num_processes, pins = _shape_from(reading, seq_len, batch, num_processes, pins)
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
+    adapt = None
     if emit or reading is not None:
         import memfit
 
@@ -128,13 +99,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     if output:
         write_plan_yaml(result, Path(output), revision)
     if emit:
-        import memfit
-        from memfit.units import fmt_gib
-
-        best = result.best
-        header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
-                  f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")
-        memfit.write_config(emit[0], emit[1], model or reading.model, best.config, reading, header)
+        _write_emitted(emit, result, model or reading.model, reading)
     from memfit.planning import launch
 
     config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE
@@ -160,6 +125,59 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         click.echo(f"Wrote {accelerate_config} (Accelerate config).")
     elif "accelerate launch" in command_line:
         click.echo(f"(add --accelerate-config {config_file} to write the file it names.)")
+
+
+def _checked_inputs(top: int, margin, output, emit, pins: dict):
+    """Check the flags before the search (a plan that cannot be written is not worth computing); turn the
+    ``--no-*`` flags into the planner's allowances in ``pins``. Returns ``--margin`` checked."""
+    if top < 0:
+        raise UserError(f"--top must be 0 (all) or positive, got {top}.")
+    if margin is not None:
+        from memfit.settings.validate import number
+
+        margin = number("margin", margin, low=0.0, high=10.0, what="a finite number from 0 to 10")
+    from memfit.settings.config import check_lora_options
+
+    # without --full (or with --lora-r) the planner may choose LoRA, with these options
+    check_lora_options({k for k, v in pins.items() if v is not None},
+                       pins.get("lora_r") is not None or not pins.get("full"))
+    if output:  # before the search: a plan that cannot be written is not worth computing
+        from memfit.settings.validate import check_writable_target
+
+        check_writable_target(Path(output), flag_name="--output", is_dir=False)
+    pins["allow_quantize"] = not pins.pop("no_quantize")
+    pins["allow_offload"] = not pins.pop("no_offload")
+    if pins.get("host_memory") is not None:
+        from memfit.units import parse_size
+
+        pins["host_memory"] = parse_size(pins["host_memory"])
+    if emit:
+        from memfit.settings.validate import check_writable_target
+
+        check_writable_target(Path(emit[1]), flag_name="--emit", is_dir=False)
+    return margin
+
+
+def _shape_from(reading, seq_len, batch, num_processes, pins: dict):
+    """``--from FILE``: the tool's shape (sequence, batch, processes) and settings, under what was typed."""
+    typed = explicit(click.get_current_context(), {"seq_len": seq_len, "batch": batch,
+                                                   "num_processes": num_processes})
+    seq_len = typed.get("seq_len", reading.run.seq_len)
+    num_processes = typed.get("num_processes", reading.run.num_processes)
+    batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
+    pins = {**reading.plan_pins(), **{k: v for k, v in pins.items() if v is not None}}
+    return seq_len, batch, num_processes, pins
+
+
+def _write_emitted(emit, result, model, reading) -> None:
+    """``--emit TOOL FILE``: the chosen plan as that tool's configuration, with a header saying how to check it."""
+    import memfit
+    from memfit.units import fmt_gib
+
+    best = result.best
+    header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
+              f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")
+    memfit.write_config(emit[0], emit[1], model, best.config, reading, header)
 
 
 def _print(result, top, elapsed: float, output) -> None:
