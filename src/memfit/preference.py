@@ -76,7 +76,8 @@ def sequence_logps(logits, labels):
     """
     targets = labels[:, 1:]  # (S, T-1)
     mask = targets != IGNORE_INDEX
-    z = logits[:, :-1].float()  # (S, T-1, V) fp32
+    z = logits[:, :-1]
+    z = z.float() if z.element_size() < 4 else z  # (S, T-1, V): half logits upcast to fp32, as TRL does
     picked = z.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)  # (S, T-1)
     return (picked * mask).sum(-1), mask.sum(-1)
 
