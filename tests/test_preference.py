@@ -201,3 +201,12 @@ def test_bad_pair_input_is_one_sentence(tmp_path, case):
         write_pairs(path, **changes)
     assert_one_sentence(_cli(tmp_path, str(path)), pattern)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_preview_shows_the_pair_and_its_loss_tokens(tmp_path):
+    data = write_pairs(tmp_path / "p.jsonl")
+    result = CliRunner().invoke(cli, ["data", "preview", "--data", data, "--index", "2"])
+    assert result.exit_code == 0, result.output
+    assert "preference pair" in result.output
+    assert "--- chosen (8 tokens, 3 with loss)\n[[no loss: <s>2+2=]] 4.</s>" in result.output
+    assert "--- rejected (8 tokens, 3 with loss)\n[[no loss: <s>2+2=]] 5.</s>" in result.output
