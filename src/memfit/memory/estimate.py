@@ -84,8 +84,13 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     if derived or (family is None and derived is None):
         return _described(derived_estimate(spec, run, device, engine, rank), resolved)
+    from memfit.memory import preference_terms as pref
+
+    run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = Precisions.of(run)
     states = model_states(spec, run, device, engine, rank)
+    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
+    states = dataclasses.replace(states, weights=states.weights + ref_copy)
     acts = layer_activations(spec, run, prec, device)
     outside = outside_layer_activations(spec, run, prec, device)
     logit = logits_terms(spec, run, prec)
@@ -175,6 +180,10 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         backward_end = base + at_end + step_one + states.gathered_end
         optimizer = base + logit.retained
     forward_moment = "head"
+    reference = pref.reference_transient(spec, run, prec)
+    if reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
+        forward, forward_moment = max((forward, forward_moment), (base + grads_in_fwd + reference, "reference"),
+                                      key=lambda m: m[0])
     if dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
         layer_forward = base + grads_in_fwd + activations + states.layer_gathered + dequant
         forward, forward_moment = max((forward, forward_moment), (layer_forward, "layer"), key=lambda m: m[0])
@@ -238,6 +247,11 @@ def _breakdown_at(phase, spec, run, states, saved, logit, copies, acts, grads_an
         out.gradients = grads_in_fwd
         out.activations = activations - acts.saved
         out.temporary = states.gathered_entry
+    elif phase == "forward" and moment == "reference":  # DPO's reference forward: its logits, no saved tensors
+        from memfit.memory.preference_terms import reference_transient
+
+        out.gradients = grads_in_fwd
+        out.logits = reference_transient(spec, run, Precisions.of(run))
     elif phase == "forward" and moment == "first entry":  # the first layer's unshard
         out.gradients = grads_in_fwd
         out.temporary = states.gathered_first_entry
