@@ -45,3 +45,19 @@ def test_the_reference_policy_prices_differently():
     assert copy.weights - pre.weights == spec.params * 4 and pre.weights == sft.weights  # fp32 weights
     assert copy.peak_bytes - pre.peak_bytes == spec.params * 4
     assert pre.logits == 2 * sft.logits * 16 // 12  # 2B sequences; 16 N bytes at backward's start, not 12 N
+
+
+def test_plan_picks_a_reference_policy_that_fits():
+    """A budget below every plan with a frozen copy: the planner precomputes the reference instead; the
+    plans of a preference method never use a loss that cannot read the logits."""
+    from memfit.memory.preference_terms import reference_policy
+    from memfit.planning.search import SAFETY_MARGIN, plan
+    from memfit.planning.space import Constraints
+
+    shape = dict(seq_len=1024, batch=8, method="dpo", gpu="A100-80GB")
+    with_copy = plan("llama-3.2-1b", "80GiB", constraints=Constraints(full=True, precompute_reference=False), **shape)
+    assert reference_policy(with_copy.best.config) == "copy"
+    assert {str(p.config.loss) for p in with_copy.plans} == {"standard"}
+    below = int(min(p.peak_bytes for p in with_copy.plans) * (1 + SAFETY_MARGIN)) - 1
+    chosen = plan("llama-3.2-1b", below, constraints=Constraints(full=True), **shape).best.config
+    assert reference_policy(chosen) == "precomputed"

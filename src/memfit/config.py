@@ -242,6 +242,7 @@ class RunConfig:
     """The objective: ``sft``, or ``dpo``/``orpo``/``simpo`` on preference pairs (each step's micro-batch of B
     pairs is one (2B, T) forward, chosen then rejected; ``memfit.preference``)."""
     precompute_reference: bool = setting(False, plan="searched", resume="restored", check="bool", commands=_ALL,
+                                         click={"negatable": True},
                                          help="DPO: compute the reference log-probabilities once before training "
                                          "(no reference forward or copy during training).",
                                          overrides={"plan": {"help": "Pin DPO's precomputed reference on or off "
@@ -266,6 +267,12 @@ class RunConfig:
             set_(self, name, value)
         if self.quantize is not Quantize.NONE and self.lora_r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
+        if self.method is not Method.SFT and self.loss is not Loss.STANDARD:
+            raise UserError(f"--method {self.method} reads each sequence's log-probabilities from the full logits; "
+                            f"use --loss standard (not {self.loss}).")
+        if self.precompute_reference and self.method is not Method.DPO:
+            raise UserError(f"--precompute-reference is for --method dpo, the method with a reference policy; "
+                            f"--method {self.method} has none.")
         if self.optimizer_in_backward and self.grad_accum > 1:
             raise UserError("--optimizer-in-backward steps each parameter during backward, so it cannot accumulate "
                             "gradients over micro-batches; use --grad-accum 1 (a larger --micro-batch).")

@@ -51,7 +51,7 @@ def reference_copy_bytes(spec, run: RunConfig) -> int:
 
 
 def preference_logits_terms(spec, run: RunConfig, prec):
-    """``LogitsTerms`` of the preference loss, ``N = 2B x T x V`` elements (``run``: the pair-forward run).
+    """``(forward, backward)`` bytes of the preference loss (``activations.LogitsTerms``), ``N = 2B x T x V`` elements (``run``: the pair-forward run).
 
     Forward: the head's logits (c N) and, when c is not fp32, Accelerate's fp32 copy (4 N), which
     ``sequence_logps`` reads (CPU ``logsumexp`` keeps only a (2B, T) result and no (2B, T, V) temporary).
@@ -61,10 +61,8 @@ def preference_logits_terms(spec, run: RunConfig, prec):
     Known error (``tests/test_preference.py``, tiny Llama, seq 64, 2 pairs): the step's peak +1.0% (fp32)
     over the exact trace; the trace frees part of the slice's gradient earlier.
     """
-    from memfit.memory.activations import LogitsTerms
-
     n = run.micro_batch * run.seq_len * spec.vocab_size
-    return LogitsTerms(forward=n * (FP32 if prec.c == FP32 else prec.c + FP32), backward=4 * FP32 * n)
+    return n * (FP32 if prec.c == FP32 else prec.c + FP32), 4 * FP32 * n
 
 
 def reference_transient(spec, run: RunConfig, prec) -> int:

@@ -57,12 +57,7 @@ def preflight(run: RunConfig) -> None:
     from memfit.losses import check_loss_runnable
 
     check_loss_runnable(run, cuda)
-    if run.method is not Method.SFT and run.loss.value != "standard":
-        raise UserError(f"--method {run.method} reads each sequence's log-probabilities from the full logits; "
-                        f"use --loss standard (not {run.loss}).")
-    if run.precompute_reference and run.method is not Method.DPO:
-        raise UserError(f"--precompute-reference is for --method dpo, the method with a reference policy; "
-                        f"--method {run.method} has none.")
+
     check_device(run.optimizer, "cuda" if cuda else "cpu")
     from memfit.training import sharding
 
