@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from _train_helpers import assert_one_sentence, max_diff, tiny_config, write_model
+from _train_helpers import assert_one_sentence, max_diff, tiny_config, write_model, write_pairs
 from memfit import preference
 from memfit.cli import cli
 from memfit.config import Method
@@ -123,14 +123,6 @@ def test_micro_batches_sum_to_the_big_batch(method):
 
 
 # ------------------------------------------------------------------------------------ data and training
-def write_pairs(path, n=12, **changes):
-    rows = [{"prompt": f"{a}+{a}=", "chosen": f" {2 * a}.", "rejected": f" {2 * a + 1}."} for a in range(n)]
-    for index, record in changes.items():
-        rows[int(index[1:])] = record
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 @pytest.mark.parametrize("split", [(4, 1), (2, 2), (1, 4)])
 def test_dpo_accumulation_trains_the_same_weights(tmp_path, split):
     """One step of 4 pairs as 4x1, 2x2 and 1x4: the same weights (exact normalisation by the step's pairs)."""

@@ -159,6 +159,10 @@ def read_pairs(config) -> list[Pair]:
     from memfit import data_sources
 
     method = str(config.run.method)
+    if config.data is None:  # the demo: pairs made from the shipped question/answer records
+        from memfit.corpus.pairs import QA, demo_pairs
+
+        return [record_to_pair(r, f"{QA} pair {i}") for i, r in enumerate(demo_pairs(config.seed), start=1)]
     pairs = []
     for part in data_sources.load_parts(config.data, split=config.split, data_config=config.data_config):
         first = part.ds[0] if len(part.ds) else None
