@@ -13,7 +13,6 @@ memfit over the completion as its next-token loss does: ``memfit.preference``), 
 
 from __future__ import annotations
 
-import json
 import os
 from types import SimpleNamespace
 
