@@ -84,7 +84,8 @@ CASES = {
                                                  "--eval-fraction", "0.2"]),
     # test_preference_dp: DPO (a frozen reference copy) under DDP and ORPO under FSDP2, 22 pairs, the last step
     # partial (rank 1's dummy rows carry no pair), a checkpoint at step 3
-    "dpo-ddp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--method", "dpo",
+    "dpo-ddp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--packing",
+                                                    "none", "--method", "dpo",
                                                     *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:],
                                                     "--save-every", "3"]),
     "orpo-fsdp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS, "--method", "orpo", "--sharding", "fsdp"]),

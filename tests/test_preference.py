@@ -199,5 +199,43 @@ def test_data_preview_shows_the_pair_and_its_loss_tokens(tmp_path):
     result = CliRunner().invoke(cli, ["data", "preview", "--data", data, "--index", "2"])
     assert result.exit_code == 0, result.output
     assert "preference pair" in result.output
-    assert "--- chosen (8 tokens, 3 with loss)\n[[no loss: <s>2+2=]] 4.</s>" in result.output
-    assert "--- rejected (8 tokens, 3 with loss)\n[[no loss: <s>2+2=]] 5.</s>" in result.output
+    assert "--- chosen (9 tokens, 4 with loss)\n[[no loss: <s>2+2=]] 4.</s>" in result.output
+    assert "--- rejected (9 tokens, 4 with loss)\n[[no loss: <s>2+2=]] 5.</s>" in result.output
+
+
+def test_dpo_oom_in_forward_falls_back_to_the_smaller_micro_batch(tmp_path, monkeypatch):
+    """An out-of-memory error in step 1's preference forward: the step is redone as 2 x 2, and the run ends
+    with the weights of 2 x 2 from the start (the pairs' normalisation does not depend on the split)."""
+    from memfit.training.loop import run_training
+
+    data = write_pairs(tmp_path / "p.jsonl", n=8)
+    cfg = dict(data=data, max_steps=2, run={"method": "dpo", "micro_batch": 4})
+    planned = run_training(tiny_config(tmp_path / "a", **{**cfg, "run": {"method": "dpo", "micro_batch": 2,
+                                                                          "grad_accum": 2}}), show=False)
+    real, calls = preference.micro_loss, []
+
+    def once_out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(preference, "micro_loss", once_out_of_memory)
+    res = run_training(tiny_config(tmp_path / "b", **cfg), show=False)
+    [fallback] = res.summary.fallbacks
+    assert fallback.phase == "forward" and (fallback.after["micro_batch"], fallback.after["grad_accum"]) == (2, 2)
+    assert max_diff(planned.model, res.model) < 1e-6
+
+
+@pytest.mark.parametrize("method", [Method.DPO, Method.ORPO, Method.SIMPO])
+def test_a_pair_without_targets_adds_nothing_and_stays_finite(method):
+    """The sampler's dummy row (a rank with no pair left in the last step) carries no target: its pair adds
+    neither loss nor gradient, and ORPO's log(1 - e^a) at a = 0 does not turn the step into NaN."""
+    logits, labels = _batch(2)
+    labels[[0, B]] = -100  # pair 0: no target on either side
+    spec = preference.PreferenceLoss(method)
+    norms = preference.Norms(torch.tensor(B - 1), torch.tensor(int((labels[:B, 1:] != -100).sum())))
+    loss, stats = preference.micro_loss(spec, logits, labels, norms, torch.zeros(2 * B, dtype=torch.float64))
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and float(stats[0]) == B - 1
+    assert float(grad[[0, B]].abs().max()) == 0.0

@@ -97,6 +97,10 @@ def pair_losses(spec: PreferenceLoss, sums, counts, ref_sums=None):
         chosen, rejected = c - rc, r - rr
         return -F.logsigmoid(spec.beta * (chosen - rejected)), spec.beta * chosen.detach(), spec.beta * rejected.detach()
     a, b = c / nc, r / nr
+    # a pair with no target (the sampler's dummy row) has a = b = 0, where log(1 - e^0) is -inf: keep it finite
+    # (its loss is masked out, but 0 x inf in backward would still be NaN)
+    real = pair_mask(counts)
+    a, b = torch.where(real, a, -1.0), torch.where(real, b, -1.0)
     if spec.method is Method.SIMPO:
         return -F.logsigmoid(spec.beta * (a - b) - spec.simpo_gamma), spec.beta * a.detach(), spec.beta * b.detach()
     log_odds = (a - b) - (_log1mexp(a) - _log1mexp(b))
