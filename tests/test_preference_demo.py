@@ -23,10 +23,11 @@ def test_demo_pairs_are_right_against_wrong_answers_of_the_same_form():
 
 @pytest.mark.slow
 def test_dpo_on_the_sft_demo_model_raises_reward_accuracy_and_margin(tmp_path):
-    sft = TrainConfig(model="tiny", max_steps=150, samples=0, eval_every=0, output=str(tmp_path / "sft"))
+    sft = TrainConfig(model="tiny", max_steps=60, optimizer_lr=2e-3, warmup_steps=5, samples=0, eval_every=0,
+                      output=str(tmp_path / "sft"))
     run_training(sft, show=False)
-    dpo = TrainConfig(model=str(tmp_path / "sft" / "model"), run=RunConfig(method="dpo", seq_len=64, micro_batch=8),
-                      max_steps=40, optimizer_lr=1e-4, warmup_steps=0, samples=0, eval_every=0, log_every=1,
+    dpo = TrainConfig(model=str(tmp_path / "sft"), run=RunConfig(method="dpo", seq_len=48, micro_batch=4),
+                      max_steps=30, optimizer_lr=1e-4, warmup_steps=0, samples=0, eval_every=0, log_every=1,
                       output=str(tmp_path / "dpo"))
     summary = run_training(dpo, show=False).summary.to_dict()
     first, last = summary["preference"]["first"], summary["preference"]["last"]

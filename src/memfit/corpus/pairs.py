@@ -4,7 +4,7 @@ Each record of ``qa.jsonl`` ("Q: What day comes after Wednesday?\\nA:" -> " Thur
 whose chosen answer is its own and whose rejected answer is the right form of a wrong answer: the answer
 of another question of the same type ("What day comes after"), so both sides are fluent and only the
 fact differs. ``memfit train --method dpo`` without ``--data`` trains on these (on the SFT demo model:
-``--model runs/<demo run>/model``), and reward accuracy and margin rise within a few dozen steps.
+``--model runs/<demo run>``), and reward accuracy and margin rise within a few dozen steps.
 Deterministic: the same seed gives the same pairs.
 """
 
