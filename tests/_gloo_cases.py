@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from _train_helpers import tiny_config, write_qa
+from _train_helpers import tiny_config, write_pairs, write_qa
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -28,6 +28,14 @@ def _train(root: Path, n: int, args: list[str]) -> dict:
     """``memfit train`` on ``n`` QA records (``root/qa.jsonl``) of the tiny Llama (``root/two/model``), into
     ``root/two/out``: the layout ``tiny_config(root / "two", data=...)`` gives, so a test can rebuild it."""
     data = write_qa(root, n=n)
+    two = tiny_config(root / "two", data=data)
+    return {"kind": "memfit", "argv": ["train", "--model", two.model, "--data", data, *args, "--output", two.output],
+            "paths": {"data": data, "model": two.model, "output": two.output}}
+
+
+def _train_pairs(root: Path, n: int, args: list[str]) -> dict:
+    """``memfit train --method ...`` on ``n`` preference pairs (``root/pairs.jsonl``), laid out as ``_train``."""
+    data = write_pairs(root / "pairs.jsonl", n=n)
     two = tiny_config(root / "two", data=data)
     return {"kind": "memfit", "argv": ["train", "--model", two.model, "--data", data, *args, "--output", two.output],
             "paths": {"data": data, "model": two.model, "output": two.output}}
@@ -74,6 +82,13 @@ CASES = {
     "zero2-lora": lambda root: _train(root, 23, [*TRAIN_ARGS, "--sharding", "zero2", "--lora-r", "4",
                                                  "--lora-targets", "q_proj,v_proj", "--eval-every", "3",
                                                  "--eval-fraction", "0.2"]),
+    # test_preference_dp: DPO (a frozen reference copy) under DDP and ORPO under FSDP2, 22 pairs, the last step
+    # partial (rank 1's dummy rows carry no pair), a checkpoint at step 3
+    "dpo-ddp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--packing",
+                                                    "none", "--method", "dpo",
+                                                    *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:],
+                                                    "--save-every", "3"]),
+    "orpo-fsdp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS, "--method", "orpo", "--sharding", "fsdp"]),
     # test_shard_qlora: QLoRA under DDP, and under FSDP2 (the 4-bit base sharded)
     "qlora-ddp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit"]),
     "qlora-fsdp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit",

@@ -41,6 +41,15 @@ def write_qa(root: Path, n: int = 24, seed: int = 0) -> str:
     return str(path)
 
 
+def write_pairs(path: Path, n: int = 12, **changes) -> str:
+    """``n`` prompt/chosen/rejected records (the right sum and a wrong one); ``r3={...}`` replaces record 3."""
+    rows = [{"prompt": f"{a}+{a}=", "chosen": f" {2 * a}.", "rejected": f" {2 * a + 1}."} for a in range(n)]
+    for index, record in changes.items():
+        rows[int(index[1:])] = record
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def write_text(root: Path, n: int = 60, seed: int = 0) -> str:
     rng = random.Random(seed)
     path = root / "text.txt"

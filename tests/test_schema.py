@@ -147,7 +147,7 @@ def test_the_planners_constraints_are_the_searched_settings():
     assert names[:len(searched(RunConfig))] == [f.name for f in searched(RunConfig)]
     assert set(names) - {f.name for f in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
                                                                     "host_memory"}
-    assert {f.name for f in settings(RunConfig) if f.metadata["plan"] == "given"} == {"seq_len", "num_processes"}
+    assert {f.name for f in settings(RunConfig) if f.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 

@@ -84,6 +84,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         import memfit
 
         adapt = memfit.config_realizer(emit[0] if emit else reading.tool)
+    method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     from memfit.integrations.hub import progress_bars
@@ -94,7 +95,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
-                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin, adapt=adapt)
+                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin, adapt=adapt,
+                  method=method)
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)

@@ -204,12 +204,16 @@ def _check_tools_rendered(tokenizer, messages, full: str, where: str) -> None:
                             "would drop it; pass --chat-template FILE with a template that renders tool use.")
 
 
-def encode_conversation(tokenizer, messages, *, train_on_prompt: bool, where: str) -> tuple[list[int], list[int]]:
+def encode_conversation(tokenizer, messages, *, train_on_prompt: bool, where: str,
+                        from_turn: int = 0) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of one conversation; labels ``-100`` outside assistant turns.
 
     The rendering carries its own special tokens (bos, end-of-turn), so it is tokenized without adding any.
+    ``from_turn``: only the assistant turns from that message on carry loss (a preference pair's
+    completion after its prompt, ``memfit.data.pairs``).
     """
     text, spans = assistant_spans(tokenizer, messages, where)
+    spans = spans[sum(role == "assistant" for role, _ in messages[:from_turn]):]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids = enc["input_ids"]
     if train_on_prompt:

@@ -166,9 +166,30 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     example = record_at(config.data, index, fmt=config.data_format, fields=fields, split=config.split,
                         data_config=config.data_config, named_fields=named)
     chat_template_of(tokenizer, config.chat_template, data_has_conversations=example.is_conversation)
+    from memfit.data.pairs import Pair
+
+    if isinstance(example, Pair):
+        return _preview_pair(example, tokenizer)
     ids, labels, *_ = data._encode_docs([example], tokenizer, config.train_on_prompt)[0]
     fmt = "conversation" if example.is_conversation else ("prompt-completion" if example.is_prompt_completion
                                                            else "text")
     targets = sum(1 for t in labels[1:] if t != data.IGNORE_INDEX)
     return {"where": example.where or f"record {index}", "format": fmt, "tokens": len(ids), "targets": targets,
             "input_ids": ids, "labels": labels, "marked": preview(tokenizer, ids, labels)}
+
+
+def _preview_pair(pair, tokenizer) -> dict:
+    """A preference pair as ``--method dpo|orpo|simpo`` trains on it: each side's tokens, loss on its completion."""
+    from memfit.data import dataset as data
+    from memfit.data.formats import preview
+    from memfit.data.pairs import encode_side
+
+    sides, marked = {}, []
+    for side in ("chosen", "rejected"):
+        ids, labels = encode_side(pair, side, tokenizer)
+        targets = sum(1 for t in labels[1:] if t != data.IGNORE_INDEX)
+        sides[side] = {"tokens": len(ids), "targets": targets, "input_ids": ids, "labels": labels}
+        marked.append(f"--- {side} ({len(ids)} tokens, {targets} with loss)\n{preview(tokenizer, ids, labels)}")
+    return {"where": pair.where, "format": "preference pair", **sides,
+            "tokens": sides["chosen"]["tokens"] + sides["rejected"]["tokens"],
+            "targets": sides["chosen"]["targets"] + sides["rejected"]["targets"], "marked": "\n".join(marked)}

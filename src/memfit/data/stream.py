@@ -45,6 +45,10 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
                 from memfit.data.dataset import Example
 
                 return Example(text=record, where=where)
+            from memfit.data.pairs import is_pair_record, record_to_pair
+
+            if fmt is None and is_pair_record(record):  # a preference pair (memfit.data.pairs)
+                return record_to_pair(record, where)
             return record_to_example(record, where, fmt or default_fmt, fields)
         seen += 1
     if not seen:

@@ -557,6 +557,11 @@ def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     """
     if str(run.loss) != "standard":
         return chunked_logits_terms(spec, run, prec)
+    if str(run.method) != "sft":  # the preference loss reads the logits itself (memory/preference_terms.py)
+        from memfit.memory.preference_terms import preference_logits_terms
+
+        forward, backward = preference_logits_terms(spec, run, prec)
+        return LogitsTerms(forward=forward, backward=backward)
     n = run.micro_batch * run.seq_len * spec.vocab_size
     forward = n * (FP32 + FP32) if prec.c == FP32 else n * (prec.c + FP32 + FP32)
     cap = prec.c * n if spec.final_logit_softcapping else 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
+from memfit.memory import preference_terms as pref
 from memfit.memory import quantized
 from memfit.memory.activations import (
     LayerActivations,
@@ -93,8 +94,11 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     if derived or (family is None and derived is None):
         return _described(derived_estimate(spec, run, device, engine, rank), resolved)
+    run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = Precisions.of(run)
     states = model_states(spec, run, device, engine, rank)
+    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
+    states = dataclasses.replace(states, weights=states.weights + ref_copy)
     terms = step_terms(spec, run, prec, states, device)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
@@ -168,6 +172,8 @@ class StepTerms:
     """QLoRA: one projection's weight dequantized inside a layer's forward (``memory/quantized.py``)."""
     accumulated: int
     """Gradients accumulated from earlier micro-batches (``grad_accum`` > 1), alive in forward."""
+    reference: int = 0
+    """DPO's reference forward (no_grad, before the policy's): its transient (``memory.preference_terms``)."""
 
 
 def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str) -> StepTerms:
@@ -192,7 +198,8 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     return StepTerms(acts=acts, outside=outside, activations=activations, at_end=outside + acts.held_all_layers,
                      logit=logits_terms(spec, run, prec), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
-                     accumulated=states.gradients if run.grad_accum > 1 else 0)
+                     accumulated=states.gradients if run.grad_accum > 1 else 0,
+                     reference=pref.reference_transient(spec, run, prec))
 
 
 def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms: StepTerms) -> list[Moment]:
@@ -210,6 +217,8 @@ def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms
         head = Moment("forward", "head", grads, terms.activations, logit.forward,
                       held - logit.forward + states.forward_gathered)
     moments = [head]
+    if terms.reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
+        moments.append(Moment("forward", "reference", grads, logits=terms.reference))
     if terms.dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
         moments.append(Moment("forward", "layer", grads, terms.activations,
                               temporary=terms.dequant + states.layer_gathered))

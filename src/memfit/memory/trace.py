@@ -456,6 +456,8 @@ def _micro_loss(t: _Traced, input_ids, labels):
     """The loss as ``training/step.py`` computes it: the model's own, or (``--loss chunked``) memfit's."""
     import torch
 
+    if t.run.method.value != "sft":
+        return _preference_loss(t, input_ids, labels)
     if t.run.loss.value == "standard":
         return t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
     from memfit.spec.losses import chunked_micro_loss
@@ -649,6 +651,40 @@ def _unpacked_sequences():
         yield
 
 
+def _preference_loss(t: _Traced, input_ids, labels):
+    """The preference loss as ``training/step.py`` computes it (``input_ids``: 2B rows, chosen then rejected).
+
+    DPO's reference forward runs under ``no_grad`` first: through the adapter switched off (LoRA), else
+    through the traced model itself, standing in for the frozen copy (the same code and transient; the
+    copy's weights are added by ``trace``); precomputed log-probabilities are a (2B,) tensor."""
+    import torch
+
+    from memfit.memory.preference_terms import reference_policy
+    from memfit.training import preference
+
+    spec = preference.PreferenceLoss(t.run.method)
+    policy = reference_policy(t.run)
+    ref = None
+    if policy == "precomputed":
+        ref = torch.zeros(input_ids.shape[0])
+    elif policy is not None:
+        off = t.model.disable_adapter() if policy == "adapter-off" else contextlib.nullcontext()
+        table = t.tracker._param_to_grad_hook_handles
+        with torch.no_grad(), off:
+            # PEFT freezes the adapters while they are off: no gradient hooks on them for this forward
+            added = [p for p in t.model.parameters() if not p.requires_grad and p not in table]
+            table.update({p: (_NoHook(), _NoHook()) for p in added})
+            ref, _ = preference.sequence_logps(t.forward(input_ids=input_ids, use_cache=False).logits, labels)
+        for p in added:
+            del table[p]
+        t.tracker.reset_mod_stats()  # the policy's forward is the root module's second call (DESIGN.md)
+    logits = t.forward(input_ids=input_ids, use_cache=False).logits  # (2B, T, V)
+    pairs = input_ids.shape[0] // 2
+    norms = preference.Norms(torch.tensor(pairs), torch.tensor(pairs * input_ids.shape[1]))
+    loss, _ = preference.micro_loss(spec, logits, labels, norms, ref)
+    return loss
+
+
 def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False, steps: int = 2):
     """Trace two training steps of ``model`` under ``run`` on fake tensors; report the second.
 
@@ -673,8 +709,11 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     api = _private_api()
     config = _hf_config(model)
     check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
-    resolved = resolve(_spec(model, config), run)  # the run estimate and train build, asked once
-    run = resolved.run
+    spec = _spec(model, config)
+    resolved = resolve(spec, run)  # the run estimate and train build, asked once
+    from memfit.memory import preference_terms as pref
+
+    run = pref.pair_forward_run(resolved.run)  # a preference method: one forward of chosen and rejected
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
     net = _build_model(config, resolved)
     _to_fake(net, fake_mode)
@@ -719,4 +758,8 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     line.other = other
     line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"
     breakdown = _breakdown(config, traced, line, other)
+    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy: the same weights again, never traced twice
+    if ref_copy:
+        breakdown.weights += ref_copy
+        breakdown.phase_peaks = {k: v + ref_copy for k, v in breakdown.phase_peaks.items()}
     return (breakdown, line) if timeline else breakdown

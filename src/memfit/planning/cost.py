@@ -143,6 +143,10 @@ def _weight_bytes_per_pass(spec, run: RunConfig) -> float:
 
 def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, float]:
     """``(compute, memory, launch)`` seconds of one micro-batch's forward + backward (items 1-4)."""
+    from memfit.memory.preference_terms import pair_forward_run, reference_policy
+
+    policy = reference_policy(run)
+    run = pair_forward_run(run)  # a preference method: 2B sequences (chosen and rejected) per forward
     tokens = run.micro_batch * run.seq_len
     half = run.compute_dtype() in ("bf16", "fp16")
     peak = gpu.flops(half) * MATMUL_EFFICIENCY * (INT8_SLOWDOWN if run.quantize is Quantize.Q8 else 1.0)
@@ -156,6 +160,9 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
     if not run.is_lora():
         traffic += 2 * spec.params * dtype_bytes(run.dtype)  # gradient accumulate: read + write
     traffic += tokens * spec.vocab_size * LOGIT_BYTES
+    if policy is not None:  # DPO's reference forward: per step, or once before training (the same FLOPs and
+        compute += tokens * 2 * matmul_params(spec)[0] / peak  # weight reads per epoch, amortised over one)
+        traffic += _weight_bytes_per_pass(spec, run)
     memory = traffic / (gpu.bytes_per_s("device") * BANDWIDTH_EFFICIENCY)
     # Chunked/CCE recompute each chunk's logits in backward: one more head matmul (memfit.spec.losses.LOSSES).
     compute += tokens * 2 * spec.hidden_size * spec.vocab_size * loss_impl(run).extra_head_matmuls / peak

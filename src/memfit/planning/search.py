@@ -135,6 +135,11 @@ def describe(run: RunConfig) -> str:
         parts.append(f"{run.loss} loss")
     if run.optimizer_in_backward:
         parts.append("optimizer in backward")
+    if str(run.method) != "sft":
+        from memfit.memory.preference_terms import reference_policy
+
+        policy = reference_policy(run)
+        parts.append(f"{run.method}" + (f" (reference: {policy})" if policy else ""))
     if run.num_processes > 1:
         parts.append(f"{run.sharding} over {run.num_processes} processes")
     return ", ".join(parts)
@@ -187,7 +192,8 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
-         safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None) -> PlanResult:
+         safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None,
+         method="sft") -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -203,6 +209,8 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         cpu: the budget is a CPU's memory (``memfit train --budget`` without CUDA; see ``evaluate``).
         adapt: each candidate as another tool would run it, or None where it cannot (``memfit.interop``'s
             ``realize``: ``plan --emit axolotl`` plans only what Axolotl runs, priced as it runs it).
+        method: the objective (``--method``): a preference method doubles the forward's sequences and,
+            for DPO, the planner chooses the reference policy (``space.candidates``).
 
     Raises:
         NothingFitsError: one sentence with the smallest peak reached, its settings and the smallest
@@ -211,7 +219,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     if not 0.0 <= safety_margin < 1.0:
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
     spec, device, budget = _resolve(model, gpu, budget_bytes)
-    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16)
+    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method)
     if adapt is not None:
         runs = list(dict.fromkeys(r for r in map(adapt, runs) if r is not None))
         if not runs:

@@ -31,6 +31,7 @@ from memfit.settings.config import (
     Attention,
     DType,
     Loss,
+    Method,
     Offload,
     Optimizer,
     Packing,
@@ -191,9 +192,15 @@ def _choices(pinned, default: tuple) -> tuple:
 
 
 def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Constraints | None = None,
-               bf16_ok: bool = True) -> list[RunConfig]:
-    """Every configuration the planner tries, in a fixed order (the ranking's last tie-break)."""
+               bf16_ok: bool = True, method: Method = Method.SFT) -> list[RunConfig]:
+    """Every configuration the planner tries, in a fixed order (the ranking's last tie-break).
+
+    ``method``: the objective (given, not searched); for DPO each candidate is tried with its reference
+    computed during training (a frozen copy, or the LoRA adapter switched off) and, after it, precomputed
+    (``--precompute-reference``): at equal speed the earlier wins, so precomputing is chosen when only it fits."""
     c = constraints or Constraints()
+    method = _enum(Method, method, "--method")
+    precompute = _choices(c.precompute_reference, (False, True) if method is Method.DPO else (False,))
     pairs = micro_batches(batch, num_processes, c)
     lora_common = {"lora_r": c.lora_r or DEFAULT_LORA_R, "lora_alpha": c.lora_alpha or 16.0,
                    "lora_dropout": c.lora_dropout or 0.0, "lora_targets": c.lora_targets or DEFAULT_LORA_TARGETS}
@@ -207,7 +214,8 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
         grid = itertools.product(_choices(c.grad_checkpointing, (False, True)),
                                  _choices(c.optimizer, ADAMW_VARIANTS),
                                  _choices(c.offload, offloads), shardings, pairs,
-                                 _choices(c.loss, PLANNED_LOSSES), _choices(c.optimizer_in_backward, (False, True)))
+                                 _choices(c.loss, PLANNED_LOSSES if method is Method.SFT else (Loss.STANDARD,)),
+                                 _choices(c.optimizer_in_backward, (False, True)))
         for gc, opt, offload, sharding, (micro, accum), loss, in_bw in grid:
             if in_bw and not _in_backward_possible(accum, num_processes, offload, regime):
                 continue
@@ -217,13 +225,13 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                     and (regime.quantize is Quantize.Q8 or sharding is Sharding.DDP)):
                 continue  # bitsandbytes' weights stay on the GPU unless FSDP2 shards a 4-bit base
             lora = lora_common if regime.lora else {"lora_r": 0}
-            out.append(RunConfig(
+            out += [RunConfig(
                 seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
-                packing=c.packing or Packing.DOCUMENTS,
-                optimizer_in_backward=in_bw, **lora))
+                packing=c.packing or Packing.DOCUMENTS, method=method, precompute_reference=pre,
+                optimizer_in_backward=in_bw, **lora) for pre in precompute]
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

@@ -107,6 +107,15 @@ class Loss(StrEnum):
     CCE = "cce"  # Apple's Cut Cross-Entropy (CUDA, optional extra)
 
 
+class Method(StrEnum):
+    """The training objective (``--method``); the preference losses are ``memfit.training.preference``."""
+
+    SFT = "sft"  # the next-token loss on the data's targets
+    DPO = "dpo"  # Direct Preference Optimization: pairs, a reference policy
+    ORPO = "orpo"  # Odds Ratio Preference Optimization: pairs, the chosen NLL, no reference
+    SIMPO = "simpo"  # Simple Preference Optimization: pairs, length-normalised, no reference
+
+
 class Attention(StrEnum):
     """The attention implementation asked of transformers; ``auto`` lets transformers choose for the model
     (SDPA where the model supports it, else eager), as ``from_pretrained`` does without the argument."""
@@ -233,6 +242,19 @@ class RunConfig:
                                           overrides={"plan": {"help": "Pin the optimizer step in backward on or off "
                                                                       "(default: try both where possible)."}})
     """Step each parameter as soon as its gradient is ready and free it (no full set of gradients)."""
+    method: Method = setting(Method.SFT, plan="given", resume="restored", commands=_ALL,
+                             help="Objective: sft (next-token loss) or a preference loss on prompt/chosen/rejected "
+                             "records (dpo, orpo, simpo).")
+    """The objective: ``sft``, or ``dpo``/``orpo``/``simpo`` on preference pairs (each step's micro-batch of B
+    pairs is one (2B, T) forward, chosen then rejected; ``memfit.training.preference``)."""
+    precompute_reference: bool = setting(False, plan="searched", resume="restored", check="bool", commands=_ALL,
+                                         click={"negatable": True},
+                                         help="DPO: compute the reference log-probabilities once before training "
+                                         "(no reference forward or copy during training).",
+                                         overrides={"plan": {"help": "Pin DPO's precomputed reference on or off "
+                                                             "(default: try both)."}})
+    """DPO's reference policy: computed once over the data before training, instead of a frozen copy of the
+    base (full fine-tune) or the base with the LoRA adapter switched off (LoRA) at every step."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -251,6 +273,12 @@ class RunConfig:
             set_(self, name, value)
         if self.quantize is not Quantize.NONE and self.lora_r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
+        if self.method is not Method.SFT and self.loss is not Loss.STANDARD:
+            raise UserError(f"--method {self.method} reads each sequence's log-probabilities from the full logits; "
+                            f"use --loss standard (not {self.loss}).")
+        if self.precompute_reference and self.method is not Method.DPO:
+            raise UserError(f"--precompute-reference is for --method dpo, the method with a reference policy; "
+                            f"--method {self.method} has none.")
         if self.optimizer_in_backward and self.grad_accum > 1:
             raise UserError("--optimizer-in-backward steps each parameter during backward, so it cannot accumulate "
                             "gradients over micro-batches; use --grad-accum 1 (a larger --micro-batch).")
@@ -453,6 +481,16 @@ class TrainConfig:
     num_proc: int = setting(1, resume="restored", check="int>=1", group="data",
                             help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
+    # Preference methods (issue 26; memfit.training.preference): TRL's defaults --------------------------------
+    beta: float = setting(0.1, resume="restored", check="pos",
+                          help="DPO/SimPO temperature beta (TRL's default 0.1).")
+    """DPO's beta (deviation from the reference) and SimPO's reward scale (TRL's ``beta``)."""
+    orpo_lambda: float = setting(0.1, resume="restored", check="pos",
+                                 help="ORPO: weight lambda of the odds-ratio term (TRL's default 0.1).")
+    """ORPO's lambda (TRL's ``ORPOConfig.beta``)."""
+    simpo_gamma: float = setting(0.5, resume="restored", check="nonneg",
+                                 help="SimPO: target reward margin gamma (TRL's default 0.5).")
+    """SimPO's gamma (TRL's ``CPOConfig.simpo_gamma``)."""
     threads: int | None = setting(None, resume="restored", check="int>=1", click={"min": 1},
                                   help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle "
                                   "and available to this process (affinity, cgroup quota).")

@@ -58,7 +58,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     spec = load_spec(config.model, config.trust_remote_code, config.revision)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
                   num_processes=run.num_processes, gpu=gpu, constraints=constraints,
-                  cpu=gpu is None)  # no CUDA: the budget is this CPU's memory
+                  cpu=gpu is None, method=run.method)  # no CUDA: the budget is this CPU's memory
     for index, candidate in enumerate(result.plans):
         if not candidate.fits:
             break

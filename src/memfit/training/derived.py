@@ -36,8 +36,8 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
     tokenizer is the one training uses.
     """
-    if resumed or _given(config, "seq_len") or is_demo(config.model, config.data):
-        return config, None
+    if resumed or _given(config, "seq_len") or is_demo(config.model, config.data) or str(config.run.method) != "sft":
+        return config, None  # a preference method keeps --seq-len: its pairs are cut to it, never packed
     from memfit.data import dataset as data
     from memfit.data.prep import record_lengths
     from memfit.spec import model as modelspec

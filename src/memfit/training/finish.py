@@ -49,6 +49,8 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
         outside_step=_outside(s), hub=s.source.hub.to_dict() if s.source.hub is not None else None,
         process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
+        preference=({"method": str(s.run.method), "first": s.state.preference_first, "last": s.state.preference_last}
+                    if s.state.preference_last else None),
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)

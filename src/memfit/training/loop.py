@@ -92,7 +92,7 @@ def run_step(s: TrainSession) -> StepResult:
                 return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
                                   uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
                                   loss=s.run.loss, in_backward=s.in_backward,
-                                  activations_on_cpu=str(s.run.offload) == "activations")
+                                  activations_on_cpu=str(s.run.offload) == "activations", preference=s.preference)
         except StepOutOfMemory as err:
             sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
             del micro
@@ -134,6 +134,9 @@ def record_step(s: TrainSession, result: StepResult, t_step: float) -> None:
     state.skipped_steps += int(result.skipped)
     state.tokens += result.tokens
     state.last_loss = result.loss
+    if result.preference is not None:
+        state.preference_first = state.preference_first or result.preference
+        state.preference_last = result.preference
     state.train_s += time.perf_counter() - t_step
 
 
@@ -166,6 +169,8 @@ def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
               "elapsed_s": time.perf_counter() - s.t_start}
     if evaluated:
         record["eval_loss"] = s.state.last_eval
+    if result.preference is not None:  # reward accuracy and margin of the step's pairs
+        record.update({k: v for k, v in result.preference.items() if k != "pairs"})
     s.metrics.write(record)
     # the step is the trackers' own axis (``step=``), not a metric: trackio renames a "step" value and warns
     s.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=s.state.step)
@@ -201,11 +206,13 @@ def micro_batches(s: TrainSession):
     import torch
 
     from memfit.data.dataset import collate
+    from memfit.data.pairs import collate_pairs
 
     run, pad_id = s.run, s.pad_id
+    join = collate if s.preference is None else collate_pairs
     sampler = StepBatchSampler(s.schedule, start_samples=s.state.samples, num_steps=s.total_steps - s.state.step,
                                micro_batch=run.micro_batch, grad_accum=run.grad_accum,
                                num_processes=run.num_processes)
     loader = torch.utils.data.DataLoader(RowsWithDummy(s.data.train, pad_id), batch_sampler=sampler,
-                                         collate_fn=lambda batch: collate(batch, pad_id))
+                                         collate_fn=lambda batch: join(batch, pad_id))
     return iter(s.accelerator.prepare(loader))

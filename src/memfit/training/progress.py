@@ -312,6 +312,13 @@ def summary_table(summary: RunSummary | dict[str, Any]) -> Table:
                   f"{'n/a' if not _known(summary['best_eval_loss']) else format(summary['best_eval_loss'], '.3f')})")
     table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
     table.add_row("final train loss", _loss(summary["final_train_loss"]))
+    pref = summary.get("preference")
+    if pref and pref.get("first") and pref.get("last"):  # first step -> last step: the rise training made
+        first, last = pref["first"], pref["last"]
+        table.add_row(f"reward accuracy ({pref['method']})",
+                      f"{first['reward_accuracy']:.0%} at step 1 -> {last['reward_accuracy']:.0%} at the end")
+        table.add_row("reward margin", f"{first['reward_margin']:+.3f} -> {last['reward_margin']:+.3f} "
+                                       "(chosen minus rejected reward, nats x beta)")
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")
     resumes = summary.get("resumes") or []
     resumed = bool(resumes) and summary.get("process_wall_s") is not None

@@ -63,6 +63,10 @@ class LoopState:
     fallbacks: list[FallbackRecord] = field(default_factory=list)
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """One record per ``--resume`` of this run: the step and checkpoint it continued from."""
+    preference_first: dict[str, Any] | None = None
+    """Preference methods: the first step's reward accuracy and margin (``StepResult.preference``)."""
+    preference_last: dict[str, Any] | None = None
+    """... and the last step's, so the summary shows them rising."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -114,6 +118,8 @@ class TrainSession:
     """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
     snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
     """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
+    preference: Any = None
+    """``training.step.PreferenceRun`` for ``--method dpo|orpo|simpo``; None for sft."""
     t_process: float | None = None
     """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
     the parts a resumed run continues, so the summary reports both."""
@@ -178,6 +184,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     accelerator.wait_for_everyone()
     bundle = build_model(config, run, source, device=accelerator.device,
                          empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
+    pref = preference_run(config, run, bundle, data, accelerator)  # the reference: from the base, before sharding
     bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
@@ -226,7 +233,32 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
-                        t_process=t_process)
+                        t_process=t_process, preference=pref)
+
+
+def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerator):
+    """The ``PreferenceRun`` of a preference method (None for sft), built from the base weights.
+
+    DPO's reference: ``--precompute-reference`` writes each pair's reference log-probabilities into its
+    row now (``memfit.training.preference.precompute``); else a LoRA run switches its adapter off (no copy) and a
+    full fine-tune keeps a frozen copy of the base (one more set of weights, priced by the estimator).
+    """
+    from memfit.settings.config import Method
+
+    if run.method is Method.SFT:
+        return None
+    from memfit.training import preference
+    from memfit.training.step import PreferenceRun
+
+    spec = preference.PreferenceLoss(run.method, beta=config.beta, orpo_lambda=config.orpo_lambda,
+                                     simpo_gamma=config.simpo_gamma)
+    reference = None
+    if spec.needs_reference and run.precompute_reference:
+        preference.precompute(bundle.model, data.train, pad_id=bundle.tokenizer.pad_token_id,
+                              batch_size=run.micro_batch, autocast=accelerator.autocast)
+    elif spec.needs_reference and not run.is_lora():
+        reference = preference.frozen_copy(bundle.model)
+    return PreferenceRun(spec, reference)
 
 
 def _launched_as_main() -> bool:

@@ -18,7 +18,7 @@ from memfit.builder import parts as build
 from memfit.errors import UserError
 from memfit.integrations.hf_compat import no_loading_bar
 from memfit.settings import validate
-from memfit.settings.config import DType, Precision, Quantize, RunConfig, TrainConfig
+from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig, TrainConfig
 from memfit.spec.optimizers import check_device, row
 
 
@@ -61,6 +61,7 @@ def preflight(run: RunConfig) -> None:
     from memfit.spec.losses import check_loss_runnable
 
     check_loss_runnable(run, cuda)
+
     check_device(run.optimizer, "cuda" if cuda else "cpu")
     from memfit.training import sharding
 
@@ -331,6 +332,8 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     from memfit.data import dataset as data
     from memfit.data.prep import load_for_run
 
+    if run.method is not Method.SFT:
+        return _pair_data(config, run, tokenizer)
     examples, tokenized = load_for_run(config, run, tokenizer)
     train_idx, held = data.split_indices(len(examples), config.eval_fraction, config.seed)  # tokenize's split
     count = max(config.samples, config.eval_samples)
@@ -339,6 +342,22 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
                       note=data_note(tokenized, run, config.truncate))
+
+
+def _pair_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
+    """The preference pairs of ``--method dpo|orpo|simpo`` (``memfit.data.pairs``): one row per pair."""
+    from memfit.data import dataset as data
+    from memfit.data.pairs import load_pair_rows, prompt_example
+
+    pairs, train, held_rows, held = load_pair_rows(config, run, tokenizer)
+    if not train:
+        raise UserError(f"The data {config.data} yields no training pair.")
+    picked = spread(list(held) if len(held) else list(range(len(pairs))), max(config.samples, config.eval_samples))
+    docs = [prompt_example(pairs[int(i)]) for i in picked]
+    unigram = data.unigram_loss(data.TokenizedData(train=train, eval=held_rows))
+    note = (f"{len(pairs):,} preference pair(s), {run.method}: each micro-batch of B pairs is one forward of 2B "
+            "sequences (chosen, then rejected), loss on the completions")
+    return DataBundle(train, held_rows, unigram, docs, note=note)
 
 
 def spread(items: list, count: int) -> list:

@@ -65,6 +65,9 @@ class StepResult:
     skipped: bool
     """fp16: the loss scaler found inf/NaN gradients and skipped the update."""
     grad_norm: float | None
+    preference: dict | None = None
+    """Preference methods: ``pairs``, ``reward_accuracy``, ``reward_margin``, ``chosen_reward``,
+    ``rejected_reward`` of the step's pairs (``memfit.training.preference.micro_loss``), else None."""
 
 
 def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int,
@@ -87,7 +90,8 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
 
 def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_norm: float,
                uses_model_loss: bool, vocab_size: int, snapshot: OptimizerSnapshot | None = None,
-               loss: Loss = Loss.STANDARD, in_backward=None, activations_on_cpu: bool = False) -> StepResult:
+               loss: Loss = Loss.STANDARD, in_backward=None, activations_on_cpu: bool = False,
+               preference=None) -> StepResult:
     """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
     clip, and step the optimizer.
 
@@ -95,12 +99,17 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     every parameter during ``backward``; then there is no clipping, and ``optimizer.step()`` does nothing.
     ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
     to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
+    ``preference``: a ``PreferenceRun`` (``--method dpo|orpo|simpo``): the batches are pairs and the loss
+    is ``memfit.training.preference``'s, normalised by the step's pairs.
 
     Raises:
         StepOutOfMemory: out of memory in one of ``PHASES``; with ``snapshot``, an OOM inside the
             optimizer step leaves the optimizer and parameters as they were before it. With
             ``in_backward`` an OOM in backward may follow parameter updates: it is marked not restored.
     """
+    if preference is not None:
+        return _preference_step(accelerator, model, optimizer, batches, preference, max_grad_norm=max_grad_norm,
+                                snapshot=snapshot, in_backward=in_backward)
     device = accelerator.device
     local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
                           sum(int(b["attention_mask"].sum()) for b in batches)], device=device)
@@ -130,6 +139,64 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     total = float(accelerator.reduce(loss_sum, reduction="sum"))
     return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
                       skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
+
+
+@dataclass
+class PreferenceRun:
+    """What a preference step needs besides the batches: the loss and the reference policy."""
+
+    spec: object
+    """``memfit.training.preference.PreferenceLoss``."""
+    reference: object = None
+    """A frozen copy of the base (full fine-tune), or None: the LoRA adapter switched off, or precomputed."""
+
+
+def _preference_step(accelerator, model, optimizer, batches, pref: PreferenceRun, *, max_grad_norm: float,
+                     snapshot, in_backward) -> StepResult:
+    """``train_step`` for preference pairs: the same accumulation and scaling (module docstring), with the
+    step's pairs (and ORPO's chosen target tokens) as the normalisers (``memfit.training.preference``)."""
+    from memfit.training import preference
+
+    def reduce(t):
+        return accelerator.reduce(t, reduction="sum")
+
+    norms = preference.step_norms(batches, reduce)
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    loss_sum = torch.zeros((), device=accelerator.device)
+    stats = torch.zeros(5, device=accelerator.device)
+    snapshot = snapshot or OptimizerSnapshot()
+    for batch in batches:
+        with accelerator.accumulate(model):
+            with phase("forward"):
+                ref = (preference.reference_sums(batch, model=model, reference=pref.reference,
+                                                 autocast=accelerator.autocast)
+                       if pref.spec.needs_reference else None)
+                inputs = {k: v for k, v in model_inputs(batch).items() if k not in ("labels", "ref_logps")}
+                logits = model(**inputs, use_cache=False).logits  # (2B, T, V)
+                value, micro_stats = preference.micro_loss(pref.spec, logits, batch["labels"], norms, ref)
+                del logits
+            with phase("backward", restorable=in_backward is None):
+                accelerator.backward(value * scale)
+            loss_sum += value.detach().float()
+            stats += micro_stats.float()
+            del value
+    grad_norm = None
+    if max_grad_norm > 0 and in_backward is None:
+        with phase("clip"):
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    with phase("optimizer", snapshot), snapshot.guard(optimizer):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    total = float(reduce(loss_sum))
+    pairs, correct, margin, chosen, rejected = reduce(stats).tolist()
+    local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
+                          sum(int(b["attention_mask"].sum()) for b in batches)], device=accelerator.device)
+    n_targets, n_tokens = reduce(local).tolist()
+    per = max(pairs, 1.0)
+    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
+                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm,
+                      preference={"pairs": int(pairs), "reward_accuracy": correct / per, "reward_margin": margin / per,
+                                  "chosen_reward": chosen / per, "rejected_reward": rejected / per})
 
 
 def _saved_tensors_place(on_cpu: bool):

@@ -112,6 +112,9 @@ class RunSummary:
     (``memfit.integrations.hub.HubModel.to_dict``); None for presets and local folders."""
     process_wall_s: float | None = None
     """Wall time of this process alone (``wall_s`` less the resumed parts); None when not measured."""
+    preference: dict[str, Any] | None = None
+    """Preference methods: ``{"method", "first", "last"}``, the first and last steps' reward accuracy and
+    margin (``training.step.StepResult.preference``); None for sft."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -138,6 +141,7 @@ class RunSummary:
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
             "outside_step": self.outside_step, "hub": self.hub, "process_wall_s": self.process_wall_s,
+            "preference": self.preference,
         }
         return json_safe(out)
 

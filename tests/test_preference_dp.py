@@ -1,0 +1,48 @@
+"""Preference methods on 2 CPU processes (gloo): DPO under DDP and ORPO under FSDP2 train the same weights
+as 1 process with the same effective batch (pairs normalised over ranks, the partial last step included),
+and the DDP run resumes from its checkpoint on 1 process (cases of ``tests/_gloo_cases.py``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from _train_helpers import max_diff, metrics, tiny_config
+from memfit.training.loop import run_training
+
+
+def _single(tmp_path, proc, method: str):
+    common = dict(data=proc.paths["data"], max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    one = tiny_config(tmp_path / "one", run={"optimizer": "adamw", "micro_batch": 1, "grad_accum": 4,
+                                             "method": method}, **common)
+    return one, run_training(one, show=False), common
+
+
+@pytest.mark.launch_cases("dpo-ddp")
+def test_dpo_two_processes_match_one_and_resume(tmp_path, gloo_runs):
+    from transformers import AutoModelForCausalLM
+
+    proc = gloo_runs["dpo-ddp"]
+    assert proc.returncode == 0, proc.failure()
+    one, single, common = _single(tmp_path, proc, "dpo")
+    two_out = Path(proc.paths["output"])
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two_out)) < 1e-5
+    logged = metrics(two_out)
+    assert [m["sequences"] for m in logged] == [4, 8, 12, 16, 20, 22]
+    assert [m["reward_margin"] for m in logged] == pytest.approx([m["reward_margin"] for m in metrics(one.output)],
+                                                                 abs=1e-5)
+    shutil.rmtree(two_out / "checkpoints" / "step-6")
+    resumed = tiny_config(two_out.parent, resume=True, run={"optimizer": "adamw", "method": "dpo"}, **common)
+    assert max_diff(single.model, run_training(resumed, show=False).model) < 1e-5
+
+
+@pytest.mark.launch_cases("orpo-fsdp")
+def test_orpo_fsdp_matches_one_process(tmp_path, gloo_runs):
+    from transformers import AutoModelForCausalLM
+
+    proc = gloo_runs["orpo-fsdp"]
+    assert proc.returncode == 0, proc.failure()
+    _one, single, _ = _single(tmp_path, proc, "orpo")
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
