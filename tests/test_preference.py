@@ -7,7 +7,7 @@ functions on a namespace holding their settings, and for DPO the formula of ``DP
 (``loss_type="sigmoid"``: ``-logsigmoid(beta * ((c - c_ref) - (r - r_ref)))``, averaged over the batch),
 which is a method of a built trainer, not a function that can be called alone. ORPO's NLL term is the
 mean cross-entropy of the chosen completion tokens (the paper's L_SFT; TRL takes it over the prompt too,
-memfit over the completion as its next-token loss does: ``memfit.training.preference``), computed here by
+memfit over the completion as its next-token loss does: ``memfit.builder.preference``), computed here by
 ``torch.nn.functional.cross_entropy``.
 """
 
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from _train_helpers import assert_one_sentence, max_diff, tiny_config, write_model, write_pairs
+from memfit.builder import preference
 from memfit.cli import cli
 from memfit.settings.config import Method
-from memfit.training import preference
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")

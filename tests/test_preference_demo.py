@@ -1,5 +1,5 @@
 """The demo of preference tuning (issue 26): the SFT demo model, then a short DPO run on the demo's pairs
-(``memfit.corpus.pairs``: the right answer against the right form of a wrong one); reward accuracy and
+(``memfit.data.corpus.pairs``: the right answer against the right form of a wrong one); reward accuracy and
 reward margin rise, and the summary shows them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from memfit.training.progress import summary_table
 
 
 def test_demo_pairs_are_right_against_wrong_answers_of_the_same_form():
-    from memfit.corpus.pairs import demo_pairs, question_type
+    from memfit.data.corpus.pairs import demo_pairs, question_type
 
     pairs = demo_pairs()
     assert len(pairs) >= 400

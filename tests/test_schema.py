@@ -39,11 +39,12 @@ COMMANDS_CLI = {"estimate": estimate_cli.command, "plan": plan_cli.command, "tra
 #: Flags that are no setting of a run: each command's own. A flag not here must be a schema field.
 COMMAND_ONLY = {
     # estimate: what to show and how (the run it prices is all schema settings)
-    "estimate": {"--compare", "--exact", "--timeline", "--plot", "--device", "--json"},
+    "estimate": {"--compare", "--exact", "--timeline", "--plot", "--device", "--json",
+                 "--from", "--from-format"},  # another tool's configuration read as the run (memfit.interop)
     # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
     # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
     "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--top", "--output",
-             "--accelerate-config", "--json"},
+             "--accelerate-config", "--json", "--from", "--from-format", "--emit"},
     # train: where the settings come from (--config), and the old spelling of --packing none
     "train": {"--config", "--no-packing"},
     # data preview: which record and how to print it; its --data/--model/--revision/--tokenizer are train's

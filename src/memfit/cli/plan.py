@@ -68,6 +68,7 @@ _OUTPUT = [
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
             accelerate_config, emit, from_path, from_format, **pins):
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
+    from memfit.integrations.hub import progress_bars
     from memfit.planning.gpus import detect_gpu
     from memfit.planning.search import SAFETY_MARGIN, plan
     from memfit.planning.space import Constraints
@@ -87,8 +88,6 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
-    from memfit.integrations.hub import progress_bars
-
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         # reading the architecture is not part of the search
         spec = load_spec(model, revision=revision) if model else reading.spec()
@@ -108,12 +107,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     if accelerate_config:
         launch.write_accelerate_config(result.best.config, Path(accelerate_config))
     command_line = launch.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
-    shown = top or None
     if as_json:
-        click.echo(json.dumps({**result.to_dict(top=shown), "launch": command_line,
+        click.echo(json.dumps({**result.to_dict(top=top or None), "launch": command_line,
                                "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
         return
-    _print(result, shown, elapsed, output)
+    _print(result, top or None, elapsed, output)
     if reading is not None:
         from rich.console import Console
 

@@ -134,7 +134,7 @@ def collate_pairs(batch: list[dict], pad_id: int) -> dict:
 
     TRL's ``concatenated_inputs``: both sides go through one forward, so the weights are read once.
     A row without a rejected side (the sampler's dummy row, one pad token) is paired with itself and
-    carries no target, so it adds no pair (``memfit.training.preference.pair_mask``).
+    carries no target, so it adds no pair (``memfit.builder.preference.pair_mask``).
     """
     import torch
 
@@ -160,7 +160,7 @@ def read_pairs(config) -> list[Pair]:
 
     method = str(config.run.method)
     if config.data is None:  # the demo: pairs made from the shipped question/answer records
-        from memfit.corpus.pairs import QA, demo_pairs
+        from memfit.data.corpus.pairs import QA, demo_pairs
 
         return [record_to_pair(r, f"{QA} pair {i}") for i, r in enumerate(demo_pairs(config.seed), start=1)]
     pairs = []

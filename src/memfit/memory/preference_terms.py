@@ -1,4 +1,4 @@
-"""What a preference method (``--method dpo|orpo|simpo``, ``memfit.training.preference``) changes in a step's memory.
+"""What a preference method (``--method dpo|orpo|simpo``, ``memfit.builder.preference``) changes in a step's memory.
 
 Read by the estimator, the exact trace, the planner and train alike (one fact, one place):
 
@@ -44,7 +44,7 @@ def reference_policy(run: RunConfig) -> str | None:
 
 def reference_copy_bytes(spec, run: RunConfig) -> int:
     """Bytes of the frozen copy of the base (``copy`` policy): every parameter at the weight dtype, on each
-    rank (the copy is not sharded: ``memfit.training.preference.frozen_copy`` copies the model before sharding)."""
+    rank (the copy is not sharded: ``memfit.builder.preference.frozen_copy`` copies the model before sharding)."""
     if reference_policy(run) != "copy":
         return 0
     return int(spec.params) * (2 if str(run.dtype) in ("bf16", "fp16") else 4)

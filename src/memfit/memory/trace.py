@@ -659,8 +659,8 @@ def _preference_loss(t: _Traced, input_ids, labels):
     copy's weights are added by ``trace``); precomputed log-probabilities are a (2B,) tensor."""
     import torch
 
+    from memfit.builder import preference
     from memfit.memory.preference_terms import reference_policy
-    from memfit.training import preference
 
     spec = preference.PreferenceLoss(t.run.method)
     policy = reference_policy(t.run)

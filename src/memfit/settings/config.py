@@ -108,7 +108,7 @@ class Loss(StrEnum):
 
 
 class Method(StrEnum):
-    """The training objective (``--method``); the preference losses are ``memfit.training.preference``."""
+    """The training objective (``--method``); the preference losses are ``memfit.builder.preference``."""
 
     SFT = "sft"  # the next-token loss on the data's targets
     DPO = "dpo"  # Direct Preference Optimization: pairs, a reference policy
@@ -246,7 +246,7 @@ class RunConfig:
                              help="Objective: sft (next-token loss) or a preference loss on prompt/chosen/rejected "
                              "records (dpo, orpo, simpo).")
     """The objective: ``sft``, or ``dpo``/``orpo``/``simpo`` on preference pairs (each step's micro-batch of B
-    pairs is one (2B, T) forward, chosen then rejected; ``memfit.training.preference``)."""
+    pairs is one (2B, T) forward, chosen then rejected; ``memfit.builder.preference``)."""
     precompute_reference: bool = setting(False, plan="searched", resume="restored", check="bool", commands=_ALL,
                                          click={"negatable": True},
                                          help="DPO: compute the reference log-probabilities once before training "
@@ -481,7 +481,7 @@ class TrainConfig:
     num_proc: int = setting(1, resume="restored", check="int>=1", group="data",
                             help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
     """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
-    # Preference methods (issue 26; memfit.training.preference): TRL's defaults --------------------------------
+    # Preference methods (issue 26; memfit.builder.preference): TRL's defaults --------------------------------
     beta: float = setting(0.1, resume="restored", check="pos",
                           help="DPO/SimPO temperature beta (TRL's default 0.1).")
     """DPO's beta (deviation from the reference) and SimPO's reward scale (TRL's ``beta``)."""

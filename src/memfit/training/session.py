@@ -240,14 +240,14 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     """The ``PreferenceRun`` of a preference method (None for sft), built from the base weights.
 
     DPO's reference: ``--precompute-reference`` writes each pair's reference log-probabilities into its
-    row now (``memfit.training.preference.precompute``); else a LoRA run switches its adapter off (no copy) and a
+    row now (``memfit.builder.preference.precompute``); else a LoRA run switches its adapter off (no copy) and a
     full fine-tune keeps a frozen copy of the base (one more set of weights, priced by the estimator).
     """
     from memfit.settings.config import Method
 
     if run.method is Method.SFT:
         return None
-    from memfit.training import preference
+    from memfit.builder import preference
     from memfit.training.step import PreferenceRun
 
     spec = preference.PreferenceLoss(run.method, beta=config.beta, orpo_lambda=config.orpo_lambda,

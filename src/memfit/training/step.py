@@ -67,7 +67,7 @@ class StepResult:
     grad_norm: float | None
     preference: dict | None = None
     """Preference methods: ``pairs``, ``reward_accuracy``, ``reward_margin``, ``chosen_reward``,
-    ``rejected_reward`` of the step's pairs (``memfit.training.preference.micro_loss``), else None."""
+    ``rejected_reward`` of the step's pairs (``memfit.builder.preference.micro_loss``), else None."""
 
 
 def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int,
@@ -100,7 +100,7 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
     to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
     ``preference``: a ``PreferenceRun`` (``--method dpo|orpo|simpo``): the batches are pairs and the loss
-    is ``memfit.training.preference``'s, normalised by the step's pairs.
+    is ``memfit.builder.preference``'s, normalised by the step's pairs.
 
     Raises:
         StepOutOfMemory: out of memory in one of ``PHASES``; with ``snapshot``, an OOM inside the
@@ -146,7 +146,7 @@ class PreferenceRun:
     """What a preference step needs besides the batches: the loss and the reference policy."""
 
     spec: object
-    """``memfit.training.preference.PreferenceLoss``."""
+    """``memfit.builder.preference.PreferenceLoss``."""
     reference: object = None
     """A frozen copy of the base (full fine-tune), or None: the LoRA adapter switched off, or precomputed."""
 
@@ -154,8 +154,8 @@ class PreferenceRun:
 def _preference_step(accelerator, model, optimizer, batches, pref: PreferenceRun, *, max_grad_norm: float,
                      snapshot, in_backward) -> StepResult:
     """``train_step`` for preference pairs: the same accumulation and scaling (module docstring), with the
-    step's pairs (and ORPO's chosen target tokens) as the normalisers (``memfit.training.preference``)."""
-    from memfit.training import preference
+    step's pairs (and ORPO's chosen target tokens) as the normalisers (``memfit.builder.preference``)."""
+    from memfit.builder import preference
 
     def reduce(t):
         return accelerator.reduce(t, reduction="sum")
