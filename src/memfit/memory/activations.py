@@ -45,16 +45,17 @@ class Precisions:
     @classmethod
     def of(cls, run: RunConfig) -> Precisions:
         if run.quantize is not Quantize.NONE:
-            # QLoRA: PEFT's prepare_model_for_kbit_training leaves the unquantized weights, hence the embedding
-            # output and residual stream, in fp32 (memory.quantized.UNQUANTIZED_BYTES). Without autocast
-            # everything the layers save is fp32 (a quantized layer returns its input's dtype; a bf16
-            # ``--dtype`` enters only the dequantized weight). Under autocast the fp32 adapters' linears and
-            # SDPA cast to the autocast dtype, as in LoRA; what the quantized projections return is
-            # ``memory.quantized.projection_output_bytes``.
-            from memfit.memory.quantized import UNQUANTIZED_BYTES
+            # QLoRA: the unquantized weights, hence the embedding output and residual stream, are in
+            # memory.quantized.unquantized_bytes (fp32 under PEFT's kbit cast, --qlora-upcast full; --dtype when
+            # lean). Without autocast what the layers save is in that dtype (a quantized layer returns its
+            # input's dtype; a bf16 ``--dtype`` with full upcast enters only the dequantized weight). Under
+            # autocast the fp32 adapters' linears and SDPA cast to the autocast dtype, as in LoRA; what the
+            # quantized projections return is ``memory.quantized.projection_output_bytes``.
+            from memfit.memory.quantized import unquantized_bytes
 
-            c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else UNQUANTIZED_BYTES
-            return cls(w=UNQUANTIZED_BYTES, c=c, amp=c != UNQUANTIZED_BYTES)
+            w = unquantized_bytes(run)
+            c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
+            return cls(w=w, c=c, amp=c != w)
         w = 2 if str(run.dtype) in ("bf16", "fp16") else 4
         c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
         return cls(w=w, c=c, amp=c != w)
