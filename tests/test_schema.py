@@ -42,7 +42,8 @@ COMMAND_ONLY = {
     "estimate": {"--compare", "--exact", "--timeline", "--plot", "--device", "--json"},
     # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
     # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
-    "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--top", "--output",
+    "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--maximize", "--top",
+             "--output",
              "--accelerate-config", "--json"},
     # train: where the settings come from (--config), and the old spelling of --packing none
     "train": {"--config", "--no-packing"},
