@@ -85,3 +85,13 @@ def test_cli_maximize_seq_len():
     res = CliRunner().invoke(cli, [*args, "--json"])
     data = json.loads(res.output)
     assert data["plans"][0]["config"]["seq_len"] > 8192 and data["plans"][0]["fits"]
+
+
+def test_lean_qlora_reaches_further_than_peft_full_upcast(llama31):
+    # the planner's QLoRA is lean unless --qlora-upcast full is pinned; PEFT's fp32 stream costs context
+    pins = dict(quantize="4bit", grad_checkpointing=True, optimizer="adamw-fused", loss="standard")
+    lean = maximize(llama31, "24GiB", "seq-len", seq_len=1024, constraints=Constraints(**pins)).best.config
+    full = maximize(llama31, "24GiB", "seq-len", seq_len=1024,
+                    constraints=Constraints(**pins, qlora_upcast="full")).best.config
+    assert str(lean.qlora_upcast) == "lean" and str(full.qlora_upcast) == "full"
+    assert lean.seq_len > 1.2 * full.seq_len

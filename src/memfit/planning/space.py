@@ -34,6 +34,7 @@ from memfit.config import (
     Optimizer,
     Packing,
     Precision,
+    QloraUpcast,
     Quantize,
     RunConfig,
     Sharding,
@@ -222,7 +223,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
-                packing=c.packing or Packing.DOCUMENTS,
+                packing=c.packing or Packing.DOCUMENTS, qlora_upcast=c.qlora_upcast or QloraUpcast.LEAN,
                 optimizer_in_backward=in_bw, **lora))
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
