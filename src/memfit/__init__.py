@@ -5,6 +5,8 @@ Public API (each is what one CLI subcommand calls):
 - ``estimate(model, run)``: analytic memory breakdown of one training step (``memory.estimate``).
 - ``trace(model, run)``: the same breakdown from the model's real code on fake tensors (``memory.trace``).
 - ``plan(model, budget, ...)``: ranked configurations that fit a memory budget (``plan.search``).
+- ``maximize(model, budget, "seq-len"|"micro-batch", ...)``: the longest sequence (largest micro-batch) that
+  fits, per technique (``planning.maximize``; ``memfit plan --maximize``).
 - ``train(config)``: train on Accelerate and report measured against predicted memory (``train.loop``).
 
 Imports are lazy so that ``import memfit`` and ``memfit --help`` stay fast (torch is not loaded).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from memfit.versions import MEMFIT as __version__
 
-__all__ = ["__version__", "estimate", "trace", "plan", "train"]
+__all__ = ["__version__", "estimate", "trace", "plan", "maximize", "train"]
 
 
 def __getattr__(name: str):
@@ -30,6 +32,10 @@ def __getattr__(name: str):
         from memfit.planning.search import plan
 
         return plan
+    if name == "maximize":
+        from memfit.planning.maximize import maximize
+
+        return maximize
     if name == "train":
         from memfit.training.loop import train
 

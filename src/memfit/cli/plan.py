@@ -99,7 +99,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     started = time.perf_counter()
     margin = SAFETY_MARGIN if margin is None else margin
     if maximize:
-        from memfit.planning.maximize import maximize as search_largest
+        from memfit import maximize as search_largest
 
         result = search_largest(spec, budget, maximize, seq_len=seq_len, num_processes=num_processes, gpu=device,
                                 constraints=constraints, safety_margin=margin)
@@ -140,7 +140,7 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
     tokens = best.config.tokens_per_step()
     table, dropped = plan_table(result, top or len(result.plans), console.width)
     console.print(table)
-    note = ranking_note(result, top or len(result.plans))
+    note = None if maximize else ranking_note(result, top or len(result.plans))  # maximize: largest first
     if note:
         console.print(note, highlight=False)
     console.print(f"{len(result.fitting)} of {len(result.plans)} candidates fit; searched in {elapsed * 1000:.0f} ms; "
@@ -148,7 +148,7 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
                   f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
     if maximize:
-        from memfit.planning.maximize import largest_note
+        from memfit.planning.table import largest_note
 
         console.print(largest_note(result, maximize), highlight=False)
     if best.config.offload is not Offload.NONE:
