@@ -169,10 +169,13 @@ def test_qlora_weights_are_nf4():
     #   q/k/v/o 4096 x 4096 = 16,777,216: 8,388,608 + 262,144 + 4,096 + 1,092 = 8,655,940
     #   gate/up/down 4096 x 11008 = 45,088,768: 22,544,384 + 704,512 + 11,008 + 1,092 = 23,260,996
     #   32 layers x (4 x 8,655,940 + 3 x 23,260,996) = 3,341,015,936
-    # The other 262,410,240 parameters (embedding, head, norms) in fp32 whatever --dtype says (PEFT's
-    # prepare_model_for_kbit_training casts them): 1,049,640,960. Adapters r16 on the 7 projections, fp32:
-    # 32 x 16 x (4 x 8,192 + 3 x 15,104) x 4 = 159,907,840. Buffers (rotary inv_freq and its original): 512.
-    assert b.weights == 3_341_015_936 + 1_049_640_960 + 159_907_840 + 512
+    # The other 262,410,240 parameters (embedding, head, norms) in --dtype (lean QLoRA, the default):
+    # 524,820,480; in fp32 under --qlora-upcast full (PEFT's prepare_model_for_kbit_training casts them):
+    # 1,049,640,960. Adapters r16 on the 7 projections, fp32: 32 x 16 x (4 x 8,192 + 3 x 15,104) x 4 =
+    # 159,907,840. Buffers (rotary inv_freq and its original): 512.
+    assert b.weights == 3_341_015_936 + 524_820_480 + 159_907_840 + 512
+    full = estimate(spec, RunConfig(lora_r=16, quantize="4bit", dtype="bf16", qlora_upcast="full"))
+    assert full.weights == 3_341_015_936 + 1_049_640_960 + 159_907_840 + 512
 
 
 def test_speed_under_5ms():

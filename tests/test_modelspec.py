@@ -13,7 +13,7 @@ REAL = [n for n in preset_names() if load_presets()[n].get("params")]
 
 def test_all_required_presets_exist():
     required = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "smollm2-135m", "smollm2-360m", "smollm2-1.7b",
-                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3-8b",
+                "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3-8b", "llama-3.1-8b",
                 "llama-2-7b", "llama-2-13b", "mistral-7b", "tinyllama-1.1b", "gemma-2-2b", "phi-3-mini"}
     assert required <= set(preset_names())
 

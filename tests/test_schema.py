@@ -43,7 +43,7 @@ COMMAND_ONLY = {
                  "--from", "--from-format"},  # another tool's configuration read as the run (memfit.interop)
     # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
     # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
-    "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--top", "--output",
+    "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--maximize", "--top", "--output",
              "--accelerate-config", "--json", "--from", "--from-format", "--emit"},
     # train: where the settings come from (--config), and the old spelling of --packing none
     "train": {"--config", "--no-packing"},

@@ -5,6 +5,8 @@ Public API (each is what one CLI subcommand calls):
 - ``estimate(model, run)``: analytic memory breakdown of one training step (``memory.estimate``).
 - ``trace(model, run)``: the same breakdown from the model's real code on fake tensors (``memory.trace``).
 - ``plan(model, budget, ...)``: ranked configurations that fit a memory budget (``plan.search``).
+- ``maximize(model, budget, "seq-len"|"micro-batch", ...)``: the longest sequence (largest micro-batch) that
+  fits, per technique (``planning.maximize``; ``memfit plan --maximize``).
 - ``train(config)``: train on Accelerate and report measured against predicted memory (``train.loop``).
 - ``read_config(path)`` / ``write_config(tool, path, model, run)``: another tool's training configuration
   (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit run, or a run written as one
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from memfit.integrations.versions import MEMFIT as __version__
 
-__all__ = ["__version__", "estimate", "trace", "plan", "train", "read_config", "write_config", "config_realizer"]
+__all__ = ["__version__", "estimate", "trace", "plan", "maximize", "train", "read_config", "write_config", "config_realizer"]
 
 #: Public names of ``memfit.interop``: ``memfit.read_config`` is ``interop.read``, and so on.
 _INTEROP = {"read_config": "read", "write_config": "emit", "config_realizer": "realize"}
@@ -36,6 +38,10 @@ def __getattr__(name: str):
         from memfit.planning.search import plan
 
         return plan
+    if name == "maximize":
+        from memfit.planning.maximize import maximize
+
+        return maximize
     if name == "train":
         from memfit.training.loop import train
 

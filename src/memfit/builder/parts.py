@@ -18,7 +18,8 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.integrations.hf_compat import enable_checkpointing, peft_wrap_quietly, prepare_for_kbit_training
-from memfit.settings.config import Quantize, RunConfig
+from memfit.integrations.quant_support import upcasts_fully
+from memfit.settings.config import RunConfig
 from memfit.spec.optimizers import row
 
 #: ``--dtype`` -> the torch dtype name the weights are built in.
@@ -48,15 +49,19 @@ def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):
 
 
 def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, revision: str | None = None):
-    """``model`` with LoRA adapters on ``targets``: k-bit preparation first under ``--quantize``, then
+    """``model`` with LoRA adapters on ``targets``: PEFT's k-bit preparation first under ``--quantize`` with
+    ``--qlora-upcast full``, then
     PEFT's ``get_peft_model`` (its notices silenced). ``revision``: the Hub commit the saved adapter names.
 
     A target PEFT cannot wrap is one sentence (``UserError``).
     """
     from peft import get_peft_model
 
-    if run.quantize is not Quantize.NONE:
+    if upcasts_fully(run):  # --qlora-upcast full: PEFT's preparation, its fp32 cast included
         model = prepare_for_kbit_training(model, run.grad_checkpointing)
+    # lean (quant_support.unquantized_dtype): nothing else to do. The rest of PEFT's preparation happens anyway:
+    # get_peft_model freezes the base, adapt() has turned on non-reentrant checkpointing (which needs no
+    # enable_input_require_grads); the unquantized parameters stay in --dtype.
     try:
         with peft_wrap_quietly():
             return get_peft_model(model, lora_config(run, targets), revision=revision)

@@ -24,6 +24,7 @@ Examples:
   memfit plan qwen2.5-1.5b --gpu auto --output plan.yaml && memfit train --config plan.yaml
   memfit plan llama-3-8b --gpu h100-sxm --num-processes 8 --full --accelerate-config fsdp.yaml
   memfit plan llama-2-70b --gpu a100-40gb --num-processes 2 --seq-len 2048 --batch 8 --host-memory 128GiB
+  memfit plan llama-3.1-8b --budget 24GiB --maximize seq-len
 \b
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
@@ -41,6 +42,10 @@ _MACHINE = [
     click.option("--full", is_flag=True, help="Full fine-tune only (no LoRA)."),
     click.option("--no-quantize", "no_quantize", is_flag=True, help="Do not consider QLoRA."),
     click.option("--no-offload", "no_offload", is_flag=True, help="Do not consider CPU offload."),
+    click.option("--maximize", type=click.Choice(["seq-len", "micro-batch"]),
+                 help="Instead of the fastest plan at --seq-len: the longest sequence (one per micro-batch; "
+                      "--seq-len unused) or the largest micro-batch at --seq-len (one per step; --batch unused) "
+                      "that fits, with its tokens/s."),
     click.option("--host-memory", help="Host RAM of the machine, e.g. 128GiB: drop plans whose offloaded state and "
                                        "rollback snapshot need more (default: not checked)."),
 ]
@@ -66,7 +71,7 @@ _OUTPUT = [
 @with_options(_OUTPUT)
 @from_options
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
-            accelerate_config, emit, from_path, from_format, **pins):
+            accelerate_config, maximize, emit, from_path, from_format, **pins):
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
     from memfit.integrations.hub import progress_bars
     from memfit.planning.gpus import detect_gpu
@@ -93,9 +98,15 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         spec = load_spec(model, revision=revision) if model else reading.spec()
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
-    result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
-                  constraints=constraints, safety_margin=SAFETY_MARGIN if margin is None else margin, adapt=adapt,
-                  method=method)
+    margin = SAFETY_MARGIN if margin is None else margin
+    if maximize:  # the longest sequence (largest micro-batch) that fits, per technique
+        from memfit import maximize as search_largest
+
+        result = search_largest(spec, budget, maximize, seq_len=seq_len, num_processes=num_processes, gpu=device,
+                                constraints=constraints, safety_margin=margin)
+    else:
+        result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
+                      constraints=constraints, safety_margin=margin, adapt=adapt, method=method)
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
@@ -111,7 +122,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         click.echo(json.dumps({**result.to_dict(top=top or None), "launch": command_line,
                                "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
         return
-    _print(result, top or None, elapsed, output)
+    _print(result, top or None, elapsed, output, maximize)
     if reading is not None:
         from rich.console import Console
 
@@ -180,7 +191,7 @@ def _write_emitted(emit, result, model, reading) -> None:
     memfit.write_config(emit[0], emit[1], model, best.config, reading, header)
 
 
-def _print(result, top, elapsed: float, output) -> None:
+def _print(result, top, elapsed: float, output, maximize: str | None = None) -> None:
     from rich.console import Console
 
     from memfit.planning.search import describe
@@ -192,13 +203,17 @@ def _print(result, top, elapsed: float, output) -> None:
     tokens = best.config.tokens_per_step()
     table, dropped = plan_table(result, top or len(result.plans), console.width)
     console.print(table)
-    note = ranking_note(result, top or len(result.plans))
+    note = None if maximize else ranking_note(result, top or len(result.plans))  # maximize: largest first
     if note:
         console.print(note, highlight=False)
     console.print(f"{len(result.fitting)} of {len(result.plans)} candidates fit; searched in {elapsed * 1000:.0f} ms; "
                   f"tokens per optimizer step: {tokens:,}.")
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
                   f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
+    if maximize:
+        from memfit.planning.table import largest_note
+
+        console.print(largest_note(result, maximize), highlight=False)
     if best.config.offload is not Offload.NONE:
         from memfit.memory.snapshot import host_bytes
 

@@ -110,6 +110,35 @@ def compute_bytes(run) -> int:
     return 4 if compute_dtype(run) == "fp32" else 2
 
 
+def upcasts_fully(run) -> bool:
+    """Whether a quantized base of ``run`` is prepared by PEFT's ``prepare_model_for_kbit_training`` with its
+    fp32 cast (``--qlora-upcast full``), rather than memfit's lean preparation (the default)."""
+    return str(run.quantize) != "none" and str(run.qlora_upcast) == "full"
+
+
+def unquantized_dtype(run) -> str:
+    """The dtype of a quantized base's unquantized parameters (embeddings, norms, output head, biases), hence
+    of its residual stream, which starts at the embedding: the one rule the builder (``memfit.builder.parts``), the
+    estimate (``memory.states``, ``memory.activations``, ``memory.quantized``) and plan read.
+
+    - ``full``: PEFT's ``prepare_model_for_kbit_training`` casts every fp16/bf16 parameter that is not a
+      ``Params4bit`` to fp32 (peft 0.21 ``utils/other.py``): ``fp32`` whatever ``--dtype`` says, and every
+      activation the stream feeds is fp32 (the issue's llama-2-7b case: 10.53 GB of activations vs LoRA's 6.98).
+    - ``lean`` (the default; litgpt and Unsloth keep the stream in the compute dtype too): the parameters stay
+      in ``--dtype``, as in plain LoRA. No fp32 exception is needed for stability: the LoRA adapters, the
+      only trained weights, stay fp32 (PEFT's ``autocast_adapter_dtype=True``, as in LoRA); RMSNorm/LayerNorm
+      compute their statistics in fp32 whatever their weight's dtype (transformers' norms upcast the hidden
+      states), attention's softmax and the loss's log-softmax run in fp32 (``memfit.spec.losses``). Measured: the
+      demo's loss curve, lean vs full, in bench/README.md ("Lean QLoRA"), within the tolerance stated there.
+    """
+    return "fp32" if upcasts_fully(run) else str(run.dtype)
+
+
+def unquantized_bytes(run) -> int:
+    """Bytes per element of ``unquantized_dtype(run)``."""
+    return 4 if unquantized_dtype(run) == "fp32" else 2
+
+
 def shards_packed_weights(run) -> bool:
     """Whether FSDP2 shards the packed 4-bit weights of ``run`` (a 4-bit base under ``--sharding
     fsdp|zero2|zero3``): their bytes are then stored as the compute dtype (``bnb_4bit_quant_storage``; the

@@ -48,16 +48,17 @@ class Precisions:
     @classmethod
     def of(cls, run: RunConfig) -> Precisions:
         if run.quantize is not Quantize.NONE:
-            # QLoRA: PEFT's prepare_model_for_kbit_training leaves the unquantized weights, hence the embedding
-            # output and residual stream, in fp32 (memory.quantized.UNQUANTIZED_BYTES). Without autocast
-            # everything the layers save is fp32 (a quantized layer returns its input's dtype; a bf16
-            # ``--dtype`` enters only the dequantized weight). Under autocast the fp32 adapters' linears and
-            # SDPA cast to the autocast dtype, as in LoRA; what the quantized projections return is
-            # ``memory.quantized.projection_output_bytes``.
-            from memfit.memory.quantized import UNQUANTIZED_BYTES
+            # QLoRA: the unquantized weights, hence the embedding output and residual stream, are in
+            # memory.quantized.unquantized_bytes (fp32 under PEFT's kbit cast, --qlora-upcast full; --dtype when
+            # lean). Without autocast what the layers save is in that dtype (a quantized layer returns its
+            # input's dtype; a bf16 ``--dtype`` with full upcast enters only the dequantized weight). Under
+            # autocast the fp32 adapters' linears and SDPA cast to the autocast dtype, as in LoRA; what the
+            # quantized projections return is ``memory.quantized.projection_output_bytes``.
+            from memfit.memory.quantized import unquantized_bytes
 
-            c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else UNQUANTIZED_BYTES
-            return cls(w=UNQUANTIZED_BYTES, c=c, amp=c != UNQUANTIZED_BYTES)
+            w = unquantized_bytes(run)
+            c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
+            return cls(w=w, c=c, amp=c != w)
         w = 2 if str(run.dtype) in ("bf16", "fp16") else 4
         c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
         return cls(w=w, c=c, amp=c != w)
@@ -88,6 +89,8 @@ class _Ctx:
         self.lora = set()
         if run.is_lora():
             self.lora = {lin.name for lin in spec.lora_linears(run.lora_targets)}
+        self.autocast = str(run.mixed_precision) in ("bf16", "fp16")
+        """Accelerate's autocast is on (the fp32 adapters' linears then run in ``c``, whatever ``prec.amp`` says)."""
         self.xin = True
         """Whether this layer's input needs a gradient (False: LoRA's first layer, no checkpointing)."""
         self.proj = prec.c
@@ -124,9 +127,11 @@ class _Ctx:
         adapted = [n for n in names if n in self.lora]
         if not adapted:
             return 0
-        if p.amp and self.bnb_keeps_half_input and src == p.c:
+        # the fp32 adapters are cast under autocast whatever the base's dtype (a bf16 base too: p.amp is False)
+        cast = self.autocast and p.adapter != p.c
+        if cast and self.bnb_keeps_half_input and src == p.c:
             per_input, shared, mid = 0, (0 if already else src * dim), p.c * run.lora_r
-        elif p.amp:
+        elif cast:
             per_input, shared, mid = p.c * dim, 0, p.c * run.lora_r
         elif src != p.adapter:
             per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora_r
@@ -136,7 +141,7 @@ class _Ctx:
         if run.lora_dropout > 0:
             # nn.Dropout on the adapter input: the dropped copy (saved by lora_A instead) and the mask
             # (bool on CUDA's fused kernel, input dtype on CPU).
-            mask = 1 if self.device == "cuda" else (p.c if p.amp else p.adapter)
+            mask = 1 if self.device == "cuda" else (p.c if cast else p.adapter)
             dropout = len(adapted) * mask * dim
         return len(adapted) * (per_input + mid) + shared + dropout
 

@@ -42,6 +42,8 @@ def autocast_weight_copies(spec: ModelSpec, run: RunConfig, prec: Precisions) ->
     Source: ``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``. 0 without autocast or when the weights
     are already in the compute dtype (pure bf16).
     """
+    if _half_base_adapters(run, prec):
+        return int(spec.lora_params(run) * prec.c)
     if not prec.amp or prec.w == prec.c:
         return 0
     if run.quantize is not Quantize.NONE:
@@ -49,6 +51,14 @@ def autocast_weight_copies(spec: ModelSpec, run: RunConfig, prec: Precisions) ->
     if run.is_lora():
         return autocast_copies_saved(spec, run, prec)
     return int((spec.linear_params + _head_params(spec)) * prec.c)
+
+
+def _half_base_adapters(run: RunConfig, prec: Precisions) -> bool:
+    """LoRA on a half-precision base (plain, or a lean QLoRA's) under autocast: ``prec.amp`` is False (nothing of
+    the base is cast) but the fp32 adapters are, cached like any trainable weight and saved by their ``linear``:
+    their copies alone (real tensors, bench/quant_memory.py --quick, bf16 base and autocast: 131,072 B of adapter
+    copies at the forward's peak, -3.9% on it without them)."""
+    return run.is_lora() and str(run.mixed_precision) in ("bf16", "fp16") and prec.w == prec.c != prec.adapter
 
 
 def _head_params(spec: ModelSpec) -> int:
@@ -70,6 +80,8 @@ def autocast_copies_saved(spec: ModelSpec, run: RunConfig, prec: Precisions) -> 
     only the head's copy survives forward. Freed layer by layer in backward. QLoRA: the adapters' and the
     head's (``_autocast_copied_linear_params``).
     """
+    if _half_base_adapters(run, prec):
+        return 0 if run.grad_checkpointing else int(spec.lora_params(run) * prec.c)
     if not prec.amp or prec.w == prec.c:
         return 0
     head = _head_params(spec)
@@ -93,7 +105,9 @@ def autocast_copies_in_recompute(spec: ModelSpec, run: RunConfig, prec: Precisio
     freed: this charges 65,536) and no head copy (charged as ``saved``, 131,072 B: +1.7% on the backward).
     Other runs: ``saved`` (not re-measured for a plain LoRA, whose head copy is held to the trace).
     """
-    if run.quantize is Quantize.NONE or not run.grad_checkpointing or not saved:
+    if not run.grad_checkpointing or not (saved or _half_base_adapters(run, prec)):
+        return saved
+    if run.quantize is Quantize.NONE and not _half_base_adapters(run, prec):
         return saved
     return int(spec.lora_params(run) / max(spec.num_layers, 1) * prec.c)
 
@@ -103,7 +117,8 @@ def autocast_copies_saved_per_layer(spec: ModelSpec, run: RunConfig, prec: Preci
     adapters' half weight copies: ``linear`` saves its cast weight), freed when that layer's backward is
     done. 0 with checkpointing (a layer saves only its input; its recompute's copies are its backward's
     transient) and without autocast."""
-    if not prec.amp or prec.w == prec.c or run.grad_checkpointing:
+    if run.grad_checkpointing or not (prec.amp and prec.w != prec.c or _half_base_adapters(run, prec)):
         return 0
-    layers = _autocast_copied_linear_params(spec, run) + (spec.lora_params(run) if run.is_lora() else 0)
+    layers = _autocast_copied_linear_params(spec, run) if prec.amp else 0
+    layers += spec.lora_params(run) if run.is_lora() else 0
     return int(layers * prec.c / max(spec.num_layers, 1))

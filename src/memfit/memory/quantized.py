@@ -60,19 +60,22 @@ def storage_bytes(spec, run) -> int:
     return sum(lin.count * lin.in_features * lin.out_features for lin in spec.linears)
 
 
-#: PEFT's ``prepare_model_for_kbit_training`` (``peft/utils/other.py``: "cast all non INT8 parameters to
-#: fp32") casts every fp16/bf16 parameter that is not a ``Params4bit`` to fp32: embeddings, norms, the output
-#: head and biases of a QLoRA model are fp32 whatever ``--dtype`` says; the residual stream, which starts at
-#: the embedding, is fp32 too.
-UNQUANTIZED_BYTES = 4
+def unquantized_bytes(run) -> int:
+    """Bytes per element of what a quantized base keeps unquantized (embeddings, norms, head, biases), hence of
+    its residual stream: the one rule, ``quant_support.unquantized_dtype`` (fp32 under ``--qlora-upcast full``,
+    PEFT's kbit cast; ``--dtype`` under the lean default), which the builder applies too."""
+    from memfit.integrations.quant_support import unquantized_bytes as rule
+
+    return rule(run)
 
 
 def projection_output_bytes(run, c: int, device: str) -> int:
-    """Bytes per element of what a quantized projection returns for the fp32 residual stream's input
-    (``c``: the compute dtype's bytes), hence of the MLP's I-wide tensors and their gradients.
+    """Bytes per element of what a quantized projection returns for the residual stream's input (``c``: the
+    compute dtype's bytes), hence of the MLP's I-wide tensors and their gradients.
 
     - 4-bit: ``Linear4bit.forward`` casts its input to ``bnb_4bit_compute_dtype`` and its output back with
-      ``.to(inp_dtype)`` (bitsandbytes 0.50.2 ``nn/modules.py``): the input's dtype, fp32 after PEFT's cast.
+      ``.to(inp_dtype)`` (bitsandbytes 0.50.2 ``nn/modules.py``): the input's dtype, the stream's
+      (``unquantized_bytes``: fp32 after PEFT's cast, ``--dtype`` when lean).
     - 8-bit on the CPU: ``MatMul8bitFp.forward`` calls ``torch.nn.functional.linear`` inside the autograd
       function, so under autocast the output is ``c`` (measured: bf16 gate/up outputs); without autocast fp32.
     - 8-bit on CUDA: ``MatMul8bitLt`` returns ``int8_scaled_mm(..., dtype=A.dtype)``: the input's dtype (read
@@ -80,7 +83,7 @@ def projection_output_bytes(run, c: int, device: str) -> int:
     """
     if run.quantize is Quantize.Q8 and device == "cpu":
         return c
-    return UNQUANTIZED_BYTES
+    return unquantized_bytes(run)
 
 
 def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int, tuple[str, ...]]]:
@@ -134,7 +137,7 @@ def dequantized_transient(spec, run, phase: str = "backward") -> int:
       copy when they differ). Charged: forward, the weight in the compute dtype; backward, in both dtypes
       (one when equal); + the fp32 absmax.
     - 8-bit on the CPU (``MatMul8bitFp``, the training path ``bnb.matmul`` takes for CPU tensors): forward
-      ``state.CB.data.to(A.dtype).mul_(SCB / 127)`` (the fp32 stream's dtype for the norm-fed projections)
+      ``state.CB.data.to(A.dtype).mul_(SCB / 127)`` (the stream's dtype for the norm-fed projections)
       and, under autocast, ``linear``'s cast of it to the compute dtype; backward
       ``state.CB.to(dtype_A, copy=True)``: the weight in the input's dtype. + the fp32 row scales.
       On CUDA ``MatMul8bitLt`` runs int8 kernels instead; the same bytes are charged (an over-estimate there,
@@ -163,4 +166,4 @@ def dequantized_transient(spec, run, phase: str = "backward") -> int:
         return numel * per_weight + 4 * math.ceil(numel / NF4_BLOCK)
     autocast = str(run.mixed_precision) in ("bf16", "fp16")
     autocast_copy = c if phase == "forward" and autocast else 0
-    return numel * (UNQUANTIZED_BYTES + autocast_copy) + 4 * lin.out_features
+    return numel * (unquantized_bytes(run) + autocast_copy) + 4 * lin.out_features

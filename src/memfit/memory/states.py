@@ -279,7 +279,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
 def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:
     """Bytes of one decoder layer's FSDP2 unit when gathered: its parameters as stored (a 4-bit base's
     projections packed, ``memory.quantized.storage_bytes``, 2 weights per byte; its norms fp32 under
-    PEFT's kbit cast) and its LoRA adapters (fp32). What each all-gather of a layer brings, and what a layer
+    PEFT's kbit cast; ``--dtype`` when lean) and its LoRA adapters (fp32). What each all-gather of a layer brings, and what a layer
     frees when it reshards. The quantization state is not gathered (it is whole on every rank)."""
     adapters = spec.lora_params(run) * 4 // max(spec.num_layers, 1) if run.is_lora() else 0
     if run.quantize is Quantize.NONE:
@@ -291,12 +291,12 @@ def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:
 
 
 def _unquantized_bytes(run: RunConfig) -> int:
-    """Bytes per parameter outside the quantized projections: fp32 under QLoRA (PEFT's kbit cast,
-    ``memory.quantized.UNQUANTIZED_BYTES``), else the stored dtype."""
+    """Bytes per parameter outside the quantized projections: ``memory.quantized.unquantized_bytes`` under
+    QLoRA (fp32 with PEFT's kbit cast, ``--qlora-upcast full``), else the stored dtype."""
     if run.quantize is Quantize.NONE:
         return _weight_bytes(run)
 
-    return quantized.UNQUANTIZED_BYTES
+    return quantized.unquantized_bytes(run)
 
 
 def _quant_state_bytes(spec: ModelSpec, run: RunConfig) -> int:
@@ -313,15 +313,16 @@ def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
 
     QLoRA: bitsandbytes packs every decoder-layer projection (``memory.quantized.packed_bytes``: NF4 with
     double quantization ~0.516 bytes/param, int8 1 byte/param + one fp32 scale per output row); PEFT's
-    ``prepare_model_for_kbit_training`` leaves every other parameter (embeddings, norms, head, biases) in
-    fp32 (``memory.quantized.UNQUANTIZED_BYTES``). Buffers (rotary ``inv_freq``) stay fp32.
+    ``prepare_model_for_kbit_training`` (``--qlora-upcast full``) leaves every other parameter (embeddings,
+    norms, head, biases) in fp32, the lean default in ``--dtype`` (``memory.quantized.unquantized_bytes``).
+    Buffers (rotary ``inv_freq``) stay fp32.
     """
     w = _weight_bytes(run)
     if run.quantize is Quantize.NONE:
         return int(spec.params * w + spec.buffer_bytes)
 
     rest = spec.params - spec.linear_params
-    return int(quantized.packed_bytes(spec, run) + rest * quantized.UNQUANTIZED_BYTES + spec.buffer_bytes)
+    return int(quantized.packed_bytes(spec, run) + rest * quantized.unquantized_bytes(run) + spec.buffer_bytes)
 
 
 def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:

@@ -36,6 +36,7 @@ from memfit.settings.config import (
     Optimizer,
     Packing,
     Precision,
+    QloraUpcast,
     Quantize,
     RunConfig,
     Sharding,
@@ -231,6 +232,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
                 packing=c.packing or Packing.DOCUMENTS, method=method, precompute_reference=pre,
+                qlora_upcast=c.qlora_upcast or QloraUpcast.LEAN,
                 optimizer_in_backward=in_bw, **lora) for pre in precompute]
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")

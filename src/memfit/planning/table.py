@@ -62,3 +62,19 @@ def ranking_note(result: PlanResult, top: int = 10) -> str | None:
         return None
     parts = ", ".join(f"{opt} as if {1 - PREFERENCE[opt]:.0%} slower" for opt in weighted)
     return f"Ranked by tokens/s with {parts} (exact AdamW wins near-ties)."
+
+
+def largest_note(result: PlanResult, target: str) -> str:
+    """One sentence: the largest value found, and why one more does not fit (or that it is the model's cap)."""
+    from memfit.planning.maximize import MAX_MICRO_BATCH, TARGETS, next_step
+
+    field = TARGETS[target]
+    value = getattr(result.best.config, field)
+    what = "sequence" if field == "seq_len" else "micro-batch"
+    unit = "tokens" if field == "seq_len" else "sequences"
+    nxt = next_step(result, target)
+    if nxt is None:
+        limit = "the model's positions" if field == "seq_len" else f"the search's bound ({MAX_MICRO_BATCH:,})"
+        return f"Largest {what} that fits: {value:,} {unit}, {limit} (more would fit the budget)."
+    return (f"Largest {what} that fits: {value:,} {unit}; {value + 1:,} needs {fmt_gib(nxt.needed_bytes)}, over "
+            f"{fmt_gib(result.budget_bytes)} once the {result.safety_margin:.0%} margin is added.")

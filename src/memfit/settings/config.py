@@ -82,6 +82,13 @@ class Quantize(StrEnum):
     Q8 = "8bit"
 
 
+class QloraUpcast(StrEnum):
+    """What a quantized base keeps in fp32 besides its LoRA adapters (``memfit.integrations.quant_support.unquantized_dtype``)."""
+
+    LEAN = "lean"  # embeddings, norms, head in --dtype: the residual stream in the compute dtype (litgpt, Unsloth)
+    FULL = "full"  # PEFT's prepare_model_for_kbit_training: every unquantized parameter, hence the stream, fp32
+
+
 class Sharding(StrEnum):
     """How model states are split across ``num_processes`` ranks."""
 
@@ -216,6 +223,11 @@ class RunConfig:
                                  help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50).",
                                  overrides={"plan": {"help": "Pin the QLoRA base (none forbids it)."}})
     """QLoRA: frozen base in 4 or 8 bit (needs ``lora_r > 0``)."""
+    qlora_upcast: QloraUpcast = setting(QloraUpcast.LEAN, plan="searched", resume="restored", commands=_ALL,
+                                        help="With --quantize: lean keeps embeddings, norms and head in --dtype (the "
+                                        "residual stream in the compute dtype); full is PEFT's "
+                                        "prepare_model_for_kbit_training (all of them fp32).")
+    """What a quantized base upcasts to fp32 (``QloraUpcast``; ``memfit.integrations.quant_support.unquantized_dtype``)."""
     optimizer: Optimizer = setting(Optimizer.ADAMW, plan="searched", resume="restored", commands=_ALL,
                                    overrides={"plan": {"help": "Pin the optimizer (default: try adamw-fused, "
                                                                "adamw-foreach, adamw-8bit)."}})
