@@ -75,7 +75,6 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
     from memfit.integrations.hub import progress_bars
     from memfit.planning.gpus import detect_gpu
-    from memfit.planning.search import SAFETY_MARGIN, plan
     from memfit.planning.space import Constraints
     from memfit.spec.model import check_seq_len, load_spec
 
@@ -98,15 +97,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         spec = load_spec(model, revision=revision) if model else reading.spec()
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
-    margin = SAFETY_MARGIN if margin is None else margin
-    if maximize:  # the longest sequence (largest micro-batch) that fits, per technique
-        from memfit import maximize as search_largest
-
-        result = search_largest(spec, budget, maximize, seq_len=seq_len, num_processes=num_processes, gpu=device,
-                                constraints=constraints, safety_margin=margin)
-    else:
-        result = plan(spec, budget, seq_len=seq_len, batch=batch, num_processes=num_processes, gpu=device,
-                      constraints=constraints, safety_margin=margin, adapt=adapt, method=method)
+    result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
+                     gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method))
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
@@ -136,6 +128,21 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         click.echo(f"Wrote {accelerate_config} (Accelerate config).")
     elif "accelerate launch" in command_line:
         click.echo(f"(add --accelerate-config {config_file} to write the file it names.)")
+
+
+def _search(spec, budget, maximize: str | None, shape: dict):
+    """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
+    (largest micro-batch) that fits per technique (``memfit.maximize``: no preference method, no --emit)."""
+    from memfit.planning.search import SAFETY_MARGIN, plan
+
+    if shape["safety_margin"] is None:
+        shape["safety_margin"] = SAFETY_MARGIN
+    if maximize:
+        from memfit import maximize as search_largest
+
+        return search_largest(spec, budget, maximize, **{k: v for k, v in shape.items()
+                                                          if k not in ("batch", "adapt", "method")})
+    return plan(spec, budget, **shape)
 
 
 def _checked_inputs(top: int, margin, output, emit, pins: dict):
