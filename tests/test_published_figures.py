@@ -19,9 +19,10 @@ sys.path.insert(0, str(BENCH))
 
 import published_check as pc  # noqa: E402
 
-#: The median |error| bench/README.md reports for the 45 runs (7.1%, 2026-12-01), and the margin a change
+#: The median |error| bench/README.md reports for the 45 runs (14.1%, 2026-12-01, lean QLoRA priced as the
+#: stacks run it; 7.1% before, with PEFT's upcast priced for every QLoRA run), and the margin a change
 #: may add before this test fails: 2 percentage points, about what one run moving across the median shifts it.
-REPORTED_MEDIAN = 0.071
+REPORTED_MEDIAN = 0.141
 MARGIN = 0.02
 
 
