@@ -218,6 +218,12 @@ class ModelSpec:
     """Full names of all modules of the model (LoRA targets are matched against these)."""
     default_attention: str = ""
     """The attention implementation transformers chose when the meta build asked for none (``auto``)."""
+    default_experts: str = ""
+    """The experts kernel transformers chose when the meta build asked for none; empty for a model without
+    mixture-of-experts layers (no module built by transformers' ``use_experts_implementation``)."""
+    expert_params: int = 0
+    """Parameters of the experts' stacked weights (every expert of every MoE layer: ``(E, out, in)`` tensors
+    and their biases), a part of ``params``."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -292,6 +298,12 @@ def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str
     return tuple(out), head, tuple(modules)
 
 
+def expert_modules(model) -> list:
+    """The modules whose forward transformers' ``use_experts_implementation`` dispatches (the stacked
+    experts of a mixture-of-experts layer): its ``__init__`` gives each an ``_is_expert_parallel`` flag."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
+
+
 def _config_int(config, *names: str, default: int = 0) -> int:
     for name in names:
         value = getattr(config, name, None)
@@ -358,6 +370,8 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         linear_modules=linear_modules,
         module_names=tuple(name for name, _ in model.named_modules() if name),
         default_attention=str(model.config._attn_implementation or ""),
+        default_experts=str(model.config._experts_implementation or "") if expert_modules(model) else "",
+        expert_params=sum(p.numel() for m in expert_modules(model) for p in m.parameters()),
         hf_config=config,
     )
 

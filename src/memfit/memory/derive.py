@@ -238,7 +238,8 @@ def recipe_settings(spec, run: RunConfig) -> RunConfig:
         seq_len=1, micro_batch=1, mixed_precision=run.mixed_precision, dtype=run.dtype,
         grad_checkpointing=run.grad_checkpointing, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout, lora_targets=run.lora_targets, optimizer=Optimizer.ADAMW,
-        attn_implementation=run.attn_implementation, packing=run.packing, loss=run.loss)
+        attn_implementation=run.attn_implementation, experts_implementation=run.experts_implementation,
+        packing=run.packing, loss=run.loss)
     if run.quantize is not Quantize.NONE:
         settings = settings.replace(dtype=DType.BF16, mixed_precision=Precision.NO)
     return settings

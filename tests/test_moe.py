@@ -1,0 +1,74 @@
+"""Mixture-of-experts models: the experts kernel is part of the resolved run, and the estimate of every
+precision agrees with the exact trace.
+
+The kernel (``memfit.resolved.experts``): grouped_mm for bf16 weights, the model's per-expert loop
+(eager, traced on a balanced routing: ``memory/experts_trace.py``) otherwise; a grouped_mm request with
+fp32 weights is one sentence. Before, every MoE family failed in fp32 and AMP ("Expected inputs of BF16
+type"). The other four families' accuracy is in bench/moe_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from _accuracy_models import moe_config
+from _train_helpers import assert_one_sentence
+from memfit.config import RunConfig
+from memfit.errors import UserError
+from memfit.modelspec import spec_from_config
+from memfit.resolved import experts, resolve
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return spec_from_config(moe_config("mixtral"), "moe-mixtral")
+
+
+def test_experts_kernel_follows_the_weights_dtype(mixtral, tiny_llama_config):
+    assert mixtral.default_experts == "grouped_mm"  # transformers' own default
+    assert experts(mixtral, "auto", "bf16") == "grouped_mm"
+    assert experts(mixtral, "auto", "fp32") == "eager"  # fp32 weights: AMP too (grouped_mm casts to them)
+    assert experts(mixtral, "batched_mm", "fp32") == "batched_mm"  # asked of transformers, which runs it
+    with pytest.raises(UserError, match="grouped_mm runs bf16 expert weights only"):
+        experts(mixtral, "grouped_mm", "fp32")
+    dense = spec_from_config(tiny_llama_config, "tiny")
+    assert experts(dense, "auto", "fp32") == "" and resolve(dense, RunConfig()).experts == ""
+    resolved = resolve(mixtral, RunConfig(mixed_precision="bf16"))
+    assert resolved.experts == "eager" and resolved.run.experts_implementation == "eager"
+    assert any(line.startswith("experts: eager (the model's per-expert loop") for line in resolved.describe())
+
+
+def test_unrunnable_kernel_is_one_sentence(tmp_path):
+    from memfit.cli import cli
+
+    moe_config("mixtral").save_pretrained(tmp_path)
+    result = CliRunner().invoke(cli, ["estimate", str(tmp_path), "--experts-implementation", "grouped_mm"])
+    assert_one_sentence(result, "grouped_mm runs bf16 expert weights only")
+
+
+REGIMES = {"fp32": {}, "amp": {"mixed_precision": "bf16"}, "bf16": {"dtype": "bf16"}}
+
+
+@pytest.mark.parametrize("family,regime", [("mixtral", "fp32"), ("mixtral", "amp"), ("qwen2_moe", "bf16"),
+                                           ("qwen2_moe", "fp32")])
+def test_moe_estimate_matches_exact(family, regime, tmp_path, monkeypatch):
+    """Analytic (a recipe derived from traces) vs ``--exact``, tensor peak and every phase within 3%; both
+    name the kernel that runs. Before: fp32 and AMP failed with "Expected inputs of BF16 type"."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    spec = spec_from_config(moe_config(family), f"moe-{family}")
+    run = RunConfig(seq_len=64, micro_batch=4, **REGIMES[regime])
+    analytic, exact = estimate(spec, run, device="cpu"), trace(spec, run, device="cpu")
+    assert abs(analytic.peak_bytes - exact.peak_bytes) <= 0.03 * exact.peak_bytes, (analytic.peak_bytes,
+                                                                                    exact.peak_bytes)
+    for phase, bytes_ in exact.phase_peaks.items():
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, phase
+    kernel = "grouped_mm" if regime == "bf16" else "eager"
+    assert any(n.startswith(f"experts: {kernel}") for n in analytic.notes), analytic.notes
+    assert any(n.startswith(f"experts: {kernel}") for n in exact.notes), exact.notes
+    assert json.loads(json.dumps(resolve(spec, run).to_dict()))["experts_implementation"] == kernel
