@@ -71,4 +71,27 @@ def test_moe_estimate_matches_exact(family, regime, tmp_path, monkeypatch):
     kernel = "grouped_mm" if regime == "bf16" else "eager"
     assert any(n.startswith(f"experts: {kernel}") for n in analytic.notes), analytic.notes
     assert any(n.startswith(f"experts: {kernel}") for n in exact.notes), exact.notes
-    assert json.loads(json.dumps(resolve(spec, run).to_dict()))["experts_implementation"] == kernel
+    assert analytic.experts_implementation == exact.experts_implementation == kernel
+    assert json.loads(json.dumps(analytic.to_dict()))["experts_implementation"] == kernel
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_lora_trainable_count_is_pefts(family):
+    """The estimate's trainable count is what PEFT builds; deepseek_v3: PEFT wraps the stacked 3-D expert
+    weights for the experts' projection names and skips the dense and shared-expert MLPs (the formula
+    over Linear modules said 21,696 at r 8, PEFT builds 35,008)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit import build
+
+    spec = spec_from_config(moe_config(family), f"moe-{family}")
+    resolved = resolve(spec, RunConfig(lora_r=8, dtype="bf16"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(moe_config(family), **build.model_kwargs(
+            resolved.run, resolved.attention, resolved.experts))
+        wrapped = build.adapt(model, resolved.run, resolved.lora.peft_targets)
+    built = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert resolved.trainable_params == built
+    if family == "deepseek_v3":
+        assert built == 35_008

@@ -255,9 +255,18 @@ class ModelSpec:
         return list(lora_targets(self, tuple(targets)).linears)
 
     def lora_params(self, run) -> int:
-        """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r)."""
+        """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r).
+
+        A mixture-of-experts model: PEFT's own count (``resolved.peft_adapter_params``), since PEFT with
+        transformers' weight conversions wraps the stacked 3-D expert weights for the experts' projection
+        names (``ParamWrapper``: ``r * E * (in + out)`` per tensor) and leaves the dense and shared-expert
+        MLPs of those names alone (deepseek_v3: 21,696 by the formula, 35,008 built at r 8)."""
         if not run.lora_r:
             return 0
+        if self.default_experts:  # PEFT maps expert names onto the stacked 3-D weights: ask it
+            from memfit.resolved import peft_adapter_params
+
+            return run.lora_r * peft_adapter_params(self, tuple(run.lora_targets))
         return sum(run.lora_r * (lin.in_features + lin.out_features) * lin.count
                    for lin in self.lora_linears(run.lora_targets))
 

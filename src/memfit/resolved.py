@@ -125,6 +125,31 @@ def _peft_targets(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[str, 
     return tuple(leaves) if selected == wanted else tuple(sorted(wanted))
 
 
+_ADAPTERS: dict[int, tuple[Any, dict[tuple[str, ...], int]]] = {}
+"""Per spec object (kept alive here so its id stays unique): targets -> PEFT's adapter parameters at rank 1."""
+
+
+def peft_adapter_params(spec, targets: tuple[str, ...]) -> int:
+    """LoRA parameters PEFT creates at rank 1 for ``targets`` on ``spec``'s model (built on the meta
+    device and wrapped by ``memfit.build.wrap_lora``, as train wraps it; ~0.3 s once per spec and
+    targets). Every adapter matrix has one side of length r (r x in, out x r; PEFT's ``ParamWrapper``
+    for a stacked (E, out, in) expert weight: r E x in and out x r E), so the count at rank r is r times
+    this."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.build import wrap_lora
+
+    _held, answers = _ADAPTERS.setdefault(id(spec), (spec, {}))
+    if targets not in answers:
+        peft_targets = lora_targets(spec, targets).peft_targets
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(spec.hf_config))
+            wrapped = wrap_lora(model, RunConfig(lora_r=1, lora_targets=peft_targets), peft_targets)
+        answers[targets] = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    return answers[targets]
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention implementation
 # --------------------------------------------------------------------------------------------------

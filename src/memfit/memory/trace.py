@@ -590,6 +590,7 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
         notes=notes,
         phase_peaks=phase_peaks,
         attn_implementation=t.resolved.attention if t.run.attn_implementation is Attention.FLASH else ran,
+        experts_implementation=t.resolved.experts,
         lora_targets=t.resolved.lora.names if t.resolved.lora else (),
     )
 
