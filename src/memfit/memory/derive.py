@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.config import Attention, DType, Offload, Optimizer, Precision, Quantize, RunConfig, Sharding
 from memfit.errors import UserError
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
@@ -230,8 +230,11 @@ def hand_written_family(spec, run: RunConfig, device: str = "cuda") -> str | Non
 def recipe_settings(spec, run: RunConfig) -> RunConfig:
     """The run settings a derivation traces: what changes activations, nothing else.
 
-    Batch, sequence, accumulation, optimizer, processes, sharding and offload are not part of it
-    (the fit covers B and T; model states are analytic). QLoRA is traced as LoRA on a bf16 base
+    Batch, sequence, accumulation, optimizer, processes and sharding are not part of it (the fit covers B
+    and T; model states are analytic). Two techniques are: ``--offload activations`` (the layers keep their
+    saved tensors on the host: traced with ``save_on_cpu``'s fake-tensor twin, ``memory/offload_trace.py``)
+    and ``--optimizer-in-backward`` (each gradient is stepped and freed as it lands, so the traced
+    timeline's gradients and step temporaries are the run's; the other offloads are analytic). QLoRA is traced as LoRA on a bf16 base
     (bitsandbytes cannot run on fake tensors; it computes in bf16, as a bf16 base does).
     """
     settings = RunConfig(
@@ -239,7 +242,8 @@ def recipe_settings(spec, run: RunConfig) -> RunConfig:
         grad_checkpointing=run.grad_checkpointing, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout, lora_targets=run.lora_targets, optimizer=Optimizer.ADAMW,
         attn_implementation=run.attn_implementation, experts_implementation=run.experts_implementation,
-        packing=run.packing, loss=run.loss)
+        packing=run.packing, loss=run.loss, optimizer_in_backward=run.optimizer_in_backward,
+        offload=run.offload if run.offload is Offload.ACTIVATIONS else Offload.NONE)
     if run.quantize is not Quantize.NONE:
         settings = settings.replace(dtype=DType.BF16, mixed_precision=Precision.NO)
     return settings
@@ -447,7 +451,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
 
     def categories(moment: str) -> dict[str, int]:
         got = dict(at[moment])
-        if accum or moment == "backward_end":
+        if run.optimizer_in_backward:
+            pass  # traced so (``recipe_settings``): each gradient stepped and freed as it landed
+        elif accum or moment == "backward_end":
             got["gradients"] = states.gradients
         elif moment == "backward_layer" and sharded:
             # the traced layers above hold full gradients; FSDP2 reduce-scatters each unit's after its
@@ -475,8 +481,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
 
     candidates = {m: categories(m) for m in MOMENTS}
-    candidates["optimizer"] = {"gradients": states.buckets or states.gradients, "activations": 0, "logits": 0,
-                               "temporary": states.step_temporary}
+    in_backward = run.optimizer_in_backward  # stepped in backward: nothing left for the step
+    candidates["optimizer"] = {"gradients": states.buckets or (0 if in_backward else states.gradients),
+                               "activations": 0, "logits": 0, "temporary": 0 if in_backward else states.step_temporary}
     totals = {m: base + sum(v.values()) for m, v in candidates.items()}
     phase_of = {"forward": "forward", "backward_start": "backward", "backward_layer": "backward",
                 "backward_end": "backward", "optimizer": "optimizer"}
