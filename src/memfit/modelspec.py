@@ -224,6 +224,16 @@ class ModelSpec:
     expert_params: int = 0
     """Parameters of the experts' stacked weights (every expert of every MoE layer: ``(E, out, in)`` tensors
     and their biases), a part of ``params``."""
+    moe_layers: int = 0
+    """Decoder layers with routed experts (deepseek_v3's first ``first_k_dense_replace`` are dense)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    expert_intermediate: int = 0
+    """One expert's MLP width (its down projection's input)."""
+    shared_expert_params: int = 0
+    """Parameters of shared experts (qwen2_moe, deepseek_v3): dense MLPs every token runs."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -313,6 +323,20 @@ def expert_modules(model) -> list:
     return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
 
 
+def _moe_numbers(model, config) -> dict[str, int]:
+    """``ModelSpec``'s routing numbers, read off the built experts modules (none: zeros)."""
+    experts = expert_modules(model)
+    if not experts:
+        return {}
+    first = experts[0]
+    down = first.down_proj  # (E, H, I), or (E, I, H) when transposed
+    width = int(down.shape[1] if first.is_transposed else down.shape[2])
+    shared = sum(p.numel() for name, p in model.named_parameters() if "shared_expert" in name)
+    return {"moe_layers": len(experts), "num_experts": int(first.num_experts),
+            "experts_per_token": _config_int(config, "num_experts_per_tok", "moe_topk", default=1),
+            "expert_intermediate": width, "shared_expert_params": shared}
+
+
 def _config_int(config, *names: str, default: int = 0) -> int:
     for name in names:
         value = getattr(config, name, None)
@@ -381,6 +405,7 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         default_attention=str(model.config._attn_implementation or ""),
         default_experts=str(model.config._experts_implementation or "") if expert_modules(model) else "",
         expert_params=sum(p.numel() for m in expert_modules(model) for p in m.parameters()),
+        **_moe_numbers(model, config),
         hf_config=config,
     )
 

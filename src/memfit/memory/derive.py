@@ -500,6 +500,12 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
     out.notes = notes(spec, run, out)
+    if spec.num_experts:
+        from memfit.memory.moe import moe_notes
+
+        per_param = (states.weights + states.gradients + states.optimizer) / max(spec.params, 1)
+        compute = 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
+        out.notes += moe_notes(spec, run, per_param, compute)
     out.notes.append(derivation_note(spec, run, recipe, device))
     return out
 
