@@ -105,7 +105,7 @@ def test_moe_trains_as_predicted(lora, tmp_path, monkeypatch):
     """``memfit train`` on a small Mixtral on CPU (fp32: the eager per-expert loop, real routing of random
     weights): the tensor peak torch's tracker measured vs the prediction, within 3% (measured: -0.01% full,
     with rows that fill --seq-len; the balanced routing the trace assumes moves no bytes)."""
-    from _train_helpers import tiny_config, write_text
+    from _train_helpers import metrics, tiny_config, write_text
     from memfit.training.loop import run_training
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "recipes"))
@@ -114,6 +114,8 @@ def test_moe_trains_as_predicted(lora, tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, run=run, model=str(tmp_path / "moe"), init="random", packing="concat",
                       data=write_text(tmp_path, n=200))
     summary = run_training(cfg, show=False).summary
+    logged = metrics(cfg.output)
+    assert all(1.0 <= r["router_max_load"] <= 2.0 for r in logged), logged  # E/k = 2: one expert took all
     measured = summary.to_dict()["peak_memory"]["cpu_tensor_peak"]
     predicted = summary.predicted_peak_bytes
     assert predicted and abs(predicted - measured) <= 0.03 * measured, (measured, predicted)

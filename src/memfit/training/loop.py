@@ -166,6 +166,8 @@ def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
               "elapsed_s": time.perf_counter() - s.t_start}
     if evaluated:
         record["eval_loss"] = s.state.last_eval
+    if s.router is not None:
+        record.update(s.router.take())  # the busiest expert's load over the balanced one (training/router.py)
     s.metrics.write(record)
     # the step is the trackers' own axis (``step=``), not a metric: trackio renames a "step" value and warns
     s.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=s.state.step)

@@ -114,6 +114,8 @@ class TrainSession:
     t_process: float | None = None
     """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
     the parts a resumed run continues, so the summary reports both."""
+    router: Any = None
+    """``router.RouterBalance`` of a mixture-of-experts model (None for a dense one): logged with each step."""
 
     @property
     def output(self) -> Path:
@@ -217,7 +219,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
-                        t_process=t_process)
+                        t_process=t_process, router=router_balance(model))
 
 
 def resolve_output(config: TrainConfig) -> TrainConfig:
@@ -319,6 +321,12 @@ class MetricsLog:
         if self.enabled:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+
+
+def router_balance(model):
+    from memfit.training.router import router_balance as balance
+
+    return balance(model)
 
 
 def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
