@@ -295,6 +295,7 @@ def _recipe_key(spec, run: RunConfig) -> str:
     config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
     payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
                "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION,
+               "traced_layer_types": traced_layer_types(spec.hf_config),
                "torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -352,13 +353,46 @@ def _store(path: Path, recipe: DerivedRecipe) -> None:
 # ------------------------------------------------------------------------------------------------
 # the derivation
 # ------------------------------------------------------------------------------------------------
+def traced_layer_types(config, layers: int = 2) -> list | None:
+    """The per-layer kinds (``layer_types``) of the ``layers``-layer model a derivation traces, or None.
+
+    The first layer's kind, then, where the first ``layers`` do not show every kind the model has (lfm2:
+    convolution layers first, attention later), the kind most of the other layers are: the extrapolated
+    layers are counted as that kind (``layer_kinds_note`` says so), and every projection the default LoRA
+    targets name exists in the traced model."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, list | tuple) or not types:
+        return None
+    types = list(types)
+    if set(types[:layers]) == set(types):
+        return types[:layers]
+    rest = [t for t in types[1:] if t != types[0]] or types[1:]
+    other = max(dict.fromkeys(rest), key=rest.count)
+    return [types[0]] + [other] * (layers - 1)
+
+
+def layer_kinds_note(spec) -> str:
+    """A sentence naming the layer kinds the derived recipe counts as another kind (empty when none)."""
+    types = getattr(spec.hf_config, "layer_types", None)
+    traced = traced_layer_types(spec.hf_config)
+    if not traced or not isinstance(types, list | tuple):
+        return ""
+    model_as = traced[-1]  # what the extrapolated layers are counted as
+    others = {t: list(types[1:]).count(t) for t in dict.fromkeys(types[1:]) if t != model_as}
+    if not others:
+        return ""
+    named = ", ".join(f"{n} {t} layer{'s' if n > 1 else ''}" for t, n in others.items())
+    return (f"layer kinds: {named} of {len(types)} counted as {model_as} layers (the derived recipe traces "
+            "one layer of each of two kinds and extrapolates the second; a recipe per layer kind is not derived yet).")
+
+
 def _with_layers(config, layers: int):
-    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists cut to match)."""
+    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists: ``traced_layer_types``)."""
     small = copy.deepcopy(config)
     small.num_hidden_layers = layers
-    types = getattr(small, "layer_types", None)
-    if isinstance(types, list | tuple) and len(types) > layers:
-        small.layer_types = list(types[:layers])
+    traced = traced_layer_types(config, layers)
+    if traced is not None:
+        small.layer_types = traced
     return small
 
 
@@ -507,6 +541,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
         compute = 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
         out.notes += moe_notes(spec, run, per_param, compute)
     out.notes.append(derivation_note(spec, run, recipe, device))
+    kinds = layer_kinds_note(spec)
+    if kinds:
+        out.notes.append(kinds)
     return out
 
 
