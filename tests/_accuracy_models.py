@@ -79,3 +79,38 @@ def wide_config(family: str):
         return tf.GPTNeoXConfig(vocab_size=1069, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
                                 num_hidden_layers=4, max_position_embeddings=1024)
     raise ValueError(family)
+
+
+#: Mixture-of-experts families (tests/test_moe.py, bench/moe_accuracy.py): 4 experts, 2 per token.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def moe_config(family: str, layers: int = 3):
+    """A small config of a mixture-of-experts family: hidden 64, 4 experts, 2 per token (no download);
+    qwen2_moe and deepseek_v3 with a shared expert, deepseek_v3's first layer dense."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=layers, max_position_embeddings=1024,
+                  num_experts_per_tok=2)
+    if family == "mixtral":
+        return tf.MixtralConfig(vocab_size=1103, intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
+                                **common)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(vocab_size=1109, intermediate_size=128, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=128, num_key_value_heads=2, num_experts=4, **common)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(vocab_size=1117, intermediate_size=128, moe_intermediate_size=64, head_dim=16,
+                                 num_key_value_heads=2, num_experts=4, **common)
+    if family == "olmoe":
+        return tf.OlmoeConfig(vocab_size=1123, intermediate_size=64, num_key_value_heads=4, num_experts=4,
+                              pad_token_id=0, eos_token_id=1, bos_token_id=None, **common)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(vocab_size=1129, intermediate_size=128, moe_intermediate_size=32,
+                                   num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4,
+                                   n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(vocab_size=1151, intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                               num_local_experts=4, sliding_window=64,
+                               rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **common)
+    raise ValueError(family)

@@ -33,9 +33,13 @@ def torch_dtype(run: RunConfig):
     return getattr(torch, TORCH_DTYPES[str(run.dtype)])
 
 
-def model_kwargs(run: RunConfig, attention: str) -> dict[str, Any]:
-    """The keyword arguments ``AutoModelForCausalLM.from_config``/``from_pretrained`` get from the run."""
-    return {"dtype": torch_dtype(run), "attn_implementation": attention}
+def model_kwargs(run: RunConfig, attention: str, experts: str = "") -> dict[str, Any]:
+    """The keyword arguments ``AutoModelForCausalLM.from_config``/``from_pretrained`` get from the run;
+    ``experts``: the resolved experts kernel (``memfit.spec.resolved.experts``; empty: a model without MoE layers)."""
+    kwargs = {"dtype": torch_dtype(run), "attn_implementation": attention}
+    if experts:
+        kwargs["experts_implementation"] = experts
+    return kwargs
 
 
 def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):

@@ -58,6 +58,8 @@ class MemoryBreakdown:
     """Peak bytes of each phase (forward, backward, optimizer), where known."""
     attn_implementation: str = ""
     """The attention implementation the run uses (what transformers runs for the model), where known."""
+    experts_implementation: str = ""
+    """The experts kernel of a mixture-of-experts model (``memfit.spec.resolved.experts``); empty for a dense one."""
     lora_targets: tuple[str, ...] = ()
     """Last name components of the LoRA-wrapped projections (empty for a full fine-tune)."""
     recipe: str = ""
@@ -88,6 +90,7 @@ class MemoryBreakdown:
             "activations_per_layer": int(self.activations_per_layer),
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
             "attn_implementation": self.attn_implementation,
+            "experts_implementation": self.experts_implementation,
             "lora_targets": list(self.lora_targets),
             "recipe": self.recipe,
             "notes": list(self.notes),

@@ -51,7 +51,16 @@ from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.notes import notes
 from memfit.memory.states import model_states
-from memfit.settings.config import Attention, DType, Optimizer, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.config import (
+    Attention,
+    DType,
+    Offload,
+    Optimizer,
+    Precision,
+    Quantize,
+    RunConfig,
+    Sharding,
+)
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 2
@@ -234,15 +243,20 @@ def hand_written_family(spec, run: RunConfig, device: str = "cuda") -> str | Non
 def recipe_settings(spec, run: RunConfig) -> RunConfig:
     """The run settings a derivation traces: what changes activations, nothing else.
 
-    Batch, sequence, accumulation, optimizer, processes, sharding and offload are not part of it
-    (the fit covers B and T; model states are analytic). QLoRA is traced as LoRA on a bf16 base
+    Batch, sequence, accumulation, optimizer, processes and sharding are not part of it (the fit covers B
+    and T; model states are analytic). Two techniques are: ``--offload activations`` (the layers keep their
+    saved tensors on the host: traced with ``save_on_cpu``'s fake-tensor twin, ``memory/offload_trace.py``)
+    and ``--optimizer-in-backward`` (each gradient is stepped and freed as it lands, so the traced
+    timeline's gradients and step temporaries are the run's; the other offloads are analytic). QLoRA is traced as LoRA on a bf16 base
     (bitsandbytes cannot run on fake tensors; it computes in bf16, as a bf16 base does).
     """
     settings = RunConfig(
         seq_len=1, micro_batch=1, mixed_precision=run.mixed_precision, dtype=run.dtype,
         grad_checkpointing=run.grad_checkpointing, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
         lora_dropout=run.lora_dropout, lora_targets=run.lora_targets, optimizer=Optimizer.ADAMW,
-        attn_implementation=run.attn_implementation, packing=run.packing, loss=run.loss)
+        attn_implementation=run.attn_implementation, experts_implementation=run.experts_implementation,
+        packing=run.packing, loss=run.loss, optimizer_in_backward=run.optimizer_in_backward,
+        offload=run.offload if run.offload is Offload.ACTIVATIONS else Offload.NONE)
     if run.quantize is not Quantize.NONE:
         settings = settings.replace(dtype=DType.BF16, mixed_precision=Precision.NO)
     return settings
@@ -294,6 +308,7 @@ def _recipe_key(spec, run: RunConfig) -> str:
     config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
     payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
                "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION,
+               "traced_layer_types": traced_layer_types(spec.hf_config),
                "torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -350,13 +365,46 @@ def _store(path: Path, recipe: DerivedRecipe) -> None:
 # ------------------------------------------------------------------------------------------------
 # the derivation
 # ------------------------------------------------------------------------------------------------
+def traced_layer_types(config, layers: int = 2) -> list | None:
+    """The per-layer kinds (``layer_types``) of the ``layers``-layer model a derivation traces, or None.
+
+    The first layer's kind, then, where the first ``layers`` do not show every kind the model has (lfm2:
+    convolution layers first, attention later), the kind most of the other layers are: the extrapolated
+    layers are counted as that kind (``layer_kinds_note`` says so), and every projection the default LoRA
+    targets name exists in the traced model."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, list | tuple) or not types:
+        return None
+    types = list(types)
+    if set(types[:layers]) == set(types):
+        return types[:layers]
+    rest = [t for t in types[1:] if t != types[0]] or types[1:]
+    other = max(dict.fromkeys(rest), key=rest.count)
+    return [types[0]] + [other] * (layers - 1)
+
+
+def layer_kinds_note(spec) -> str:
+    """A sentence naming the layer kinds the derived recipe counts as another kind (empty when none)."""
+    types = getattr(spec.hf_config, "layer_types", None)
+    traced = traced_layer_types(spec.hf_config)
+    if not traced or not isinstance(types, list | tuple):
+        return ""
+    model_as = traced[-1]  # what the extrapolated layers are counted as
+    others = {t: list(types[1:]).count(t) for t in dict.fromkeys(types[1:]) if t != model_as}
+    if not others:
+        return ""
+    named = ", ".join(f"{n} {t} layer{'s' if n > 1 else ''}" for t, n in others.items())
+    return (f"layer kinds: {named} of {len(types)} counted as {model_as} layers (the derived recipe traces "
+            "one layer of each of two kinds and extrapolates the second; a recipe per layer kind is not derived yet).")
+
+
 def _with_layers(config, layers: int):
-    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists cut to match)."""
+    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists: ``traced_layer_types``)."""
     small = copy.deepcopy(config)
     small.num_hidden_layers = layers
-    types = getattr(small, "layer_types", None)
-    if isinstance(types, list | tuple) and len(types) > layers:
-        small.layer_types = list(types[:layers])
+    traced = traced_layer_types(config, layers)
+    if traced is not None:
+        small.layer_types = traced
     return small
 
 
@@ -449,7 +497,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
 
     def categories(moment: str) -> dict[str, int]:
         got = dict(at[moment])
-        if accum or moment == "backward_end":
+        if run.optimizer_in_backward:
+            pass  # traced so (``recipe_settings``): each gradient stepped and freed as it landed
+        elif accum or moment == "backward_end":
             got["gradients"] = states.gradients
         elif moment == "backward_layer" and sharded:
             # the traced layers above hold full gradients; FSDP2 reduce-scatters each unit's after its
@@ -477,8 +527,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
 
     candidates = {m: categories(m) for m in MOMENTS}
-    candidates["optimizer"] = {"gradients": states.buckets or states.gradients, "activations": 0, "logits": 0,
-                               "temporary": states.step_temporary}
+    in_backward = run.optimizer_in_backward  # stepped in backward: nothing left for the step
+    candidates["optimizer"] = {"gradients": states.buckets or (0 if in_backward else states.gradients),
+                               "activations": 0, "logits": 0, "temporary": 0 if in_backward else states.step_temporary}
     totals = {m: base + sum(v.values()) for m, v in candidates.items()}
     phase_of = {"forward": "forward", "backward_start": "backward", "backward_layer": "backward",
                 "backward_end": "backward", "optimizer": "optimizer"}
@@ -495,7 +546,16 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
     out.notes = notes(spec, run, out)
+    if spec.num_experts:
+        from memfit.memory.moe import moe_notes
+
+        per_param = (states.weights + states.gradients + states.optimizer) / max(spec.params, 1)
+        compute = 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
+        out.notes += moe_notes(spec, run, per_param, compute)
     out.notes.append(derivation_note(spec, run, recipe, device))
+    kinds = layer_kinds_note(spec)
+    if kinds:
+        out.notes.append(kinds)
     return out
 
 

@@ -124,6 +124,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
 def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
     """Name what is built (attention, LoRA targets) and the versions caveat on an estimate."""
     out.attn_implementation = resolved.attention
+    out.experts_implementation = resolved.experts
     out.lora_targets = resolved.lora.names if resolved.lora else ()
     out.notes = resolved.describe() + out.notes + versions.notes()
     return out

@@ -55,6 +55,7 @@ from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
+from memfit.memory.experts_trace import traceable_experts
 from memfit.settings.config import (
     Attention,
     Offload,
@@ -207,7 +208,8 @@ def _build_model(config, resolved: ResolvedRun):
     run = resolved.run
     attn = "sdpa" if run.attn_implementation is Attention.FLASH else run.attn_implementation.value
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **build.model_kwargs(run, attn))
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                 **build.model_kwargs(run, attn, resolved.experts))
         return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())
 
 
@@ -586,6 +588,9 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     base = t.model.get_base_model() if hasattr(t.model, "get_base_model") else t.model
     ran = str(base.config._attn_implementation)  # what the traced model ran, read back from it
     notes = [f"attention: {ran}, as built by transformers for the traced model.",
+             *([f"experts: {t.resolved.experts}" + (" (the per-expert loop traced on a balanced routing: "
+                "memory/experts_trace.py)." if t.resolved.experts == "eager" else ".")]
+               if t.resolved.experts else []),
              "exact: the model's code traced on fake tensors (CPU kernels); second step reported."]
     if t.run.attn_implementation is Attention.FLASH:
         notes.append("flash_attention_2 traced as SDPA (same saved tensors: output + logsumexp).")
@@ -601,6 +606,7 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
         notes=notes,
         phase_peaks=phase_peaks,
         attn_implementation=t.resolved.attention if t.run.attn_implementation is Attention.FLASH else ran,
+        experts_implementation=t.resolved.experts,
         lora_targets=t.resolved.lora.names if t.resolved.lora else (),
     )
 
@@ -737,10 +743,10 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with _attention_path(run), fake_mode:
+        with _attention_path(run), traceable_experts(), fake_mode:
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
-    with _attention_path(run), fake_mode, tracker, recorder:
+    with _attention_path(run), traceable_experts(), fake_mode, tracker, recorder:
         if steps > 1 and not untracked_warm_up:
             with warnings.catch_warnings():
                 # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the

@@ -133,6 +133,16 @@ class Attention(StrEnum):
     FLASH = "flash_attention_2"
 
 
+class Experts(StrEnum):
+    """The mixture-of-experts kernel asked of transformers (``experts_implementation``); ``auto`` lets memfit
+    choose the one that runs the run's precision (``memfit.spec.resolved.experts``). Only MoE models have one."""
+
+    AUTO = "auto"
+    GROUPED_MM = "grouped_mm"  # torch's grouped matrix multiply: bf16 weights only
+    BATCHED_MM = "batched_mm"  # one bmm over per-token gathered expert weights: any dtype, (S, out, in) copies
+    EAGER = "eager"  # the model's own per-expert loop: any dtype, autocast applies
+
+
 class Packing(StrEnum):
     """How documents become training rows (``--packing``); it changes the attention mask, hence memory."""
 
@@ -239,6 +249,10 @@ class RunConfig:
     format it cannot read, ``training.sharding.state_loader``)."""
     attn_implementation: Attention = setting(Attention.AUTO, plan="searched", resume="may-change", commands=_ALL)
     """Requested attention; what actually runs is asked of transformers (``memfit.spec.resolved``)."""
+    experts_implementation: Experts = setting(Experts.AUTO, resume="may-change", commands=("estimate", "train"),
+                                              help="Mixture-of-experts kernel (MoE models only); auto: grouped_mm "
+                                              "for bf16 weights, else eager.")
+    """Requested experts kernel; what runs is resolved against the weights' dtype (``memfit.spec.resolved.experts``)."""
     packing: Packing = setting(Packing.DOCUMENTS, plan="searched", resume="restored", commands=_NOT_PLAN,
                                help="documents: whole documents per row, each attending only to itself (position "
                                "ids restart; a block-causal mask); concat: cut one stream, documents see the ones "

@@ -270,11 +270,16 @@ def final_hidden_states(model, batch: dict):
 
     The model is called as the standard path calls it (DDP's gradient sync, Accelerate's autocast,
     PEFT) but with ``logits_to_keep`` an empty index, so its head projects no position (logits
-    (B, 0, V)); a forward hook on the decoder body catches its output (after the final norm).
+    (B, 0, V)); a forward hook on the decoder body catches its output (after the final norm). The body
+    is transformers' ``get_decoder()``: the module whose output the head projects, which is not always
+    ``base_model`` (OPT's and the BART family's causal LMs call ``model.decoder`` directly, so a hook on
+    ``base_model`` never fired: ``KeyError: 'h'``).
     """
     import torch
 
-    body = _inner(model).base_model
+    net = _inner(model)
+    body = net.get_decoder() if callable(getattr(net, "get_decoder", None)) else None
+    body = body if body is not None else net.base_model
     caught = {}
 
     def hook(_module, _args, output):

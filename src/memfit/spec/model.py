@@ -222,6 +222,22 @@ class ModelSpec:
     """Full names of all modules of the model (LoRA targets are matched against these)."""
     default_attention: str = ""
     """The attention implementation transformers chose when the meta build asked for none (``auto``)."""
+    default_experts: str = ""
+    """The experts kernel transformers chose when the meta build asked for none; empty for a model without
+    mixture-of-experts layers (no module built by transformers' ``use_experts_implementation``)."""
+    expert_params: int = 0
+    """Parameters of the experts' stacked weights (every expert of every MoE layer: ``(E, out, in)`` tensors
+    and their biases), a part of ``params``."""
+    moe_layers: int = 0
+    """Decoder layers with routed experts (deepseek_v3's first ``first_k_dense_replace`` are dense)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    expert_intermediate: int = 0
+    """One expert's MLP width (its down projection's input)."""
+    shared_expert_params: int = 0
+    """Parameters of shared experts (qwen2_moe, deepseek_v3): dense MLPs every token runs."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -253,9 +269,18 @@ class ModelSpec:
         return list(lora_targets(self, tuple(targets)).linears)
 
     def lora_params(self, run) -> int:
-        """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r)."""
+        """LoRA adapter parameters: ``r * (in + out)`` per wrapped projection (A is r x in, B is out x r).
+
+        A mixture-of-experts model: PEFT's own count (``resolved.peft_adapter_params``), since PEFT with
+        transformers' weight conversions wraps the stacked 3-D expert weights for the experts' projection
+        names (``ParamWrapper``: ``r * E * (in + out)`` per tensor) and leaves the dense and shared-expert
+        MLPs of those names alone (deepseek_v3: 21,696 by the formula, 35,008 built at r 8)."""
         if not run.lora_r:
             return 0
+        if self.default_experts:  # PEFT maps expert names onto the stacked 3-D weights: ask it
+            from memfit.spec.resolved import peft_adapter_params
+
+            return run.lora_r * peft_adapter_params(self, tuple(run.lora_targets))
         return sum(run.lora_r * (lin.in_features + lin.out_features) * lin.count
                    for lin in self.lora_linears(run.lora_targets))
 
@@ -294,6 +319,26 @@ def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str
         for shape in sorted(set(shapes)):
             out.append(LinearShape(name, shape[0], shape[1], shape[2], shapes.count(shape)))
     return tuple(out), head, tuple(modules)
+
+
+def expert_modules(model) -> list:
+    """The modules whose forward transformers' ``use_experts_implementation`` dispatches (the stacked
+    experts of a mixture-of-experts layer): its ``__init__`` gives each an ``_is_expert_parallel`` flag."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
+
+
+def _moe_numbers(model, config) -> dict[str, int]:
+    """``ModelSpec``'s routing numbers, read off the built experts modules (none: zeros)."""
+    experts = expert_modules(model)
+    if not experts:
+        return {}
+    first = experts[0]
+    down = first.down_proj  # (E, H, I), or (E, I, H) when transposed
+    width = int(down.shape[1] if first.is_transposed else down.shape[2])
+    shared = sum(p.numel() for name, p in model.named_parameters() if "shared_expert" in name)
+    return {"moe_layers": len(experts), "num_experts": int(first.num_experts),
+            "experts_per_token": _config_int(config, "num_experts_per_tok", "moe_topk", default=1),
+            "expert_intermediate": width, "shared_expert_params": shared}
 
 
 def _config_int(config, *names: str, default: int = 0) -> int:
@@ -362,6 +407,9 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         linear_modules=linear_modules,
         module_names=tuple(name for name, _ in model.named_modules() if name),
         default_attention=str(model.config._attn_implementation or ""),
+        default_experts=str(model.config._experts_implementation or "") if expert_modules(model) else "",
+        expert_params=sum(p.numel() for m in expert_modules(model) for p in m.parameters()),
+        **_moe_numbers(model, config),
         hf_config=config,
     )
 

@@ -8,6 +8,9 @@
 - the attention implementation transformers will run (``attention``), asked of transformers itself
   by building the model on the meta device with the implementation requested (``auto``: none, so
   transformers picks: SDPA where the model supports it, else eager, e.g. Gemma 2 with soft-capping);
+- the experts kernel of a mixture-of-experts model (``experts``): transformers' ``experts_implementation``,
+  chosen so that the weights' dtype runs on it (torch's grouped_mm kernel takes bf16 only), and checked
+  by transformers itself on a meta build;
 - the optimizer's row of ``memfit.spec.optimizers.OPTIMIZERS``.
 
 ``ResolvedRun.run`` is the ``RunConfig`` with those answers written in (a concrete attention, the
@@ -23,7 +26,7 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.settings import validate
-from memfit.settings.config import Attention, RunConfig
+from memfit.settings.config import Attention, Experts, RunConfig
 from memfit.spec.optimizers import OptimizerRow, check_device, row
 
 #: PEFT's shorthand for every Linear/Conv1D but the output head (``peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND``).
@@ -122,6 +125,31 @@ def _peft_targets(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[str, 
     return tuple(leaves) if selected == wanted else tuple(sorted(wanted))
 
 
+_ADAPTERS: dict[int, tuple[Any, dict[tuple[str, ...], int]]] = {}
+"""Per spec object (kept alive here so its id stays unique): targets -> PEFT's adapter parameters at rank 1."""
+
+
+def peft_adapter_params(spec, targets: tuple[str, ...]) -> int:
+    """LoRA parameters PEFT creates at rank 1 for ``targets`` on ``spec``'s model (built on the meta
+    device and wrapped by ``memfit.builder.parts.wrap_lora``, as train wraps it; ~0.3 s once per spec and
+    targets). Every adapter matrix has one side of length r (r x in, out x r; PEFT's ``ParamWrapper``
+    for a stacked (E, out, in) expert weight: r E x in and out x r E), so the count at rank r is r times
+    this."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.builder.parts import wrap_lora
+
+    _held, answers = _ADAPTERS.setdefault(id(spec), (spec, {}))
+    if targets not in answers:
+        peft_targets = lora_targets(spec, targets).peft_targets
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(spec.hf_config))
+            wrapped = wrap_lora(model, RunConfig(lora_r=1, lora_targets=peft_targets), peft_targets)
+        answers[targets] = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    return answers[targets]
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention implementation
 # --------------------------------------------------------------------------------------------------
@@ -189,6 +217,72 @@ def as_attention(implementation: str) -> Attention:
 
 
 # --------------------------------------------------------------------------------------------------
+# Experts implementation (mixture-of-experts models)
+# --------------------------------------------------------------------------------------------------
+_EXPERTS: dict[int, tuple[Any, dict[str, str]]] = {}
+"""Per config object (kept alive here so its id stays unique): requested kernel -> what transformers runs."""
+
+
+def experts(spec, requested: Experts | str, weight_dtype: str) -> str:
+    """The experts kernel transformers runs for ``spec`` with weights in ``weight_dtype`` (``""``: no MoE layer).
+
+    transformers' default is ``grouped_mm`` (``PreTrainedModel.get_correct_experts_implementation``), whose
+    kernel (``torch.nn.functional.grouped_mm``) takes bf16 only on CUDA (SM80+), and transformers casts the
+    tokens to the *weights'* dtype before it (the kernel is not autocast-enabled), so fp32 weights fail
+    under AMP too ("Expected inputs of BF16 type"); torch's fake-tensor kernel, which ``--exact`` and the
+    derived recipes trace, has the same rule. ``auto`` therefore chooses grouped_mm for bf16 weights and
+    the model's own per-expert loop (``eager``: any dtype, autocast applies) otherwise; the same choice on
+    CPU, where grouped_mm's kernel would run fp32 but could not be traced. A model transformers cannot
+    switch (its default is not grouped_mm) keeps its default. The kernel asked for is checked by
+    transformers on a meta build (cached per config).
+
+    Raises:
+        UserError: grouped_mm with weights that are not bf16, or a kernel the model cannot run.
+    """
+    default = getattr(spec, "default_experts", "")
+    if not default:
+        return ""
+    requested = Experts(str(requested).lower())
+    bf16 = str(weight_dtype) == "bf16"
+    if requested is Experts.GROUPED_MM and not bf16:
+        raise UserError(f"--experts-implementation grouped_mm runs bf16 expert weights only (torch's grouped_mm "
+                        f"kernel; these are {weight_dtype}); add --dtype bf16, or use eager.")
+    if requested is Experts.AUTO:
+        if default != Experts.GROUPED_MM.value:
+            return default
+        requested = Experts.GROUPED_MM if bf16 else Experts.EAGER
+    config = getattr(spec, "hf_config", None)
+    if config is None or requested.value == default:
+        return requested.value
+    _held, answers = _EXPERTS.setdefault(id(config), (config, {}))
+    if requested.value not in answers:
+        answers[requested.value] = _ask_experts(spec, config, requested)
+    return answers[requested.value]
+
+
+def _ask_experts(spec, config, requested: Experts) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation=requested.value)
+    except (ValueError, ImportError, KeyError) as err:
+        raise UserError(f"{spec.name} cannot run --experts-implementation {requested.value} "
+                        f"({_first_sentence(err)}); use --experts-implementation auto.") from None
+    return str(model.config._experts_implementation)
+
+
+def experts_reason(chosen: str, requested: Experts, weight_dtype: str) -> str:
+    """Why ``chosen`` runs, for the line every estimate and training preamble prints."""
+    if requested is not Experts.AUTO:
+        return f"as requested ({requested.value})"
+    if chosen == Experts.EAGER.value and str(weight_dtype) != "bf16":
+        return f"the model's per-expert loop: grouped_mm takes bf16 weights only, these are {weight_dtype}"
+    return "grouped kernel for bf16 weights" if chosen == Experts.GROUPED_MM.value else "transformers' default"
+
+
+# --------------------------------------------------------------------------------------------------
 # The resolved run
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -205,12 +299,17 @@ class ResolvedRun:
     """Wrapped projections (None for a full fine-tune)."""
     optimizer: OptimizerRow
     trainable_params: int
+    experts: str = ""
+    """The experts kernel transformers runs (``grouped_mm``, ``eager``, ...); empty without MoE layers."""
 
     def describe(self) -> list[str]:
         """The lines every estimate and training preamble prints."""
         asked = self.requested.attn_implementation.value
         how = "chosen by transformers" if asked == Attention.AUTO.value else f"as requested ({asked})"
         lines = [f"attention: {self.attention}, {how}."]
+        if self.experts:
+            why = experts_reason(self.experts, self.requested.experts_implementation, str(self.run.dtype))
+            lines.append(f"experts: {self.experts} ({why}).")
         if self.lora is not None:
             lines.append(f"LoRA targets: {self.lora.describe()}, {self.trainable_params:,} trainable parameters.")
         return lines
@@ -219,6 +318,7 @@ class ResolvedRun:
         return {"attn_implementation": self.attention,
                 "lora_targets": list(self.lora.names) if self.lora else [],
                 "lora_modules": len(self.lora.shapes) if self.lora else 0,
+                "experts_implementation": self.experts,
                 "optimizer": self.optimizer.member.value,
                 "trainable_params": int(self.trainable_params)}
 
@@ -242,8 +342,10 @@ def resolve(spec, run: RunConfig, device: str | None = None) -> ResolvedRun:
     if device is not None:
         check_device(run.optimizer, device)
     chosen = attention(spec, run.attn_implementation, run.compute_dtype())
+    kernel = experts(spec, run.experts_implementation, str(run.dtype))
     lora = lora_targets(spec, tuple(run.lora_targets)) if run.is_lora() else None
     resolved = _with(run, attn_implementation=as_attention(chosen),
+                     experts_implementation=Experts(kernel) if kernel in {e.value for e in Experts} else run.experts_implementation,
                      lora_targets=lora.peft_targets if lora else run.lora_targets)
     trainable = spec.trainable_params(resolved)
-    return ResolvedRun(resolved, run, chosen, lora, opt, trainable)
+    return ResolvedRun(resolved, run, chosen, lora, opt, trainable, kernel)

@@ -171,6 +171,8 @@ def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
         record["eval_loss"] = s.state.last_eval
     if result.preference is not None:  # reward accuracy and margin of the step's pairs
         record.update({k: v for k, v in result.preference.items() if k != "pairs"})
+    if s.router is not None:
+        record.update(s.router.take())  # the busiest expert's load over the balanced one (training/router.py)
     s.metrics.write(record)
     # the step is the trackers' own axis (``step=``), not a metric: trackio renames a "step" value and warns
     s.accelerator.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=s.state.step)

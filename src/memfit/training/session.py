@@ -123,6 +123,8 @@ class TrainSession:
     t_process: float | None = None
     """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
     the parts a resumed run continues, so the summary reports both."""
+    router: Any = None
+    """``router.RouterBalance`` of a mixture-of-experts model (None for a dense one): logged with each step."""
 
     @property
     def output(self) -> Path:
@@ -222,8 +224,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         schedule_note = resume.schedule_note(resume_point, total_steps, *lrs)
         if schedule_note:
             bar.note(schedule_note)
-    predicted = predict(source.spec, run, accelerator.device.type)
-    bar.note(sharding.per_rank_line(source.spec, run, predicted, accelerator.device.type))
+    predicted, why = predict_or_why(source.spec, run, accelerator.device.type)
+    bar.note(sharding.per_rank_line(source.spec, run, predicted, accelerator.device.type, why=why))
     return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
@@ -233,7 +235,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
-                        t_process=t_process, preference=pref)
+                        t_process=t_process, preference=pref, router=router_balance(model))
 
 
 def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerator):
@@ -340,15 +342,22 @@ def predict(model_name, run: RunConfig, device: str = "cuda"):
     On CPU the estimator models CPU kernels and leaves out the CUDA context and allocator terms, and the
     rollback snapshot and offloaded state count (``memory.snapshot``: the host is the device).
     """
+    return predict_or_why(model_name, run, device)[0]
+
+
+def predict_or_why(model_name, run: RunConfig, device: str = "cuda"):
+    """``(prediction, "")``, or ``(None, why)``: the estimator's own sentence when it refused the run (a
+    ``UserError``), else the failure's first line, so the preamble never says "n/a" without a reason."""
     try:
         from memfit.memory.snapshot import device_estimate
         from memfit.spec.model import load_spec
 
-        return device_estimate(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
-    except ImportError:
-        return None
-    except Exception:  # noqa: BLE001 - a prediction must never stop a training run
-        return None
+        return device_estimate(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda"), ""
+    except ImportError as err:
+        return None, f"the estimator could not be imported: {err}"
+    except Exception as err:  # noqa: BLE001 - a prediction must never stop a training run
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return None, first[:200].rstrip(".")
 
 
 class MetricsLog:
@@ -364,6 +373,12 @@ class MetricsLog:
             append_line(self.path, json.dumps(record))  # never through a link planted as metrics.jsonl
 
 
+def router_balance(model):
+    from memfit.training.router import router_balance as balance
+
+    return balance(model)
+
+
 def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
     """Derived numbers shown before the long work starts."""
     from memfit.units import fmt_count
@@ -376,7 +391,14 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
             f"mixed precision {run.mixed_precision}, weights {run.dtype}\n"
             f"attention {bundle.attention or '?'} (asked of transformers)"
+            + (f"; experts {bundle.experts} ({_experts_why(bundle, run)})" if bundle.experts else "")
             + (f"; LoRA targets {', '.join(bundle.lora_targets)}" if bundle.lora_targets else ""))
+
+
+def _experts_why(bundle, run: RunConfig) -> str:
+    from memfit.spec.resolved import experts_reason
+
+    return experts_reason(bundle.experts, run.experts_implementation, str(run.dtype))
 
 
 def _tracker_config(config: TrainConfig, run: RunConfig) -> dict[str, Any]:

@@ -126,6 +126,8 @@ class ModelBundle:
     """The attention implementation the built model runs (read back from its config)."""
     lora_targets: tuple[str, ...] = ()
     """Last name components of the projections PEFT wrapped (empty for a full fine-tune)."""
+    experts: str = ""
+    """The experts kernel the built model runs (read back from its config; empty without MoE layers)."""
 
 
 @dataclass
@@ -236,7 +238,7 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     source = source or resolve_model(config, run)
     resolved = source.resolved
     on_gpu = device is not None and torch.device(device).type == "cuda"
-    kwargs = build.model_kwargs(run, resolved.attention)
+    kwargs = build.model_kwargs(run, resolved.attention, resolved.experts)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
         from accelerate import init_empty_weights
@@ -283,8 +285,9 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
     total = sum(logical_numel(p) for p in model.parameters())
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     wrapped = tuple(sorted({name.rsplit(".", 1)[-1] for name, module in base.named_modules() if hasattr(module, "lora_A")}))
+    experts = str(base.config._experts_implementation) if resolved.experts else ""
     return ModelBundle(model, source.tokenizer, source.random_init, trainable, total, uses_model_loss,
-                       str(base.config._attn_implementation), wrapped)
+                       str(base.config._attn_implementation), wrapped, experts)
 
 
 def _name_base(wrapped, base: str | None) -> None:

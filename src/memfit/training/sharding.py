@@ -423,7 +423,7 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     return plain
 
 
-def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda") -> str:
+def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", why: str = "") -> str:
     """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
     is more than one (several processes, or a sharded run); one process says "predicted peak"."""
     from memfit.memory.outside import outside_step
@@ -433,7 +433,7 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda") -
     several = run.num_processes > 1 or is_sharded(run)
     label = "predicted per-rank peak" if several else "predicted peak"
     if predicted is None:
-        return f"{label}: n/a (estimator unavailable for this model)"
+        return f"{label}: n/a (estimator unavailable for this model{': ' + why if why else ''})"
     line = f"{label} {fmt_bytes(predicted.peak_bytes)} ({predicted.phase}"
     if several:
         # the prediction models the launch's engine (memory.deepspeed_layout under DeepSpeed): name it
