@@ -131,14 +131,14 @@ _ADAPTERS: dict[int, tuple[Any, dict[tuple[str, ...], int]]] = {}
 
 def peft_adapter_params(spec, targets: tuple[str, ...]) -> int:
     """LoRA parameters PEFT creates at rank 1 for ``targets`` on ``spec``'s model (built on the meta
-    device and wrapped by ``memfit.builder.parts.wrap_lora``, as train wraps it; ~0.3 s once per spec and
+    device and wrapped by ``memfit.spec.lora.wrap_lora``, as train wraps it; ~0.3 s once per spec and
     targets). Every adapter matrix has one side of length r (r x in, out x r; PEFT's ``ParamWrapper``
     for a stacked (E, out, in) expert weight: r E x in and out x r E), so the count at rank r is r times
     this."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memfit.builder.parts import wrap_lora
+    from memfit.spec.lora import wrap_lora
 
     _held, answers = _ADAPTERS.setdefault(id(spec), (spec, {}))
     if targets not in answers:
