@@ -30,11 +30,13 @@ Categories (same as the analytic estimate, see ``memory/breakdown.py``), derived
 - ``other`` = CUDA context, cuBLAS workspace and allocator reserve (``device="cuda"`` only), the same
   constants the analytic estimator uses, so the two compare on tensor bytes.
 
-What a CPU trace cannot see (the CUDA kernels are not run; see docs/exact.md): attention backends'
-exact saved tensors (CPU flash SDPA saves output + logsumexp like CUDA flash; mem-efficient pads
-logsumexp to 32 rows: at most 31*B*H*4 bytes per layer), CUDA's autocast fp32 op list (``pow``,
+For ``device="cuda"`` the kernels whose saved tensors differ on CUDA (SDPA with its flash and
+memory-efficient backends, with and without dropout; ``nn.Dropout``'s mask; Liger/CCE's fused loss, traced as
+the chunked one) run as CUDA-faithful stand-ins (``memory/cuda_kernels.py``), named in the notes. What a CPU
+trace still cannot see (docs/exact.md, "What only a GPU can check"): CUDA's autocast fp32 op list (``pow``,
 ``softmax``, ``layer_norm``... run in fp32 on CUDA but in the input dtype on CPU; HF decoders upcast
-explicitly, except GPT-2's ``gelu_new``), allocator block rounding (512 B) and fragmentation.
+explicitly, except GPT-2's ``gelu_new``), the attention kernels' backward workspaces, allocator block
+rounding (512 B) and fragmentation.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from memfit import build, versions
 from memfit.config import Attention, Offload, Packing, Precision, Quantize, RunConfig, Sharding, TrainConfig
 from memfit.errors import UserError
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.memory.cuda_kernels import Substitutions, cuda_kernels
 from memfit.memory.device_terms import cuda_other
 from memfit.modelspec import check_seq_len
 from memfit.optimizers import row
@@ -158,8 +161,9 @@ def _spec(model: Any, config):
     return spec_from_config(config, model if isinstance(model, str) else getattr(config, "model_type", "model"))
 
 
-def check_supported(run: RunConfig) -> None:
-    """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce."""
+def check_supported(run: RunConfig, device: str = "cpu") -> None:
+    """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce (``--loss liger``/``cce``
+    are traced for a CUDA target, as ``chunked``: ``_traced_loss``)."""
     if run.quantize is not Quantize.NONE:
         raise UserError("--quantize is not supported in exact mode (bitsandbytes kernels cannot run on fake "
                         "tensors); use the analytic estimate for QLoRA.")
@@ -168,7 +172,7 @@ def check_supported(run: RunConfig) -> None:
                         "on fake tensors); use the analytic estimate.")
     if run.offload not in (Offload.NONE, Offload.ACTIVATIONS):  # activations: memory/offload_trace.py
         raise UserError(f"--offload {run.offload} is not supported in exact mode; use the analytic estimate.")
-    if run.loss.value in ("liger", "cce"):
+    if run.loss.value in ("liger", "cce") and device != "cuda":
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
@@ -589,6 +593,22 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     )
 
 
+def _traced_loss(resolved: ResolvedRun, device: str, substituted: Substitutions) -> ResolvedRun:
+    """``--loss liger``/``cce`` for a CUDA target, traced as ``--loss chunked`` (their Triton kernels cannot
+    run here). The analytic estimate prices all three alike (``activations.chunked_logits_terms``); Liger
+    differs in when it allocates (the gradients of the hidden states and the head's weight in forward, not
+    backward): docs/exact.md, "What only a GPU can check"."""
+    from dataclasses import replace
+
+    from memfit.config import Loss
+
+    if device != "cuda" or resolved.run.loss not in (Loss.LIGER, Loss.CCE):
+        return resolved
+    substituted[f"loss:--loss {resolved.run.loss.value} traced as --loss chunked (the same chunked logits and "
+                "gradient buffers; Liger allocates the gradients in forward)"] += 1
+    return replace(resolved, run=resolved.run.replace(loss=Loss.CHUNKED))
+
+
 def _packed_positions(run: RunConfig) -> dict:
     """``position_ids`` of rows holding two documents each, as ``--packing documents`` gives the model
     (positions restart at 0; no attention mask), so transformers takes its packed-sequence path; the
@@ -654,12 +674,14 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     Known error: CPU kernels stand in for CUDA ones (see the module docstring); tensor bytes are exact
     for what the CPU kernels allocate, to the byte, without allocator rounding.
     """
-    check_supported(run)
+    check_supported(run, device)
     other_bytes(0, device)  # validates device before minutes of work
     api = _private_api()
     config = _hf_config(model)
     check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
     resolved = resolve(_spec(model, config), run)  # the run estimate and train build, asked once
+    substituted = Substitutions()
+    resolved = _traced_loss(resolved, device, substituted)
     run = resolved.run
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
     net = _build_model(config, resolved)
@@ -684,10 +706,10 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with _attention_path(run), fake_mode:
+        with _attention_path(run), cuda_kernels(device == "cuda", substituted), fake_mode:
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
-    with _attention_path(run), fake_mode, tracker, recorder:
+    with _attention_path(run), cuda_kernels(device == "cuda", substituted), fake_mode, tracker, recorder:
         if steps > 1 and not untracked_warm_up:
             with warnings.catch_warnings():
                 # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
@@ -697,6 +719,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         if run.optimizer_in_backward:
             optimizer.install_hooks()
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
+        substituted.new_step()  # count the reported step's calls only
         recorder.recording = True
         _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
@@ -705,4 +728,5 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     line.other = other
     line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"
     breakdown = _breakdown(config, traced, line, other)
+    breakdown.notes[2:2] = substituted.notes()
     return (breakdown, line) if timeline else breakdown
