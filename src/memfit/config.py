@@ -227,6 +227,12 @@ class RunConfig:
                                           overrides={"plan": {"help": "Pin the optimizer step in backward on or off "
                                                                       "(default: try both where possible)."}})
     """Step each parameter as soon as its gradient is ready and free it (no full set of gradients)."""
+    compile: bool = setting(False, resume="may-change", check="bool",
+                            commands=("estimate", "train"), click={"negatable": True},
+                            help="torch.compile the model (inductor; its C++ backend on CPU).")
+    """``torch.compile`` the model (Accelerate's dynamo plugin, inductor; the loss computed inside the model's
+    forward is compiled with it). Memory: ``memory/compiled.py``. The planner does not choose it (no measured
+    factor on GPUs to justify one). May change on resume: it changes how a step runs, not what it computes."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -1,0 +1,95 @@
+"""What ``torch.compile`` saves for backward: the compiled joint graph, partitioned as inductor does, on fake tensors.
+
+``--compile`` hands the model to inductor through AOTAutograd, which traces forward + backward as one
+joint graph and cuts it with ``min_cut_rematerialization_partition`` (torch._functorch.partitioners): the
+forward keeps only the tensors the min cut chooses (cheap element-wise results are recomputed in backward
+instead of saved). ``compiled_saved_bytes`` runs the same tracing and the same partitioner (with inductor's
+decomposition table, so the graph is the one inductor partitions) on the model's fake tensors, as the exact
+trace builds them, and sums the tensors the backward graph takes as saved inputs, each storage once, leaving
+out the parameters and buffers (and views of them: resident anyway). Eager autograd's saved set for the same
+step is what ``memory/trace.py`` counts as activations + logits at the end of forward.
+
+Known error: this is the saved set of one graph traced without Dynamo's graph breaks (AOTAutograd traces
+through Python); where Dynamo breaks the graph (data-dependent control flow in the model's code), each piece
+is partitioned on its own and the pieces' boundaries are saved too, which this does not see. Inductor's
+buffer reuse and fusion inside forward and backward (their transients) are not modelled: the prediction is
+of the saved set, the dominant term of the backward-start peak. Measured against real CPU runs: see
+docs/train.md (``--compile``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.config import RunConfig
+
+
+def compiled_saved_bytes(model: Any, run: RunConfig) -> int:
+    """Bytes the compiled forward saves for backward (not counting parameters, buffers or views of them).
+
+    ``model`` and ``run`` as for ``memory.trace.trace``; one micro-batch of ``run``'s shape, loss included
+    (the model's own loss, computed inside its forward, is compiled with it).
+    """
+    import torch
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.decomposition import select_decomp_table
+
+    from memfit.memory import trace as tr
+    from memfit.resolved import resolve
+
+    config = tr._hf_config(model)
+    resolved = resolve(tr._spec(model, config), run)
+    net = tr._build_model(config, resolved)
+    fake_mode = tr._private_api()["FakeTensorMode"](allow_non_fake_inputs=False)
+    tr._to_fake(net, fake_mode)
+    named = dict(net.named_parameters()) | dict(net.named_buffers())
+    names, tensors = list(named), list(named.values())
+    captured: list = []
+
+    def loss_of(*args):
+        state = dict(zip(names, args[: len(names)], strict=True))
+        ids, labels = args[len(names):]
+        inputs = {"input_ids": ids, "labels": labels, "use_cache": False, **tr._packed_positions(run)}
+        return torch.func.functional_call(net, state, (), inputs).loss
+
+    compiled = aot_function(loss_of, fw_compiler=_keep, bw_compiler=_keep, decompositions=select_decomp_table(),
+                            partition_fn=lambda joint, inputs, **kw: _partition(captured, joint, inputs, **kw))
+    vocab = int(net.get_output_embeddings().weight.shape[0])
+    with tr._attention_path(run), fake_mode:
+        ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
+        compiled(*tensors, ids, ids.clone())
+    return sum(captured)
+
+
+def _keep(graph_module, _example_inputs):
+    return graph_module
+
+
+def _partition(captured: list, joint, joint_inputs, **kwargs):
+    """Inductor's partition of the joint graph; records the saved bytes of the backward graph's inputs."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    captured.append(saved_bytes(joint, bw))
+    return fw, bw
+
+
+def saved_bytes(joint, bw) -> int:
+    """Bytes of the distinct storages ``bw`` takes as saved inputs (not tangents), less the joint graph's
+    inputs' (parameters, buffers, the batch: resident, not saved activations)."""
+    import torch
+
+    def storage_key(value):
+        return value.untyped_storage()._cdata
+
+    resident = {storage_key(n.meta["val"]) for n in joint.graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    seen: dict[int, int] = {}
+    for node in bw.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" or node.name.startswith("tangents") or not isinstance(value, torch.Tensor):
+            continue
+        key = storage_key(value)
+        if key not in resident:
+            seen[key] = value.untyped_storage().nbytes()
+    return sum(seen.values())

@@ -1,0 +1,44 @@
+"""``--compile``: torch.compile of the model (inductor's C++ backend on CPU) trains, and what it saves for
+backward is predicted by AOTAutograd's partitioner on fake tensors (``memory/compiled.py``).
+
+Compiling takes minutes on 2 busy cores even for the tiny model: both tests are slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from _trace_helpers import family_config
+from _train_helpers import tiny_config
+from memfit.config import RunConfig
+
+pytestmark = pytest.mark.slow
+
+
+def test_compile_trains_and_reports_memory(tmp_path):
+    from memfit.training.loop import train
+
+    eager = tiny_config(tmp_path / "e", max_steps=2)
+    compiled = tiny_config(tmp_path / "c", max_steps=2, run={"compile": True})
+    train(eager)
+    train(compiled)
+    runs = [json.loads((tmp_path / d / "out" / "run.json").read_text()) for d in ("e", "c")]
+    assert runs[1]["settings"]["compile"] is True
+    first = [json.loads(line)["loss"] for d in ("e", "c")
+             for line in (tmp_path / d / "out" / "metrics.jsonl").read_text().splitlines()[:1]]
+    assert first[0] == pytest.approx(first[1], rel=1e-4)  # same weights, same batch: the same loss
+
+
+def test_compiled_saved_set_is_smaller_than_eagers():
+    from memfit.memory.compiled import compiled_saved_bytes
+    from memfit.memory.trace import trace
+
+    config = family_config("llama")
+    run = RunConfig(seq_len=128, micro_batch=2, packing="concat")
+    saved = compiled_saved_bytes(config, run)
+    _, line = trace(config, run, device="cpu", timeline=True, steps=1)
+    end = max(i for i, phase in enumerate(line.phases) if phase == "forward")
+    eager = line.samples[end]["activations"] + line.samples[end]["logits"]
+    assert 0 < saved < eager
