@@ -42,3 +42,37 @@ def test_compiled_saved_set_is_smaller_than_eagers():
     end = max(i for i, phase in enumerate(line.phases) if phase == "forward")
     eager = line.samples[end]["activations"] + line.samples[end]["logits"]
     assert 0 < saved < eager
+
+
+def test_exact_compile_predicts_the_compiled_steps_measured_peak():
+    """Real tensors on CPU: one compiled step counted with inductor's buffers (``counted_compiled``), against
+    ``trace(..., compile=True)``; eager counted alike against the eager trace."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.memory.measure import counted, counted_compiled, resident_tensors
+    from memfit.memory.trace import trace
+
+    config = family_config("llama")
+    run = RunConfig(seq_len=64, micro_batch=2, packing="concat", optimizer="adamw")
+    measured = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+        net = torch.compile(model) if compiled else model
+        ids = torch.randint(0, config.vocab_size, (run.micro_batch, run.seq_len))
+
+        def step(net=net, optimizer=optimizer, ids=ids):
+            net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # compiles; creates the optimizer state
+        with (counted_compiled if compiled else counted)(resident_tensors(model, optimizer, [ids])) as live:
+            step()
+        predicted = trace(config, run.replace(compile=compiled), device="cpu").peak_bytes
+        measured[compiled] = (live.peak, predicted)
+    for compiled, (real, predicted) in measured.items():
+        assert abs(predicted - real) / real < 0.05, (compiled, measured)
+    assert measured[True][0] < measured[False][0]  # compile saves fewer tensors for backward

@@ -55,10 +55,34 @@ def compiled_saved_bytes(model: Any, run: RunConfig) -> int:
     compiled = aot_function(loss_of, fw_compiler=_keep, bw_compiler=_keep, decompositions=select_decomp_table(),
                             partition_fn=lambda joint, inputs, **kw: _partition(captured, joint, inputs, **kw))
     vocab = int(net.get_output_embeddings().weight.shape[0])
-    with tr._attention_path(run), fake_mode:
+    with _mask_path(run), fake_mode:
         ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
         compiled(*tensors, ids, ids.clone())
     return sum(captured)
+
+
+def _mask_path(run: RunConfig):
+    """The attention-mask path a compiled run takes. Packed rows (``MASKED_PACKING``): transformers'
+    ``find_packed_sequence_indices`` skips its data-dependent "nothing packed" check when compiling and returns
+    the sequence indices, so the block-causal mask is always built; the stand-in does the same (the check
+    cannot run on fake tensors under AOTAutograd's tracing). Otherwise the exact trace's path."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    from memfit.memory.activations import MASKED_PACKING
+    from memfit.memory.trace import _attention_path
+
+    if run.packing not in MASKED_PACKING:
+        return _attention_path(run)
+
+    def indices(position_ids):
+        import torch
+
+        first = position_ids[:, :1] - 1
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", indices)
 
 
 def _keep(graph_module, _example_inputs):
@@ -93,3 +117,35 @@ def saved_bytes(joint, bw) -> int:
         if key not in resident:
             seen[key] = value.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def with_compiled_saved_set(breakdown, timeline, saved: int):
+    """The exact (eager) trace's breakdown with the compiled forward's saved set in place of eager autograd's.
+
+    Eager's saved set is what the trace holds as activations + logits at the end of forward (``E``); the
+    compiled one is ``saved`` (``C``). Every sample from the end of forward through backward is moved by
+    ``C - E`` (in ``activations``), the optimizer phase is kept, and the peak is taken again. Known error:
+    backward frees the saved set as it goes, so late backward samples move by less than ``C - E``, and the
+    transients beside the saved set (the loss' and backward's gradients, inductor's fused buffers) are eager's,
+    not inductor's; the backward-start peak, where the whole saved set and the logits' gradients meet, is
+    the one this is right for.
+    """
+    from dataclasses import replace
+
+    forward = [i for i, phase in enumerate(timeline.phases) if phase == "forward"]
+    if not forward:
+        return breakdown
+    end = timeline.samples[forward[-1]]
+    delta = saved - (end["activations"] + end["logits"])
+    moved = [dict(s, activations=s["activations"] + delta) if i == forward[-1] or phase == "backward" else s
+             for i, (s, phase) in enumerate(zip(timeline.samples, timeline.phases, strict=True))]
+    totals = [sum(s.values()) for s in moved]
+    peak = max(range(len(totals)), key=totals.__getitem__)
+    phase_peaks: dict[str, int] = {}
+    for total, phase in zip(totals, timeline.phases, strict=True):
+        phase_peaks[phase] = max(phase_peaks.get(phase, 0), total + breakdown.other)
+    note = (f"--compile: the compiled forward saves {saved:,} bytes for backward (AOTAutograd's min-cut partition "
+            f"with inductor's decompositions, memory/compiled.py) where eager autograd saves {saved - delta:,}; "
+            "the samples from the end of forward through backward moved by the difference.")
+    return replace(breakdown, **{k: int(v) for k, v in moved[peak].items()}, phase=timeline.phases[peak],
+                   phase_peaks=phase_peaks, notes=[*breakdown.notes, note])

@@ -255,8 +255,12 @@ def _following_resizes(live: _LiveBytes) -> Iterator[None]:
         torch.UntypedStorage.resize_ = original
 
 
-def _counting_mode(live: _LiveBytes):
-    """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API)."""
+def _counting_mode(live: _LiveBytes, compiled: bool = False):
+    """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API).
+
+    ``compiled``: the mode says it ignores compile internals; otherwise Dynamo, finding a dispatch mode on the
+    stack, runs a compiled model eagerly (torch 2.13 ``convert_frame``), and an eager step would be counted.
+    """
     from memfit.memory.trace import dispatch_mode_base
 
     base = dispatch_mode_base()
@@ -264,6 +268,10 @@ def _counting_mode(live: _LiveBytes):
         return None
 
     class _Counting(base):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return compiled
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for tensor in _tensors(out):
@@ -287,7 +295,7 @@ class StepPeak:
     def __init__(self, device_type: str, steps_to_run: int, compiled: bool = False) -> None:
         self.enabled = device_type == "cpu" and steps_to_run > 0
         self.compiled = compiled
-        """``--compile``: count at the allocator (``allocated``), not per operator (module docstring)."""
+        """``--compile``: also count the buffers inductor's generated code allocates (``counted_compiled``)."""
         self.target = min(steps_to_run, 3) if steps_to_run > 0 else 1
         self.calls = 0
         self.peak_bytes = 0
@@ -302,13 +310,13 @@ class StepPeak:
             yield
             return
         held = resident_tensors(model, optimizer, [*(b for batch in batches for b in batch.values()), *resident])
-        with (allocated if self.compiled else counted)(held) as live:
+        with (counted_compiled if self.compiled else counted)(held) as live:
             yield
         self.peak_bytes, self.measured_step = live.peak, step
 
 
 @contextlib.contextmanager
-def counted(resident=()) -> Iterator[_LiveBytes]:
+def counted(resident=(), compiled: bool = False) -> Iterator[_LiveBytes]:
     """Count the tensor peak of a block of real work (evaluation, a save, generation): ``resident`` (any
     tensors, nested in lists/tuples/dicts) counts as held at the start, plus every storage an operator
     creates inside, minus each one when it is freed. The yielded counter's ``.peak`` is the block's peak
@@ -316,7 +324,7 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
     real tensors); like it, it does not see kernels' scratch memory or allocator overhead.
     """
     live = _LiveBytes()
-    mode = _counting_mode(live)
+    mode = _counting_mode(live, compiled)
     for tensor in _tensors(resident):
         live.add(tensor)
     if mode is None:
@@ -326,39 +334,46 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
         yield live
 
 
-class _AllocatorBytes:
-    """The peak of ``allocated``: what was held at the start plus the highest running sum of the CPU
-    allocator's allocations and frees recorded inside (filled in when the block ends)."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.peak = start
-
-
 @contextlib.contextmanager
-def allocated(resident=()) -> Iterator[_AllocatorBytes]:
-    """Count the peak of a block at the CPU allocator: ``resident`` as held, plus torch profiler's memory
-    events (every allocation and free of c10's CPU allocator, ``profile_memory=True``) in time order.
+def counted_compiled(resident=()) -> Iterator[_LiveBytes]:
+    """``counted`` for compiled code (``--compile``), which also sees the buffers inductor allocates.
 
-    For compiled code (``--compile``): the C++ kernels inductor generates allocate their buffers with
-    ``empty_strided_cpu``, below the dispatcher, so ``counted``'s dispatch mode never sees them; the allocator
-    does. It also sees what no tensor holds (kernels' scratch through c10's allocator), and it is one step of
-    the profiler's overhead; the two counters agree on eager code within that scratch.
+    The Python wrapper inductor generates for a compiled graph allocates its buffers with
+    ``empty_strided_cpu`` (``torch._C._dynamo.guards._empty_strided_cpu``, bound into each generated module's
+    globals when it is loaded), below the dispatcher: ``counted``'s dispatch mode never sees them. While the
+    block runs, every loaded generated module (``torch._inductor.codecache.PyCodeCache.modules``) gets a
+    wrapper in that name that adds the new buffer to the same counter; its frees are seen as for any storage.
+    The step measured is the third, long after compilation, so every module is loaded by then.
     """
-    from torch.profiler import ProfilerActivity, profile
+    with counted(resident, compiled=True) as live:
+        patched = _wrap_inductor_allocations(live)
+        try:
+            yield live
+        finally:
+            for module, original in patched:
+                module.empty_strided_cpu = original
 
-    live = _LiveBytes()
-    for tensor in _tensors(resident):
-        live.add(tensor)
-    out = _AllocatorBytes(live.current)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield out
-    events = sorted((e for e in prof.events() if e.name == "[memory]" and e.device_type.name == "CPU"),
-                    key=lambda e: e.time_range.start)
-    running = out.start
-    for event in events:
-        running += event.cpu_memory_usage
-        out.peak = max(out.peak, running)
+
+def _wrap_inductor_allocations(live: _LiveBytes) -> list:
+    """Wrap ``empty_strided_cpu`` in every loaded inductor module; return (module, original) to restore."""
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return []
+    patched = []
+    for module in list(getattr(PyCodeCache, "modules", [])):
+        original = getattr(module, "empty_strided_cpu", None)
+        if original is None:
+            continue
+
+        def empty_strided_cpu(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            live.add(out)
+            return out
+
+        module.empty_strided_cpu = empty_strided_cpu
+        patched.append((module, original))
+    return patched
 
 
 def resident_tensors(model, optimizer, extra=()) -> list:

@@ -175,6 +175,9 @@ def check_supported(run: RunConfig, device: str = "cpu") -> None:
     if run.loss.value in ("liger", "cce") and device != "cuda":
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")
+    if run.compile and (run.loss.value != "standard" or run.optimizer_in_backward or run.offload is not Offload.NONE):
+        raise UserError("--compile in exact mode prices the model's own loss with a plain step; drop --loss, "
+                        "--optimizer-in-backward and --offload, or use the analytic estimate.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
         raise UserError("Exact mode traces a single process; drop --num-processes/--sharding or use the analytic "
                         "estimate for per-rank numbers.")
@@ -729,4 +732,8 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"
     breakdown = _breakdown(config, traced, line, other)
     breakdown.notes[2:2] = substituted.notes()
+    if run.compile:
+        from memfit.memory.compiled import compiled_saved_bytes, with_compiled_saved_set
+
+        breakdown = with_compiled_saved_set(breakdown, line, compiled_saved_bytes(model, run))
     return (breakdown, line) if timeline else breakdown

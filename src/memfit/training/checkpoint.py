@@ -136,7 +136,7 @@ def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_
     Returns the paths written (relative to ``output``).
     """
     accelerator.wait_for_everyone()
-    model = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    model = accelerator.unwrap_model(model, keep_fp32_wrapper=False, keep_torch_compile=False)
     if not accelerator.is_main_process:
         return []
     written = []
