@@ -13,68 +13,61 @@ Known error: this is the saved set of one graph traced without Dynamo's graph br
 through Python); where Dynamo breaks the graph (data-dependent control flow in the model's code), each piece
 is partitioned on its own and the pieces' boundaries are saved too, which this does not see. Inductor's
 buffer reuse and fusion inside forward and backward (their transients) are not modelled: the prediction is
-of the saved set, the dominant term of the backward-start peak. Measured against real CPU runs: see
+of the saved set, the dominant term of the backward-start peak. For a CUDA target the graph is traced with the
+CPU's kernels (``memory/cuda_kernels.py``'s stand-ins are not applied inside it: their backward reads only
+shapes, so the partitioner would save nothing for them); with dropout in SDPA that over-counts the CPU's math
+path's T x T tensors. Measured against real CPU runs: see
 docs/train.md (``--compile``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from memfit.config import RunConfig
 
 
-def compiled_saved_bytes(model: Any, run: RunConfig) -> int:
+def compiled_saved_bytes(net, fake_mode, inputs: dict, mask_path) -> int:
     """Bytes the compiled forward saves for backward (not counting parameters, buffers or views of them).
 
-    ``model`` and ``run`` as for ``memory.trace.trace``; one micro-batch of ``run``'s shape, loss included
-    (the model's own loss, computed inside its forward, is compiled with it).
+    ``net``: the model as the exact trace builds it, on fake tensors of ``fake_mode``; ``inputs``: one
+    micro-batch's model inputs (fake; ``labels`` among them: the model's own loss, computed inside its forward,
+    is compiled with it); ``mask_path``: the attention path to trace under (``mask_path``). Called by
+    ``memory.trace.trace`` for ``--compile``.
     """
     import torch
     from torch._functorch.aot_autograd import aot_function
     from torch._inductor.decomposition import select_decomp_table
 
-    from memfit.memory import trace as tr
-    from memfit.resolved import resolve
-
-    config = tr._hf_config(model)
-    resolved = resolve(tr._spec(model, config), run)
-    net = tr._build_model(config, resolved)
-    fake_mode = tr._private_api()["FakeTensorMode"](allow_non_fake_inputs=False)
-    tr._to_fake(net, fake_mode)
     named = dict(net.named_parameters()) | dict(net.named_buffers())
     names, tensors = list(named), list(named.values())
+    keys = list(inputs)
     captured: list = []
 
     def loss_of(*args):
         state = dict(zip(names, args[: len(names)], strict=True))
-        ids, labels = args[len(names):]
-        inputs = {"input_ids": ids, "labels": labels, "use_cache": False, **tr._packed_positions(run)}
-        return torch.func.functional_call(net, state, (), inputs).loss
+        batch = dict(zip(keys, args[len(names):], strict=True))
+        return torch.func.functional_call(net, state, (), {**batch, "use_cache": False}).loss
 
     compiled = aot_function(loss_of, fw_compiler=_keep, bw_compiler=_keep, decompositions=select_decomp_table(),
-                            partition_fn=lambda joint, inputs, **kw: _partition(captured, joint, inputs, **kw))
-    vocab = int(net.get_output_embeddings().weight.shape[0])
-    with _mask_path(run), fake_mode:
-        ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
-        compiled(*tensors, ids, ids.clone())
+                            partition_fn=lambda joint, joint_inputs, **kw: _partition(captured, joint, joint_inputs,
+                                                                                      **kw))
+    with mask_path, fake_mode:
+        compiled(*tensors, *inputs.values())
     return sum(captured)
 
 
-def _mask_path(run: RunConfig):
+def mask_path(run: RunConfig, otherwise):
     """The attention-mask path a compiled run takes. Packed rows (``MASKED_PACKING``): transformers'
     ``find_packed_sequence_indices`` skips its data-dependent "nothing packed" check when compiling and returns
     the sequence indices, so the block-causal mask is always built; the stand-in does the same (the check
-    cannot run on fake tensors under AOTAutograd's tracing). Otherwise the exact trace's path."""
+    cannot run on fake tensors under AOTAutograd's tracing). Otherwise ``otherwise`` (the exact trace's path)."""
     from unittest import mock
 
     from transformers import masking_utils
 
     from memfit.memory.activations import MASKED_PACKING
-    from memfit.memory.trace import _attention_path
 
     if run.packing not in MASKED_PACKING:
-        return _attention_path(run)
+        return otherwise
 
     def indices(position_ids):
         import torch

@@ -596,6 +596,23 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     )
 
 
+def _compiled_saved(config, resolved: ResolvedRun, api: dict) -> int:
+    """``--compile``: what the compiled forward saves (``memory.compiled``), on a fresh fake model of the run."""
+    import torch
+
+    from memfit.memory.compiled import compiled_saved_bytes, mask_path
+
+    run = resolved.run
+    net = _build_model(config, resolved)
+    fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
+    _to_fake(net, fake_mode)
+    vocab = int(net.get_output_embeddings().weight.shape[0])
+    with fake_mode:
+        ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
+        inputs = {"input_ids": ids, "labels": ids.clone(), **_packed_positions(run)}
+    return compiled_saved_bytes(net, fake_mode, inputs, mask_path(run, _attention_path(run)))
+
+
 def _traced_loss(resolved: ResolvedRun, device: str, substituted: Substitutions) -> ResolvedRun:
     """``--loss liger``/``cce`` for a CUDA target, traced as ``--loss chunked`` (their Triton kernels cannot
     run here). The analytic estimate prices all three alike (``activations.chunked_logits_terms``); Liger
@@ -733,7 +750,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     breakdown = _breakdown(config, traced, line, other)
     breakdown.notes[2:2] = substituted.notes()
     if run.compile:
-        from memfit.memory.compiled import compiled_saved_bytes, with_compiled_saved_set
+        from memfit.memory.compiled import with_compiled_saved_set
 
-        breakdown = with_compiled_saved_set(breakdown, line, compiled_saved_bytes(model, run))
+        breakdown = with_compiled_saved_set(breakdown, line, _compiled_saved(config, resolved, api))
     return (breakdown, line) if timeline else breakdown
