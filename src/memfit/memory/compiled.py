@@ -16,8 +16,10 @@ buffer reuse and fusion inside forward and backward (their transients) are not m
 of the saved set, the dominant term of the backward-start peak. For a CUDA target the graph is traced with the
 CPU's kernels (``memory/cuda_kernels.py``'s stand-ins are not applied inside it: their backward reads only
 shapes, so the partitioner would save nothing for them); with dropout in SDPA that over-counts the CPU's math
-path's T x T tensors. Measured against real CPU runs: see
-docs/train.md (``--compile``).
+path's T x T tensors. Measured against real CPU steps (Llama, hidden 64, 2 layers, vocab 384, B 4, T 64,
+AdamW fp32; ``measure.counted_compiled``): compiled 5,160,896 bytes measured, 5,333,948 predicted (+3.4%: the
+predicted peak is eager's forward peak, in the loss, which inductor's fused loss does not reach); eager
+5,720,988 measured, 5,723,036 predicted. ``bench/compile_cpu.py`` repeats it at hidden 128.
 """
 
 from __future__ import annotations
