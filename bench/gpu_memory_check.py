@@ -10,6 +10,9 @@ state), and compares it with
 - ``exact``:    ``memfit estimate --exact`` (``memory.trace.trace``, run on CPU in worker processes
   while the GPU measures).
 
+Then every item of docs/exact.md's "What only a GPU can check" (``bench/cuda_kernel_items.py``: the CUDA
+kernels' saved tensors the exact trace substitutes, and what it leaves out), in ``kernel_items``.
+
 Both predictors add an ``other`` term (CUDA context, cuBLAS workspace, allocator reserve) that
 ``max_memory_allocated`` does not see, so the error is computed on ``peak_bytes - other``: the
 bytes tensors hold at the peak, which is what the allocator counts. Error = (predicted - measured)
@@ -34,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import _device as dev  # noqa: E402
+import cuda_kernel_items  # noqa: E402
 from gpu import start_traces  # noqa: E402
 from memfit.settings.config import RunConfig  # noqa: E402
 
@@ -160,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run: nothing measured)"
     results = {"benchmark": "gpu_memory_check", "dry_run": args.dry_run, "machine": common.machine_info(),
                "device": device, "micro_batch": args.micro_batch, "steps": args.steps,
-               "seconds": time.perf_counter() - t_start, "rows": rows, "summary": summary(rows)}
+               "seconds": time.perf_counter() - t_start, "rows": rows, "summary": summary(rows),
+               # docs/exact.md "What only a GPU can check": each item, measured (GPU) vs memfit
+               "kernel_items": cuda_kernel_items.run_all(torch.cuda.is_available() and not args.dry_run)}
     common.write_json(args.out, results)
     print_table(results)
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,3 +273,25 @@ def test_gpu_sharding_check_dry_run(tmp_path):
     assert (row["config"], row["sharding"], row["processes"], row["device"]) == ("fsdp", "fsdp", 2, "cpu")
     assert len(row["measured_peak_bytes_per_rank"]) == 2 and all(m > 0 for m in row["measured_peak_bytes_per_rank"])
     assert results["worst_error"] == row["worst_error"] and abs(row["worst_error"]) <= 0.03  # tests/test_sharding_memory.py
+
+
+# --- docs/exact.md's GPU-only items: each has its check in bench/cuda_kernel_items.py ---------------------
+def test_every_gpu_only_item_of_the_docs_has_a_check_in_the_bench():
+    import cuda_kernel_items
+
+    docs = (BENCH.parent / "docs" / "exact.md").read_text()
+    section = docs.split("### What only a GPU can check", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^- `([a-z0-9-]+)`:", section, flags=re.M)
+    assert listed and set(listed) == set(cuda_kernel_items.ITEMS)
+
+
+def test_kernel_items_predict_without_a_gpu():
+    import cuda_kernel_items
+
+    rows = cuda_kernel_items.run_all(cuda=False)
+    assert not [name for name, row in rows.items() if "error" in row]
+    # flash: q, k, v, output (bf16) + fp32 log-sum-exp (B, n, T); memory-efficient fp32: rows padded to 32
+    b, n, t, d = cuda_kernel_items.B, cuda_kernel_items.N, cuda_kernel_items.T, cuda_kernel_items.D
+    assert rows["sdpa-flash"]["predicted"] == 4 * 2 * b * n * t * d + 4 * b * n * t
+    assert rows["sdpa-efficient-fp32"]["predicted"] == 4 * 4 * b * n * t * d + 4 * b * n * 1024
+    assert rows["dropout-mask"]["predicted"] == b * t * 768  # bool

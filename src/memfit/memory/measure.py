@@ -255,8 +255,12 @@ def _following_resizes(live: _LiveBytes) -> Iterator[None]:
         torch.UntypedStorage.resize_ = original
 
 
-def _counting_mode(live: _LiveBytes):
-    """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API)."""
+def _counting_mode(live: _LiveBytes, compiled: bool = False):
+    """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API).
+
+    ``compiled``: the mode says it ignores compile internals; otherwise Dynamo, finding a dispatch mode on the
+    stack, runs a compiled model eagerly (torch 2.13 ``convert_frame``), and an eager step would be counted.
+    """
     from memfit.memory.trace import dispatch_mode_base
 
     base = dispatch_mode_base()
@@ -264,6 +268,10 @@ def _counting_mode(live: _LiveBytes):
         return None
 
     class _Counting(base):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return compiled
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for tensor in _tensors(out):
@@ -284,8 +292,10 @@ class StepPeak:
     counted (the allocator's ``max_memory_allocated`` is exact and free).
     """
 
-    def __init__(self, device_type: str, steps_to_run: int) -> None:
+    def __init__(self, device_type: str, steps_to_run: int, compiled: bool = False) -> None:
         self.enabled = device_type == "cpu" and steps_to_run > 0
+        self.compiled = compiled
+        """``--compile``: also count the buffers inductor's generated code allocates (``counted_compiled``)."""
         self.target = min(steps_to_run, 3) if steps_to_run > 0 else 1
         self.calls = 0
         self.peak_bytes = 0
@@ -299,14 +309,14 @@ class StepPeak:
         if not self.enabled or self.calls != self.target:
             yield
             return
-        with counted(resident_tensors(model, optimizer, [*(b for batch in batches for b in batch.values()),
-                                                         *resident])) as live:
+        held = resident_tensors(model, optimizer, [*(b for batch in batches for b in batch.values()), *resident])
+        with (counted_compiled if self.compiled else counted)(held) as live:
             yield
         self.peak_bytes, self.measured_step = live.peak, step
 
 
 @contextlib.contextmanager
-def counted(resident=()) -> Iterator[_LiveBytes]:
+def counted(resident=(), compiled: bool = False) -> Iterator[_LiveBytes]:
     """Count the tensor peak of a block of real work (evaluation, a save, generation): ``resident`` (any
     tensors, nested in lists/tuples/dicts) counts as held at the start, plus every storage an operator
     creates inside, minus each one when it is freed. The yielded counter's ``.peak`` is the block's peak
@@ -314,7 +324,7 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
     real tensors); like it, it does not see kernels' scratch memory or allocator overhead.
     """
     live = _LiveBytes()
-    mode = _counting_mode(live)
+    mode = _counting_mode(live, compiled)
     for tensor in _tensors(resident):
         live.add(tensor)
     if mode is None:
@@ -322,6 +332,48 @@ def counted(resident=()) -> Iterator[_LiveBytes]:
         return
     with _following_resizes(live), mode:
         yield live
+
+
+@contextlib.contextmanager
+def counted_compiled(resident=()) -> Iterator[_LiveBytes]:
+    """``counted`` for compiled code (``--compile``), which also sees the buffers inductor allocates.
+
+    The Python wrapper inductor generates for a compiled graph allocates its buffers with
+    ``empty_strided_cpu`` (``torch._C._dynamo.guards._empty_strided_cpu``, bound into each generated module's
+    globals when it is loaded), below the dispatcher: ``counted``'s dispatch mode never sees them. While the
+    block runs, every loaded generated module (``torch._inductor.codecache.PyCodeCache.modules``) gets a
+    wrapper in that name that adds the new buffer to the same counter; its frees are seen as for any storage.
+    The step measured is the third, long after compilation, so every module is loaded by then.
+    """
+    with counted(resident, compiled=True) as live:
+        patched = _wrap_inductor_allocations(live)
+        try:
+            yield live
+        finally:
+            for module, original in patched:
+                module.empty_strided_cpu = original
+
+
+def _wrap_inductor_allocations(live: _LiveBytes) -> list:
+    """Wrap ``empty_strided_cpu`` in every loaded inductor module; return (module, original) to restore."""
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return []
+    patched = []
+    for module in list(getattr(PyCodeCache, "modules", [])):
+        original = getattr(module, "empty_strided_cpu", None)
+        if original is None:
+            continue
+
+        def empty_strided_cpu(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            live.add(out)
+            return out
+
+        module.empty_strided_cpu = empty_strided_cpu
+        patched.append((module, original))
+    return patched
 
 
 def resident_tensors(model, optimizer, extra=()) -> list:

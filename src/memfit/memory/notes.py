@@ -47,6 +47,9 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
     if run.num_processes > 1:
         lines.append(f"per-rank numbers for {run.num_processes} processes with {run.sharding.value}; activations "
                      "are never sharded.")
+    if run.compile:
+        lines.append("--compile: this analytic estimate prices eager autograd's saved tensors (inductor's min-cut "
+                     "partition usually saves fewer); --exact prices the compiled graph's.")
     if out.peak_bytes:
         lines.append(f"peak {fmt_gib(out.peak_bytes)} ({fmt_gb(out.peak_bytes)}) in the {out.phase} phase.")
     return lines

@@ -77,7 +77,8 @@ def host_bytes(spec, run: RunConfig) -> int:
 def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None):
     """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
     stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.
-    ``engine`` None: the launch's (``engines.estimator_engine``)."""
+    ``engine`` None: the launch's (``engines.estimator_engine``). ``--compile``: the exact trace with the
+    compiled graph's saved set (``memory/compiled.py``; the analytic recipes price eager autograd)."""
     from memfit.memory.estimate import estimate
 
     if engine is None:
@@ -86,6 +87,10 @@ def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
         Offload.PARAMS, Offload.OPTIMIZER) else run
+    if run.compile:
+        from memfit.memory.trace import trace
+
+        return with_rollback_snapshot(spec, run, trace(spec, held, device=device), device, engine)
     return with_rollback_snapshot(spec, run, estimate(spec, held, device=device, engine=engine), device, engine)
 
 

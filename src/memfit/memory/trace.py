@@ -30,11 +30,13 @@ Categories (same as the analytic estimate, see ``memory/breakdown.py``), derived
 - ``other`` = CUDA context, cuBLAS workspace and allocator reserve (``device="cuda"`` only), the same
   constants the analytic estimator uses, so the two compare on tensor bytes.
 
-What a CPU trace cannot see (the CUDA kernels are not run; see docs/exact.md): attention backends'
-exact saved tensors (CPU flash SDPA saves output + logsumexp like CUDA flash; mem-efficient pads
-logsumexp to 32 rows: at most 31*B*H*4 bytes per layer), CUDA's autocast fp32 op list (``pow``,
+For ``device="cuda"`` the kernels whose saved tensors differ on CUDA (SDPA with its flash and
+memory-efficient backends, with and without dropout; ``nn.Dropout``'s mask; Liger/CCE's fused loss, traced as
+the chunked one) run as CUDA-faithful stand-ins (``memory/cuda_kernels.py``), named in the notes. What a CPU
+trace still cannot see (docs/exact.md, "What only a GPU can check"): CUDA's autocast fp32 op list (``pow``,
 ``softmax``, ``layer_norm``... run in fp32 on CUDA but in the input dtype on CPU; HF decoders upcast
-explicitly, except GPT-2's ``gelu_new``), allocator block rounding (512 B) and fragmentation.
+explicitly, except GPT-2's ``gelu_new``), the attention kernels' backward workspaces, allocator block
+rounding (512 B) and fragmentation.
 
 Size: over 500 lines, with ``trace`` and ``_make_recorder`` over 60, because the tracer is the only user of
 torch's private dispatch and fake-tensor APIs: keeping every such call in one module keeps the
@@ -54,6 +56,7 @@ from memfit.builder import parts as build
 from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.memory.cuda_kernels import Substitutions, cuda_kernels
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.experts_trace import traceable_experts
 from memfit.settings.config import (
@@ -173,8 +176,9 @@ def _spec(model: Any, config):
     return spec_from_config(config, model if isinstance(model, str) else getattr(config, "model_type", "model"))
 
 
-def check_supported(run: RunConfig) -> None:
-    """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce."""
+def check_supported(run: RunConfig, device: str = "cpu") -> None:
+    """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce (``--loss liger``/``cce``
+    are traced for a CUDA target, as ``chunked``: ``_traced_loss``)."""
     if run.quantize is not Quantize.NONE:
         raise UserError("--quantize is not supported in exact mode (bitsandbytes kernels cannot run on fake "
                         "tensors); use the analytic estimate for QLoRA.")
@@ -183,9 +187,12 @@ def check_supported(run: RunConfig) -> None:
                         "on fake tensors); use the analytic estimate.")
     if run.offload not in (Offload.NONE, Offload.ACTIVATIONS):  # activations: memory/offload_trace.py
         raise UserError(f"--offload {run.offload} is not supported in exact mode; use the analytic estimate.")
-    if run.loss.value in ("liger", "cce"):
+    if run.loss.value in ("liger", "cce") and device != "cuda":
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")
+    if run.compile and (run.loss.value != "standard" or run.optimizer_in_backward or run.offload is not Offload.NONE):
+        raise UserError("--compile in exact mode prices the model's own loss with a plain step; drop --loss, "
+                        "--optimizer-in-backward and --offload, or use the analytic estimate.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
         raise UserError("Exact mode traces a single process; drop --num-processes/--sharding or use the analytic "
                         "estimate for per-rank numbers.")
@@ -611,6 +618,39 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
     )
 
 
+def _compiled_saved(config, resolved: ResolvedRun, api: dict) -> int:
+    """``--compile``: what the compiled forward saves (``memory.compiled``), on a fresh fake model of the run."""
+    import torch
+
+    from memfit.memory.compiled import compiled_saved_bytes, mask_path
+
+    run = resolved.run
+    net = _build_model(config, resolved)
+    fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
+    _to_fake(net, fake_mode)
+    vocab = int(net.get_output_embeddings().weight.shape[0])
+    with fake_mode:
+        ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
+        inputs = {"input_ids": ids, "labels": ids.clone(), **_packed_positions(run)}
+    return compiled_saved_bytes(net, fake_mode, inputs, mask_path(run, _attention_path(run)))
+
+
+def _traced_loss(resolved: ResolvedRun, device: str, substituted: Substitutions) -> ResolvedRun:
+    """``--loss liger``/``cce`` for a CUDA target, traced as ``--loss chunked`` (their Triton kernels cannot
+    run here). The analytic estimate prices all three alike (``activations.chunked_logits_terms``); Liger
+    differs in when it allocates (the gradients of the hidden states and the head's weight in forward, not
+    backward): docs/exact.md, "What only a GPU can check"."""
+    from dataclasses import replace
+
+    from memfit.settings.config import Loss
+
+    if device != "cuda" or resolved.run.loss not in (Loss.LIGER, Loss.CCE):
+        return resolved
+    substituted[f"loss:--loss {resolved.run.loss.value} traced as --loss chunked (the same chunked logits and "
+                "gradient buffers; Liger allocates the gradients in forward)"] += 1
+    return replace(resolved, run=resolved.run.replace(loss=Loss.CHUNKED))
+
+
 def _packed_positions(run: RunConfig) -> dict:
     """``position_ids`` of rows holding two documents each, as ``--packing documents`` gives the model
     (positions restart at 0; no attention mask), so transformers takes its packed-sequence path; the
@@ -710,13 +750,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     Known error: CPU kernels stand in for CUDA ones (see the module docstring); tensor bytes are exact
     for what the CPU kernels allocate, to the byte, without allocator rounding.
     """
-    check_supported(run)
+    check_supported(run, device)
     other_bytes(0, device)  # validates device before minutes of work
     api = _private_api()
     config = _hf_config(model)
     check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
     spec = _spec(model, config)
     resolved = resolve(spec, run)  # the run estimate and train build, asked once
+    substituted = Substitutions()
+    resolved = _traced_loss(resolved, device, substituted)
     from memfit.memory import preference_terms as pref
 
     run = pref.pair_forward_run(resolved.run)  # a preference method: one forward of chosen and rejected
@@ -743,10 +785,11 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with _attention_path(run), traceable_experts(), fake_mode:
+        with _attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode:
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
-    with _attention_path(run), traceable_experts(), fake_mode, tracker, recorder:
+    with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
+          tracker, recorder):
         if steps > 1 and not untracked_warm_up:
             with warnings.catch_warnings():
                 # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
@@ -756,6 +799,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         if run.optimizer_in_backward:
             optimizer.install_hooks()
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
+        substituted.new_step()  # count the reported step's calls only
         recorder.recording = True
         _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
@@ -768,4 +812,9 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     if ref_copy:
         breakdown.weights += ref_copy
         breakdown.phase_peaks = {k: v + ref_copy for k, v in breakdown.phase_peaks.items()}
+    breakdown.notes[2:2] = substituted.notes()
+    if run.compile:
+        from memfit.memory.compiled import with_compiled_saved_set
+
+        breakdown = with_compiled_saved_set(breakdown, line, _compiled_saved(config, resolved, api))
     return (breakdown, line) if timeline else breakdown

@@ -281,6 +281,12 @@ class RunConfig:
                                                              "(default: try both)."}})
     """DPO's reference policy: computed once over the data before training, instead of a frozen copy of the
     base (full fine-tune) or the base with the LoRA adapter switched off (LoRA) at every step."""
+    compile: bool = setting(False, resume="may-change", check="bool",
+                            commands=("estimate", "train"), click={"negatable": True},
+                            help="torch.compile the model (inductor; its C++ backend on CPU).")
+    """``torch.compile`` the model (Accelerate's dynamo plugin, inductor; the loss computed inside the model's
+    forward is compiled with it). Memory: ``memory/compiled.py``. The planner does not choose it (no measured
+    factor on GPUs to justify one). May change on resume: it changes how a step runs, not what it computes."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

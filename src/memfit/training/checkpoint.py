@@ -145,7 +145,7 @@ def export(accelerator, model, tokenizer, output: Path, *, merge: bool, base_is_
     into ``output`` (the run's ledger: what ``--overwrite`` may remove later).
     """
     accelerator.wait_for_everyone()
-    model = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    model = accelerator.unwrap_model(model, keep_fp32_wrapper=False, keep_torch_compile=False)
     if not accelerator.is_main_process:
         return []
     written = []

@@ -26,7 +26,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
     """Export, samples, summary and run files; returns the summary and the unwrapped model."""
     peak_mem = measure.peak(s.device, s.tensor_peak)
     rank_peaks = sharding.rank_peaks(s.accelerator, peak_mem.peak_bytes)
-    net = s.accelerator.unwrap_model(s.model)
+    net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)  # --compile: the module itself
     measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)
     with not_a_batch_problem("saving the model"):
         # Sharded: rank 0 exports (and samples from) a plain copy holding the gathered full weights.

@@ -108,7 +108,7 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
         return []
     from memfit.training.rollback import RngState
 
-    net = s.accelerator.unwrap_model(s.model)
+    net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)
     rng = RngState.capture()  # sampling seeds the generators; training goes on with the state it had
     try:
         out = generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs, count=count,

@@ -230,7 +230,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state,
                         predicted=predicted, bar=bar, source=source, guard=guard,
-                        tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step),
+                        tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step, run.compile),
                         in_backward=optimizer if run.optimizer_in_backward else None,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.state_dict),

@@ -105,6 +105,8 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
             log_with=config.tracker,
             project_dir=config.output,
             step_scheduler_with_optimizer=False,
+            # --compile: Accelerate's prepare() wraps the model in torch.compile (inductor)
+            dynamo_backend="inductor" if run.compile else None,
             **kwargs,
         )
     sharding.check_launch(run, accelerator.num_processes)

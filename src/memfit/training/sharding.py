@@ -409,7 +409,7 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     Collective for sharded runs: every rank must call it.
     """
     if not is_sharded(run):
-        return accelerator.unwrap_model(model)  # DDP's wrapper has no generate(): samples need the model
+        return accelerator.unwrap_model(model, keep_torch_compile=False)  # DDP's wrapper has no generate(): samples need the model
     if deepspeed_engine.active(accelerator):
         full = deepspeed_engine.full_state_dict(accelerator, model)
     else:
