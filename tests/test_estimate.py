@@ -237,7 +237,7 @@ def test_cli_bad_input(args, message):
 
 @pytest.mark.parametrize("content,message", [
     ('{"model_type": "nosuchtype", "hidden_size": 64}', "has model_type 'nosuchtype', which this transformers does not know"),
-    ('{"model_type": "llama", "hidden_size": "abc"}', "holds a config transformers cannot read: "),
+    ('{"model_type": "llama", "hidden_size": "abc"}', "has hidden_size = 'abc'; it must be a positive whole number"),
     ('"model_type"', "has no model_type"),
 ])
 def test_cli_unreadable_config_json_is_one_sentence(tmp_path, content, message):
