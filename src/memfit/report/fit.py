@@ -74,8 +74,9 @@ def _rendered_width(console: Console, table: Table) -> int:
 
 
 def _next_to_drop(cols: list[Col], rows: list[list[str] | None], keep: list[int]) -> int | None:
-    """The column to drop next: the highest priority number, then a key column constant over the rows;
-    never one whose loss would make two rows' keys equal."""
+    """The column to drop next: the highest priority number, then a key column constant over the rows,
+    then the widest key column the rest still tell apart; never one whose loss would make two rows' keys
+    equal."""
     body = [row for row in rows if row is not None]
     keys = [i for i in keep if cols[i].key]
 
@@ -90,7 +91,12 @@ def _next_to_drop(cols: list[Col], rows: list[list[str] | None], keep: list[int]
     if ranked:
         return max(ranked, key=lambda i: (cols[i].priority, i))
     constant = [i for i in keep if cols[i].key and cols[i].name and len({row[i] for row in body}) == 1]
-    return constant[-1] if constant else None
+    if constant:
+        return constant[-1]
+    # last resort, rather than cutting cells with an ellipsis: a key column the others still tell the rows
+    # apart without (its values stay in --json and the line naming the choice); the widest, never the method
+    spare = [i for i in keep if cols[i].key and cols[i].name and cols[i].name != "method" and harmless(i)]
+    return max(spare, key=lambda i: (max(len(row[i]) for row in body), i)) if spare else None
 
 
 def dropped_note(dropped: list[str]) -> str | None:
