@@ -184,7 +184,7 @@ def test_the_packed_file_key_changes_with_the_packer_source(tmp_path, monkeypatc
 
     first = pack()
     assert pack() == first and len(first) == 1  # the same packer: the same file, reused
-    edited = tmp_path / "data/packing.py"
+    edited = tmp_path / "packing.py"
     edited.write_text(open(memfit.data.packing.__file__).read() + "\n# changed\n")
     monkeypatch.setattr(memfit.data.packing, "__file__", str(edited))
     assert len(pack()) == 2
