@@ -306,6 +306,20 @@ def test_terminal_escapes_in_a_field_name_are_shown_escaped(tmp_path, inputs):
     assert "\\x1b[31mred" in line
 
 
+def test_terminal_escapes_in_a_previewed_record_and_an_output_path_are_shown_escaped(tmp_path):
+    """A record's own text carries an escape sequence: ``data preview`` shows it (escaped, lines kept); a file
+    name with one, echoed by ``plan --accelerate-config``, likewise."""
+    data = tmp_path / "esc.jsonl"
+    data.write_text(json.dumps({"text": "a \x1b[31mred\x1b[0m line"}) + "\n")
+    result = _run(["data", "preview", "--data", str(data)])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\\x1b[31mred" in result.output
+    target = tmp_path / "acc\x1b[2J.yaml"
+    result = _run(["plan", "tiny", "--budget", "1GiB", "--accelerate-config", str(target)])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "acc\\x1b[2J.yaml" in result.output and target.is_file()
+
+
 def test_ctrl_c_during_tokenization_removes_the_run_and_exits_130(tmp_path, inputs, monkeypatch):
     import memfit.data.arrow as data_arrow
 

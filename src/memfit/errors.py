@@ -27,3 +27,12 @@ def printable(text: str) -> str:
     """``text`` with every terminal control character escaped (``\\x1b[31m`` shown, not obeyed); a line
     break inside a value is escaped too, so an echoed sentence stays one line."""
     return str(text).translate(_CONTROLS)
+
+
+_CONTROLS_KEEP_LINES = {c: v for c, v in _CONTROLS.items() if chr(c) not in "\n\t"}
+
+
+def printable_lines(text: str) -> str:
+    """``printable`` for text shown as lines (a previewed record): line breaks and tabs kept, every other
+    control character escaped."""
+    return str(text).translate(_CONTROLS_KEEP_LINES)

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from memfit.cli.data_options import data_options
+from memfit.errors import printable, printable_lines
 
 EPILOG = """\b
 Examples:
@@ -43,8 +44,9 @@ def preview(**kwargs: Any) -> None:
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"{result['where']} ({result['format']}): {result['tokens']} tokens, {result['targets']} with loss")
-    click.echo(result["marked"])
+    click.echo(f"{printable(result['where'])} ({result['format']}): {result['tokens']} tokens, "
+               f"{result['targets']} with loss")
+    click.echo(printable_lines(result["marked"]))  # the record's own text: its control characters shown, not obeyed
 
 
 for _opt in reversed(data_options()):

@@ -10,7 +10,7 @@ import click
 
 from memfit.cli.interop import from_options, read_from
 from memfit.cli.options import explicit, flags, memory_options, with_options
-from memfit.errors import UserError
+from memfit.errors import UserError, printable
 from memfit.files import write_text_atomic
 from memfit.settings.config import Offload, TrainConfig
 from memfit.settings.defaults import SHAPES
@@ -122,12 +122,12 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
         show_reading(Console(), reading)
     if emit:
-        click.echo(f"Wrote {emit[1]} ({emit[0]} config of the chosen plan).")
+        click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
     click.echo("Launch:\n" + launch.shell_lines(command_line))
     if accelerate_config:
-        click.echo(f"Wrote {accelerate_config} (Accelerate config).")
+        click.echo(f"Wrote {printable(accelerate_config)} (Accelerate config).")
     elif "accelerate launch" in command_line:
-        click.echo(f"(add --accelerate-config {config_file} to write the file it names.)")
+        click.echo(f"(add --accelerate-config {printable(config_file)} to write the file it names.)")
 
 
 def _search(spec, budget, maximize: str | None, shape: dict):

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from memfit.cli.options import explicit, flags, memory_options, with_options
+from memfit.errors import printable
 from memfit.settings.config import RunConfig, TrainConfig, check_lora_options
 from memfit.settings.defaults import SHAPES
 
@@ -54,7 +55,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     typed = explicit(ctx, kwargs)
     from_file = _read_yaml(config_file) if config_file else {}
     if from_file.get("trust_remote_code") is True and "trust_remote_code" not in typed:
-        click.echo(f"warning: {config_file} turns on trust_remote_code: the model folder's own Python code will "
+        click.echo(f"warning: {printable(config_file)} turns on trust_remote_code: the model folder's own Python code will "
                    "run; remove it from the file unless you trust that code.", err=True)
     if from_file:  # every value in the file is checked, even one a typed flag overrides
         TrainConfig.from_flat({**kwargs, **from_file})
