@@ -129,6 +129,16 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
             # functions keep their inputs as ctx attributes until the graph is freed
             # (memory.quantized.int8_input_groups), through the optimizer step and the next forward otherwise.
             del value
+    grad_norm = _clip_and_step(accelerator, model, optimizer, snapshot, max_grad_norm, in_backward)
+    total = float(accelerator.reduce(loss_sum, reduction="sum"))
+    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
+                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
+
+
+def _clip_and_step(accelerator, model, optimizer, snapshot: OptimizerSnapshot, max_grad_norm: float,
+                   in_backward) -> float | None:
+    """After the micro-batches: clip (not when the optimizer stepped inside backward), step, zero the
+    gradients; the gradient norm, or None when not clipped. Shared by the SFT and preference steps."""
     grad_norm = None
     if max_grad_norm > 0 and in_backward is None:
         with phase("clip"):
@@ -136,9 +146,7 @@ def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_n
     with phase("optimizer", snapshot), snapshot.guard(optimizer):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    total = float(accelerator.reduce(loss_sum, reduction="sum"))
-    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
-                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
+    return grad_norm
 
 
 @dataclass
@@ -180,13 +188,7 @@ def _preference_step(accelerator, model, optimizer, batches, pref: PreferenceRun
             loss_sum += value.detach().float()
             stats += micro_stats.float()
             del value
-    grad_norm = None
-    if max_grad_norm > 0 and in_backward is None:
-        with phase("clip"):
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-    with phase("optimizer", snapshot), snapshot.guard(optimizer):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = _clip_and_step(accelerator, model, optimizer, snapshot, max_grad_norm, in_backward)
     total = float(reduce(loss_sum))
     pairs, correct, margin, chosen, rejected = reduce(stats).tolist()
     local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
