@@ -15,30 +15,15 @@ import signal
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from _train_helpers import TINY_LLAMA, write_model, write_qa, write_text
-from memfit.cli import cli
-
-
-def _run(args):
-    return CliRunner().invoke(cli, args)
+from test_faults import _one_sentence, _run
+from test_faults import _train as train_args
 
 
 def _train(model, data, output, *extra):
-    return ["train", "--model", str(model), "--tokenizer", "byte", "--data", str(data), "--seq-len", "32",
-            "--micro-batch", "2", "--max-steps", "1", "--eval-every", "0", "--samples", "0", "--no-packing",
-            "--optimizer", "adamw", "--output", str(output), *extra]
-
-
-def _one_sentence(result, pattern, *, code=1):
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.output
-    assert pattern in lines[0], lines[0]
-    return lines[0]
+    """test_faults' train command, one step (click keeps the last ``--max-steps``)."""
+    return train_args(model, data, output, "--max-steps", "1", *extra)
 
 
 @pytest.fixture
