@@ -262,6 +262,11 @@ def update(path: Path) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if sys.argv[1:2] == ["--print"]:  # one command's output, in a process of its own (tests/test_docs.py)
+        import json
+
+        sys.stdout.write(run(json.loads(sys.argv[2])))
+        sys.exit(0)
     only = {Path(arg).resolve() for arg in sys.argv[1:]}  # python scripts/doc_outputs.py [FILE.md ...]
     for file in doc_files():
         if only and file.resolve() not in only:
