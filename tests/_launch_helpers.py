@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +29,34 @@ def gloo_launch(*target: str, nproc: int = 2, timeout: int = 400, env: dict | No
     if nproc > 1:
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                    "--master_port", str(free_port())]
-    return subprocess.run([*launch, *target], env=env, capture_output=True, text=True, timeout=timeout,
-                          **run_kwargs)
+    # in a session of its own, so that an ended test session can stop it with its workers (stop_launches)
+    with subprocess.Popen([*launch, *target], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **run_kwargs) as proc:
+        RUNNING.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise
+        finally:
+            RUNNING.discard(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+#: Launches under way (background ones included: ``conftest.gloo_runs``).
+RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def stop_launches() -> None:
+    """Stop every launch still running (the test session ended before it did), its workers included."""
+    for proc in list(RUNNING):
+        _stop(proc)
 
 
 def last_json_line(stdout: str) -> dict:

@@ -37,13 +37,79 @@ def tiny_llama_config():
 
 
 @pytest.fixture(scope="session")
-def gloo_runs(request, tmp_path_factory):
+def gloo_runs(request):
     """``{name: CaseRun}``: the 2-process cases of ``_gloo_cases`` that this session's tests ask for
-    (``@pytest.mark.launch_cases(NAME, ...)``), run one after the other in ONE torchrun."""
+    (``@pytest.mark.launch_cases(NAME, ...)``), run one after the other in ONE torchrun, started in the
+    background when collection ends (``pytest_collection_finish``) so it overlaps the tests before."""
+    if _GLOO_LAUNCH.get(request.session) is None:  # a session that started none (not expected): start now
+        _start_gloo_launch(request.session)
+    return _GLOO_LAUNCH[request.session].result()
+
+
+_GLOO_LAUNCH: dict = {}
+
+
+def _start_gloo_launch(session) -> None:
+    """Write the wanted cases' inputs here (they seed torch: never in a thread beside running tests), then
+    run their one torchrun in a thread: the launch itself is a subprocess."""
+    import shutil
+    import threading
+    from concurrent.futures import Future
+    from pathlib import Path
+
     import _gloo_cases
     from _launch_helpers import launch_cases
 
-    wanted = {name for item in request.session.items for mark in item.iter_markers("launch_cases")
-              for name in mark.args}
-    root = tmp_path_factory.mktemp("gloo-cases")
-    return launch_cases(_gloo_cases.build(sorted(wanted), root), root)
+    wanted = {name for item in session.items for mark in item.iter_markers("launch_cases") for name in mark.args}
+    future: Future = Future()
+    _GLOO_LAUNCH[session] = future
+    if not wanted:
+        future.set_result({})
+        return
+    root = Path(tempfile.mkdtemp(prefix="memfit-gloo-cases-"))
+    session.config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    cases = _gloo_cases.build(sorted(wanted), root)
+
+    def launch():
+        try:
+            future.set_result(launch_cases(cases, root))
+        except BaseException as exc:  # noqa: BLE001 - raised in the tests that read the launch
+            future.set_exception(exc)
+
+    threading.Thread(target=launch, daemon=True, name="gloo-cases").start()
+
+def _doc_train_argv(item) -> list[str] | None:
+    """The argv of a ``tests/test_docs.py`` case that runs ``memfit train``, else None."""
+    callspec = getattr(item, "callspec", None)
+    if item.module.__name__ != "test_docs" or callspec is None:
+        return None
+    argv = callspec.params.get("argv")
+    return argv if argv and argv[0] == "train" else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The documented train runs' checks go last, so their background runs (below) overlap the suite."""
+    items.sort(key=lambda item: _doc_train_argv(item) is not None)  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    """Start the shared 2-process launch and the documented train runs (``tests/_doc_train_runs.py``, longest
+    first) in the background: they are subprocesses, and overlap the tests that run meanwhile."""
+    if session.config.option.collectonly:
+        return
+    _start_gloo_launch(session)
+    argvs = [argv for item in session.items if (argv := _doc_train_argv(item)) is not None]
+    if argvs:
+        from _doc_train_runs import TRAIN_OUTPUTS
+
+        TRAIN_OUTPUTS.start(sorted(argvs, key=lambda argv: "--max-steps" in argv))  # the 300-step demo first
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    """Stop what the background started and the session did not wait for (an early stop: -x, Ctrl-C)."""
+    if "_doc_train_runs" in sys.modules:
+        sys.modules["_doc_train_runs"].TRAIN_OUTPUTS.stop()
+    if "_launch_helpers" in sys.modules:
+        sys.modules["_launch_helpers"].stop_launches()

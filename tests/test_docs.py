@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from _doc_train_runs import TRAIN_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "scripts" / "doc_outputs.py")
@@ -35,14 +34,20 @@ def test_the_docs_show_command_outputs():
 
 @functools.cache
 def _fresh(argv_key: tuple[str, ...]) -> str:
-    """The command's output now. ``train`` runs in a process of its own: run in-process after the rest of the
-    suite, the demo printed something else than when run alone (seen twice in fresh-clone CI, never alone)."""
+    """The command's output now. ``train`` runs in a process of its own, started in the background when
+    collection ends (``tests/_doc_train_runs.py``): run in-process after the rest of the suite, the demo
+    printed something else than when run alone (seen twice in fresh-clone CI, never alone)."""
     argv = list(argv_key)
     if argv[0] != "train":
         return doc_outputs.run(argv)
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "doc_outputs.py"), "--print", json.dumps(argv)],
-                          capture_output=True, text=True, check=True)
-    return done.stdout
+    return TRAIN_OUTPUTS.output(argv)
+
+
+def _first_difference(shown: str, fresh: str, argv: list[str]) -> str:
+    """Where the normalised texts part, with some context: what CI prints when a doc disagrees."""
+    want, got = (doc_outputs.normalise(doc_outputs.shown_part(shown)[0], argv), doc_outputs.normalise(fresh, argv))
+    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+    return f"docs:  ...{want[max(0, at - 150): at + 150]!r}\nfresh: ...{got[max(0, at - 150): at + 150]!r}"
 
 
 @pytest.mark.parametrize("where, argv, shown", CASES, ids=[f"{c[0]}: memfit {' '.join(c[1])}" for c in CASES])
@@ -50,7 +55,7 @@ def test_doc_output_matches_the_tool(where, argv, shown):
     fresh = _fresh(tuple(argv))
     assert doc_outputs.agrees(shown, fresh, argv), (
         f"{where} shows an output of `memfit {' '.join(argv)}` that the tool no longer prints; "
-        "run `python scripts/doc_outputs.py` and review the diff")
+        "run `python scripts/doc_outputs.py` and review the diff\n" + _first_difference(shown, fresh, argv))
     assert "…" not in fresh  # nothing cut at 80 columns
     # and nothing wider than the terminal (a one-sentence error is a single line the terminal wraps)
     assert all(len(line) <= doc_outputs.WIDTH for line in fresh.splitlines()
