@@ -40,7 +40,7 @@ EXPECTED = {
     "torchtune_1B_full_single_device.yaml": ("torchtune", "llama-3.2-1b", dict(
         lora_r=0, optimizer_in_backward=True, optimizer="adamw-8bit", packing="documents")),
     "trl_sft_lora.yaml": ("trl", "qwen2.5-0.5b", dict(
-        lora_r=32, seq_len=1024, packing="documents", loss="chunked", mixed_precision="bf16", dtype="fp32")),
+        lora_r=32, seq_len=1024, packing="documents", loss="trl", mixed_precision="bf16", dtype="fp32")),
     "trl_sft_full_packing.yaml": ("trl", "smollm2-135m", dict(
         lora_r=0, dtype="bf16", micro_batch=8, grad_accum=2, optimizer="adamw-fused")),
     "trainer_args.json": ("trl", None, dict(
