@@ -68,3 +68,19 @@ def test_the_trl_buffer_is_priced_at_its_full_width_whatever_the_vocabulary(tiny
     trl_peak = estimate(spec, run, device="cpu").peak_bytes
     chunked_peak = estimate(spec, run.replace(loss="chunked"), device="cpu").peak_bytes
     assert trl_peak - chunked_peak > 4 * 63 * 4 * 32768 * 0.9  # B (T-1) rows x 32,768 fp32 columns
+
+
+def test_memfit_train_and_exact_mode_refuse_trls_head_in_one_sentence():
+    """TRL's head is priced analytically; memfit's own step (train, the exact trace) does not run it."""
+    from click.testing import CliRunner
+
+    from _train_helpers import assert_one_sentence
+    from memfit.cli import cli
+    from memfit.errors import UserError
+    from memfit.settings.config import RunConfig
+    from memfit.spec.losses import check_loss_runnable
+
+    with pytest.raises(UserError, match="memfit train does not run"):
+        check_loss_runnable(RunConfig(loss="trl"), cuda=False)
+    result = CliRunner().invoke(cli, ["estimate", "tiny", "--loss", "trl", "--exact", "--device", "cpu"])
+    assert_one_sentence(result, "--loss trl prices TRL's SFTTrainer")

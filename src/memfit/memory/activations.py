@@ -563,7 +563,8 @@ def logits_terms(spec, run: RunConfig, prec: Precisions, device: str = "cuda") -
     if str(run.loss) == "trl":  # TRL's SFTTrainer: its fused LM head (memory/trl_head.py)
         from memfit.memory.trl_head import trl_logits_terms
 
-        return trl_logits_terms(spec, run, prec, device)
+        forward, backward = trl_logits_terms(spec, run, prec, device)
+        return LogitsTerms(forward=forward, backward=backward)
     if str(run.loss) != "standard":
         return chunked_logits_terms(spec, run, prec)
     if str(run.method) != "sft":  # the preference loss reads the logits itself (memory/preference_terms.py)

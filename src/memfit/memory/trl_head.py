@@ -48,8 +48,9 @@ def scored_tokens(run: RunConfig) -> int:
     return run.micro_batch * max(run.seq_len - 1, 1)
 
 
-def trl_logits_terms(spec, run: RunConfig, prec, device: str):
-    """Bytes of SFTTrainer's fused LM head and loss at forward's peak and backward's start (``LogitsTerms``).
+def trl_logits_terms(spec, run: RunConfig, prec, device: str) -> tuple[int, int]:
+    """Bytes of SFTTrainer's fused LM head and loss at forward's peak and backward's start (``activations``
+    makes them its ``LogitsTerms``).
 
     ``N`` scored tokens, ``n = min(N, 4096)`` per tile, ``v = min(V, 32768)`` columns used per tile, ``c`` the
     compute dtype (autocast's, else the weights'). Forward: the backbone's last hidden state (alive until the
@@ -60,8 +61,6 @@ def trl_logits_terms(spec, run: RunConfig, prec, device: str):
     with 16-bit compute, ``_addmm_fp32``'s fp32 copies of a tile and a weight tile (``4 n v + 4 v H``).
     Source and known error: the module docstring.
     """
-    from memfit.memory.activations import LogitsTerms
-
     tokens, hidden, vocab = scored_tokens(run), spec.hidden_size, spec.vocab_size
     rows, cols = min(tokens, TOKEN_TILE), min(vocab, VOCAB_TILE)
     buffer = rows * VOCAB_TILE * prec.c
@@ -73,4 +72,4 @@ def trl_logits_terms(spec, run: RunConfig, prec, device: str):
     copies = FP32 * rows * cols + FP32 * cols * hidden if prec.c != FP32 else 0
     fold = max(BACKWARD_FOLD * rows * cols, copies) if cpu else 0
     backward = 16 * tokens + grads + buffer + weight_cast + fold
-    return LogitsTerms(forward=int(forward), backward=int(backward))
+    return int(forward), int(backward)
