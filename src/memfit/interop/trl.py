@@ -33,6 +33,8 @@ from memfit.interop.common import (
 )
 
 NAME = "trl"
+#: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
+DEEPSPEED = frozenset({"zero3"})
 
 #: Keys only SFTConfig/ModelConfig have (a file with one of them is a TRL file: SFTConfig's defaults apply).
 SFT_KEYS = frozenset({

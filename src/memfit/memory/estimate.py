@@ -455,7 +455,8 @@ def classic_regimes(run: RunConfig) -> list[tuple[str, RunConfig]]:
     return out
 
 
-def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") -> list[tuple[str, MemoryBreakdown]]:
-    """``estimate`` for each of ``classic_regimes(run)``."""
+def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
+            engine: str = "fsdp2") -> list[tuple[str, MemoryBreakdown]]:
+    """``estimate`` for each of ``classic_regimes(run)`` (``engine``: as ``estimate``'s)."""
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
-    return [(name, estimate(spec, cfg, device=device)) for name, cfg in classic_regimes(run)]
+    return [(name, estimate(spec, cfg, device=device, engine=engine)) for name, cfg in classic_regimes(run)]
