@@ -85,12 +85,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
     adapt = engine_of = None
-    if emit or reading is not None:
+    if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
         import memfit
-        from memfit.interop import engine_of as tool_engine
 
-        adapt = memfit.config_realizer(emit[0] if emit else reading.tool)
-        engine_of = tool_engine(emit[0] if emit else reading.tool)
+        tool = emit[0] if emit else reading.tool
+        adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
