@@ -40,7 +40,7 @@ EXPECTED = {
     "torchtune_1B_full_single_device.yaml": ("torchtune", "llama-3.2-1b", dict(
         lora_r=0, optimizer_in_backward=True, optimizer="adamw-8bit", packing="documents")),
     "trl_sft_lora.yaml": ("trl", "qwen2.5-0.5b", dict(
-        lora_r=32, seq_len=1024, packing="documents", loss="chunked", mixed_precision="bf16", dtype="fp32")),
+        lora_r=32, seq_len=1024, packing="documents", loss="trl", mixed_precision="bf16", dtype="fp32")),
     "trl_sft_full_packing.yaml": ("trl", "smollm2-135m", dict(
         lora_r=0, dtype="bf16", micro_batch=8, grad_accum=2, optimizer="adamw-fused")),
     "trainer_args.json": ("trl", None, dict(
@@ -132,3 +132,53 @@ def test_plan_from_searches_only_what_the_tool_runs(tmp_path):
     assert result.exit_code == 0, result.output
     configs = [p["config"] for p in json.loads(result.output)["plans"]]
     assert configs and all(c["mixed_precision"] == "no" and c["lora_r"] == 0 for c in configs)
+
+
+def test_deepspeed_settings_are_priced_with_memfits_deepspeed_layout(tmp_path):
+    """A DeepSpeed config referenced by a TRL file (stage and offload read from the JSON beside it) is estimated
+    with memfit's DeepSpeed ZeRO layout, not FSDP2's; a file named after its stage reads as that stage."""
+    from memfit.memory.estimate import estimate
+
+    (tmp_path / "ds_z3.json").write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}}, "train_micro_batch_size_per_gpu": "auto"}))
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: HuggingFaceTB/SmolLM2-135M\nmax_length: 512\n"
+                    "per_device_train_batch_size: 2\ndeepspeed: ds_z3.json\n")
+    reading = read(path)
+    assert reading.engine == "deepspeed"
+    assert (str(reading.run.sharding), str(reading.run.offload)) == ("zero3", "optimizer")
+    payload = json.loads(_run("estimate", "--from", path, "--num-processes", "4", "--json").output)
+    assert payload["from"]["engine"] == "deepspeed" and payload["breakdown"]["optimizer"] == 0
+    run = reading.run.replace(num_processes=4)
+    ours = estimate(reading.spec(), run, engine="deepspeed").peak_bytes
+    assert payload["peak_bytes"] == ours != estimate(reading.spec(), run, engine="fsdp2").peak_bytes
+    assert read(DATA / "llamafactory_full_sft.yaml").engine == "deepspeed"  # ds_z3_config.json, by its name
+
+
+def test_the_process_count_is_read_where_the_file_states_it_else_assumed_in_a_sentence(tmp_path):
+    source = (DATA / "torchtune_1B_lora_single_device.yaml").read_text()
+    stated = tmp_path / "distributed.yaml"
+    stated.write_text("# To launch on 2 devices, run the following command from root:\n"
+                      "#   tune run --nproc_per_node 2 lora_finetune_distributed --config llama3_2/1B_lora\n" + source)
+    reading = read(stated)
+    assert reading.run.num_processes == 2 and reading.processes_stated
+    assert any(line.startswith("processes: 2") for line in reading.priced)
+    assert not any(line.startswith("processes:") for line in reading.unmapped_for())
+    plain = json.loads(_run("estimate", "--from", DATA / "torchtune_1B_lora_single_device.yaml",
+                            "--num-processes", "4", "--json").output)
+    assumed = [line for line in plain["from"]["unmapped"] if line.startswith("processes:")]
+    assert assumed == ["processes: the file does not say how many processes the launch starts; priced per rank on "
+                       "4 (--num-processes), replicated (DDP)."]
+
+
+def test_a_deepspeed_plan_emitted_for_trl_reads_back_to_the_same_prediction(tmp_path):
+    """TRL runs ZeRO-3 through DeepSpeed: the planner prices that candidate with DeepSpeed's layout, as the
+    emitted file's estimate does."""
+    out = tmp_path / "plan.yaml"
+    planned = _run("plan", "--from", DATA / "llamafactory_full_sft.yaml", "--budget", "80GiB", "--seq-len", "1024",
+                   "--num-processes", "4", "--sharding", "zero3", "--emit", "trl", out, "--json", "--top", "1")
+    assert planned.exit_code == 0, planned.output
+    best = json.loads(planned.output)["plans"][0]
+    assert best["config"]["sharding"] == "zero3" and read(out).engine == "deepspeed"
+    estimated = json.loads(_run("estimate", "--from", out, "--num-processes", "4", "--json").output)
+    assert estimated["peak_bytes"] == best["peak_bytes"]

@@ -10,7 +10,8 @@ Public API (each is what one CLI subcommand calls):
 - ``train(config)``: train on Accelerate and report measured against predicted memory (``train.loop``).
 - ``read_config(path)`` / ``write_config(tool, path, model, run)``: another tool's training configuration
   (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit run, or a run written as one
-  (``interop``); ``config_realizer(tool)``: a planner candidate as that tool runs it.
+  (``interop``); ``config_realizer(tool)``: a planner candidate as that tool runs it; ``config_engine(tool)``:
+  the engine (FSDP2 or DeepSpeed) it runs that candidate's sharding on.
 
 Imports are lazy so that ``import memfit`` and ``memfit --help`` stay fast (torch is not loaded).
 """
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from memfit.integrations.versions import MEMFIT as __version__
 
-__all__ = ["__version__", "estimate", "trace", "plan", "maximize", "train", "read_config", "write_config", "config_realizer"]
+__all__ = ["__version__", "estimate", "trace", "plan", "maximize", "train", "read_config", "write_config",
+           "config_realizer", "config_engine"]
 
 #: Public names of ``memfit.interop``: ``memfit.read_config`` is ``interop.read``, and so on.
-_INTEROP = {"read_config": "read", "write_config": "emit", "config_realizer": "realize"}
+_INTEROP = {"read_config": "read", "write_config": "emit", "config_realizer": "realize", "config_engine": "engine_of"}
 
 
 def __getattr__(name: str):

@@ -76,12 +76,13 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
+    engine = reading.engine if reading is not None else "fsdp2"  # a DeepSpeed launch: its own layout
     if compare:
-        rows = compare_regimes(spec, run, device=device)
+        rows = compare_regimes(spec, run, device=device, engine=engine)
     elif exact:
         rows = [("exact", _exact(model, spec, run, device, timeline_path))]
     else:
-        rows = [("analytic", estimate(spec, run, device=device))]
+        rows = [("analytic", estimate(spec, run, device=device, engine=engine))]
     if plot_path:
         from memfit.report.plots import plot_breakdowns
 
@@ -107,7 +108,7 @@ def _exact(model, spec, run, device, timeline_path):
 
 def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
     if as_json:
-        payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict()} if reading else {})}
+        payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict(run)} if reading else {})}
         if compare:
             payload["regimes"] = [{"name": name, "config": _regime_config(run, name), **b.to_dict()}
                                   for name, b in rows]
@@ -140,7 +141,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
     if reading is not None:
-        show_reading(console, reading)
+        show_reading(console, reading, run)
     if plot_path:
         console.print(f"plot written to {plot_path}")
 

@@ -33,16 +33,18 @@ def read_from(path, fmt):
     return memfit.read_config(path, fmt)
 
 
-def show_reading(console, reading) -> None:
-    """What was read from the file, how the tool's own behaviour was priced, and what could not be mapped."""
+def show_reading(console, reading, run=None) -> None:
+    """What was read from the file, how the tool's own behaviour was priced, and what could not be mapped
+    (``run``: the run priced, flags typed over the file, whose process count is stated when the file has none)."""
     console.print(f"Read {reading.path} ({reading.tool} configuration; model: {reading.model}).", highlight=False)
     if reading.priced:
         console.print("Priced as the tool runs it:")
         for line in reading.priced:
             console.print(f"  [dim]- {line}[/]", highlight=False)
-    if reading.unmapped:
-        console.print("Not mapped (the estimate leaves these out):")
-        for line in reading.unmapped:
+    unmapped = reading.unmapped_for(run)
+    if unmapped:
+        console.print("Not mapped (the estimate leaves these out, or assumes them):")
+        for line in unmapped:
             console.print(f"  - {line}", highlight=False)
     else:
         console.print("Every memory setting of the file was mapped.")

@@ -84,11 +84,12 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         seq_len, batch, num_processes, pins = _shape_from(reading, seq_len, batch, num_processes, pins)
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-    adapt = None
-    if emit or reading is not None:
+    adapt = engine_of = None
+    if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
         import memfit
 
-        adapt = memfit.config_realizer(emit[0] if emit else reading.tool)
+        tool = emit[0] if emit else reading.tool
+        adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     constraints = Constraints.from_flat(pins)
     device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
@@ -98,7 +99,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
-                     gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method))
+                     gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method,
+                     engine_of=engine_of))
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
@@ -120,7 +122,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
 
         from memfit.cli.interop import show_reading
 
-        show_reading(Console(), reading)
+        show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
     click.echo("Launch:\n" + launch.shell_lines(command_line))
@@ -141,7 +143,7 @@ def _search(spec, budget, maximize: str | None, shape: dict):
         from memfit import maximize as search_largest
 
         return search_largest(spec, budget, maximize, **{k: v for k, v in shape.items()
-                                                          if k not in ("batch", "adapt", "method")})
+                                                          if k not in ("batch", "adapt", "method", "engine_of")})
     return plan(spec, budget, **shape)
 
 

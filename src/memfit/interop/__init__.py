@@ -1,7 +1,7 @@
 """Other tools' training configurations as memfit runs: read (``estimate --from``, ``plan --from``), written
 (``plan --emit``), and a callback for transformers' Trainer (``memfit.interop.callback``).
 
-One module per tool, each with ``NAME``, ``detect(data)``, ``read(path, data) -> Reading``,
+One module per tool, each with ``NAME``, ``DEEPSPEED`` (the shardings it runs through DeepSpeed), ``detect(data)``, ``read(path, data) -> Reading``,
 ``emit(model, run, source) -> dict`` and ``realize(run)`` (a planner candidate as that tool would run it,
 or None where it cannot). The tools themselves are never imported: their files are read from their
 documented schemas.
@@ -20,7 +20,7 @@ from memfit.interop.common import Reading, check_model, load_file
 TOOLS = {m.NAME: m for m in (torchtune, axolotl, llamafactory, trl)}
 FORMATS = tuple(TOOLS)
 
-__all__ = ["FORMATS", "TOOLS", "Reading", "check_model", "detect", "emit", "read", "realize"]
+__all__ = ["FORMATS", "TOOLS", "Reading", "check_model", "detect", "emit", "engine_of", "read", "realize"]
 
 
 def detect(path: str | Path, data: dict) -> str:
@@ -43,6 +43,14 @@ def read(path: str | Path, fmt: str | None = None) -> Reading:
 def realize(tool: str):
     """The tool's ``realize``: a planner candidate as it runs it."""
     return TOOLS[tool].realize
+
+
+def engine_of(tool: str):
+    """The engine ``tool`` runs a candidate's sharding on (``memory.deepspeed_layout.ENGINES``): DeepSpeed for the
+    shardings its ``emit`` writes as a DeepSpeed config, else FSDP2; for the planner, so that a plan written as
+    that tool's config reads back to the same prediction."""
+    deepspeed = TOOLS[tool].DEEPSPEED
+    return lambda run: "deepspeed" if str(run.sharding) in deepspeed else "fsdp2"
 
 
 def emit(tool: str, path: str | Path, model: str, run, source: Reading | None = None, header: str = "") -> None:

@@ -27,6 +27,8 @@ from memfit.interop.common import (
 )
 
 NAME = "axolotl"
+#: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
+DEEPSPEED = frozenset({"zero3"})
 
 #: Axolotl's own optimizers beside Trainer's (docs/optimizers.qmd).
 OWN_OPTIMIZERS = ("ao_adamw_8bit", "ao_adamw_4bit", "ao_adamw_fp8", "adopt_adamw", "muon", "came_pytorch",

@@ -60,10 +60,10 @@ class MemfitCallback(TrainerCallback):
         from memfit.memory.estimate import estimate
         from memfit.memory.measure import reset_peak
 
-        self.spec, self.run = run_of(args, model, self.seq_len, sft=_is_sft(self.trainer, args),
-                                     full_rows=self.full_rows)
+        self.spec, self.run, engine = run_of(args, model, self.seq_len, sft=_is_sft(self.trainer, args),
+                                             full_rows=self.full_rows)
         device = "cuda" if args.device.type == "cuda" else "cpu"
-        self.prediction = estimate(self.spec, self.run, device=device)
+        self.prediction = estimate(self.spec, self.run, device=device, engine=engine)
         self._device, self._optimizer, self._model = device, optimizer, model
         self._target = min(MEASURED_STEP, state.max_steps) if state.max_steps > 0 else MEASURED_STEP
         budget = self._budget(device)
@@ -138,7 +138,9 @@ def _is_sft(trainer, args) -> bool:
 
 
 def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_rows: bool = True):
-    """(ModelSpec, RunConfig) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over it."""
+    """(ModelSpec, RunConfig, engine) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over
+    it, on the launch's processes (``args.world_size``); the engine is ``deepspeed`` where ``args.deepspeed``
+    shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``."""
     from memfit.interop import trl
     from memfit.spec.model import spec_from_config
 
@@ -147,9 +149,11 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_r
     if not sft:
         data = {k: v for k, v in data.items() if k not in trl.SFT_KEYS}
     data["output_dir"] = data.get("output_dir") or "."
-    run = trl.read("the Trainer's arguments", data).run
+    reading = trl.read("the Trainer's arguments", data)
+    run = reading.run
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    changes: dict[str, Any] = {"dtype": _dtype(base), "grad_checkpointing": bool(
+    changes: dict[str, Any] = {"dtype": _dtype(base), "num_processes": max(int(args.world_size), 1),
+                               "grad_checkpointing": bool(
         args.gradient_checkpointing or getattr(base, "is_gradient_checkpointing", False))}
     length = seq_len or getattr(args, "max_length", None)
     if not length:
@@ -163,7 +167,7 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_r
         changes["attn_implementation"] = attention
     run = run.replace(**changes)
     spec = spec_from_config(base.config, getattr(base.config, "name_or_path", "") or type(base).__name__)
-    return spec, run
+    return spec, run, reading.engine
 
 
 #: TrainingArguments keys the reader maps (beside the markers): read from ``args.to_dict()``.

@@ -37,6 +37,11 @@ class Reading:
     """Every setting that could not be mapped, with what it means for the number (sentences)."""
     data: dict = field(default_factory=dict, compare=False, repr=False)
     """The file's contents as read (``emit`` updates them for the same tool)."""
+    engine: str = "fsdp2"
+    """Which engine shards ``zero2``/``zero3`` (``memory.deepspeed_layout.ENGINES``): ``deepspeed`` when the file
+    launches DeepSpeed, else FSDP2's layout (``fsdp`` settings, or none)."""
+    processes_stated: bool = False
+    """Whether the file states its process count (a launch command in its comments); else ``--num-processes``."""
 
     def with_flags(self, typed: dict[str, Any]) -> RunConfig:
         """The run with the memory flags typed on the command line written over it."""
@@ -56,9 +61,15 @@ class Reading:
             pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
         return pins
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"file": self.path, "format": self.tool, "model": self.model, "priced": list(self.priced),
-                "unmapped": list(self.unmapped)}
+    def unmapped_for(self, run: RunConfig | None = None) -> tuple[str, ...]:
+        """``unmapped``, with the process count assumed for ``run`` (the run priced) when the file states none."""
+        if self.processes_stated:
+            return self.unmapped
+        return (*self.unmapped, processes_sentence(run or self.run, self.engine))
+
+    def to_dict(self, run: RunConfig | None = None) -> dict[str, Any]:
+        return {"file": self.path, "format": self.tool, "model": self.model, "engine": self.engine,
+                "priced": list(self.priced), "unmapped": list(self.unmapped_for(run))}
 
 
 def load_file(path: str | Path) -> dict:
@@ -90,6 +101,11 @@ class Keys:
         self.read: set[str] = set()
         self.unmapped: list[str] = []
         self.priced: list[str] = []
+        self.engine = "fsdp2"
+        self.stated_processes = stated_processes(self.path)
+        if self.stated_processes is not None:
+            self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
+                       "(--num-processes overrides).")
 
     def error(self, key: str, message: str) -> UserError:
         """One sentence naming the file and the key."""
@@ -166,12 +182,14 @@ class Keys:
 
     def reading(self, model: str | None, model_key: str, run: dict[str, Any]) -> Reading:
         """The ``Reading``; a value ``RunConfig`` refuses is one sentence naming the file."""
+        if self.stated_processes is not None:
+            run = {**run, "num_processes": self.stated_processes}
         try:
             config = RunConfig(**run)
         except UserError as err:
             raise UserError(f"{self.path}: {err}") from None
         return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),
-                       self.data)
+                       self.data, self.engine, self.stated_processes is not None)
 
 
 def model_name(keys: Keys, key: str) -> str | None:
@@ -279,12 +297,44 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
                         "replicated (DDP), an upper bound by the sharded part of the optimizer state.")
     elif stage in (2, 3):
         out["sharding"] = f"zero{stage}"
+        keys.engine = "deepspeed"
+        keys.price(f"{key}: DeepSpeed ZeRO-{stage}, estimated with memfit's DeepSpeed layout (flat buffers, an fp32 "
+                   "master partition, buckets at Accelerate's 'auto' sizes: memory/deepspeed_layout.py).")
     device = lambda part: str((zero.get(part) or {}).get("device", "none")).lower()  # noqa: E731
     if device("offload_param") in ("cpu", "nvme"):
         out["offload"] = "params"
     elif device("offload_optimizer") in ("cpu", "nvme"):
         out["offload"] = "optimizer"
     return out
+
+
+#: A launch command in a config's comments (torchtune's examples start with ``tune run --nproc_per_node 8 ...``;
+#: ``accelerate launch --num_processes 8``, ``torchrun --nproc-per-node 8``).
+_LAUNCH = r"^\s*#.*(?:--nproc[_-]per[_-]node|--num[_-]processes)[ =]+([0-9]+)"
+
+
+def stated_processes(path: str) -> int | None:
+    """The process count a launch command in the file's comments gives (one such count only), else None."""
+    import re
+
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    counts = {int(n) for n in re.findall(_LAUNCH, text, flags=re.MULTILINE)}
+    return counts.pop() if len(counts) == 1 and min(counts) >= 1 else None
+
+
+def processes_sentence(run: RunConfig, engine: str) -> str:
+    """What the per-rank figures assume about the process count, which none of these files states (the launcher
+    does: ``accelerate launch``, ``torchrun``, ``tune run --nproc_per_node``)."""
+    n = run.num_processes
+    if n > 1:
+        how = {"ddp": "replicated (DDP)"}.get(str(run.sharding), f"sharded by {'DeepSpeed' if engine == 'deepspeed' else 'FSDP2'}")
+        return (f"processes: the file does not say how many processes the launch starts; priced per rank on "
+                f"{n} (--num-processes), {how}.")
+    return ("processes: the file does not say how many processes the launch starts; priced on 1 (nothing sharded "
+            "or reduced across ranks); --num-processes N gives the per-rank figure of an N-process launch.")
 
 
 def fsdp(keys: Keys, key: str = "fsdp") -> dict[str, Any]:

@@ -29,6 +29,8 @@ from memfit.interop.common import (
 )
 
 NAME = "llamafactory"
+#: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config).
+DEEPSPEED = frozenset({"zero2", "zero3"})
 MARKERS = frozenset({"finetuning_type", "stage", "cutoff_len", "template", "lora_target", "quantization_bit"})
 
 NO_MEMORY = frozenset({

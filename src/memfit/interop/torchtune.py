@@ -21,6 +21,8 @@ from typing import Any
 from memfit.interop.common import Keys, Reading
 
 NAME = "torchtune"
+#: No sharding of this tool runs through DeepSpeed (its distributed recipes are FSDP2).
+DEEPSPEED = frozenset()
 
 #: torchtune builder (its name without the lora_/qlora_ prefix) -> memfit preset of the same architecture.
 BUILDERS = {

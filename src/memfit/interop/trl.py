@@ -7,8 +7,10 @@ SFTConfig's own keys is read with SFTConfig's defaults (``gradient_checkpointing
 
 How the tools run a step, where it differs from memfit's own trainer:
 
-- ``SFTTrainer`` (TRL >= 1.14) computes the loss with a fused, chunked LM head (``add_fused_lm_head``):
-  the full (B, T, V) logits are never built. memfit's ``chunked`` loss has that term; priced with it.
+- ``SFTTrainer`` (TRL >= 1.14) computes the loss with its fused LM head (``add_fused_lm_head``): the full
+  (B, T, V) logits are never built, but a ``min(B T, 4096) x 32768`` projection buffer is, whatever the
+  vocabulary, with fp32 gradient accumulators and the entropy/top-1 metrics: memfit's ``--loss trl``
+  (``memory.trl_head``).
 - ``Trainer`` computes the loss in the model's forward (transformers' ``ForCausalLMLoss``, logits upcast to
   fp32): memfit's ``standard`` loss, the same code.
 - PEFT's ``prepare_model_for_kbit_training`` (QLoRA) casts the non-quantized weights to fp32, as memfit does.
@@ -31,6 +33,8 @@ from memfit.interop.common import (
 )
 
 NAME = "trl"
+#: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
+DEEPSPEED = frozenset({"zero3"})
 
 #: Keys only SFTConfig/ModelConfig have (a file with one of them is a TRL file: SFTConfig's defaults apply).
 SFT_KEYS = frozenset({
@@ -171,12 +175,13 @@ def _model(keys: Keys, sft: bool) -> dict[str, Any]:
 def _loss(keys: Keys, sft: bool) -> str:
     liger = keys.bool("use_liger_kernel", False)
     if sft:
-        keys.price("SFTTrainer's loss: TRL's fused LM head computes the log-probabilities in chunks, never the "
-                   "full logits; priced as memfit's chunked loss (its chunk sizes differ from TRL's).")
+        keys.price("SFTTrainer's loss: TRL's fused LM head (log-probabilities, entropy and top-1 per token, in "
+                   "tiles of up to 4,096 tokens x 32,768 vocabulary columns, never the full logits); priced as "
+                   "memfit's --loss trl.")
         if liger:
             keys.price("use_liger_kernel: TRL applies Liger's layer kernels only (not its fused cross-entropy); "
                        "priced without them.")
-        return "chunked"
+        return "trl"
     if liger:
         keys.price("use_liger_kernel: Trainer patches Liger's fused linear cross-entropy in; priced as memfit's "
                    "liger loss.")
@@ -214,10 +219,10 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
 
 
 def realize(run):
-    """A planner candidate as SFTTrainer runs it (None: it cannot): its own chunked LM head always, the optimizer
+    """A planner candidate as SFTTrainer runs it (None: it cannot): its own fused LM head always, the optimizer
     stepped after backward, optimizer-state offload only through DeepSpeed (not emitted)."""
     if run.optimizer_in_backward or str(run.offload) in ("optimizer",) or str(run.loss) in ("liger", "cce"):
         return None
     if str(run.offload) == "params" and str(run.sharding) not in ("fsdp", "zero2"):
         return None
-    return run.replace(loss="chunked")
+    return run.replace(loss="trl")

@@ -546,7 +546,7 @@ class LogitsTerms:
     """After the loss' backward, still referenced by the caller (0: ``memfit train`` keeps only ``.loss``)."""
 
 
-def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
+def logits_terms(spec, run: RunConfig, prec: Precisions, device: str = "cuda") -> LogitsTerms:
     """Bytes of the logits and loss, ``N = B * T * V`` elements.
 
     Forward (inside transformers' ``ForCausalLMLoss``): the head's logits (c bytes) and
@@ -560,6 +560,11 @@ def logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     too: + c N in both.
     Checked against the exact tracer to the byte (transformers 5.24, torch 2.13).
     """
+    if str(run.loss) == "trl":  # TRL's SFTTrainer: its fused LM head (memory/trl_head.py)
+        from memfit.memory.trl_head import trl_logits_terms
+
+        forward, backward = trl_logits_terms(spec, run, prec, device)
+        return LogitsTerms(forward=forward, backward=backward)
     if str(run.loss) != "standard":
         return chunked_logits_terms(spec, run, prec)
     if str(run.method) != "sft":  # the preference loss reads the logits itself (memory/preference_terms.py)

@@ -12,8 +12,12 @@ two ranks compute the same shapes). Both ranks counted the same peak there (ZeRO
 What the bucket settings are: ``zero_sizes`` (Accelerate's ``"auto"`` rule, written into the DeepSpeed config
 by ``training.deepspeed_engine.ds_config``, so the estimate reads the same numbers the run gets).
 
-Only what memfit runs under DeepSpeed is modelled (``engines.deepspeed_refusal``): full fine-tunes, fp32
-weights, no offload, the standard loss, torch's AdamW. bf16/fp16 (DeepSpeed's own 16-bit copy on a GPU) follows
+What memfit runs under DeepSpeed was measured (``engines.deepspeed_refusal``): full fine-tunes, fp32 weights, no
+offload, the standard loss, torch's AdamW. Another tool's DeepSpeed config (``estimate --from``) may offload:
+``offload_optimizer`` takes the fp32 master partition, its optimizer state and the step off the device, and
+``offload_param`` (ZeRO-3) the parameter partitions too; read from DeepSpeed's documentation, not measured.
+Known error: offloading, DeepSpeed stages gradients through host buffers; the gradient partitions are priced on
+the device as without offload (an over-estimate by at most them). bf16/fp16 (DeepSpeed's own 16-bit copy on a GPU) follows
 the same code paths with 2-byte parameters and gradients, read from the source but not measured.
 """
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.settings.config import Precision, RunConfig, Sharding
+from memfit.settings.config import Offload, Precision, RunConfig, Sharding
 
 ENGINES = ("fsdp2", "deepspeed")
 """The sharding engines the estimator models: FSDP2 (memfit's default) and DeepSpeed (a DeepSpeed launch)."""
@@ -195,6 +199,8 @@ def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: i
     sizes = zero_sizes(spec.hidden_size)
     bucket = sizes.reduce_bucket_size * w
     temporary = step_temporary(run, part, device)
+    if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):  # offload_optimizer: DeepSpeed's CPU Adam on the host
+        optimizer, temporary = 0, 0
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
     if run.sharding is Sharding.ZERO2:
         accumulating = run.grad_accum > 1  # the partition survives the step's earlier micro-batches
@@ -206,6 +212,8 @@ def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: i
                           backward_gradients=0 if accumulating else grads,
                           after_layers=partition_reached(spec, run, n - 1 if rank is None else rank))
     weights = partition(spec.params, n) * w + persistent_params(spec) * w + spec.buffer_bytes
+    if run.offload is Offload.PARAMS:  # offload_param: the partitions live on the host, gathered when used
+        weights = persistent_params(spec) * w + spec.buffer_bytes
     # at backward's end: the embedding, still gathered, and its full gradient before the reduce-scatter
     gathered = gathered_zero3(spec, run)
     return ZeroStates(weights=weights, gradients=0, optimizer=optimizer, step_temporary=temporary,

@@ -489,11 +489,14 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     (their gradients are those the traced step held then; with accumulation, all gradients) and backward
     end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
     """
-    recipe = derived_recipe(spec, run)
+    traced = run.replace(loss="chunked") if str(run.loss) == "trl" else run  # TRL's head: see _trl_head_delta
+    recipe = derived_recipe(spec, traced)
     states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
     accum = run.grad_accum > 1
-    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, run))
+    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, traced))
+    if traced is not run:
+        at = _trl_head_delta(spec, run, traced, at, device)
 
     def categories(moment: str) -> dict[str, int]:
         got = dict(at[moment])
@@ -556,6 +559,20 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     kinds = layer_kinds_note(spec)
     if kinds:
         out.notes.append(kinds)
+    return out
+
+
+def _trl_head_delta(spec, run: RunConfig, traced: RunConfig, at: dict, device: str) -> dict:
+    """``--loss trl`` (TRL's fused LM head, which the tracer does not run): the recipe traced with memfit's chunked
+    loss, its ``logits`` at forward's end and backward's start moved by the difference of the two heads' analytic
+    terms (``activations.logits_terms``). Known error: that of the two analytic terms."""
+    from memfit.memory.activations import Precisions, logits_terms
+
+    prec = Precisions.of(run)
+    trl_head, chunked = logits_terms(spec, run, prec, device), logits_terms(spec, traced, prec, device)
+    out = {moment: dict(values) for moment, values in at.items()}
+    out["forward"]["logits"] += trl_head.forward - chunked.forward
+    out["backward_start"]["logits"] += trl_head.backward - chunked.backward
     return out
 
 

@@ -197,7 +197,7 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
                                    + quantized.dequantized_transient(spec, run, "backward"))
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
     return StepTerms(acts=acts, outside=outside, activations=activations, at_end=outside + acts.held_all_layers,
-                     logit=logits_terms(spec, run, prec), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
+                     logit=logits_terms(spec, run, prec, device), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
                      reference=pref.reference_transient(spec, run, prec))
@@ -455,7 +455,8 @@ def classic_regimes(run: RunConfig) -> list[tuple[str, RunConfig]]:
     return out
 
 
-def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda") -> list[tuple[str, MemoryBreakdown]]:
-    """``estimate`` for each of ``classic_regimes(run)``."""
+def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
+            engine: str = "fsdp2") -> list[tuple[str, MemoryBreakdown]]:
+    """``estimate`` for each of ``classic_regimes(run)`` (``engine``: as ``estimate``'s)."""
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
-    return [(name, estimate(spec, cfg, device=device)) for name, cfg in classic_regimes(run)]
+    return [(name, estimate(spec, cfg, device=device, engine=engine)) for name, cfg in classic_regimes(run)]

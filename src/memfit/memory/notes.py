@@ -38,7 +38,10 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
     if run.mixed_precision is not Precision.NO and run.dtype.value == "fp32":
         lines.append("AMP does not shrink model states: autocast casts on the fly, so weights, grads and moments "
                      "stay fp32 (16 B/param with AdamW); it shrinks activations and adds half weight copies.")
-    if out.phase == "backward" and out.logits > out.activations:
+    if out.phase == "backward" and out.logits > out.activations and str(run.loss) == "trl":
+        lines.append("TRL's fused LM head (its projection buffer of up to 4,096 tokens x 32,768 columns, the fp32 "
+                     "gradients of the hidden states and the head) is the largest term at the peak.")
+    elif out.phase == "backward" and out.logits > out.activations:
         lines.append(f"the logits ({spec.vocab_size:,} vocab x {run.micro_batch * run.seq_len:,} tokens, fp32 for "
                      "the loss, plus their gradient) are the largest term at the peak.")
     if out.other:

@@ -187,6 +187,9 @@ def check_supported(run: RunConfig, device: str = "cpu") -> None:
                         "on fake tensors); use the analytic estimate.")
     if run.offload not in (Offload.NONE, Offload.ACTIVATIONS):  # activations: memory/offload_trace.py
         raise UserError(f"--offload {run.offload} is not supported in exact mode; use the analytic estimate.")
+    if run.loss.value == "trl":
+        raise UserError("--loss trl prices TRL's SFTTrainer, whose step exact mode does not run; use the analytic "
+                        "estimate (or --loss chunked).")
     if run.loss.value in ("liger", "cce") and device != "cuda":
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")

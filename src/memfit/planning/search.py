@@ -151,13 +151,13 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
 
 
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN, *,
-             cpu: bool = False) -> Plan:
+             cpu: bool = False, engine: str | None = None) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``)."""
     from memfit.memory.outside import outside_step
     from memfit.memory.snapshot import device_estimate
 
-    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda")
+    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine)
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough).
     outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
@@ -193,7 +193,7 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
          safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None,
-         method="sft") -> PlanResult:
+         method="sft", engine_of=None) -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -209,6 +209,9 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         cpu: the budget is a CPU's memory (``memfit train --budget`` without CUDA; see ``evaluate``).
         adapt: each candidate as another tool would run it, or None where it cannot (``memfit.interop``'s
             ``realize``: ``plan --emit axolotl`` plans only what Axolotl runs, priced as it runs it).
+        engine_of: each candidate's sharding engine (``memory.deepspeed_layout.ENGINES``), or None for the
+            launch's (``engines.estimator_engine``): ``memfit.interop``'s ``engine_of`` for a tool that runs
+            some shardings through DeepSpeed.
         method: the objective (``--method``): a preference method doubles the forward's sequences and,
             for DPO, the planner chooses the reference policy (``space.candidates``).
 
@@ -230,7 +233,8 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
     attention(spec, runs[0].attn_implementation)
     host = (constraints.host_memory if constraints else None) if not cpu else None
-    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu, host_memory=host))
+    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu, host_memory=host,
+                                engine_of=engine_of))
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
@@ -238,7 +242,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
 
 
 def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float, cpu: bool = False,
-                  host_memory: int | None = None) -> list[Plan]:
+                  host_memory: int | None = None, engine_of=None) -> list[Plan]:
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
     host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
@@ -263,7 +267,8 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         if run != plain and plain in plain_plans and not _technique_can_help(plain_plans[plain], run, budget, margin):
             continue
         try:
-            plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu))
+            plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
+                                  engine=engine_of(run) if engine_of else None))
         except UserError as err:
             refused.append(err)
             continue

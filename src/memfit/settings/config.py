@@ -112,6 +112,7 @@ class Loss(StrEnum):
     CHUNKED = "chunked"  # memfit's pure-PyTorch chunked linear cross-entropy (any device)
     LIGER = "liger"  # Liger kernel's fused linear cross-entropy (CUDA, optional extra)
     CCE = "cce"  # Apple's Cut Cross-Entropy (CUDA, optional extra)
+    TRL = "trl"  # TRL's SFTTrainer: its fused LM head (priced by estimate/plan; memfit train does not run it)
 
 
 class Method(StrEnum):
@@ -259,7 +260,8 @@ class RunConfig:
                                "before; none: one document per row, padded.")
     """How documents fill rows; ``documents`` makes transformers build a block-causal (B, 1, T, T) mask."""
     loss: Loss = setting(Loss.STANDARD, plan="searched", resume="restored", commands=_ALL,
-                         help="LM head + cross-entropy: chunked never builds the full logits.",
+                         help="LM head + cross-entropy: chunked never builds the full logits; trl prices TRL's SFTTrainer "
+                         "(estimate and plan only).",
                          overrides={"plan": {"help": "Pin the loss (default: try standard and chunked)."}})
     """LM head + cross-entropy implementation (``chunked``: never the full logits; see ``memfit.spec.losses``)."""
     optimizer_in_backward: bool = setting(False, plan="searched", resume="restored", commands=_ALL, check="bool",

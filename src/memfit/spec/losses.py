@@ -12,6 +12,10 @@ one buffer each. At most one chunk's logits exist at any time. The cost is one e
 (the recompute): ``2 * tokens * H * V`` FLOPs per micro-batch. The design follows Liger kernel's fused
 linear cross-entropy (chunk size) and torchtune's chunked CE (loss per chunk), written from first principles.
 
+``trl`` is TRL's ``SFTTrainer`` (its fused LM head, ``trl.trainer.utils.add_fused_lm_head``): estimate and
+plan price it (``memory.trl_head``) for ``--from``/``--emit trl`` and memfit's Trainer callback; memfit train
+does not run it.
+
 ``liger`` / ``cce`` call Liger kernel's fused linear cross-entropy or Apple's Cut Cross-Entropy when
 installed on CUDA (``pip install memfit[liger]`` / ``memfit[cce]``); elsewhere they are refused.
 
@@ -58,6 +62,8 @@ LOSSES: dict[Loss, LossImpl] = {
     # Liger computes the gradients in forward (no recompute); CCE recomputes like chunked.
     Loss.LIGER: LossImpl(Loss.LIGER, True, "liger_kernel", False, 0.0),
     Loss.CCE: LossImpl(Loss.CCE, True, "cut_cross_entropy", False, 1.0),
+    # TRL's SFTTrainer (its fused LM head, ``memory.trl_head``): recomputes each tile in backward, like chunked.
+    Loss.TRL: LossImpl(Loss.TRL, False, "trl", False, 1.0),
 }
 
 
@@ -68,6 +74,9 @@ def loss_impl(run: RunConfig) -> LossImpl:
 def check_loss_runnable(run: RunConfig, cuda: bool) -> None:
     """Refuse, in one sentence, a loss this machine cannot run (Liger/CCE without CUDA or the package)."""
     impl = loss_impl(run)
+    if impl.name is Loss.TRL:
+        raise UserError("--loss trl prices TRL's SFTTrainer (estimate, plan --emit trl), which memfit train does not "
+                        "run; use --loss chunked.")
     if impl.needs_cuda and not cuda:
         raise UserError(f"--loss {impl.name} needs a CUDA GPU (Triton kernels); use --loss chunked on this machine.")
     if impl.package and importlib.util.find_spec(impl.package) is None:
