@@ -64,9 +64,10 @@ class LoopState:
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """One record per ``--resume`` of this run: the step and checkpoint it continued from."""
     preference_first: dict[str, Any] | None = None
-    """Preference methods: the first step's reward accuracy and margin (``StepResult.preference``)."""
-    preference_last: dict[str, Any] | None = None
-    """... and the last step's, so the summary shows them rising."""
+    """Preference methods: the first step's reward accuracy and margin (``training.step.pool_preference``)."""
+    preference_recent: list[dict[str, Any]] = field(default_factory=list)
+    """... and the last ``preference_window`` steps' (``StepResult.preference`` with its ``step``), pooled in the
+    summary so it shows them rising."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
