@@ -256,9 +256,13 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     spec = preference.PreferenceLoss(run.method, beta=config.beta, orpo_lambda=config.orpo_lambda,
                                      simpo_gamma=config.simpo_gamma)
     reference = None
-    if spec.needs_reference and run.precompute_reference:
+    if spec.needs_reference and run.precompute_reference:  # each rank with the weights its share, then all of it
+        from accelerate.utils import gather_object
+
         preference.precompute(bundle.model, data.train, pad_id=bundle.tokenizer.pad_token_id,
-                              batch_size=run.micro_batch, autocast=accelerator.autocast)
+                              batch_size=run.micro_batch, autocast=accelerator.autocast,
+                              rank=accelerator.process_index, holders=sharding.weight_holders(accelerator, run),
+                              gather=gather_object if accelerator.num_processes > 1 else None)
     elif spec.needs_reference and not run.is_lora():
         reference = preference.frozen_copy(bundle.model)
     return PreferenceRun(spec, reference)
@@ -384,9 +388,12 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
     """Derived numbers shown before the long work starts."""
     from memfit.units import fmt_count
 
+    sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
+    unit = "sequences" if sft else "pairs"
+    pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
     return (f"model {config.model}: {fmt_count(bundle.params)} params, {fmt_count(bundle.trainable_params)} trainable | "
-            f"{len(data.train):,} train / {len(data.eval):,} held-out sequences of <= {run.seq_len} tokens\n"
-            f"effective batch {run.effective_batch()} = micro-batch {run.micro_batch} x accumulation "
+            f"{len(data.train):,} train / {len(data.eval):,} held-out {unit} of <= {run.seq_len} tokens\n"
+            f"effective batch {run.effective_batch()}{pairs} = micro-batch {run.micro_batch} x accumulation "
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
             f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "

@@ -184,7 +184,13 @@ def builds_empty(accelerator, run: RunConfig) -> bool:
     (Accelerate's ``cpu_ram_efficient_loading``), so no rank but 0 ever holds the whole model.
     Not a quantized base: Accelerate skips that broadcast for ``Params4bit`` models, so every rank
     quantizes the same weights itself (``quant_support.quantized_copy``) and keeps its shard of them."""
-    return shards_itself(accelerator, run) and not accelerator.is_main_process and run.quantize is Quantize.NONE
+    return not accelerator.is_main_process and weight_holders(accelerator, run) == 1
+
+
+def weight_holders(accelerator, run: RunConfig) -> int:
+    """How many ranks build the model with its weights during setup: 1 (rank 0) where the others build it
+    empty (``builds_empty``), else every rank."""
+    return 1 if shards_itself(accelerator, run) and run.quantize is Quantize.NONE else accelerator.num_processes
 
 
 def shard_model(model, run: RunConfig, accelerator):
