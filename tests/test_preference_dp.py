@@ -67,3 +67,15 @@ def test_dpo_precomputed_reference_on_two_processes_matches_one(tmp_path, gloo_r
     assert proc.returncode == 0, proc.failure()
     _one, single, _ = _single(tmp_path, proc, "dpo", precompute_reference=True)
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
+
+
+@pytest.mark.launch_cases("dpo-fsdp")
+def test_dpo_with_a_reference_copy_under_fsdp_matches_one_process(tmp_path, gloo_runs):
+    """Rank 1 of CPU FSDP2 builds its model empty; its frozen reference copy receives rank 0's weights (it
+    crashed on meta tensors before)."""
+    from transformers import AutoModelForCausalLM
+
+    proc = gloo_runs["dpo-fsdp"]
+    assert proc.returncode == 0, proc.failure()
+    _one, single, _ = _single(tmp_path, proc, "dpo")
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5

@@ -264,7 +264,8 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
                               rank=accelerator.process_index, holders=sharding.weight_holders(accelerator, run),
                               gather=gather_object if accelerator.num_processes > 1 else None)
     elif spec.needs_reference and not run.is_lora():
-        reference = preference.frozen_copy(bundle.model)
+        # ranks > 0 of CPU FSDP2 built the model empty: their copy receives rank 0's weights
+        reference = sharding.filled_from_rank0(preference.frozen_copy(bundle.model), accelerator, run)
     return PreferenceRun(spec, reference)
 
 
