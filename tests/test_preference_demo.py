@@ -1,6 +1,6 @@
 """The demo of preference tuning (issue 26): the SFT demo model, then a short DPO run on the demo's pairs
-(``memfit.data.corpus.pairs``: the right answer against the right form of a wrong one); reward accuracy and
-reward margin rise, and the summary shows them."""
+(``memfit.data.corpus.pairs``: the right answer against the answer of a question of another type); reward
+accuracy and reward margin rise, and the summary shows them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,19 @@ from memfit.training.loop import run_training
 from memfit.training.progress import summary_table
 
 
-def test_demo_pairs_are_right_against_wrong_answers_of_the_same_form():
-    from memfit.data.corpus.pairs import demo_pairs, question_type
+def test_demo_pairs_reject_the_answer_of_another_question_type():
+    import json
+
+    from memfit.data.corpus.pairs import QA, demo_pairs, question_type
 
     pairs = demo_pairs()
-    assert len(pairs) >= 400
-    for p in pairs[:50]:
-        assert p["chosen"] != p["rejected"] and question_type(p["prompt"]) in p["prompt"]
+    answers = {}  # each answer's question type, from the records
+    for line in QA.read_text().splitlines():
+        record = json.loads(line)
+        answers[record["completion"]] = question_type(record["prompt"])
+    assert len(pairs) == 500
+    for p in pairs:
+        assert answers[p["chosen"]] == question_type(p["prompt"]) != answers[p["rejected"]]
     assert demo_pairs() == pairs  # deterministic
 
 
