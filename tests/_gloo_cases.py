@@ -88,7 +88,17 @@ CASES = {
                                                     "none", "--method", "dpo",
                                                     *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:],
                                                     "--save-every", "3"]),
-    "orpo-fsdp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS, "--method", "orpo", "--sharding", "fsdp"]),
+    # ... ORPO's FSDP2 run saves full-state checkpoints at step 3 (test_preference_dp resumes one on 1 process)
+    "orpo-fsdp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS, "--method", "orpo", "--sharding", "fsdp",
+                                                      "--state-dict", "full", "--save-every", "3"]),
+    # ... DPO under FSDP2 with a frozen copy of the base as reference (rank 1 built its model empty: its copy
+    # receives rank 0's weights)
+    "dpo-fsdp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS, "--method", "dpo", "--sharding", "fsdp"]),
+    # ... and DPO under DDP with --precompute-reference: each rank computes its share, gathered on both
+    "dpo-precompute": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")],
+                                                           "--packing", "none", "--method", "dpo",
+                                                           "--precompute-reference",
+                                                           *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:]]),
     # test_shard_qlora: QLoRA under DDP, and under FSDP2 (the 4-bit base sharded)
     "qlora-ddp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit"]),
     "qlora-fsdp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit",

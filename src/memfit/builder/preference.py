@@ -180,20 +180,38 @@ def frozen_copy(model):
 
 
 @torch.no_grad()
-def precompute(model, rows: list[dict], *, pad_id: int, batch_size: int, autocast=contextlib.nullcontext) -> None:
-    """``--precompute-reference``: each row's reference log-probabilities (chosen, rejected) under ``model``
-    as it is now (the base), written into the row as ``ref_logps``, ``batch_size`` pairs per forward
-    (TRL's ``precompute_ref_log_probs``). Training then runs no reference forward and keeps no copy."""
+def reference_logps(model, rows: list[dict], *, pad_id: int, batch_size: int,
+                    autocast=contextlib.nullcontext) -> list[tuple[float, float]]:
+    """Each row's ``(chosen, rejected)`` log-probabilities under ``model`` as it is now (the base), ``batch_size``
+    pairs per forward (TRL's ``precompute_ref_log_probs``)."""
     from memfit.data.pairs import collate_pairs
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         batch = {k: v.to(device) for k, v in collate_pairs(chunk, pad_id).items() if k != "ref_logps"}
         sums = reference_sums(batch, model=model, reference=model, autocast=autocast)
         chosen, rejected = sums.float().cpu().chunk(2)
-        for row, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
-            row["ref_logps"] = (c, r)
+        out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     model.train(was_training)
+    return out
+
+
+def precompute(model, rows: list[dict], *, pad_id: int, batch_size: int, autocast=contextlib.nullcontext,
+               rank: int = 0, holders: int = 1, gather=None) -> int:
+    """``--precompute-reference``: every row's reference log-probabilities (``reference_logps``), written into
+    the row as ``ref_logps``; training then runs no reference forward and keeps no copy.
+
+    Over several processes each of the ``holders`` ranks that hold the weights computes every ``holders``-th
+    row from its ``rank`` (the others none), and ``gather`` (Accelerate's ``gather_object``: the lists of all
+    ranks, concatenated) gives every rank all of them. Returns the rows this rank computed.
+    """
+    mine = list(range(rank, len(rows), holders)) if rank < holders else []
+    logps = reference_logps(model, [rows[i] for i in mine], pad_id=pad_id, batch_size=batch_size, autocast=autocast)
+    computed = list(zip(mine, logps, strict=True))
+    for i, (chosen, rejected) in (gather(computed) if gather is not None else computed):
+        rows[i]["ref_logps"] = (chosen, rejected)
+    return len(mine)

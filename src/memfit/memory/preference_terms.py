@@ -29,7 +29,7 @@ def is_pairs(run: RunConfig) -> bool:
 
 def pair_forward_run(run: RunConfig) -> RunConfig:
     """The run whose micro-batch is the forward's sequences: 2B for a preference method."""
-    return run.replace(micro_batch=2 * run.micro_batch) if is_pairs(run) else run
+    return run.replace(micro_batch=run.forward_sequences()) if is_pairs(run) else run
 
 
 def reference_policy(run: RunConfig) -> str | None:

@@ -322,9 +322,14 @@ class RunConfig:
         """Sequences per optimizer step across all processes."""
         return self.micro_batch * self.grad_accum * self.num_processes
 
+    def forward_sequences(self) -> int:
+        """Sequences in one micro-batch's forward: B, or 2B for a preference method, whose micro-batch of B
+        pairs runs the chosen and the rejected sequences together (``memfit.data.pairs.collate_pairs``)."""
+        return self.micro_batch * (1 if self.method is Method.SFT else 2)
+
     def tokens_per_step(self) -> int:
-        """Tokens per optimizer step across all processes (padding included)."""
-        return self.effective_batch() * self.seq_len
+        """Tokens per optimizer step across all processes (padding included): of both sides of each pair."""
+        return self.forward_sequences() * self.grad_accum * self.num_processes * self.seq_len
 
     def is_lora(self) -> bool:
         return self.lora_r > 0

@@ -19,6 +19,7 @@ from memfit.training.oom import not_a_batch_problem
 from memfit.training.samples import generate_samples
 from memfit.training.session import TrainSession
 from memfit.training.setup import build_model
+from memfit.training.step import pool_preference
 from memfit.training.summary import RunSummary
 
 
@@ -49,8 +50,8 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
         outside_step=_outside(s), hub=s.source.hub.to_dict() if s.source.hub is not None else None,
         process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
-        preference=({"method": str(s.run.method), "first": s.state.preference_first, "last": s.state.preference_last}
-                    if s.state.preference_last else None),
+        preference=({"method": str(s.run.method), "first": s.state.preference_first,
+                     "last": pool_preference(s.state.preference_recent)} if s.state.preference_recent else None),
     )
     if s.is_main:
         write_run_files(s.output, s.config, summary)

@@ -32,7 +32,14 @@ from memfit.training.rollback import RngState, undo_step
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler
 from memfit.training.samples import samples_at_eval
 from memfit.training.session import LoopState, TrainSession, build_session, predict
-from memfit.training.step import StepOutOfMemory, StepResult, evaluate, train_step
+from memfit.training.step import (
+    StepOutOfMemory,
+    StepResult,
+    evaluate,
+    pool_preference,
+    preference_window,
+    train_step,
+)
 from memfit.training.summary import FallbackRecord, RunSummary
 
 __all__ = ["train", "run_training", "run_loop", "TrainResult", "LoopState", "not_a_batch_problem"]
@@ -134,9 +141,10 @@ def record_step(s: TrainSession, result: StepResult, t_step: float) -> None:
     state.skipped_steps += int(result.skipped)
     state.tokens += result.tokens
     state.last_loss = result.loss
-    if result.preference is not None:
-        state.preference_first = state.preference_first or result.preference
-        state.preference_last = result.preference
+    if result.preference is not None:  # the first step, and the last steps pooled (``pool_preference``)
+        this = {**result.preference, "step": state.step}
+        state.preference_first = state.preference_first or pool_preference([this])
+        state.preference_recent = (state.preference_recent + [this])[-preference_window(s.total_steps):]
     state.train_s += time.perf_counter() - t_step
 
 

@@ -311,12 +311,18 @@ def summary_table(summary: RunSummary | dict[str, Any]) -> Table:
     table.add_row("held-out loss", f"{_loss(summary['final_eval_loss'])} (best "
                   f"{'n/a' if not _known(summary['best_eval_loss']) else format(summary['best_eval_loss'], '.3f')})")
     table.add_row("unigram baseline", _loss(summary["unigram_loss"]))
-    table.add_row("final train loss", _loss(summary["final_train_loss"]))
     pref = summary.get("preference")
-    if pref and pref.get("first") and pref.get("last"):  # first step -> last step: the rise training made
+    if pref and _known(summary["final_train_loss"]):  # the method's loss is per pair, not per token
+        table.add_row("final train loss", f"{summary['final_train_loss']:.3f} ({pref['method']} loss, mean over "
+                                          "the step's pairs)")
+    else:
+        table.add_row("final train loss", _loss(summary["final_train_loss"]))
+    if pref and pref.get("first") and pref.get("last"):  # first step -> last steps pooled: the rise training made
         first, last = pref["first"], pref["last"]
+        start, end = (f"step {a}" if a == b else f"steps {a}-{b}" for a, b in (first["steps"], last["steps"]))
         table.add_row(f"reward accuracy ({pref['method']})",
-                      f"{first['reward_accuracy']:.0%} at step 1 -> {last['reward_accuracy']:.0%} at the end")
+                      f"{first['reward_accuracy']:.0%} at {start} -> {last['reward_accuracy']:.0%} over {end} "
+                      f"({last['pairs']:,} pairs)")
         table.add_row("reward margin", f"{first['reward_margin']:+.3f} -> {last['reward_margin']:+.3f} "
                                        "(chosen minus rejected reward, nats x beta)")
     table.add_row("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s")

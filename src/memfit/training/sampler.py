@@ -112,6 +112,8 @@ class RowsWithDummy(torch.utils.data.Dataset):
     def __init__(self, rows: list[dict], pad_id: int) -> None:
         self.rows = rows
         self.dummy = {"input_ids": [pad_id], "labels": [-100]}
+        if rows and "ref_logps" in rows[0]:  # --precompute-reference: a batch of dummy rows only reads no reference
+            self.dummy["ref_logps"] = (0.0, 0.0)  # its pair carries no target, so these are never used
 
     def __len__(self) -> int:
         return len(self.rows)

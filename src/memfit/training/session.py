@@ -64,9 +64,10 @@ class LoopState:
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """One record per ``--resume`` of this run: the step and checkpoint it continued from."""
     preference_first: dict[str, Any] | None = None
-    """Preference methods: the first step's reward accuracy and margin (``StepResult.preference``)."""
-    preference_last: dict[str, Any] | None = None
-    """... and the last step's, so the summary shows them rising."""
+    """Preference methods: the first step's reward accuracy and margin (``training.step.pool_preference``)."""
+    preference_recent: list[dict[str, Any]] = field(default_factory=list)
+    """... and the last ``preference_window`` steps' (``StepResult.preference`` with its ``step``), pooled in the
+    summary so it shows them rising."""
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -255,11 +256,16 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     spec = preference.PreferenceLoss(run.method, beta=config.beta, orpo_lambda=config.orpo_lambda,
                                      simpo_gamma=config.simpo_gamma)
     reference = None
-    if spec.needs_reference and run.precompute_reference:
+    if spec.needs_reference and run.precompute_reference:  # each rank with the weights its share, then all of it
+        from accelerate.utils import gather_object
+
         preference.precompute(bundle.model, data.train, pad_id=bundle.tokenizer.pad_token_id,
-                              batch_size=run.micro_batch, autocast=accelerator.autocast)
+                              batch_size=run.micro_batch, autocast=accelerator.autocast,
+                              rank=accelerator.process_index, holders=sharding.weight_holders(accelerator, run),
+                              gather=gather_object if accelerator.num_processes > 1 else None)
     elif spec.needs_reference and not run.is_lora():
-        reference = preference.frozen_copy(bundle.model)
+        # ranks > 0 of CPU FSDP2 built the model empty: their copy receives rank 0's weights
+        reference = sharding.filled_from_rank0(preference.frozen_copy(bundle.model), accelerator, run)
     return PreferenceRun(spec, reference)
 
 
@@ -383,9 +389,12 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
     """Derived numbers shown before the long work starts."""
     from memfit.units import fmt_count
 
+    sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
+    unit = "sequences" if sft else "pairs"
+    pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
     return (f"model {config.model}: {fmt_count(bundle.params)} params, {fmt_count(bundle.trainable_params)} trainable | "
-            f"{len(data.train):,} train / {len(data.eval):,} held-out sequences of <= {run.seq_len} tokens\n"
-            f"effective batch {run.effective_batch()} = micro-batch {run.micro_batch} x accumulation "
+            f"{len(data.train):,} train / {len(data.eval):,} held-out {unit} of <= {run.seq_len} tokens\n"
+            f"effective batch {run.effective_batch()}{pairs} = micro-batch {run.micro_batch} x accumulation "
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
             f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
             f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "

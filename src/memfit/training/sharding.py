@@ -184,7 +184,29 @@ def builds_empty(accelerator, run: RunConfig) -> bool:
     (Accelerate's ``cpu_ram_efficient_loading``), so no rank but 0 ever holds the whole model.
     Not a quantized base: Accelerate skips that broadcast for ``Params4bit`` models, so every rank
     quantizes the same weights itself (``quant_support.quantized_copy``) and keeps its shard of them."""
-    return shards_itself(accelerator, run) and not accelerator.is_main_process and run.quantize is Quantize.NONE
+    return not accelerator.is_main_process and weight_holders(accelerator, run) == 1
+
+
+def filled_from_rank0(module, accelerator, run: RunConfig):
+    """``module``, a copy of the model made before sharding (DPO's frozen reference), with rank 0's weights on
+    every rank: the ranks that built the model empty (``builds_empty``) copied meta tensors, so they
+    materialise the copy and receive each tensor from rank 0, one broadcast per tensor (parameters and
+    buffers, in the same order on every rank). Elsewhere ``module`` is returned as it is."""
+    if weight_holders(accelerator, run) == accelerator.num_processes:
+        return module
+    import torch.distributed as dist
+
+    if not accelerator.is_main_process:
+        module = module.to_empty(device=accelerator.device)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+    return module
+
+
+def weight_holders(accelerator, run: RunConfig) -> int:
+    """How many ranks build the model with its weights during setup: 1 (rank 0) where the others build it
+    empty (``builds_empty``), else every rank."""
+    return 1 if shards_itself(accelerator, run) and run.quantize is Quantize.NONE else accelerator.num_processes
 
 
 def shard_model(model, run: RunConfig, accelerator):

@@ -70,6 +70,21 @@ class StepResult:
     ``rejected_reward`` of the step's pairs (``memfit.builder.preference.micro_loss``), else None."""
 
 
+def preference_window(total_steps: int) -> int:
+    """How many last steps the summary's closing reward accuracy and margin pool: a quarter of the run, at
+    most 20 (one step of a few pairs says little: with 4 pairs its accuracy is 0, 25, 50, 75 or 100%)."""
+    return max(1, min(20, total_steps // 4))
+
+
+def pool_preference(results: list[dict]) -> dict:
+    """The reward metrics of several steps' ``StepResult.preference``, each weighted by its pairs (the mean
+    over all their pairs), with ``steps``: the first and last step they cover (each result's ``step``)."""
+    pairs = sum(r["pairs"] for r in results)
+    pooled = {k: sum(r[k] * r["pairs"] for r in results) / max(pairs, 1)
+              for k in ("reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward")}
+    return {"pairs": pairs, **pooled, "steps": [results[0]["step"], results[-1]["step"]]}
+
+
 def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: bool, vocab_size: int,
                loss: Loss = Loss.STANDARD, autocast=None):
     """``S_i / N`` for one micro-batch: the model's loss with ``num_items_in_batch``, or the same
