@@ -84,3 +84,19 @@ def test_memfit_train_and_exact_mode_refuse_trls_head_in_one_sentence():
         check_loss_runnable(RunConfig(loss="trl"), cuda=False)
     result = CliRunner().invoke(cli, ["estimate", "tiny", "--loss", "trl", "--exact", "--device", "cpu"])
     assert_one_sentence(result, "--loss trl prices TRL's SFTTrainer")
+
+
+def test_a_plan_of_trls_loss_names_no_memfit_train_command_that_would_be_refused(tmp_path):
+    """``plan --loss trl`` prices TRL's SFTTrainer; ``memfit train`` refuses that loss, so the plan must not
+    tell the user to run it with memfit (neither the launch line nor the written plan's hint)."""
+    from click.testing import CliRunner
+
+    from memfit.cli import cli
+
+    out = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(cli, ["plan", "tiny", "--budget", "2GiB", "--seq-len", "64", "--batch", "4",
+                                      "--loss", "trl", "--output", str(out), "--gpu", "a100-80gb"])
+    assert result.exit_code == 0, result.output
+    assert "memfit train" not in result.output
+    assert "Launch: with TRL's SFTTrainer" in result.output
+    assert out.is_file()

@@ -12,7 +12,7 @@ from memfit.cli.interop import from_options, read_from
 from memfit.cli.options import explicit, flags, memory_options, with_options
 from memfit.errors import UserError, printable
 from memfit.files import write_text_atomic
-from memfit.settings.config import Offload, TrainConfig
+from memfit.settings.config import Loss, Offload, TrainConfig
 from memfit.settings.defaults import SHAPES
 
 EPILOG = """\b
@@ -112,6 +112,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     if accelerate_config:
         launch.write_accelerate_config(result.best.config, Path(accelerate_config))
     command_line = launch.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
+    if result.best.config.loss is Loss.TRL:  # priced for TRL's SFTTrainer; memfit train does not run TRL's loss
+        command_line = None
     if as_json:
         click.echo(json.dumps({**result.to_dict(top=top or None), "launch": command_line,
                                "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
@@ -125,6 +127,10 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
+    if command_line is None:
+        click.echo("Launch: with TRL's SFTTrainer (memfit prices its loss, --loss trl, but does not train with it; "
+                   "--emit trl FILE writes the plan as its config).")
+        return
     click.echo("Launch:\n" + launch.shell_lines(command_line))
     if accelerate_config:
         click.echo(f"Wrote {printable(accelerate_config)} (Accelerate config).")
@@ -235,7 +241,8 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
 
         console.print(dropped_note(dropped), style="dim")
     if output:
-        console.print(f"Wrote {output}; train with: memfit train --config {output}", highlight=False)
+        train_with = "" if best.config.loss is Loss.TRL else f"; train with: memfit train --config {output}"
+        console.print(f"Wrote {output}{train_with}", highlight=False)
 
 
 def write_plan_yaml(result, path: Path, revision: str | None = None) -> None:
