@@ -141,6 +141,8 @@ def test_depth_extrapolation_follows_the_trace_through_backward():
 def _derived_family(name: str):
     import transformers as tf
 
+    if name == "bloom":  # its layers return their attention weights: (B, heads, T, T), fp32
+        return tf.BloomConfig(vocab_size=1031, hidden_size=64, n_head=4, n_layer=3)
     if name == "nemotron":  # no hand-written recipe: derived
         return tf.NemotronConfig(vocab_size=1031, hidden_size=128, intermediate_size=352, num_attention_heads=4,
                                  num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=1024)
@@ -170,3 +172,21 @@ def test_derived_recipe_honours_the_technique(family, changes, tmp_path, monkeyp
             # (analytic -4.9% in this phase, far below the peak)
             continue
         assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.035 * bytes_, phase
+
+
+def test_returned_attention_weights_are_not_a_layer_s_bytes(tmp_path, monkeypatch):
+    """Bloom's layers return their (B, heads, T, T) attention weights; under checkpointing nothing saves
+    them and the decoder drops each when the next layer returns. Charged to every extrapolated layer they
+    made a bloom-shaped model at seq 2048 +23% over --exact (forward), +30% in backward; now within 1%."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+    from memfit.spec.model import spec_from_config
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    config = _derived_family("bloom")
+    run = RunConfig(seq_len=2048, micro_batch=1, grad_checkpointing=True)
+    analytic, exact = estimate(spec_from_config(config, "bloom"), run, device="cpu"), trace(config, run, device="cpu")
+    assert analytic.recipe.startswith("derived")
+    assert abs(tensor_peak(analytic) - tensor_peak(exact)) <= 0.01 * tensor_peak(exact)
+    for phase, bytes_ in exact.phase_peaks.items():
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.01 * bytes_, (phase, analytic.phase_peaks, bytes_)

@@ -63,7 +63,7 @@ from memfit.settings.config import (
 )
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 COMPONENTS = ("gradients", "activations", "logits", "temporary")
 MOMENTS = ("forward", "backward_start", "backward_layer", "backward_end")
@@ -105,6 +105,9 @@ class DerivedRecipe:
     grad_span: tuple[int, int]
     """Sample indices before the second and before the first layer's backward: one layer's gradients."""
     derive_seconds: float
+    returned: list[list[int]] = field(default_factory=list)
+    """Per point: bytes of each of ``COMPONENTS`` the second layer only returned (``Timeline.returned``):
+    alive at its forward's end, gone when the next layer's output replaces them, so not one layer's bytes."""
     from_cache: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +121,9 @@ class DerivedRecipe:
         self._phases = np.array([p for p, n in self.phase_runs for _ in range(n)])  # once: ~1 ms per estimate
         first, last = self.layer_span
         self._layer_coef = self._coef[:, last] - self._coef[:, first]  # (basis, components)
+        if self.returned:  # attention weights a layer returns, kept by no layer: one alive at a time
+            back = np.array(self.returned, dtype=float)  # (points, components)
+            self._layer_coef -= np.linalg.solve(a / scale, back) / scale[:, None]
         top, bottom = self.grad_span
         grads = COMPONENTS.index("gradients")
         self._grad_coef = np.zeros_like(self._layer_coef)
@@ -171,13 +177,13 @@ class DerivedRecipe:
         return {"version": RECIPE_VERSION, "model_type": self.model_type, "key": self.key,
                 "points": self.points, "timelines": self.timelines, "phase_runs": self.phase_runs,
                 "layer_span": self.layer_span, "grad_span": self.grad_span,
-                "derive_seconds": self.derive_seconds}
+                "derive_seconds": self.derive_seconds, "returned": self.returned}
 
     @classmethod
     def from_json(cls, data: dict) -> DerivedRecipe:
         return cls(data["model_type"], data["key"], [tuple(p) for p in data["points"]], data["timelines"],
                    [tuple(r) for r in data["phase_runs"]], tuple(data["layer_span"]),
-                   tuple(data["grad_span"]), float(data["derive_seconds"]), from_cache=True)
+                   tuple(data["grad_span"]), float(data["derive_seconds"]), data["returned"], from_cache=True)
 
 
 def pick_moments(pred, phases, accumulating: bool = False) -> dict[str, int]:
@@ -462,9 +468,10 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     phases, span, grad_span = _align(lines)
     end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
+    returned = [[line.returned.get(1, {}).get(c, 0) for c in COMPONENTS] for line in lines]
     phases = phases[:end]
     return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases),
-                         span, grad_span, round(time.perf_counter() - started, 2))
+                         span, grad_span, round(time.perf_counter() - started, 2), returned)
 
 
 def _runs(phases: list[str]) -> list[tuple[str, int]]:
