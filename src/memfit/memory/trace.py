@@ -479,6 +479,19 @@ def _release_input_leaves(leaves: list) -> None:
     leaves.clear()
 
 
+@contextlib.contextmanager
+def _freed_grads_unseen(run: RunConfig):
+    """Silence MemTracker's warning about a freed ``.grad`` in the first tracked step of an
+    optimizer-in-backward run: the optimizer's hooks run before MemTracker's (installed at the first
+    forward), which then find the gradient already stepped and freed (None: nothing to count) and warn;
+    re-installed after that step, they run after. ``derive`` traces one step (``steps=1``): its recorded one."""
+    with warnings.catch_warnings():
+        if run.optimizer_in_backward:
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass",
+                                    category=UserWarning)
+        yield
+
+
 def _saved_tensors_place(run: RunConfig):
     """``--offload activations``: saved tensors off the device while saved (``memory/offload_trace.py``)."""
     if run.offload is Offload.ACTIVATIONS:
@@ -819,17 +832,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
           tracker, recorder):
         if steps > 1 and not untracked_warm_up:
-            with warnings.catch_warnings():
-                # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
-                # first forward), which then read a freed .grad and warn; re-installed below, they run after.
-                warnings.simplefilter("ignore", UserWarning)
+            with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)
         if run.optimizer_in_backward:
             optimizer.install_hooks()
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         substituted.new_step()  # count the reported step's calls only
         recorder.recording = True
-        _one_step(traced, micro_batches, optimizer_step=steps > 1)
+        with _freed_grads_unseen(run) if steps == 1 else contextlib.nullcontext():  # its first tracked step
+            _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
     line = recorder.timeline
     other = other_bytes(max(line.totals(), default=0), device)
