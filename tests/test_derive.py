@@ -173,11 +173,9 @@ def test_derived_recipe_honours_the_technique(family, changes, tmp_path, monkeyp
     assert analytic.recipe.startswith("derived")
     assert abs(analytic.peak_bytes - exact.peak_bytes) <= 0.03 * exact.peak_bytes
     for phase, bytes_ in exact.phase_peaks.items():
-        if family == "opt" and phase == "optimizer":
-            # known, left: the trace holds one (B, T, H) fp32 tensor more through OPT's chunked-loss step
-            # (analytic -4.9% in this phase, far below the peak)
-            continue
-        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.035 * bytes_, phase
+        # OPT's optimizer phase was -4.9%: its learned positions' table, not counted as an embedding, was
+        # missing from the single-tensor AdamW loop's peak (the tokens' table, then twice the positions')
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, phase
 
 
 def test_returned_attention_weights_are_not_a_layer_s_bytes(tmp_path, monkeypatch):
