@@ -464,6 +464,8 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
                             f"version failed ({first}).") from None
         points.append((batch, seq))
         lines.append(line)
+        if len(line.samples) != len(lines[0].samples):
+            _align(lines, spec.model_type, kinds)  # raises: no need to trace the other sizes
     phases, per_kind, split = _align(lines, spec.model_type, kinds)
     end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
