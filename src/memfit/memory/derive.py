@@ -3,7 +3,8 @@
 The analytic estimator (``memory/estimate.py``) models four families op by op (``memory/activations.py``).
 Any other decoder transformers can build as a causal LM gets a recipe *derived* here from its real
 modeling code: a 2-layer version of the architecture (the real hidden size, heads, vocabulary and
-settings) is traced on fake tensors (``memory/trace.py``, one step, CPU kernels) at five batch x sequence
+settings; a model with several layer kinds: its first layer and one layer of each other kind,
+``memory/layer_plan.py``) is traced on fake tensors (``memory/trace.py``, one step, CPU kernels) at five batch x sequence
 points (B, T) in {2, 3} x {40, 80, 160}. The same operators run at every size, so the bytes after
 operator ``i`` are fitted exactly, category by category, as
 
@@ -14,16 +15,18 @@ B T: per-token tensors; B T^2: attention scores). The estimate predicts the whol
 and T, picks the moments the hand-written estimate combines (the forward peak, the start of backward
 with the logits' gradients, one layer into backward, the end of backward) on the N-layer timeline:
 until backward reaches the first layer, N - 2 more layers hold what one layer keeps from its forward (the
-second layer's bytes, read between its forward hooks: under LoRA the first layer differs); from then on
+second layer's bytes, read between its forward hooks: under LoRA the first layer differs; less what it
+only returns, attention weights the decoder drops when the next layer returns); from then on
 they hold their weight gradients instead (the second layer's, read between the starts of the second and
-the first layer's backward). Bytes while a middle layer runs its backward lie between those two, which
+the first layer's backward). Each further layer is priced by the traced layer of its own kind. Bytes while a middle layer runs its backward lie between those two, which
 is why a 2-layer trace suffices.
 Weights, gradients, optimizer state and the optimizer phase stay analytic (parameter counts only).
 Fake tensors cost the same at any width, so the five traces take seconds.
 
 Known error: exact where the basis spans what the code allocates (held to the exact trace within 3% on
-every family of ``tests/test_estimate_accuracy.py``). Wrong where layers differ beyond the first two
-(alternating local/global layers of different sizes), or where a sliding window sits between the
+every family of ``tests/test_estimate_accuracy.py``; lfm2's two kinds +1.6% at seq 2048). Refused, in one
+sentence naming the layer kind, where a kind's operators change with the size (jamba's mamba layers loop
+over the positions without the mamba kernels) or first appear beyond 8 layers. Wrong where a sliding window sits between the
 traced lengths and the run's (the traced lengths are put on the run's side of the window). It inherits
 the trace's CPU kernels (docs/exact.md), also for ``device="cuda"``.
 
