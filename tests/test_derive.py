@@ -9,6 +9,7 @@ key changes with exactly the settings that change activations.
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 
@@ -141,6 +142,8 @@ def test_depth_extrapolation_follows_the_trace_through_backward():
 def _derived_family(name: str):
     import transformers as tf
 
+    if name == "bloom":  # its layers return their attention weights: (B, heads, T, T), fp32
+        return tf.BloomConfig(vocab_size=1031, hidden_size=64, n_head=4, n_layer=3)
     if name == "nemotron":  # no hand-written recipe: derived
         return tf.NemotronConfig(vocab_size=1031, hidden_size=128, intermediate_size=352, num_attention_heads=4,
                                  num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=1024)
@@ -161,12 +164,102 @@ def test_derived_recipe_honours_the_technique(family, changes, tmp_path, monkeyp
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     spec = spec_from_config(_derived_family(family), family)
     run = RunConfig(seq_len=256, micro_batch=4, **changes)
-    analytic, exact = estimate(spec, run, device="cpu"), trace(spec, run, device="cpu")
+    with warnings.catch_warnings(record=True) as caught:  # a fresh cache: the recipe is derived now
+        warnings.simplefilter("always")
+        analytic = estimate(spec, run, device="cpu")
+    # optimizer-in-backward: MemTracker found the stepped, freed gradients and warned (plan --maximize leaked it)
+    assert not [w for w in caught if "wrapper-subclass" in str(w.message)]
+    exact = trace(spec, run, device="cpu")
     assert analytic.recipe.startswith("derived")
     assert abs(analytic.peak_bytes - exact.peak_bytes) <= 0.03 * exact.peak_bytes
     for phase, bytes_ in exact.phase_peaks.items():
-        if family == "opt" and phase == "optimizer":
-            # known, left: the trace holds one (B, T, H) fp32 tensor more through OPT's chunked-loss step
-            # (analytic -4.9% in this phase, far below the peak)
-            continue
-        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.035 * bytes_, phase
+        # OPT's optimizer phase was -4.9%: its learned positions' table, not counted as an embedding, was
+        # missing from the single-tensor AdamW loop's peak (the tokens' table, then twice the positions')
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, phase
+
+
+def test_returned_attention_weights_are_not_a_layer_s_bytes(tmp_path, monkeypatch):
+    """Bloom's layers return their (B, heads, T, T) attention weights; under checkpointing nothing saves
+    them and the decoder drops each when the next layer returns. Charged to every extrapolated layer they
+    made a bloom-shaped model at seq 2048 +23% over --exact (forward), +30% in backward; now within 1%."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+    from memfit.spec.model import spec_from_config
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    config = _derived_family("bloom")
+    run = RunConfig(seq_len=2048, micro_batch=1, grad_checkpointing=True)
+    analytic, exact = estimate(spec_from_config(config, "bloom"), run, device="cpu"), trace(config, run, device="cpu")
+    assert analytic.recipe.startswith("derived")
+    assert abs(tensor_peak(analytic) - tensor_peak(exact)) <= 0.01 * tensor_peak(exact)
+    for phase, bytes_ in exact.phase_peaks.items():
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.01 * bytes_, (phase, analytic.phase_peaks, bytes_)
+
+
+def _lfm2(layers: int = 6):
+    """lfm2's layer pattern (LFM2-350M: attention at layers 2, 5, 8, ...): convolution layers first."""
+    import transformers as tf
+
+    types = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(layers)]
+    return tf.Lfm2Config(vocab_size=1031, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=layers, max_position_embeddings=4096,
+                         layer_types=types)
+
+
+def test_each_layer_kind_is_derived_and_extrapolated_as_itself(tmp_path, monkeypatch):
+    """lfm2 (4 convolution and 2 attention layers) at seq 2048: traced as [conv, conv, attention] and every
+    further layer extrapolated as its own kind. Counting the later convolution layers as attention ones
+    (one kind per derivation) was +33.9% over --exact; now +1.6%."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.trace import trace
+    from memfit.spec.model import spec_from_config
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    config = _lfm2()
+    run = RunConfig(seq_len=2048, micro_batch=1)
+    analytic, exact = estimate(spec_from_config(config, "lfm2"), run, device="cpu"), trace(config, run, device="cpu")
+    assert analytic.recipe == "derived from traces of 3 layers of lfm2 (2 kinds)"
+    assert any(line.startswith("layer kinds: 4 x Lfm2DecoderLayer (conv), 2 x Lfm2DecoderLayer (full_attention)")
+               for line in analytic.notes)
+    assert abs(tensor_peak(analytic) - tensor_peak(exact)) <= 0.03 * tensor_peak(exact)
+    for phase, bytes_ in exact.phase_peaks.items():
+        assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, (phase, analytic.phase_peaks, bytes_)
+
+
+def test_a_hybrid_whose_layer_kind_cannot_be_derived_is_named(tmp_path, monkeypatch):
+    """jamba: mamba layers (without the mamba kernels, transformers loops over the positions: more operators
+    at every length) and attention layers, with MoE or dense MLPs. The mamba kind cannot be fitted
+    operator by operator; the sentence names it (the first size that differs stops the derivation)."""
+    import transformers as tf
+
+    from memfit.errors import UserError
+    from memfit.memory.estimate import estimate
+    from memfit.spec.model import spec_from_config
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    config = tf.JambaConfig(vocab_size=1031, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                            mamba_d_state=8, mamba_dt_rank=8, attn_layer_period=4, attn_layer_offset=2)
+    spec = spec_from_config(config, "jamba")
+    assert spec.layer_kinds == ("JambaMambaDecoderLayer (linear_attention) with JambaMLP",
+                                "JambaMambaDecoderLayer (linear_attention) with JambaSparseMoeBlock",
+                                "JambaAttentionDecoderLayer (full_attention)",
+                                "JambaMambaDecoderLayer (linear_attention) with JambaSparseMoeBlock")
+    with pytest.raises(UserError) as err:
+        estimate(spec, RunConfig(seq_len=64, micro_batch=2), device="cpu")
+    assert str(err.value) == ("Cannot derive a memory recipe for jamba: its JambaMambaDecoderLayer (linear_attention) "
+                              "with JambaMLP layer runs different operators at different sequence lengths or batch "
+                              "sizes; use --exact.")
+
+
+def test_a_layer_kind_beyond_the_traced_layers_is_named():
+    from memfit.errors import UserError
+    from memfit.memory.layer_plan import plan
+    from memfit.spec.model import ModelSpec
+
+    kinds = ("A",) * 9 + ("B",)
+    spec = ModelSpec("m", "toy", 1, 10, 8, 8, 10, 1, 1, 8, 64, False, layer_kinds=kinds)
+    with pytest.raises(UserError, match="its first B layer is layer 9, beyond the 8 layers a derivation traces"):
+        plan(spec, by_layer_types=False)
+    assert plan(spec.__class__(**{**spec.__dict__, "layer_kinds": ("A", "A", "B") + ("A",) * 7}),
+                by_layer_types=False).kinds == ("A", "A", "B")

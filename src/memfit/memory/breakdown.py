@@ -64,7 +64,8 @@ class MemoryBreakdown:
     """Last name components of the LoRA-wrapped projections (empty for a full fine-tune)."""
     recipe: str = ""
     """Where the activation model came from (analytic only): ``hand-written recipe: llama`` or
-    ``derived from traces of 1-2 layer <model_type>`` (``memory/derive.py``)."""
+    ``derived from traces of 1-2 layer <model_type>`` (``... of 3 layers of lfm2 (2 kinds)`` with several layer
+    kinds; ``memory/derive.py``)."""
 
     @property
     def peak_bytes(self) -> int:

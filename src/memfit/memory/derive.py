@@ -3,7 +3,8 @@
 The analytic estimator (``memory/estimate.py``) models four families op by op (``memory/activations.py``).
 Any other decoder transformers can build as a causal LM gets a recipe *derived* here from its real
 modeling code: a 2-layer version of the architecture (the real hidden size, heads, vocabulary and
-settings) is traced on fake tensors (``memory/trace.py``, one step, CPU kernels) at five batch x sequence
+settings; a model with several layer kinds: its first layer and one layer of each other kind,
+``memory/layer_plan.py``) is traced on fake tensors (``memory/trace.py``, one step, CPU kernels) at five batch x sequence
 points (B, T) in {2, 3} x {40, 80, 160}. The same operators run at every size, so the bytes after
 operator ``i`` are fitted exactly, category by category, as
 
@@ -14,16 +15,18 @@ B T: per-token tensors; B T^2: attention scores). The estimate predicts the whol
 and T, picks the moments the hand-written estimate combines (the forward peak, the start of backward
 with the logits' gradients, one layer into backward, the end of backward) on the N-layer timeline:
 until backward reaches the first layer, N - 2 more layers hold what one layer keeps from its forward (the
-second layer's bytes, read between its forward hooks: under LoRA the first layer differs); from then on
+second layer's bytes, read between its forward hooks: under LoRA the first layer differs; less what it
+only returns, attention weights the decoder drops when the next layer returns); from then on
 they hold their weight gradients instead (the second layer's, read between the starts of the second and
-the first layer's backward). Bytes while a middle layer runs its backward lie between those two, which
+the first layer's backward). Each further layer is priced by the traced layer of its own kind. Bytes while a middle layer runs its backward lie between those two, which
 is why a 2-layer trace suffices.
 Weights, gradients, optimizer state and the optimizer phase stay analytic (parameter counts only).
 Fake tensors cost the same at any width, so the five traces take seconds.
 
 Known error: exact where the basis spans what the code allocates (held to the exact trace within 3% on
-every family of ``tests/test_estimate_accuracy.py``). Wrong where layers differ beyond the first two
-(alternating local/global layers of different sizes), or where a sliding window sits between the
+every family of ``tests/test_estimate_accuracy.py``; lfm2's two kinds +1.6% at seq 2048). Refused, in one
+sentence naming the layer kind, where a kind's operators change with the size (jamba's mamba layers loop
+over the positions without the mamba kernels) or first appear beyond 8 layers. Wrong where a sliding window sits between the
 traced lengths and the run's (the traced lengths are put on the run's side of the window). It inherits
 the trace's CPU kernels (docs/exact.md), also for ``device="cuda"``.
 
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.memory import layer_plan
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.notes import notes
@@ -63,7 +67,7 @@ from memfit.settings.config import (
 )
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 COMPONENTS = ("gradients", "activations", "logits", "temporary")
 MOMENTS = ("forward", "backward_start", "backward_layer", "backward_end")
@@ -100,11 +104,19 @@ class DerivedRecipe:
     timelines: list[list[list[int]]]
     """Per point, per sample: bytes of each of ``COMPONENTS``."""
     phase_runs: list[tuple[str, int]]
-    layer_span: tuple[int, int]
-    """Sample indices before and at the end of the second layer's forward: one layer's bytes."""
-    grad_span: tuple[int, int]
-    """Sample indices before the second and before the first layer's backward: one layer's gradients."""
+    kinds: list[str]
+    """The kind of each traced layer (``memory/layer_plan.py``); the lists below hold one entry per kind
+    after the first layer (``layer_kinds``)."""
+    layer_spans: list[tuple[int, int]]
+    """Per kind: sample indices before and at the end of its traced layer's forward (one layer's bytes)."""
+    grad_spans: list[tuple[int, int]]
+    """Per kind: sample indices before its traced layer's backward and before the layer below's (its gradients)."""
+    split: int
+    """Sample index before the first layer's backward: from there on, layers above hold their gradients."""
     derive_seconds: float
+    returned: list[list[list[int]]] = field(default_factory=list)
+    """Per kind, per point: bytes of each of ``COMPONENTS`` its traced layer only returned (``Timeline.returned``):
+    alive at its forward's end, gone when the next layer's output replaces them, so not one layer's bytes."""
     from_cache: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -116,68 +128,87 @@ class DerivedRecipe:
         coef = np.linalg.solve(a / scale, y.reshape(len(self.points), -1)) / scale[:, None]
         self._coef = coef.reshape((a.shape[1],) + y.shape[1:])
         self._phases = np.array([p for p, n in self.phase_runs for _ in range(n)])  # once: ~1 ms per estimate
-        first, last = self.layer_span
-        self._layer_coef = self._coef[:, last] - self._coef[:, first]  # (basis, components)
-        top, bottom = self.grad_span
         grads = COMPONENTS.index("gradients")
-        self._grad_coef = np.zeros_like(self._layer_coef)
-        self._grad_coef[:, grads] = self._coef[:, bottom, grads] - self._coef[:, top, grads]
+        self._layer_coef, self._grad_coef = {}, {}
+        for k, kind in enumerate(self.layer_kinds):
+            first, last = self.layer_spans[k]
+            layer = self._coef[:, last] - self._coef[:, first]  # (basis, components)
+            if self.returned:  # attention weights a layer returns, kept by no layer: one alive at a time
+                back = np.array(self.returned[k], dtype=float)  # (points, components)
+                layer = layer - np.linalg.solve(a / scale, back) / scale[:, None]
+            top, bottom = self.grad_spans[k]
+            grad = np.zeros_like(layer)
+            grad[:, grads] = self._coef[:, bottom, grads] - self._coef[:, top, grads]
+            self._layer_coef[kind], self._grad_coef[kind] = layer, grad
 
     @property
     def label(self) -> str:
-        return f"derived from traces of 1-2 layer {self.model_type}"
+        if len(self.kinds) == 2:
+            return f"derived from traces of 1-2 layer {self.model_type}"
+        return f"derived from traces of {len(self.kinds)} layers of {self.model_type} ({len(self.layer_kinds)} kinds)"
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """The kinds of the traced layers after the first, each once, in order (``layer_spans``' order)."""
+        return list(dict.fromkeys(self.kinds[1:]))
 
     def timeline_at(self, batch: int, seq: int):
-        """Predicted bytes (samples x components) of the 2-layer model's step at ``batch`` x ``seq``."""
+        """Predicted bytes (samples x components) of the traced model's step at ``batch`` x ``seq``."""
         import numpy as np
 
         return np.tensordot(np.array(_basis(batch, seq)), self._coef, axes=1)
 
-    def timeline_of(self, layers: int, batch: int, seq: int, logits_share: float = 1.0):
-        """Predicted bytes (samples x components) of the step of a ``layers``-layer model, sample by
-        sample of the 2-layer step: ``layers - 2`` middle layers more, each holding what one (non-first)
-        layer keeps from its forward until backward reaches the first layer, and its weight gradients
-        from then on (the end of backward included: there the estimate counts all gradients anyway).
-        ``logits_share``: the run's chunk of a chunked loss over its tokens (the traces ran one chunk per
-        micro-batch, ``losses.one_chunk_per_micro_batch``: their chunk-sized tensors are the logits)."""
+    def timeline_of(self, extra: dict[str, int], batch: int, seq: int, logits_share: float = 1.0):
+        """Predicted bytes (samples x components) of the step of a model with ``extra[kind]`` layers of each
+        kind more than traced (``layer_plan.extra_layers``), sample by sample of the traced step: each holds
+        what its kind's traced layer keeps from its forward until backward reaches the first layer, and its
+        weight gradients from then on (the end of backward included: there the estimate counts all
+        gradients anyway). ``logits_share``: the run's chunk of a chunked loss over its tokens (the traces
+        ran one chunk per micro-batch, ``losses.one_chunk_per_micro_batch``: their chunk-sized tensors are
+        the logits)."""
         import numpy as np
 
         basis = np.array(_basis(batch, seq))
         pred = self.timeline_at(batch, seq)
-        extra = np.repeat((basis @ self._layer_coef)[None, :], len(pred), axis=0)
-        extra[self.grad_span[1] + 1:] = basis @ self._grad_coef
-        pred = pred + (layers - 2) * extra
+        zero = np.zeros(len(COMPONENTS))
+        held = sum((n * (basis @ self._layer_coef[k]) for k, n in extra.items()), zero)
+        grads = sum((n * (basis @ self._grad_coef[k]) for k, n in extra.items()), zero)
+        more = np.repeat(held[None, :], len(pred), axis=0)
+        more[self.split + 1:] = grads
+        pred = pred + more
         pred[:, COMPONENTS.index("logits")] *= logits_share
         return pred
 
-    def at(self, layers: int, batch: int, seq: int, accumulating: bool = False,
+    def at(self, extra: dict[str, int], batch: int, seq: int, accumulating: bool = False,
            logits_share: float = 1.0) -> dict[str, dict[str, int]]:
-        """Bytes of each component at each of ``MOMENTS`` for ``layers`` decoder layers (``timeline_of``);
+        """Bytes of each component at each of ``MOMENTS`` with ``extra`` layers (``timeline_of``);
         ``accumulating``: all gradients exist throughout backward, so moments are picked without them."""
-        pred = self.timeline_of(layers, batch, seq, logits_share)
+        pred = self.timeline_of(extra, batch, seq, logits_share)
         out = {}
         for m, i in pick_moments(pred, self._phases, accumulating).items():
             out[m] = {c: max(0, int(round(float(pred[i][k])))) for k, c in enumerate(COMPONENTS)}
         return out
 
-    def per_layer(self, component: str, batch: int, seq: int) -> int:
-        """Bytes of ``component`` one (non-first) decoder layer keeps from its forward to its backward."""
+    def per_layer(self, component: str, batch: int, seq: int, kind: str | None = None) -> int:
+        """Bytes of ``component`` one (non-first) decoder layer of ``kind`` (default: the first traced kind)
+        keeps from its forward to its backward."""
         import numpy as np
 
-        layer = np.array(_basis(batch, seq)) @ self._layer_coef
+        layer = np.array(_basis(batch, seq)) @ self._layer_coef[kind if kind in self._layer_coef else self.kinds[1]]
         return max(0, int(round(float(layer[COMPONENTS.index(component)]))))
 
     def to_json(self) -> dict:
         return {"version": RECIPE_VERSION, "model_type": self.model_type, "key": self.key,
                 "points": self.points, "timelines": self.timelines, "phase_runs": self.phase_runs,
-                "layer_span": self.layer_span, "grad_span": self.grad_span,
-                "derive_seconds": self.derive_seconds}
+                "kinds": self.kinds, "layer_spans": self.layer_spans, "grad_spans": self.grad_spans,
+                "split": self.split, "derive_seconds": self.derive_seconds, "returned": self.returned}
 
     @classmethod
     def from_json(cls, data: dict) -> DerivedRecipe:
         return cls(data["model_type"], data["key"], [tuple(p) for p in data["points"]], data["timelines"],
-                   [tuple(r) for r in data["phase_runs"]], tuple(data["layer_span"]),
-                   tuple(data["grad_span"]), float(data["derive_seconds"]), from_cache=True)
+                   [tuple(r) for r in data["phase_runs"]], list(data["kinds"]),
+                   [tuple(x) for x in data["layer_spans"]], [tuple(x) for x in data["grad_spans"]],
+                   int(data["split"]), float(data["derive_seconds"]), data["returned"], from_cache=True)
 
 
 def pick_moments(pred, phases, accumulating: bool = False) -> dict[str, int]:
@@ -308,7 +339,7 @@ def _recipe_key(spec, run: RunConfig) -> str:
     config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
     payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
                "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION,
-               "traced_layer_types": traced_layer_types(spec.hf_config),
+               "traced": layer_plan.plan(spec).kinds,
                "torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -365,49 +396,6 @@ def _store(path: Path, recipe: DerivedRecipe) -> None:
 # ------------------------------------------------------------------------------------------------
 # the derivation
 # ------------------------------------------------------------------------------------------------
-def traced_layer_types(config, layers: int = 2) -> list | None:
-    """The per-layer kinds (``layer_types``) of the ``layers``-layer model a derivation traces, or None.
-
-    The first layer's kind, then, where the first ``layers`` do not show every kind the model has (lfm2:
-    convolution layers first, attention later), the kind most of the other layers are: the extrapolated
-    layers are counted as that kind (``layer_kinds_note`` says so), and every projection the default LoRA
-    targets name exists in the traced model."""
-    types = getattr(config, "layer_types", None)
-    if not isinstance(types, list | tuple) or not types:
-        return None
-    types = list(types)
-    if set(types[:layers]) == set(types):
-        return types[:layers]
-    rest = [t for t in types[1:] if t != types[0]] or types[1:]
-    other = max(dict.fromkeys(rest), key=rest.count)
-    return [types[0]] + [other] * (layers - 1)
-
-
-def layer_kinds_note(spec) -> str:
-    """A sentence naming the layer kinds the derived recipe counts as another kind (empty when none)."""
-    types = getattr(spec.hf_config, "layer_types", None)
-    traced = traced_layer_types(spec.hf_config)
-    if not traced or not isinstance(types, list | tuple):
-        return ""
-    model_as = traced[-1]  # what the extrapolated layers are counted as
-    others = {t: list(types[1:]).count(t) for t in dict.fromkeys(types[1:]) if t != model_as}
-    if not others:
-        return ""
-    named = ", ".join(f"{n} {t} layer{'s' if n > 1 else ''}" for t, n in others.items())
-    return (f"layer kinds: {named} of {len(types)} counted as {model_as} layers (the derived recipe traces "
-            "one layer of each of two kinds and extrapolates the second; a recipe per layer kind is not derived yet).")
-
-
-def _with_layers(config, layers: int):
-    """A copy of ``config`` with ``layers`` decoder layers (per-layer type lists: ``traced_layer_types``)."""
-    small = copy.deepcopy(config)
-    small.num_hidden_layers = layers
-    traced = traced_layer_types(config, layers)
-    if traced is not None:
-        small.layer_types = traced
-    return small
-
-
 def _segments(timeline) -> list[tuple[int, int]]:
     """[start, end) sample ranges of a one-step timeline cut at every decoder layer's forward hooks and
     at the ends of forward and backward."""
@@ -417,33 +405,53 @@ def _segments(timeline) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
-def _align(lines) -> tuple[list[str], tuple[int, int], tuple[int, int]]:
-    """Check that every size ran the same operators; the phases, the second layer's forward span and
-    the span of its backward's gradients (``DerivedRecipe.layer_span``, ``grad_span``).
+def _align(lines, model_type: str, kinds: tuple[str, ...]) -> tuple[list[str], dict[str, tuple], int]:
+    """Check that every size ran the same operators; the phases, per kind its traced layer's forward span
+    and its backward's gradient span (``DerivedRecipe.layer_spans``, ``grad_spans``), and the split.
 
-    Raises ``UserError`` when they differ (the per-operator fit would compare different moments).
+    Raises ``UserError`` when they differ (the per-operator fit would compare different moments), naming
+    the layer kind whose operators differ where one does (jamba's mamba layers without the mamba kernels
+    loop over the positions).
     """
     cut = [_segments(line) for line in lines]
     if len({tuple(c) for c in cut}) != 1 or len({len(line.samples) for line in lines}) != 1:
-        raise UserError("Cannot derive a memory recipe for this model: its step runs different operators at "
-                        "different sequence lengths or batch sizes; use --exact.")
+        raise UserError(f"Cannot derive a memory recipe for {model_type}: {_what_differs(lines, kinds)} runs "
+                        "different operators at different sequence lengths or batch sizes; use --exact.")
     marks = {(i, when): n for i, when, n in lines[0].layer_marks}
-    if not {(1, "pre"), (1, "post"), (1, "grad"), (0, "grad")} <= set(marks):
-        raise UserError("Cannot derive a memory recipe for this model: its decoder layers were not found "
-                        "(transformers lists none in _no_split_modules); use --exact.")
-    return (list(lines[0].phases), (marks[(1, "pre")] - 1, marks[(1, "post")] - 1),
-            (marks[(1, "grad")] - 1, marks[(0, "grad")] - 1))
+    spans, grads = {}, {}
+    for i, kind in enumerate(kinds):
+        if i == 0 or kind in spans:
+            continue
+        if not {(i, "pre"), (i, "post"), (i, "grad"), (i - 1, "grad")} <= set(marks):
+            raise UserError(f"Cannot derive a memory recipe for {model_type}: its decoder layers were not found "
+                            "(transformers lists none in _no_split_modules); use --exact.")
+        spans[kind] = ((marks[(i, "pre")] - 1, marks[(i, "post")] - 1), i)
+        grads[kind] = (marks[(i, "grad")] - 1, marks[(i - 1, "grad")] - 1)
+    return list(lines[0].phases), {k: (spans[k][0], grads[k], spans[k][1]) for k in spans}, marks[(0, "grad")] - 1
+
+
+def _what_differs(lines, kinds: tuple[str, ...]) -> str:
+    """'its <kind> layer' whose forward ran a different number of operators at two sizes, else 'its step'."""
+    def layer_lengths(line):
+        marks = {(i, when): n for i, when, n in line.layer_marks}
+        return [marks.get((i, "post"), 0) - marks.get((i, "pre"), 0) for i in range(len(kinds))]
+
+    lengths = [layer_lengths(line) for line in lines]
+    for i, kind in enumerate(kinds):
+        if len({row[i] for row in lengths}) > 1:
+            return f"its {kind} layer"
+    return "its step"
 
 
 def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
-    """Trace the 2-layer version of ``spec``'s architecture at the five ``_POINTS`` (one step each)."""
+    """Trace the small model of ``layer_plan.plan`` (one layer of each kind) at the five ``_POINTS``."""
     from memfit.memory.trace import trace
     from memfit.spec.losses import one_chunk_per_micro_batch
 
     started = time.perf_counter()
     settings = recipe_settings(spec, run)
     lengths = _sequence_lengths(spec, run)
-    config = _with_layers(spec.hf_config, 2)
+    config, kinds = _traced_model(spec)
     points, lines = [], []
     for batch, mult in _POINTS:
         seq = lengths[{1: 0, 2: 1, 4: 2}[mult]]
@@ -455,16 +463,39 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
                                 timeline=True, steps=1)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-            raise UserError(f"Cannot derive a memory recipe for {spec.model_type}: tracing its 2-layer version "
-                            f"failed ({first}).") from None
+            raise UserError(f"Cannot derive a memory recipe for {spec.model_type}: tracing its {len(kinds)}-layer "
+                            f"version failed ({first}).") from None
         points.append((batch, seq))
         lines.append(line)
-    phases, span, grad_span = _align(lines)
+        if len(line.samples) != len(lines[0].samples):
+            _align(lines, spec.model_type, kinds)  # raises: no need to trace the other sizes
+    phases, per_kind, split = _align(lines, spec.model_type, kinds)
     end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
-    phases = phases[:end]
-    return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases),
-                         span, grad_span, round(time.perf_counter() - started, 2))
+    returned = [[[line.returned.get(at, {}).get(c, 0) for c in COMPONENTS] for line in lines]
+                for _span, _grads, at in per_kind.values()]
+    return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases[:end]),
+                         list(kinds), [v[0] for v in per_kind.values()], [v[1] for v in per_kind.values()], split,
+                         round(time.perf_counter() - started, 2), returned)
+
+
+def _traced_model(spec):
+    """The config of the model ``derive`` traces and its layers' kinds: ``layer_plan.plan``, by the
+    config's ``layer_types`` where the model built from them has the planned kinds, else its first layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.spec.model import layer_kinds
+
+    chosen = layer_plan.plan(spec)
+    config = layer_plan.small_config(spec.hf_config, chosen)
+    if chosen.layer_types is not None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        if layer_kinds(model, config) != chosen.kinds:  # layer_types do not decide the kinds alone
+            chosen = layer_plan.plan(spec, by_layer_types=False)
+            config = layer_plan.small_config(spec.hf_config, chosen)
+    return config, chosen.kinds
 
 
 def _runs(phases: list[str]) -> list[tuple[str, int]]:
@@ -494,7 +525,8 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
     accum = run.grad_accum > 1
-    at = recipe.at(spec.num_layers, run.micro_batch, run.seq_len, accum, _logits_share(spec, traced))
+    at = recipe.at(layer_plan.extra_layers(spec, recipe.kinds), run.micro_batch, run.seq_len, accum,
+                   _logits_share(spec, traced))
     if traced is not run:
         at = _trl_head_delta(spec, run, traced, at, device)
 
@@ -544,7 +576,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
                           trainable_params=spec.trainable_params(run), weights=states.weights,
                           optimizer=states.optimizer, **candidates[peak])
     out.phase_peaks = phase_peaks
-    out.activations_per_layer = recipe.per_layer("activations", run.micro_batch, run.seq_len)
+    kinds = layer_plan.model_kinds(spec)[1:]
+    most = max(dict.fromkeys(kinds), key=kinds.count) if kinds else None
+    out.activations_per_layer = recipe.per_layer("activations", run.micro_batch, run.seq_len, most)
     out.recipe = recipe.label
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
@@ -556,9 +590,8 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
         compute = 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
         out.notes += moe_notes(spec, run, per_param, compute)
     out.notes.append(derivation_note(spec, run, recipe, device))
-    kinds = layer_kinds_note(spec)
-    if kinds:
-        out.notes.append(kinds)
+    if layer_plan.kinds_note(spec):
+        out.notes.append(layer_plan.kinds_note(spec))
     return out
 
 

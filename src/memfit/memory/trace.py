@@ -93,6 +93,10 @@ class Timeline:
     """``(layer index, "pre"|"post"|"grad", number of samples so far)``: "pre"/"post" at each decoder
     layer's forward hooks (not at a checkpoint's recompute), "grad" when backward reaches the layer's
     output (the start of that layer's backward); ``memory/derive.py`` reads one layer's bytes off them."""
+    returned: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Per decoder layer, bytes by category of the tensors it returned beside its hidden states (attention
+    weights) that died before backward: held only until the next layer's output replaced them, not kept
+    by the layer (``Recorder.watch_returned``); ``memory/derive.py`` excludes them from a layer's bytes."""
 
     def totals(self) -> list[int]:
         return [sum(s.values()) + self.other for s in self.samples]
@@ -302,6 +306,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             self.recording = False
             self.state_bytes = 0
             self.timeline = Timeline()
+            self.watched: list[weakref.ref] = []  # ``watch_returned``'s references (their callbacks need them)
             for st in storages_of(head_weight):
                 self.head.add(st, None)
 
@@ -348,6 +353,28 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                 "temporary": tmp - relabelled[ref.TEMP] + opt - optimizer - relabelled[ref.OPT]
                 + snap.get(ref.OTH, 0) - relabelled[ref.OTH] + sum(casts.get(r, 0) for r in relabelled),
             }
+
+        def watch_returned(self, layer: int, output) -> None:
+            """Watch what decoder layer ``layer`` returned beside its hidden states (the first tensor): a
+            storage that dies in forward was only returned (bloom's, mpt's, eager falcon's attention weights
+            under checkpointing: the decoder drops them when the next layer returns), not saved by the layer."""
+            if not (self.recording and self.phase == "forward"):
+                return
+            leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            seen = {id(st) for st in (storages_of(leaves[0]) if leaves else ())}
+            for t in leaves[1:]:
+                for st, winfo in self._winfos(t):
+                    if id(st) in seen:
+                        continue
+                    seen.add(id(st))
+                    category = "activations" if winfo.reftype is ref.ACT else "temporary"
+                    self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
+                                                    self._freed(*args)))
+
+        def _freed(self, layer: int, category: str, size: int) -> None:
+            if self.recording and self.phase == "forward":
+                bytes_ = self.timeline.returned.setdefault(layer, {})
+                bytes_[category] = bytes_.get(category, 0) + size
 
         def mark(self, layer: int, when: str) -> None:
             if self.recording and self.phase == ("backward" if when == "grad" else "forward"):
@@ -455,6 +482,19 @@ def _release_input_leaves(leaves: list) -> None:
     leaves.clear()
 
 
+@contextlib.contextmanager
+def _freed_grads_unseen(run: RunConfig):
+    """Silence MemTracker's warning about a freed ``.grad`` in the first tracked step of an
+    optimizer-in-backward run: the optimizer's hooks run before MemTracker's (installed at the first
+    forward), which then find the gradient already stepped and freed (None: nothing to count) and warn;
+    re-installed after that step, they run after. ``derive`` traces one step (``steps=1``): its recorded one."""
+    with warnings.catch_warnings():
+        if run.optimizer_in_backward:
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass",
+                                    category=UserWarning)
+        yield
+
+
 def _saved_tensors_place(run: RunConfig):
     """``--offload activations``: saved tensors off the device while saved (``memory/offload_trace.py``)."""
     if run.offload is Offload.ACTIVATIONS:
@@ -541,6 +581,7 @@ def _mark_layers(model, recorder) -> None:
 
     def after_forward(i: int, output) -> None:
         recorder.mark(i, "post")
+        recorder.watch_returned(i, output)
         first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
         if recorder.recording and first is not None and first.requires_grad:
             first.register_hook(lambda _grad, i=i: recorder.mark(i, "grad"))
@@ -794,17 +835,15 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
           tracker, recorder):
         if steps > 1 and not untracked_warm_up:
-            with warnings.catch_warnings():
-                # optimizer-in-backward, first step only: its hooks run before MemTracker's (installed at the
-                # first forward), which then read a freed .grad and warn; re-installed below, they run after.
-                warnings.simplefilter("ignore", UserWarning)
+            with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)
         if run.optimizer_in_backward:
             optimizer.install_hooks()
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         substituted.new_step()  # count the reported step's calls only
         recorder.recording = True
-        _one_step(traced, micro_batches, optimizer_step=steps > 1)
+        with _freed_grads_unseen(run) if steps == 1 else contextlib.nullcontext():  # its first tracked step
+            _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
     line = recorder.timeline
     other = other_bytes(max(line.totals(), default=0), device)

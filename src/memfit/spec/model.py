@@ -241,6 +241,9 @@ class ModelSpec:
     """One expert's MLP width (its down projection's input)."""
     shared_expert_params: int = 0
     """Parameters of shared experts (qwen2_moe, deepseek_v3): dense MLPs every token runs."""
+    layer_kinds: tuple[str, ...] = ()
+    """Per decoder layer, its kind (``layer_kinds``): layers of one kind run the same code on the same
+    shapes, so a derived recipe traces one of each (``memory/derive.py``); empty when not built from a model."""
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     # derived --------------------------------------------------------------------------------
@@ -352,6 +355,37 @@ def _config_int(config, *names: str, default: int = 0) -> int:
     return default
 
 
+def _embedding_params(model) -> int:
+    """Parameters of the embedding tables outside the decoder layers: the tokens' and learned positions'
+    (GPT-2's ``wpe``, OPT's ``embed_positions``), each table once. Matrices, so train's parameter groups
+    put them with the projections, and the single-tensor optimizer loop meets the positions' right after
+    the tokens' (``memory.states._per_tensor_peak``: OPT's optimizer phase was -4.9% without them)."""
+    import torch
+
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    inside = {id(p) for m in model.modules() if type(m).__name__ in layers for p in m.parameters()}
+    tables = {id(m.weight): m.weight.numel() for m in model.modules()
+              if isinstance(m, torch.nn.Embedding) and id(m.weight) not in inside}
+    return sum(tables.values())
+
+
+def layer_kinds(model, config) -> tuple[str, ...]:
+    """Each decoder layer's kind: its class, its ``layer_types`` entry where the config has one (lfm2's
+    ``conv``/``full_attention``, gemma's sliding/full), and the classes of its direct submodules where layers of
+    one class differ in them (jamba's mamba layers with an MoE or a dense MLP; deepseek_v3's dense first layer)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    types = getattr(config, "layer_types", None)
+    types = list(types) if isinstance(types, list | tuple) and len(types) == len(layers) else None
+    labels = [type(m).__name__ + (f" ({types[i]})" if types else "") for i, m in enumerate(layers)]
+    parts = [{type(c).__name__ for c in m.children()} for m in layers]
+    out = []
+    for label, own in zip(labels, parts, strict=True):
+        shared = set.intersection(*(p for lab, p in zip(labels, parts, strict=True) if lab == label))
+        out.append(label + (f" with {', '.join(sorted(own - shared))}" if own - shared else ""))
+    return tuple(out)
+
+
 def spec_from_config(config, name: str, trust_remote_code: bool = False) -> ModelSpec:
     """Count a config's parameters exactly by building its model on the meta device (no memory).
 
@@ -369,10 +403,7 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
     linears, head, linear_modules = _linear_shapes(model)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
-    embedding_params = embed.weight.numel()
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
-    if wpe is not None:
-        embedding_params += wpe.weight.numel()
+    embedding_params = _embedding_params(model)
     tied = head is not None and head.weight is embed.weight
     head_params = 0 if tied or head is None else head.weight.numel()
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -413,6 +444,7 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         default_experts=str(model.config._experts_implementation or "") if expert_modules(model) else "",
         expert_params=sum(p.numel() for m in expert_modules(model) for p in m.parameters()),
         **_moe_numbers(model, config),
+        layer_kinds=layer_kinds(model, config),
         hf_config=config,
     )
 
