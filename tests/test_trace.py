@@ -139,7 +139,7 @@ def test_missing_private_api_is_a_user_error(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"lora_r": 4, "quantize": "4bit"}, "not supported in exact mode"),
+    ({"lora_r": 4, "quantize": "8bit"}, "not supported in exact mode"),
     ({"optimizer": "adamw-8bit"}, "not supported in exact mode"),
     ({"num_processes": 2}, "single process"),
     ({"offload": "optimizer"}, "not supported in exact mode"),

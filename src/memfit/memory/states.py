@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.integrations import quant_support
 from memfit.memory import quantized
 from memfit.memory.deepspeed_layout import zero_states
 from memfit.settings.config import Offload, Quantize, RunConfig, Sharding
@@ -315,14 +316,19 @@ def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
     double quantization ~0.516 bytes/param, int8 1 byte/param + one fp32 scale per output row); PEFT's
     ``prepare_model_for_kbit_training`` (``--qlora-upcast full``) leaves every other parameter (embeddings,
     norms, head, biases) in fp32, the lean default in ``--dtype`` (``memory.quantized.unquantized_bytes``).
-    Buffers (rotary ``inv_freq``) stay fp32.
+    Buffers (rotary ``inv_freq``) stay fp32. A 4-bit projection's bias is held in the compute dtype from the
+    first forward on: ``Linear4bit.forward`` casts ``bias.data`` to its input's dtype once that is the compute
+    dtype (bitsandbytes 0.50.2 ``nn/modules.py``; Qwen2's q/k/v biases under full upcast or autocast: counted
+    by the exact trace, which runs that forward).
     """
     w = _weight_bytes(run)
     if run.quantize is Quantize.NONE:
         return int(spec.params * w + spec.buffer_bytes)
 
-    rest = spec.params - spec.linear_params
-    return int(quantized.packed_bytes(spec, run) + rest * quantized.unquantized_bytes(run) + spec.buffer_bytes)
+    bias = spec.linear_bias_params if run.quantize is Quantize.Q4 else 0
+    rest = spec.params - spec.linear_params - bias
+    return int(quantized.packed_bytes(spec, run) + rest * quantized.unquantized_bytes(run)
+               + bias * quant_support.compute_bytes(run) + spec.buffer_bytes)
 
 
 def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_bytes: int) -> int:

@@ -59,6 +59,7 @@ from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.memory.cuda_kernels import Substitutions, cuda_kernels
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.experts_trace import traceable_experts
+from memfit.memory.quantized_trace import gemm_4bit_steps, hold_quant_state
 from memfit.settings.config import (
     Attention,
     Offload,
@@ -183,9 +184,13 @@ def _spec(model: Any, config):
 def check_supported(run: RunConfig, device: str = "cpu") -> None:
     """Raise ``UserError`` for settings a single-process CPU trace cannot reproduce (``--loss liger``/``cce``
     are traced for a CUDA target, as ``chunked``: ``_traced_loss``)."""
-    if run.quantize is not Quantize.NONE:
-        raise UserError("--quantize is not supported in exact mode (bitsandbytes kernels cannot run on fake "
-                        "tensors); use the analytic estimate for QLoRA.")
+    if run.quantize is Quantize.Q8:
+        raise UserError("--quantize 8bit is not supported in exact mode (its layers keep their inputs outside "
+                        "autograd's saved tensors and run int8 kernels on CUDA); use the analytic estimate, or 4bit.")
+    if run.quantize is Quantize.Q4:
+        from memfit.integrations.quant_support import check
+
+        check("cpu", "--quantize 4bit --exact")  # bitsandbytes' ops (and their fake kernels) are imported
     if not row(run.optimizer).traceable:
         raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode (its kernels cannot run "
                         "on fake tensors); use the analytic estimate.")
@@ -197,9 +202,11 @@ def check_supported(run: RunConfig, device: str = "cpu") -> None:
     if run.loss.value in ("liger", "cce") and device != "cuda":
         raise UserError(f"--loss {run.loss.value} runs Triton kernels that cannot be traced on CPU; use the "
                         "analytic estimate, or --loss chunked.")
-    if run.compile and (run.loss.value != "standard" or run.optimizer_in_backward or run.offload is not Offload.NONE):
-        raise UserError("--compile in exact mode prices the model's own loss with a plain step; drop --loss, "
-                        "--optimizer-in-backward and --offload, or use the analytic estimate.")
+    if run.compile and (run.loss.value != "standard" or run.optimizer_in_backward or run.offload is not Offload.NONE
+                        or run.quantize is not Quantize.NONE):
+        raise UserError("--compile in exact mode prices the model's own loss with a plain step on an unquantized "
+                        "base; drop --loss, --optimizer-in-backward, --offload and --quantize, or use the analytic "
+                        "estimate.")
     if run.num_processes > 1 or run.sharding is not Sharding.DDP:
         raise UserError("Exact mode traces a single process; drop --num-processes/--sharding or use the analytic "
                         "estimate for per-rank numbers.")
@@ -224,17 +231,27 @@ def _build_model(config, resolved: ResolvedRun):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                  **build.model_kwargs(run, attn, resolved.experts))
+        if run.quantize is Quantize.Q4:  # as from_pretrained quantizes: before checkpointing and PEFT
+            from memfit.memory.quantized_trace import quantize_on_meta
+
+            model = quantize_on_meta(model, run)
         return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())
 
 
-def _to_fake(model, fake_mode) -> None:
-    """Replace every meta parameter/buffer by a fake CPU tensor of the same shape/dtype (ties kept)."""
+def _to_fake(model, fake_mode, run: RunConfig) -> None:
+    """Replace every meta parameter/buffer by a fake CPU tensor of the same shape/dtype (ties kept); a 4-bit
+    weight is quantized by bitsandbytes from a fake ``--dtype`` weight (``memory/quantized_trace.py``)."""
     import torch
 
+    from memfit.memory.quantized_trace import dynamic_map_for, fake_params4bit, is_params4bit
+
     done: dict[int, Any] = {}
-    with fake_mode:
+    quantized = run.quantize is Quantize.Q4
+    with dynamic_map_for(fake_mode) if quantized else contextlib.nullcontext(), fake_mode:
         for module in model.modules():
             for name, p in list(module._parameters.items()):
+                if p is not None and id(p) not in done and is_params4bit(p):
+                    done[id(p)] = fake_params4bit(p, build.torch_dtype(run))
                 if p is not None:
                     if id(p) not in done:
                         done[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
@@ -629,12 +646,14 @@ def other_bytes(tensor_peak: int, device: str) -> int:
 
 def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBreakdown:
     """The peak sample of the traced step as a ``MemoryBreakdown`` (method ``exact``)."""
+    from memfit.integrations.quant_support import logical_numel
+
     peak = timeline.peak_index()
     sample = timeline.samples[peak] if timeline.samples else dict.fromkeys(CATEGORIES[:-1], 0)
     phase_peaks: dict[str, int] = {}
     for sample_i, phase in zip(timeline.samples, timeline.phases, strict=True):
         phase_peaks[phase] = max(phase_peaks.get(phase, 0), sum(sample_i.values()) + other)
-    params = sum(p.numel() for p in t.model.parameters())
+    params = sum(logical_numel(p) for p in t.model.parameters())  # a 4-bit weight: the weights it stands for
     trainable = sum(p.numel() for p in t.model.parameters() if p.requires_grad)
     base = t.model.get_base_model() if hasattr(t.model, "get_base_model") else t.model
     ran = str(base.config._attn_implementation)  # what the traced model ran, read back from it
@@ -671,7 +690,7 @@ def _compiled_saved(config, resolved: ResolvedRun, api: dict) -> int:
     run = resolved.run
     net = _build_model(config, resolved)
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
-    _to_fake(net, fake_mode)
+    _to_fake(net, fake_mode, run)
     vocab = int(net.get_output_embeddings().weight.shape[0])
     with fake_mode:
         ids = torch.randint(0, vocab, (run.micro_batch, run.seq_len))  # (B, T)
@@ -808,7 +827,8 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     run = pref.pair_forward_run(resolved.run)  # a preference method: one forward of chosen and rejected
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
     net = _build_model(config, resolved)
-    _to_fake(net, fake_mode)
+    _to_fake(net, fake_mode, run)
+    hold_quant_state(net)  # a 4-bit base's absmax and code tables: weights, as the estimate counts them
     with fake_mode:
         optimizer = _build_optimizer(net, run, device)
     head_weight = net.get_output_embeddings().weight
@@ -825,15 +845,17 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     _watch_input_leaves(net, traced.input_leaves)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
+    four_bit = run.quantize is Quantize.Q4
     untracked_warm_up = steps > 1 and not run.optimizer_in_backward
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with _attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode:
+        with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
+              gemm_4bit_steps(four_bit, api["TorchDispatchMode"])):
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
     with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-          tracker, recorder):
+          tracker, recorder, gemm_4bit_steps(four_bit, api["TorchDispatchMode"])):
         if steps > 1 and not untracked_warm_up:
             with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)
@@ -855,6 +877,9 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         breakdown.weights += ref_copy
         breakdown.phase_peaks = {k: v + ref_copy for k, v in breakdown.phase_peaks.items()}
     breakdown.notes[2:2] = substituted.notes()
+    if four_bit:
+        breakdown.notes.insert(2, "4-bit base: bitsandbytes' Linear4bit and its ops traced on fake tensors, the "
+                               "forward's gemm_4bit as dequantize + linear (memory/quantized_trace.py).")
     if run.compile:
         from memfit.memory.compiled import with_compiled_saved_set
 
