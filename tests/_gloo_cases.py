@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from _train_helpers import tiny_config, write_pairs, write_qa
+from _train_helpers import tiny_config, write_pairs, write_qa, write_text
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -39,6 +39,25 @@ def _train_pairs(root: Path, n: int, args: list[str]) -> dict:
     two = tiny_config(root / "two", data=data)
     return {"kind": "memfit", "argv": ["train", "--model", two.model, "--data", data, *args, "--output", two.output],
             "paths": {"data": data, "model": two.model, "output": two.output}}
+
+
+# ... and of the mixture-of-experts cases (test_moe_dp): whole 64-token rows of text (packed), so the measured
+# peak is the predicted shape; --init random: every run starts from the same seeded weights
+MOE_ARGS = ["--tokenizer", "byte", "--seq-len", "64", "--max-steps", "4", "--lr", "0.01", "--warmup-steps", "1", "--optimizer", "adamw", "--packing", "concat", "--eval-every", "0",
+            "--eval-fraction", "0", "--samples", "0", "--log-every", "1", "--max-grad-norm", "0", "--init", "random"]
+
+
+def _train_moe(root: Path, sharding: str, micro_batch: int, grad_accum: int) -> dict:
+    """``memfit train --sharding SHARDING`` of a 2-layer Mixtral (4 experts, 2 per token; fp32: the eager
+    per-expert loop) on 60 short texts (``root/text.txt``), into ``root/out``; effective batch 4."""
+    from _accuracy_models import moe_config
+
+    moe_config("mixtral", layers=2).save_pretrained(root / "model")
+    data, output = write_text(root, n=60), str(root / "out")
+    shape = ["--micro-batch", str(micro_batch), "--grad-accum", str(grad_accum)]
+    return {"kind": "memfit", "argv": ["train", "--model", str(root / "model"), "--data", data, *MOE_ARGS, *shape,
+                                       "--sharding", sharding, "--output", output],
+            "paths": {"data": data, "model": str(root / "model"), "output": output}}
 
 
 def _bench(script: str, *args: str) -> dict:
@@ -103,6 +122,9 @@ CASES = {
     "qlora-ddp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit"]),
     "qlora-fsdp": lambda root: _train(root, 22, [*QLORA_ARGS, "--lora-r", "4", "--quantize", "4bit",
                                                  "--sharding", "fsdp", "--save-every", "2"]),
+    # test_moe_dp: a mixture-of-experts model under DDP with accumulation (1 x 2) and FSDP2 without (2 x 1)
+    "moe-ddp": lambda root: _train_moe(root, "ddp", 1, 2),
+    "moe-fsdp": lambda root: _train_moe(root, "fsdp", 2, 1),
 }
 NEEDS_BNB = {"qlora-ddp", "qlora-fsdp", "memory-qlora"}
 

@@ -225,6 +225,8 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
                   f"tokens per optimizer step: {tokens:,}.")
     console.print(f"Chosen: {describe(best.config)}: peak {fmt_gib(best.peak_bytes)} "
                   f"({best.breakdown.phase}), ~{best.tokens_per_s:,.0f} tokens/s.", highlight=False)
+    for line in result.notes:  # a mixture-of-experts model's routing margin, LoRA parts, expert split
+        console.print(line, highlight=False)
     if maximize:
         from memfit.planning.table import largest_note
 

@@ -524,7 +524,9 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     recipe = derived_recipe(spec, traced)
     states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
-    accum = run.grad_accum > 1
+    # all gradients exist throughout backward under accumulation and under DDP (its resident buckets), so
+    # backward's moments are picked by what else is alive (the hand-written recipes' rule, ``estimate``)
+    accum = run.grad_accum > 1 or bool(states.buckets)
     at = recipe.at(layer_plan.extra_layers(spec, recipe.kinds), run.micro_batch, run.seq_len, accum,
                    _logits_share(spec, traced))
     if traced is not run:
@@ -546,17 +548,21 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
             # DeepSpeed ZeRO-2: its flat partition, whole (off the last rank: one layer in, at the latest)
             got["gradients"] = states.from_backward_start or (states.backward_gradients
                                                               if moment == "backward_layer" else 0)
-        got["temporary"] += gathered_at(moment)
+        got["temporary"] += gathered_at(moment, got["logits"] > 0)
         return got
 
-    def gathered_at(moment: str) -> int:
-        """FSDP2's unsharded bytes at ``moment``: the same terms as the hand-written recipes' (``estimate``)."""
+    def gathered_at(moment: str, logits: bool) -> int:
+        """FSDP2's unsharded bytes at ``moment``: the same terms as the hand-written recipes' (``estimate``).
+        A forward moment with the logits alive is the loss's, after every layer resharded: the tail only."""
         if moment == "forward":
-            return states.forward_gathered
+            tail_only = logits and states.gathered_start is not None
+            return states.gathered_start if tail_only else states.forward_gathered
         if moment == "backward_end":
             return states.gathered_end
-        if moment == "backward_layer":
-            return states.layer_gathered - (spec.num_layers - 1) * states.released_per_layer
+        if moment == "backward_layer":  # and the reduce-scatter of the layer above, still in flight
+            return states.layer_gathered - (spec.num_layers - 1) * states.released_per_layer + states.reducing
+        if moment == "backward_start" and states.gathered_start is not None:
+            return states.gathered_start
         return states.gathered
 
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
@@ -584,11 +590,10 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
         out.other = cuda_other(out.peak_bytes)
     out.notes = notes(spec, run, out)
     if spec.num_experts:
-        from memfit.memory.moe import moe_notes
+        from memfit.memory.moe import compute_bytes_of, moe_notes
 
         per_param = (states.weights + states.gradients + states.optimizer) / max(spec.params, 1)
-        compute = 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
-        out.notes += moe_notes(spec, run, per_param, compute)
+        out.notes += moe_notes(spec, run, per_param, compute_bytes_of(run))
     out.notes.append(derivation_note(spec, run, recipe, device))
     if layer_plan.kinds_note(spec):
         out.notes.append(layer_plan.kinds_note(spec))

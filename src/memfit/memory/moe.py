@@ -24,6 +24,29 @@ from __future__ import annotations
 from memfit.units import fmt_bytes
 
 
+def compute_bytes_of(run) -> int:
+    """Bytes of an activation element: 2 under autocast or half weights, else 4."""
+    return 2 if str(run.mixed_precision) != "no" or str(run.dtype) != "fp32" else 4
+
+
+def routing_margin(spec, run, compute_bytes: int | None = None) -> int:
+    """Bytes the worst routing adds over the balanced one the estimate assumes, per MoE layer's backward
+    (0 for a dense model or the grouped kernel): every token of the micro-batch in one expert instead of
+    ``tokens x k / E``, one expert's up-projection output and activation (3 x expert width per row) at the
+    compute bytes, under the kernel ``run`` resolves to (``spec.resolved.experts``).
+
+    Source: transformers' eager experts loop (``MixtralExperts.forward``: one slice of routed rows per
+    expert, nothing dropped). Known error: the loop's other per-expert tensors are saved either way."""
+    from memfit.spec.resolved import experts
+
+    if not spec.num_experts or experts(spec, str(run.experts_implementation), str(run.dtype)) != "eager":
+        return 0
+    tokens = run.micro_batch * run.seq_len
+    balanced = -(-tokens * spec.experts_per_token // spec.num_experts)
+    width = 3 * spec.expert_intermediate * (compute_bytes or compute_bytes_of(run))
+    return (tokens - balanced) * width
+
+
 def moe_notes(spec, run, bytes_per_param: float, compute_bytes: int) -> list[str]:
     """The estimate's MoE lines for ``spec`` under ``run`` (empty for a dense model).
 
@@ -49,9 +72,8 @@ def moe_notes(spec, run, bytes_per_param: float, compute_bytes: int) -> list[str
            if getattr(spec.hf_config, "output_router_logits", False)
            else "no load-balancing loss (output_router_logits is off)."),
     ]
-    width = 3 * spec.expert_intermediate * compute_bytes  # up-projection output + activation per row
     balanced = -(-pairs // e)
-    margin = (tokens - balanced) * width if str(run.experts_implementation) == "eager" else 0
+    margin = routing_margin(spec, run, compute_bytes)
     lines.append(
         f"dispatch: {pairs:,} token-expert pairs per layer ({tokens:,} tokens x {k}), no capacity limit "
         f"(no token dropped): balanced {balanced:,} per expert, worst case {tokens:,} in one expert; "

@@ -63,6 +63,11 @@ class ModelStates:
     gathered_first_entry: int = 0
     """FSDP/ZeRO: the same as the first layer enters its forward, where the unit before it is the embedding's
     (tied: the tail's, kept gathered); 0 where not modelled."""
+    reducing: int = 0
+    """FSDP2: the reduce-scatter input of the layer above, still held while a layer computes its backward
+    (``fsdp2_gathered``); 0 unsharded."""
+    gathered_start: int | None = None
+    """FSDP2: the unsharded bytes at backward's start where they differ from ``gathered`` (``fsdp2_gathered``)."""
 
     @property
     def from_backward_start(self) -> int:
@@ -140,7 +145,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     return ModelStates(int(weights), int(gradients), int(optimizer), int(step_temp), int(computing),
                        int(gathered_end), int(buckets), gathered_forward=gathered.forward,
                        gathered_layer=gathered.layer, gathered_entry=gathered.entry,
-                       gathered_first_entry=gathered.first_entry,
+                       gathered_first_entry=gathered.first_entry, reducing=gathered.reducing,
+                       gathered_start=gathered.start,
                        released_per_layer=released_after_backward(spec, run))
 
 
@@ -188,6 +194,12 @@ class Gathered:
     """As the last layer enters its forward (``fsdp``/``zero3``); else 0."""
     first_entry: int = 0
     """As the first layer enters its forward (``fsdp``/``zero3``); else 0."""
+    reducing: int = 0
+    """While a layer below the top computes its backward: the layer above's reduce-scatter input, beyond
+    ``layer`` (``fsdp``/``zero3``) or ``computing`` (``zero2``)."""
+    start: int | None = None
+    """At backward's start (the loss and the head's backward) where it differs from ``computing``
+    (``fsdp``/``zero3``: the tail only); else None."""
 
 
 def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
@@ -273,8 +285,27 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
     late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
+    # While a layer computes its backward, the layer above's reduce-scatter input (its full-size gradients)
+    # is still held: FSDP2 waits on a unit's reduce-scatter only when the next one is issued
+    # (``FSDPParamGroup.post_backward``: ``comm_ctx.reduce_scatter_state``). Seen where a layer's own backward
+    # holds much (a mixture-of-experts layer's partial expert gradients: FSDPMemTracker, 2-layer Mixtral on
+    # 2 ranks, the first layer's backward: 443,904 B of REDUCE_SCATTER, one layer's fp32 gradients, beside
+    # 937,728 B of TEMP; -4.3% of that peak without). Under LoRA the adapters' only. ``fsdp``/``zero3``: the
+    # layer computing and the unit prefetched below it (a layer; the first layer's: the untied embedding,
+    # nothing for a tied one, gathered in the tail) are in ``gathered_layer``'s two layers; what this adds
+    # is the in-flight input beyond them (2-layer Mixtral above: the embedding prefetched, 282,624 B).
+    reducing = layer * grad_bytes + (spec.lora_params(run) * 4 // max(spec.num_layers, 1) if run.is_lora() else 0)
+    if run.sharding is not Sharding.ZERO2:
+        below = layer_bytes if spec.num_layers >= 3 else (0 if spec.tie_word_embeddings else embed * u)
+        reducing = max(0, layer_bytes + below + reducing - layers)
+    # At backward's start (the loss, the head's backward) the layers are resharded since their forward and
+    # none is prefetched yet: the tail only (FSDPMemTracker, 2-layer Mixtral on 2 ranks, micro-batch 2 x 64:
+    # at the head's backward 282,880 B of UNSHARDED_PARAM, the tail, no ALL_GATHER; the first layer's
+    # all-gather comes with the norm's backward, after the logits' gradients are freed; +10.4% over the
+    # measured peak, the loss's moment, with two layers counted there).
+    start = tail * u if run.sharding is not Sharding.ZERO2 else None
     return Gathered(int(gathered), int(max(gathered_end, late_layer)), gathered_forward, gathered_layer,
-                    int(gathered_entry), int(gathered_first_entry))
+                    int(gathered_entry), int(gathered_first_entry), int(reducing), start)
 
 
 def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:

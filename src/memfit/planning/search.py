@@ -3,7 +3,8 @@
 Every candidate of ``space.candidates`` is estimated (``memory.estimate``, analytic, ~ms) and timed
 (``cost.step_time``). A candidate *fits* when ``peak_bytes * (1 + safety_margin) <= budget_bytes``:
 the margin (5% by default) covers the estimator's error and allocator fragmentation on top of what
-the estimate already counts (CUDA context, allocator reserve). Fitting plans are ranked by tokens/s
+the estimate already counts (CUDA context, allocator reserve). A mixture-of-experts step is checked
+with its worst routing (``Plan.routing_bytes``: the estimate assumes balanced routing). Fitting plans are ranked by tokens/s
 (``cost.py``), fastest first, with 8-bit AdamW handicapped by 1% (``PREFERENCE``) so that exact AdamW
 wins near-ties; further ties go to the lower peak, then to the candidate order of ``space``.
 The effective batch is the same for every plan: ``micro_batch * grad_accum * num_processes == batch``.
@@ -48,11 +49,13 @@ class Plan:
     time: StepTime | None = field(default=None, compare=False, repr=False)
     outside_bytes: int = field(default=0, compare=False, repr=False)
     """The largest peak outside the step (loading, evaluation, a save, samples; ``memory.outside``)."""
+    routing_bytes: int = field(default=0, compare=False, repr=False)
+    """Mixture-of-experts: what the worst routing adds to the step's peak (``memory.moe.routing_margin``)."""
 
     @property
     def needed_bytes(self) -> int:
-        """What must fit: the step's peak or, where higher, a peak outside it."""
-        return max(self.peak_bytes, self.outside_bytes)
+        """What must fit: the step's peak with the worst routing or, where higher, a peak outside it."""
+        return max(self.peak_bytes + self.routing_bytes, self.outside_bytes)
 
     @property
     def score(self) -> float:
@@ -65,6 +68,8 @@ class Plan:
                "phase": self.breakdown.phase}
         if self.time is not None:
             out["step_seconds"] = self.time.seconds
+        if self.routing_bytes:
+            out["routing_margin_bytes"] = int(self.routing_bytes)
         return out
 
 
@@ -84,6 +89,8 @@ class PlanResult:
     """The ``ModelSpec`` planned for (``fallbacks`` estimates with it)."""
     cpu: bool = False
     """The budget is a CPU's memory (``plan(..., cpu=True)``): fallbacks and the refusal say so too."""
+    notes: list[str] = field(default_factory=list)
+    """Lines about the chosen plan that the table does not show (a mixture-of-experts model's: ``planning.moe``)."""
 
     @property
     def best(self) -> Plan:
@@ -105,6 +112,7 @@ class PlanResult:
             "fitting": len(self.fitting),
             "chosen": self.chosen,
             "plans": [p.to_dict() for p in plans],
+            **({"notes": self.notes} if self.notes else {}),
         }
 
 
@@ -154,15 +162,19 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
              cpu: bool = False, engine: str | None = None) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``)."""
+    from memfit.memory.moe import routing_margin
     from memfit.memory.outside import outside_step
     from memfit.memory.snapshot import device_estimate
 
     breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine)
     t = step_time(spec, run, gpu)
-    # Evaluation and the full-state save must fit too (the step fitting is not enough).
+    # Evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
+    # step with the routing that costs most (the estimate assumes the balanced one).
     outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
+    routing = routing_margin(spec, run)
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
-                fits(max(breakdown.peak_bytes, outside), budget_bytes, margin), breakdown, t, int(outside))
+                fits(max(breakdown.peak_bytes + routing, outside), budget_bytes, margin), breakdown, t,
+                int(outside), routing)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
@@ -238,6 +250,9 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
+    from memfit.planning.moe import moe_plan_lines
+
+    result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
     return result
 
 

@@ -160,8 +160,18 @@ def _clip_and_step(accelerator, model, optimizer, snapshot: OptimizerSnapshot, m
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
     with phase("optimizer", snapshot), snapshot.guard(optimizer):
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not _grads_in_ddp_buckets(model))
     return grad_norm
+
+
+def _grads_in_ddp_buckets(model) -> bool:
+    """Whether ``model`` is DDP with gradient bucket views (``sharding.accelerator_kwargs``): its gradients are
+    then zeroed in place, not set to None. A None gradient is re-pointed into its bucket only when DDP
+    all-reduces it, so the micro-batches before the last (``no_sync``) would accumulate into fresh tensors
+    beside the resident buckets: a second copy of every gradient until the last micro-batch's backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
 
 
 @dataclass
