@@ -52,10 +52,9 @@ def test_exact_compile_predicts_the_compiled_steps_measured_peak():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from memfit.builder.parts import make_optimizer, parameter_groups
     from memfit.memory.measure import counted, counted_compiled, resident_tensors
     from memfit.memory.trace import trace
-
-    from memfit.builder.parts import make_optimizer, parameter_groups
     from memfit.settings.config import TrainConfig
 
     config = family_config("llama")
