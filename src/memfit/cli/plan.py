@@ -127,6 +127,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
+    _print_launch(launch, command_line, accelerate_config, config_file)
+
+
+def _print_launch(launch, command_line: str | None, accelerate_config: str | None, config_file: str) -> None:
+    """How to run the chosen plan (None: TRL's loss, which memfit prices but does not train with)."""
     if command_line is None:
         click.echo("Launch: with TRL's SFTTrainer (memfit prices its loss, --loss trl, but does not train with it; "
                    "--emit trl FILE writes the plan as its config).")
@@ -136,7 +141,6 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         click.echo(f"Wrote {printable(accelerate_config)} (Accelerate config).")
     elif "accelerate launch" in command_line:
         click.echo(f"(add --accelerate-config {printable(config_file)} to write the file it names.)")
-
 
 def _search(spec, budget, maximize: str | None, shape: dict):
     """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
