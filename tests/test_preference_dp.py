@@ -79,3 +79,32 @@ def test_dpo_with_a_reference_copy_under_fsdp_matches_one_process(tmp_path, gloo
     assert proc.returncode == 0, proc.failure()
     _one, single, _ = _single(tmp_path, proc, "dpo")
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
+
+
+@pytest.mark.slow  # two launches of its own (~1-2 min on 2 cores), as SFT's test_train_fsdp sharded resume
+def test_dpo_sharded_checkpoint_resumes_on_two_processes(tmp_path):
+    """DPO under FSDP2 saves a sharded (DCP) checkpoint at step 3; with step 6's removed, the run resumes on
+    2 processes from step 3 and ends with the weights of one uninterrupted process."""
+    from transformers import AutoModelForCausalLM
+
+    from _gloo_cases import TRAIN_ARGS
+    from _launch_helpers import gloo_launch
+    from _train_helpers import write_pairs
+
+    data = write_pairs(tmp_path / "pairs.jsonl", n=22)
+    two = tiny_config(tmp_path / "two", data=data)
+    args = ["train", "--model", two.model, "--data", data, *TRAIN_ARGS, "--method", "dpo", "--sharding", "fsdp",
+            "--save-every", "3", "--output", two.output]
+    first = gloo_launch("-m", "memfit", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (Path(two.output) / "checkpoints" / "step-3").is_dir()
+    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
+    resumed = gloo_launch("-m", "memfit", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    class Launched:  # what _single reads of a shared-launch case
+        paths = {"data": data}
+
+    _one, single, _ = _single(tmp_path, Launched, "dpo")
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-5
+    assert [m["sequences"] for m in metrics(two.output)][-1] == 22
