@@ -107,4 +107,4 @@ def test_dpo_sharded_checkpoint_resumes_on_two_processes(tmp_path):
 
     _one, single, _ = _single(tmp_path, Launched, "dpo")
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-5
-    assert [m["sequences"] for m in metrics(two.output)][-1] == 22
+    assert [m["sequences"] for m in metrics(two.output) if "sequences" in m][-1] == 22
