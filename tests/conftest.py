@@ -16,6 +16,19 @@ os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-test-recipes-"))
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test ends with the environment it started with. ``bench/_common.set_threads`` (the in-process
+    dry runs of tests/test_bench.py) set ``OMP_NUM_THREADS=1`` for good, so every later ``memfit train`` of
+    the session, and the documented demo's subprocess, chose its threads "from OMP_NUM_THREADS": the demo's
+    doc check failed in CI after the suite and never alone."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def tiny_llama_config():
     """A 2-layer, hidden-64 Llama config with GQA (the test-size model)."""

@@ -42,7 +42,8 @@ def _run_script(script: str, *args: str, timeout: int = 600) -> dict:
 
 @pytest.fixture
 def keep_threads():
-    """The dry runs pin torch to one thread in-process (they run in-process to share imports); restore it."""
+    """The dry runs pin torch to one thread in-process (they run in-process to share imports); restore it
+    (the ``OMP_NUM_THREADS`` they set is restored by conftest's ``_environment_restored``)."""
     import torch
 
     before = torch.get_num_threads()
