@@ -11,6 +11,7 @@ here. A run that the session does not reach is stopped when the session ends.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -28,7 +29,9 @@ class TrainOutputs:
         self._thread: threading.Thread | None = None
 
     def start(self, argvs: list[list[str]]) -> None:
-        """Run each argv (once) in the background, in order."""
+        """Run each argv (once) in the background, in order, in the environment of now: a test that sets a
+        variable for itself (``monkeypatch.setenv``) while a run starts must not reach the run."""
+        env = dict(os.environ)
         todo = []
         for argv in argvs:
             key = tuple(argv)
@@ -36,24 +39,24 @@ class TrainOutputs:
                 self._futures[key] = Future()
                 todo.append(key)
         if todo:
-            self._thread = threading.Thread(target=self._work, args=(todo,), daemon=True, name="doc-train-runs")
+            self._thread = threading.Thread(target=self._work, args=(todo, env), daemon=True, name="doc-train-runs")
             self._thread.start()
 
-    def _work(self, keys: list[tuple[str, ...]]) -> None:
+    def _work(self, keys: list[tuple[str, ...]], env: dict[str, str]) -> None:
         for key in keys:
             future = self._futures[key]
             if self._stop.is_set():
                 future.set_exception(RuntimeError("the session ended before this documented run"))
                 continue
             try:
-                future.set_result(self._run(list(key)))
+                future.set_result(self._run(list(key), env))
             except BaseException as exc:  # noqa: BLE001 - handed to the test that reads this output
                 future.set_exception(exc)
 
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], env: dict[str, str]) -> str:
         self._running = subprocess.Popen(
             [sys.executable, str(ROOT / "scripts" / "doc_outputs.py"), "--print", json.dumps(argv)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         out, err = self._running.communicate()
         code, self._running = self._running.returncode, None
         if code != 0:
