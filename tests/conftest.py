@@ -91,6 +91,7 @@ def _start_gloo_launch(session) -> None:
 
     threading.Thread(target=launch, daemon=True, name="gloo-cases").start()
 
+
 def _doc_train_argv(item) -> list[str] | None:
     """The argv of a ``tests/test_docs.py`` case that runs ``memfit train``, else None."""
     callspec = getattr(item, "callspec", None)
