@@ -16,7 +16,8 @@ What may differ from run to run, and how it is compared (the stated tolerance; a
 * train: its numbers (losses, parameters, sequences, steps, predicted and measured tensor peaks, samples)
   are exact: the run is seeded and deterministic whatever the thread count. Timings (wall time,
   tokens/s, elapsed and ETA), the process' RSS and the torch-threads line (chosen from the idle cores,
-  or from OMP_NUM_THREADS) depend on the machine, its load and its environment, so they compare by form only (any value); the note a loaded machine gets mid-run ("steps
+  or from OMP_NUM_THREADS) depend on the machine, its load and its environment, so they compare by form
+  only (any value); the note a loaded machine gets mid-run ("steps
   now take 3.0x as long as the first ones") is not compared at all, and of the live progress line only
   the step, loss and held-out loss are (which other fields fit 80 columns depends on the speed). Train's output is compared as words, so a
   table that is one column wider because "1,224 tokens/s" became "987 tokens/s" is not a difference.

@@ -35,8 +35,7 @@ def test_the_docs_show_command_outputs():
 @functools.cache
 def _fresh(argv_key: tuple[str, ...]) -> str:
     """The command's output now. ``train`` runs in a process of its own, started in the background when
-    collection ends (``tests/_doc_train_runs.py``): run in-process after the rest of the suite, the demo
-    printed something else than when run alone (seen twice in fresh-clone CI, never alone)."""
+    collection ends (``tests/_doc_train_runs.py``), so the 300-step demo overlaps the rest of the suite."""
     argv = list(argv_key)
     if argv[0] != "train":
         return doc_outputs.run(argv)
