@@ -14,8 +14,8 @@ from _train_helpers import max_diff, metrics, tiny_config
 from memfit.training.loop import run_training
 
 
-def _single(tmp_path, proc, method: str, **run):
-    common = dict(data=proc.paths["data"], max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+def _single(tmp_path, data: str, method: str, **run):
+    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw", "micro_batch": 1, "grad_accum": 4,
                                              "method": method, **run}, **common)
     return one, run_training(one, show=False), common
@@ -27,7 +27,7 @@ def test_dpo_two_processes_match_one_and_resume(tmp_path, gloo_runs):
 
     proc = gloo_runs["dpo-ddp"]
     assert proc.returncode == 0, proc.failure()
-    one, single, common = _single(tmp_path, proc, "dpo")
+    one, single, common = _single(tmp_path, proc.paths["data"], "dpo")
     two_out = Path(proc.paths["output"])
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two_out)) < 1e-5
     logged = metrics(two_out)
@@ -45,7 +45,7 @@ def test_orpo_fsdp_matches_one_process(tmp_path, gloo_runs):
 
     proc = gloo_runs["orpo-fsdp"]
     assert proc.returncode == 0, proc.failure()
-    _one, single, common = _single(tmp_path, proc, "orpo")
+    _one, single, common = _single(tmp_path, proc.paths["data"], "orpo")
     two_out = Path(proc.paths["output"])
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two_out)) < 1e-5
     # the FSDP2 run's full-state checkpoint at step 3 (the launch: --state-dict full --save-every 3), on 1 process
@@ -65,7 +65,7 @@ def test_dpo_precomputed_reference_on_two_processes_matches_one(tmp_path, gloo_r
 
     proc = gloo_runs["dpo-precompute"]
     assert proc.returncode == 0, proc.failure()
-    _one, single, _ = _single(tmp_path, proc, "dpo", precompute_reference=True)
+    _one, single, _ = _single(tmp_path, proc.paths["data"], "dpo", precompute_reference=True)
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
 
 
@@ -77,7 +77,7 @@ def test_dpo_with_a_reference_copy_under_fsdp_matches_one_process(tmp_path, gloo
 
     proc = gloo_runs["dpo-fsdp"]
     assert proc.returncode == 0, proc.failure()
-    _one, single, _ = _single(tmp_path, proc, "dpo")
+    _one, single, _ = _single(tmp_path, proc.paths["data"], "dpo")
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(proc.paths["output"])) < 1e-5
 
 
@@ -102,9 +102,6 @@ def test_dpo_sharded_checkpoint_resumes_on_two_processes(tmp_path):
     resumed = gloo_launch("-m", "memfit", *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    class Launched:  # what _single reads of a shared-launch case
-        paths = {"data": data}
-
-    _one, single, _ = _single(tmp_path, Launched, "dpo")
+    _one, single, _ = _single(tmp_path, data, "dpo")
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-5
     assert [m["sequences"] for m in metrics(two.output) if "sequences" in m][-1] == 22
