@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             rows[name]["step_s"].append(time.perf_counter() - t0)
     tokens = SHAPE["batch"] * SHAPE["seq"]
     for compiled, name in ((False, "eager"), (True, "compiled")):
-        run = RunConfig(seq_len=SHAPE["seq"], micro_batch=SHAPE["batch"], packing="concat", compile=compiled,
+        run = RunConfig.of(seq_len=SHAPE["seq"], micro_batch=SHAPE["batch"], packing="concat", compile=compiled,
                         optimizer="adamw")
         predicted = trace(config, run, device="cpu")
         row = rows[name]

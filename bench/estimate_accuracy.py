@@ -38,7 +38,7 @@ def compare(model: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     from memfit.memory.trace import trace
     from memfit.settings.config import RunConfig
 
-    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime])
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime])
     start = time.perf_counter()
     exact = trace(model, run, device="cpu")
     seconds = time.perf_counter() - start
@@ -79,7 +79,7 @@ def family_row(family: str, regime: str, seq_len: int, micro_batch: int) -> dict
 
     config = accuracy_config(family)
     extra = {"attn_implementation": "eager"} if family == "gemma2" else {}
-    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime], **extra)
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime], **extra)
     exact = trace(config, run, device="cpu")
     analytic = estimate(spec_from_config(config, family), run, device="cpu")
     err = {"tensor_peak": (tensor_peak(analytic) - tensor_peak(exact)) / tensor_peak(exact)}
@@ -103,7 +103,7 @@ def derive_timing(family: str = "granite") -> dict:
     from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(accuracy_config(family), family)
-    run = RunConfig(seq_len=1024, micro_batch=4, mixed_precision="bf16")
+    run = RunConfig.of(seq_len=1024, micro_batch=4, mixed_precision="bf16")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["MEMFIT_CACHE_DIR"] = cache
         derive._MEMORY.clear()

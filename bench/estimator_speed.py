@@ -32,7 +32,7 @@ import _common as common  # noqa: E402
 from memfit.settings.config import RunConfig  # noqa: E402
 
 DEFAULT_MODELS = ["gpt2", "qwen2.5-1.5b", "llama-2-7b"]
-RUN = RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16", dtype="fp32")
+RUN = RunConfig.of(seq_len=512, micro_batch=1, mixed_precision="bf16", dtype="fp32")
 PLAN_BUDGET = "24GiB"
 PLAN_BATCH = 8
 

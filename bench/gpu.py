@@ -91,7 +91,7 @@ def run_trainer(model: str, run: RunConfig, steps: int, warmup: int) -> dict[str
     if run.is_lora():
         from peft import LoraConfig, get_peft_model
 
-        hf_model = get_peft_model(hf_model, LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha,
+        hf_model = get_peft_model(hf_model, LoraConfig(r=run.lora.r, lora_alpha=run.lora.alpha,
                                                        target_modules="all-linear", task_type="CAUSAL_LM"))
     blocks = common.token_blocks(config.vocab_size, steps * run.micro_batch, run.seq_len, 0)
     dataset = [{"input_ids": row, "labels": row} for row in blocks]
@@ -238,7 +238,7 @@ def run_all(args, t_start: float) -> dict[str, Any]:
     """Predict and run every (model, configuration); exact traces in worker processes meanwhile."""
     device, peak_flops = device_peak_flops()
     grid = dev.config_grid(args.configs)
-    runs = {name: RunConfig(seq_len=args.seq_len, micro_batch=args.micro_batch, **flags) for name, flags in grid.items()}
+    runs = {name: RunConfig.of(seq_len=args.seq_len, micro_batch=args.micro_batch, **flags) for name, flags in grid.items()}
     jobs = [(m, name, run) for m in args.models for name, run in runs.items()]
     pool, futures = (None, {}) if args.no_exact else start_traces(jobs, args.trace_workers)
     rows = [one_row(m, name, run, args, peak_flops, t_start) for m, name, run in jobs]

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         common.dry_run_models(args, tmp)
         grid = dev.config_grid(args.configs)
-        jobs = [(m, f"{name}@{seq}", RunConfig(seq_len=seq, micro_batch=args.micro_batch, **flags))
+        jobs = [(m, f"{name}@{seq}", RunConfig.of(seq_len=seq, micro_batch=args.micro_batch, **flags))
                 for m in args.models for seq in args.seq_lens for name, flags in grid.items()]
         pool, futures = start_traces(jobs, args.trace_workers)
         rows = []

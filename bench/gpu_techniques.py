@@ -95,7 +95,7 @@ def case_runs(names: list[str], seq_len: int, micro_batch: int, grad_accum: int)
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     base = {**BASE, "grad_accum": grad_accum}
-    return {n: RunConfig(seq_len=seq_len, micro_batch=micro_batch, **{**base, **CASES[n]}) for n in names}
+    return {n: RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, **{**base, **CASES[n]}) for n in names}
 
 
 # --- predictions ------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     _common.set_threads(args.threads)
     if args.speed:
-        run = RunConfig(seq_len=512, micro_batch=1, optimizer="sgd")
+        run = RunConfig.of(seq_len=512, micro_batch=1, optimizer="sgd")
         result = speed(_llama(128_256, 256, 2, 688), run, run.replace(loss="chunked"), args.speed)
         print(f"vocab {result['vocab']:,}, hidden {result['hidden']}, {result['tokens']} tokens: chunked/standard "
               f"tokens/s median x{result['median_ratio']:.2f} (min {result['min_ratio']:.2f}, max "
@@ -155,13 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
         vocabs, ce = (32_000, 128_256, 256_000), dict(hidden=128, layers=2, inter=344, seq=512, batch=1)
         big = dict(hidden=768, layers=12, inter=2048, vocab=32_000, seq=64)
     # SGD (no state, no step temporaries): the step's peak is in forward/backward, where the logits are
-    base = RunConfig(seq_len=ce["seq"], micro_batch=ce["batch"], optimizer="sgd")
+    base = RunConfig.of(seq_len=ce["seq"], micro_batch=ce["batch"], optimizer="sgd")
     for vocab in vocabs:
         config = _llama(vocab, ce["hidden"], ce["layers"], ce["inter"])
         results.append(case(f"chunked-ce-v{vocab}", config, base, base.replace(loss="chunked")))
         _print(results[-1])
     config = _llama(big["vocab"], big["hidden"], big["layers"], big["inter"])
-    plain = RunConfig(seq_len=big["seq"], micro_batch=1, optimizer="adamw-foreach")
+    plain = RunConfig.of(seq_len=big["seq"], micro_batch=1, optimizer="adamw-foreach")
     results.append(case("optimizer-in-backward", config, plain, plain.replace(optimizer_in_backward=True)))
     _print(results[-1])
     data = {"bench": "memory_techniques", "quick": args.quick, "machine": _common.machine_info(), "cases": results}

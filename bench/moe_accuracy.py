@@ -30,7 +30,7 @@ def compare(family: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(moe_config(family), f"moe-{family}")
-    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime])
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, **REGIMES[regime])
     start = time.perf_counter()
     analytic, exact = estimate(spec, run, device="cpu"), trace(spec, run, device="cpu")
     errors = {"peak": (analytic.peak_bytes - exact.peak_bytes) / exact.peak_bytes}

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_model(Path(tmp) / "model", size)
         for quantize, checkpointing in itertools.product(("4bit", "8bit"), (False, True)):
-            run = RunConfig(seq_len=seq, micro_batch=micro, lora_r=16, quantize=quantize, optimizer="adamw",
+            run = RunConfig.of(seq_len=seq, micro_batch=micro, lora_r=16, quantize=quantize, optimizer="adamw",
                             packing="concat", grad_checkpointing=checkpointing,  # whole rows: no mask
                             mixed_precision=args.mixed_precision)
             result = case(model_dir, run)

@@ -35,7 +35,7 @@ def main() -> None:
     from memfit.training import sharding
     from memfit.training.setup import ModelSource, build_accelerator, build_model
 
-    run = RunConfig(seq_len=32, micro_batch=1, optimizer="adamw", sharding=args.sharding)
+    run = RunConfig.of(seq_len=32, micro_batch=1, optimizer="adamw", sharding=args.sharding)
     config = TrainConfig(model=args.model, run=run)
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)

@@ -87,7 +87,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
         build_scheduler,
     )
 
-    run = RunConfig(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
                     sharding=sharding_flag, offload=offload, lora_r=lora_r, quantize=quantize,
                     packing="concat")  # what train_steps feeds: whole rows, unpadded: no attention mask
     config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0, optimizer_lr=1e-3)  # the lr does not move memory
@@ -189,7 +189,7 @@ def main() -> None:
         print(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": model_name, "params": bundle.params,
             "processes": accelerator.num_processes, "sharding": str(run.sharding), "offload": str(run.offload),
-            "lora_r": run.lora_r, "quantize": str(run.quantize),
+            "lora_r": run.lora.r, "quantize": str(run.quantize),
             "seq_len": run.seq_len, "micro_batch": run.micro_batch, "steps": args.steps,
             "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,
             "measured_peak_bytes_per_rank": all_measured, "worst_error": worst,

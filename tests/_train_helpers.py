@@ -72,7 +72,7 @@ def tiny_config(tmp: Path, *, run: dict | None = None, **overrides) -> TrainConf
     if "packing" in overrides:  # a run setting (it changes the attention mask), accepted here for brevity
         run_kw["packing"] = overrides.pop("packing")
     base.update(overrides)
-    return TrainConfig(run=RunConfig(**run_kw), **base)
+    return TrainConfig.of(run=RunConfig.of(**run_kw), **base)
 
 
 def metrics(output: str | Path) -> list[dict]:

@@ -37,7 +37,7 @@ def test_exact_compile_prices_the_partitioners_smaller_saved_set():
     from memfit.memory.trace import trace
 
     config = family_config("llama")
-    run = RunConfig(seq_len=128, micro_batch=2)  # packed documents: the block-causal mask path, as compiled
+    run = RunConfig.of(seq_len=128, micro_batch=2)  # packed documents: the block-causal mask path, as compiled
     eager = trace(config, run, device="cpu")
     compiled = trace(config, run.replace(compile=True), device="cpu")
     saved, eager_saved = (int(x.replace(",", "")) for x in
@@ -59,7 +59,7 @@ def test_exact_compile_predicts_the_compiled_steps_measured_peak():
 
     config = family_config("llama")
     # 384 tokens: activations, not the optimizer step, set both peaks (at 128 the step did, the same for both)
-    run = RunConfig(seq_len=128, micro_batch=3, packing="concat", optimizer="adamw")
+    run = RunConfig.of(seq_len=128, micro_batch=3, packing="concat", optimizer="adamw")
     measured = {}
     for compiled in (False, True):
         torch.manual_seed(0)

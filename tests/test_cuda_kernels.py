@@ -34,7 +34,7 @@ def _agree(config, run: RunConfig, family: str):
 
 
 def test_gpt2_dropout_exact_cuda_agrees_with_the_analytic_cuda_estimate(gpt2):
-    run = RunConfig(seq_len=128, micro_batch=2)
+    run = RunConfig.of(seq_len=128, micro_batch=2)
     exact = _agree(gpt2, run, "gpt2")
     notes = "\n".join(exact.notes)
     assert "memory-efficient attention with dropout" in notes  # fp32: flash needs fp16/bf16
@@ -46,7 +46,7 @@ def test_gpt2_dropout_exact_cuda_agrees_with_the_analytic_cuda_estimate(gpt2):
 
 
 def test_bf16_with_checkpointing_runs_flash_in_forward_and_recompute(gpt2):
-    run = RunConfig(seq_len=128, micro_batch=2, mixed_precision="bf16", grad_checkpointing=True, packing="concat")
+    run = RunConfig.of(seq_len=128, micro_batch=2, mixed_precision="bf16", grad_checkpointing=True, packing="concat")
     exact = _agree(gpt2, run, "gpt2")
     # two layers, each in forward and in its recompute
     assert any(re.search(r"4 SDPA call\(s\) priced as CUDA's flash attention with dropout", n) for n in exact.notes)
@@ -54,7 +54,7 @@ def test_bf16_with_checkpointing_runs_flash_in_forward_and_recompute(gpt2):
 
 def test_fused_loss_is_traced_as_chunked_for_cuda_and_refused_for_cpu():
     config = family_config("llama")
-    run = RunConfig(seq_len=128, micro_batch=2, loss="liger")
+    run = RunConfig.of(seq_len=128, micro_batch=2, loss="liger")
     exact = _agree(config, run, "llama")
     assert any("--loss liger traced as --loss chunked" in n for n in exact.notes)
     with pytest.raises(UserError, match="Triton kernels"):

@@ -259,7 +259,7 @@ def test_folder_of_a_messages_and_a_sharegpt_file_trains_on_both(tmp_path):
     (folder / "a.jsonl").write_text(_chats(12))
     (folder / "b.jsonl").write_text(_chats(10, sharegpt=True))
     cfg = tiny_config(tmp_path, data=str(folder), packing="documents", eval_fraction=0.0)
-    examples, tokenized = load_for_run(cfg, RunConfig(seq_len=64), byte_tokenizer())
+    examples, tokenized = load_for_run(cfg, RunConfig.of(seq_len=64), byte_tokenizer())
     assert tokenized.conversations == 22 and len(examples) == 22
     assert examples[12].where == f"{folder / 'b.jsonl'} row 1" and examples[12].is_conversation
     summary = train(cfg, show=False)

@@ -78,14 +78,14 @@ def test_parquet_preview_reads_only_the_first_row_group(tmp_path):
     assert _corrupt_parquet(path, rows=20_000, group=1_000) == 20
     with pytest.raises(UserError, match=r"t\.parquet cannot be read as parquet"):
         load_examples(path)  # a full read: datasets converts the whole file to Arrow
-    config = TrainConfig(data=str(path), text_field="body")
+    config = TrainConfig.of(data=str(path), text_field="body")
     result = preview_record(config, 0)
     assert result["where"] == f"{path} row 1" and result["marked"].startswith("[[no loss: <s>]]row 0 ")
     assert preview_record(config, 999)["where"] == f"{path} row 1000"
     with pytest.raises(UserError, match=r"t\.parquet cannot be read as parquet"):
         preview_record(config, 1_000)  # the first row of the second, spoilt, group
     with pytest.raises(UserError, match=r"has no column 'txt'; its columns are: body, n"):
-        preview_record(TrainConfig(data=str(path), text_field="txt"), 0)
+        preview_record(TrainConfig.of(data=str(path), text_field="txt"), 0)
 
 
 def test_folder_preview_counts_records_across_files_in_training_order(tmp_path):

@@ -31,8 +31,8 @@ def own_datasets_cache(tmp_path, monkeypatch):
 def _load(data: str, seq_len: int = 48, packing: str = "documents", eval_fraction: float = 0.1, **config):
     from memfit.data.prep import load_for_run
 
-    cfg = TrainConfig(data=data, eval_fraction=eval_fraction, seed=1, **config)
-    return load_for_run(cfg, RunConfig(seq_len=seq_len, packing=packing), byte_tokenizer())
+    cfg = TrainConfig.of(data=data, eval_fraction=eval_fraction, seed=1, **config)
+    return load_for_run(cfg, RunConfig.of(seq_len=seq_len, packing=packing), byte_tokenizer())
 
 
 def _folder(tmp_path: Path) -> Path:

@@ -129,7 +129,7 @@ def test_deepspeed_checkpoint_resumes_exactly(tmp_path, flag, stage):
 
 # ------------------------------------------------------------------------------------ config, no launch
 def test_ds_config_comes_from_the_run():
-    run = RunConfig(micro_batch=3, grad_accum=4, num_processes=2, sharding="zero3", optimizer="adamw")
+    run = RunConfig.of(micro_batch=3, grad_accum=4, num_processes=2, sharding="zero3", optimizer="adamw")
     ds = deepspeed_engine.ds_config(run, max_grad_norm=0.5, hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_batch_size"] == 3 * 4 * 2  # DeepSpeed checks micro x accumulation x ranks
@@ -156,7 +156,7 @@ def ds_launch(monkeypatch):
 def test_deepspeed_not_installed_names_the_extra(ds_launch, monkeypatch):
     monkeypatch.setattr(engines, "deepspeed_available", lambda: False)
     with pytest.raises(UserError, match=r"asks for DeepSpeed, which is not installed.*memfit\[deepspeed\]"):
-        sharding.check_run(RunConfig(sharding="zero2", optimizer="adamw"), cuda=False)
+        sharding.check_run(RunConfig.of(sharding="zero2", optimizer="adamw"), cuda=False)
 
 
 @pytest.mark.parametrize(("run", "message"), [
@@ -174,11 +174,11 @@ def test_deepspeed_not_installed_names_the_extra(ds_launch, monkeypatch):
 def test_what_deepspeed_cannot_run_here_is_refused(ds_launch, run, message):
     full = {"sharding": "zero2", "optimizer": "adamw", **run}
     with pytest.raises(UserError, match=message):
-        sharding.check_run(RunConfig(**full), cuda=False)
+        sharding.check_run(RunConfig.of(**full), cuda=False)
 
 
 def test_planner_refusal_follows_the_launch(ds_launch, monkeypatch):
-    run = RunConfig(sharding="zero2", optimizer="adamw", lora_r=8)
+    run = RunConfig.of(sharding="zero2", optimizer="adamw", lora_r=8)
     assert "full fine-tunes only" in engines.refusal(run, cuda=True)
     assert engines.refusal(run.replace(lora_r=0), cuda=True) is None
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # no DeepSpeed launch: FSDP2 runs LoRA under zero2
@@ -193,8 +193,8 @@ def test_planner_refusal_follows_the_launch(ds_launch, monkeypatch):
 ])
 def test_accelerate_deepspeed_config_that_disagrees_is_refused(env, message):
     with pytest.raises(UserError, match=message):
-        sharding.check_launch(RunConfig(sharding="zero2"), 2, env={"ACCELERATE_USE_DEEPSPEED": "true", **env})
-    sharding.check_launch(RunConfig(sharding="zero2"), 2, env={"ACCELERATE_USE_DEEPSPEED": "true",
+        sharding.check_launch(RunConfig.of(sharding="zero2"), 2, env={"ACCELERATE_USE_DEEPSPEED": "true", **env})
+    sharding.check_launch(RunConfig.of(sharding="zero2"), 2, env={"ACCELERATE_USE_DEEPSPEED": "true",
                                                                 "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
 
 
@@ -206,7 +206,7 @@ def test_accumulation_clipping_and_state_dict_must_agree():
     ds = {"placeholder": 1}
     accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                   state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds)))
-    run = RunConfig(sharding="zero3", grad_accum=2, micro_batch=1, num_processes=2, optimizer="adamw")
+    run = RunConfig.of(sharding="zero3", grad_accum=2, micro_batch=1, num_processes=2, optimizer="adamw")
     config = TrainConfig(run=run, max_grad_norm=1.0)
     with pytest.raises(UserError, match="gradient_accumulation_steps: 1 but the run accumulates 2"):
         deepspeed_engine.configure(accelerator, run, config, env={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1"})
@@ -221,7 +221,7 @@ def test_accumulation_clipping_and_state_dict_must_agree():
 
 
 def test_checkpoints_resume_only_under_the_engine_stage_and_ranks_that_wrote_them(tmp_path):
-    run = RunConfig(sharding="zero2")
+    run = RunConfig.of(sharding="zero2")
     with pytest.raises(UserError, match="was not written by DeepSpeed"):
         deepspeed_engine.check_resumable(str(tmp_path), run, 2, deepspeed=True)
     deepspeed_engine.check_resumable(str(tmp_path), run, 2, deepspeed=False)  # not DeepSpeed's: others decide
@@ -256,7 +256,7 @@ def test_no_rollback_snapshot_is_predicted_under_deepspeed(monkeypatch):
     from memfit.memory.snapshot import device_estimate
     from memfit.spec.model import load_spec
 
-    spec, run = load_spec("tiny"), RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2,
+    spec, run = load_spec("tiny"), RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2,
                                              sharding="zero2")
     plain = estimate(spec, run, device="cpu").peak_bytes
     assert device_estimate(spec, run, "cpu").peak_bytes == plain + rollback_snapshot_bytes(spec, run)
@@ -299,7 +299,7 @@ def test_deepspeed_per_rank_peak_matches_the_prediction(tmp_path, flag, stage):
                        env=env, timeout=500)
     assert proc.returncode == 0, _rank0_error(proc)
     measured = json.loads((out / "run.json").read_text())["rank_peak_bytes"]
-    run = RunConfig(seq_len=128, micro_batch=2, optimizer="adamw", num_processes=2, sharding=flag, packing="concat")
+    run = RunConfig.of(seq_len=128, micro_batch=2, optimizer="adamw", num_processes=2, sharding=flag, packing="concat")
     spec = load_spec("tiny")
     predicted = [estimate(spec, run, device="cpu", engine="deepspeed", rank=r).peak_bytes for r in range(2)]
     errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
@@ -317,9 +317,9 @@ def test_deepspeed_layout_differs_from_fsdp2_only_where_deepspeed_runs():
 
     spec = load_spec("tiny")
     for flag in ("ddp", "fsdp"):  # not DeepSpeed's: the engine changes nothing
-        run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding=flag)
+        run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding=flag)
         assert estimate(spec, run, device="cpu", engine="deepspeed") == estimate(spec, run, device="cpu")
-    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero3")
+    run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero3")
     ds = estimate(spec, run, device="cpu", engine="deepspeed")
     # ZeRO-3 keeps 5 partitions (bit16 weights, gradients, fp32 master, 2 moments) and the whole model gathered
     assert ds.optimizer == 3 * 4 * spec.params // 2

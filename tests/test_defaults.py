@@ -26,7 +26,7 @@ def _user_config(tmp_path, data, **overrides) -> TrainConfig:
     """A real run as the CLI builds it: the user's model and data, nothing else given (``explicit=()``)."""
     base = dict(model=write_model(tmp_path / "model"), tokenizer="byte", data=data, eval_fraction=0.0,
                 explicit=(), output=str(tmp_path / "out"))
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.of(**{**base, **overrides})
 
 
 def test_seq_len_is_the_99th_percentile_of_the_tokenized_lengths_rounded_up(tmp_path):
@@ -50,7 +50,7 @@ def test_seq_len_is_capped_by_the_model_context(tmp_path):
 
 def test_given_seq_len_demo_and_resume_are_not_derived(tmp_path):
     data = _text_records(tmp_path / "d.jsonl", [300] * 10)
-    given = _user_config(tmp_path, data, run=RunConfig(seq_len=64), explicit=("seq_len",))
+    given = _user_config(tmp_path, data, run=RunConfig.of(seq_len=64), explicit=("seq_len",))
     assert derived.with_seq_len(given, resumed=False) == (given, None)
     assert derived.with_seq_len(_user_config(tmp_path, data), resumed=True)[0].run.seq_len == 128  # the restored length stays
     demo = TrainConfig(explicit=())
@@ -206,7 +206,7 @@ def test_lora_options_with_lora_r_given_are_accepted(tmp_path, built):
     plan.write_text("lora_r: 8\n")
     assert isinstance(CliRunner().invoke(cli, ["train", "--config", str(plan), "--lora-targets", "q_proj"]).exception,
                       NothingTrained)
-    assert built["config"].run.lora_r == 8 and built["config"].run.lora_targets == ("q_proj",)
+    assert built["config"].run.lora.r == 8 and built["config"].run.lora.targets == ("q_proj",)
     plan.write_text("lora_targets: q_proj\n")
     refused = CliRunner().invoke(cli, ["train", "--config", str(plan)])
     assert refused.exit_code == 1 and "--lora-targets shapes LoRA adapters" in refused.output

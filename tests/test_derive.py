@@ -17,7 +17,7 @@ from _accuracy_models import accuracy_config
 from _trace_helpers import tensor_peak
 from memfit.settings.config import RunConfig
 
-RUN = RunConfig(seq_len=256, micro_batch=8, mixed_precision="bf16")
+RUN = RunConfig.of(seq_len=256, micro_batch=8, mixed_precision="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_depth_extrapolation_follows_the_trace_through_backward():
     from memfit.spec.model import spec_from_config
 
     config = accuracy_config("granite")
-    run = RunConfig(seq_len=256, micro_batch=4, grad_checkpointing=True)  # shared with the accuracy grid
+    run = RunConfig.of(seq_len=256, micro_batch=4, grad_checkpointing=True)  # shared with the accuracy grid
     derived = estimate(spec_from_config(config, "test-granite"), run, device="cpu")
     exact = trace(config, run, device="cpu")
     assert derived.recipe == "derived from traces of 1-2 layer granite"
@@ -163,7 +163,7 @@ def test_derived_recipe_honours_the_technique(family, changes, tmp_path, monkeyp
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     spec = spec_from_config(_derived_family(family), family)
-    run = RunConfig(seq_len=256, micro_batch=4, **changes)
+    run = RunConfig.of(seq_len=256, micro_batch=4, **changes)
     with warnings.catch_warnings(record=True) as caught:  # a fresh cache: the recipe is derived now
         warnings.simplefilter("always")
         analytic = estimate(spec, run, device="cpu")
@@ -188,7 +188,7 @@ def test_returned_attention_weights_are_not_a_layer_s_bytes(tmp_path, monkeypatc
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     config = _derived_family("bloom")
-    run = RunConfig(seq_len=2048, micro_batch=1, grad_checkpointing=True)
+    run = RunConfig.of(seq_len=2048, micro_batch=1, grad_checkpointing=True)
     analytic, exact = estimate(spec_from_config(config, "bloom"), run, device="cpu"), trace(config, run, device="cpu")
     assert analytic.recipe.startswith("derived")
     assert abs(tensor_peak(analytic) - tensor_peak(exact)) <= 0.01 * tensor_peak(exact)
@@ -216,7 +216,7 @@ def test_each_layer_kind_is_derived_and_extrapolated_as_itself(tmp_path, monkeyp
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     config = _lfm2()
-    run = RunConfig(seq_len=2048, micro_batch=1)
+    run = RunConfig.of(seq_len=2048, micro_batch=1)
     analytic, exact = estimate(spec_from_config(config, "lfm2"), run, device="cpu"), trace(config, run, device="cpu")
     assert analytic.recipe == "derived from traces of 3 layers of lfm2 (2 kinds)"
     assert any(line.startswith("layer kinds: 4 x Lfm2DecoderLayer (conv), 2 x Lfm2DecoderLayer (full_attention)")
@@ -246,7 +246,7 @@ def test_a_hybrid_whose_layer_kind_cannot_be_derived_is_named(tmp_path, monkeypa
                                 "JambaAttentionDecoderLayer (full_attention)",
                                 "JambaMambaDecoderLayer (linear_attention) with JambaSparseMoeBlock")
     with pytest.raises(UserError) as err:
-        estimate(spec, RunConfig(seq_len=64, micro_batch=2), device="cpu")
+        estimate(spec, RunConfig.of(seq_len=64, micro_batch=2), device="cpu")
     assert str(err.value) == ("Cannot derive a memory recipe for jamba: its JambaMambaDecoderLayer (linear_attention) "
                               "with JambaMLP layer runs different operators at different sequence lengths or batch "
                               "sizes; use --exact.")

@@ -80,3 +80,27 @@ def test_counts_the_docs_quote_are_the_tables():
     assert re.search(r"architectures\.yaml \((\d+) models' config facts\)", readme).group(1) == str(len(preset_names()))
     assert re.search(r"gpus\.yaml \((\d+) GPUs\)", readme).group(1) == str(len(load_gpus()))
     assert re.search(r"`memfit presets` lists (\d+)", estimate_md).group(1) == str(len(preset_names()))
+
+
+def test_the_readme_python_api_example_runs(monkeypatch, tmp_path):
+    """README's "Python API" block: its settings build (nested groups by flat key) and estimate and plan run
+    on it; trace and train are recorded instead of run (a minute of fake tensors, a training run)."""
+    import re
+
+    import memfit
+    from memfit.settings.config import RunConfig, TrainConfig
+
+    block = re.search(r"## Python API\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    called = {}
+    monkeypatch.setattr(memfit, "trace", lambda model, run: called.setdefault("trace", (model, run)), raising=False)
+    monkeypatch.setattr(memfit, "train", lambda config: called.setdefault("train", config), raising=False)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the docs' own example
+    assert scope["b"].peak_bytes > 0 and scope["plans"].plans
+    # lora_r=16 reached the nested group: r x sum(in + out) over Llama-3-8B's adapted linears, per layer
+    # q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate/up 4096+14336 each, down 14336+4096 = 81,920;
+    # x 32 layers = 2,621,440
+    assert scope["b"].trainable_params == 16 * 2_621_440
+    assert isinstance(called["trace"][1], RunConfig) and called["trace"][1].mixed_precision.value == "bf16"
+    assert isinstance(called["train"], TrainConfig) and called["train"].preference.beta == 0.1

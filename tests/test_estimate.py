@@ -28,7 +28,7 @@ def tiny(tiny_llama_config):
 
 def test_golden_fp32_full(tiny):
     """tiny_llama_config (H 64, I 128, 4 heads, 2 kv heads, head_dim 16, V 384, 2 layers), B=2, T=16, fp32."""
-    b = estimate(tiny, RunConfig(**RUN), device="cpu")
+    b = estimate(tiny, RunConfig.of(**RUN), device="cpu")
     p = tiny.params
     assert p == 123_200  # 2 layers x 36,864 projection weights + embedding and head 2 x 24,576 + 5 norms x 64
     # weights: p x 4 + rotary inv_freq and original_inv_freq buffers (2 x 8 fp32) = 459,776 + 64
@@ -61,27 +61,27 @@ def test_golden_fp32_full(tiny):
 
 def test_golden_amp_bf16(tiny):
     """Same model under AMP bf16: half-precision saves, one bf16 copy of the input per projection."""
-    b = estimate(tiny, RunConfig(mixed_precision="bf16", **RUN), device="cpu")
+    b = estimate(tiny, RunConfig.of(mixed_precision="bf16", **RUN), device="cpu")
     # per token: x, x2 fp32 512 + norms 520 + q/k/v inputs 3 x 64 x 2 = 384 + SDPA 192 x 2 + 16 = 400
     #   + gate/up inputs 2 x 64 x 2 = 256 + 3 x 128 x 2 = 768 + down input 128 x 2 = 256 -> 3,096 x 32
     assert b.activations_per_layer == 3_096 * 32
     # autocast's bf16 weight copies of every projection + the head (saved for backward): 2 x (2 x 36,864 + 24,576)
-    assert autocast_weight_copies(tiny, RunConfig(mixed_precision="bf16"), Precisions.of(
-        RunConfig(mixed_precision="bf16"))) == 2 * (2 * 36_864 + 24_576)
+    assert autocast_weight_copies(tiny, RunConfig.of(mixed_precision="bf16"), Precisions.of(
+        RunConfig.of(mixed_precision="bf16"))) == 2 * (2 * 36_864 + 24_576)
     # the peak is the optimizer step; on CPU torch's AdamW is the single-tensor loop, whose temporaries are
     # the head's fp32 sqrt(v) and quotient (384 x 64) next to the quotient of the matrix before it in train's
     # first parameter group, the last layer's down_proj (128 x 64): (8,192 + 2 x 24,576) x 4
     assert b.phase == "optimizer" and b.temporary == (8_192 + 2 * 24_576) * 4
     # on CUDA the same run gets foreach AdamW: one fp32 sqrt(v) for every parameter of a group at once, the
     # larger group being the matrices (all but the 5 norms of 64): 4 x (params - 320)
-    assert estimate(tiny, RunConfig(mixed_precision="bf16", **RUN), device="cuda").temporary == 4 * (tiny.params - 320)
+    assert estimate(tiny, RunConfig.of(mixed_precision="bf16", **RUN), device="cuda").temporary == 4 * (tiny.params - 320)
 
 
 def test_golden_lora_fp32_first_layer(tiny):
     """LoRA r=4 on all linears, fp32: frozen norms save no h, and the first layer's input needs no grad."""
     from memfit.memory.activations import layer_activations, outside_layer_activations
 
-    run = RunConfig(lora_r=4, **RUN)
+    run = RunConfig.of(lora_r=4, **RUN)
     prec = Precisions.of(run)
     acts = layer_activations(tiny, run, prec, "cpu")
     # Per token, a layer whose input needs a gradient (fp32: adapters share the one fp32 input tensor):
@@ -105,7 +105,7 @@ def test_gpt2_attention_dropout_cpu_math_vs_cuda_flash():
     """GPT-2 trains with attention dropout: CPU SDPA falls back to the math kernel (fp32 T x T matrices),
     CUDA's flash kernel keeps no T x T matrix and a 1-byte dropout mask."""
     spec = load_spec("gpt2")
-    run = RunConfig(seq_len=1024, micro_batch=1)
+    run = RunConfig.of(seq_len=1024, micro_batch=1)
     cpu, cuda = estimate(spec, run, device="cpu"), estimate(spec, run, device="cuda")
     # per layer the math path adds 3 fp32 (12 heads x 1024 x 1024) matrices = 144 MiB
     assert cpu.activations_per_layer - cuda.activations_per_layer > 3 * 4 * 12 * 1024 * 1024
@@ -113,7 +113,7 @@ def test_gpt2_attention_dropout_cpu_math_vs_cuda_flash():
 
 def test_textbook_llama2_7b_to_the_byte():
     spec = load_spec("llama-2-7b")
-    b = estimate(spec, RunConfig(mixed_precision="no", seq_len=512, micro_batch=1))
+    b = estimate(spec, RunConfig.of(mixed_precision="no", seq_len=512, micro_batch=1))
     assert b.weights - spec.buffer_bytes == 6_738_415_616 * 4 == 26_953_662_464  # 26.95 GB
     assert b.gradients == 6_738_415_616 * 4
     assert b.optimizer == 6_738_415_616 * 8
@@ -124,7 +124,7 @@ def test_textbook_llama2_7b_to_the_byte():
 @pytest.mark.parametrize("field,values", [("micro_batch", (1, 2, 4, 8)), ("seq_len", (64, 128, 256, 512)),
                                           ("lora_r", (4, 8, 16, 64))])
 def test_monotonic(tiny, field, values):
-    base = RunConfig(mixed_precision="bf16", seq_len=128, micro_batch=2)
+    base = RunConfig.of(mixed_precision="bf16", seq_len=128, micro_batch=2)
     peaks = [estimate(tiny, base.replace(**{field: v})).peak_bytes for v in values]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
 
@@ -133,7 +133,7 @@ def test_monotonic(tiny, field, values):
                                 {"lora_r": 8, "quantize": "4bit", "dtype": "bf16"}])
 def test_checkpointing_never_raises_activations(kw):
     spec = load_spec("llama-3.2-1b")
-    run = RunConfig(seq_len=1024, micro_batch=2, **kw)
+    run = RunConfig.of(seq_len=1024, micro_batch=2, **kw)
     off, on = estimate(spec, run), estimate(spec, run.replace(grad_checkpointing=True))
     assert on.activations_per_layer < off.activations_per_layer
     assert on.peak_bytes <= off.peak_bytes
@@ -141,8 +141,8 @@ def test_checkpointing_never_raises_activations(kw):
 
 def test_sharding_divides_model_states():
     spec = load_spec("llama-2-7b")
-    one = estimate(spec, RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16"))
-    fsdp = estimate(spec, RunConfig(seq_len=512, micro_batch=1, mixed_precision="bf16", num_processes=8,
+    one = estimate(spec, RunConfig.of(seq_len=512, micro_batch=1, mixed_precision="bf16"))
+    fsdp = estimate(spec, RunConfig.of(seq_len=512, micro_batch=1, mixed_precision="bf16", num_processes=8,
                                     sharding="fsdp"))
     assert fsdp.optimizer == one.optimizer // 8
     assert fsdp.peak_bytes < one.peak_bytes
@@ -155,7 +155,7 @@ def test_offloaded_fsdp_keeps_no_sharded_gradient_on_the_gpu():
     from memfit.memory.states import model_states
 
     spec = load_spec("tiny")
-    run = RunConfig(seq_len=64, micro_batch=1, dtype="bf16", mixed_precision="no", num_processes=2, sharding="fsdp")
+    run = RunConfig.of(seq_len=64, micro_batch=1, dtype="bf16", mixed_precision="no", num_processes=2, sharding="fsdp")
     assert model_states(spec, run).gradients == 6_492_416
     offloaded = model_states(spec, run.replace(offload="params"))
     assert offloaded.gradients == 0 and offloaded.weights == 0 and offloaded.optimizer == 0
@@ -163,7 +163,7 @@ def test_offloaded_fsdp_keeps_no_sharded_gradient_on_the_gpu():
 
 def test_qlora_weights_are_nf4():
     spec = load_spec("llama-2-7b")
-    b = estimate(spec, RunConfig(lora_r=16, quantize="4bit", dtype="bf16"))
+    b = estimate(spec, RunConfig.of(lora_r=16, quantize="4bit", dtype="bf16"))
     # By hand (memory.quantized): NF4 with double quantization per projection = numel/2 packed + numel/64
     # uint8 absmax + 4 x ceil(numel/64/256) nested fp32 absmax + 1,092 B of code tables and offset.
     #   q/k/v/o 4096 x 4096 = 16,777,216: 8,388,608 + 262,144 + 4,096 + 1,092 = 8,655,940
@@ -174,13 +174,13 @@ def test_qlora_weights_are_nf4():
     # 1,049,640,960. Adapters r16 on the 7 projections, fp32: 32 x 16 x (4 x 8,192 + 3 x 15,104) x 4 =
     # 159,907,840. Buffers (rotary inv_freq and its original): 512.
     assert b.weights == 3_341_015_936 + 524_820_480 + 159_907_840 + 512
-    full = estimate(spec, RunConfig(lora_r=16, quantize="4bit", dtype="bf16", qlora_upcast="full"))
+    full = estimate(spec, RunConfig.of(lora_r=16, quantize="4bit", dtype="bf16", qlora_upcast="full"))
     assert full.weights == 3_341_015_936 + 1_049_640_960 + 159_907_840 + 512
 
 
 def test_speed_under_5ms():
     spec = load_spec("llama-3-8b")
-    run = RunConfig(mixed_precision="bf16", lora_r=16)
+    run = RunConfig.of(mixed_precision="bf16", lora_r=16)
     estimate(spec, run)  # once per model: asks transformers which attention it runs (a meta build, cached)
     start = time.process_time()  # CPU time: wall time on a loaded shared machine says more about the machine
     for _ in range(200):
@@ -294,7 +294,7 @@ def test_checkpointed_recompute_counts_its_input_once():
     from memfit.spec.resolved import resolve
 
     spec = spec_from_config(family_config("llama"), "llama")
-    fp32 = resolve(spec, RunConfig(seq_len=256, micro_batch=2, grad_checkpointing=True), "cpu").run  # SDPA
+    fp32 = resolve(spec, RunConfig.of(seq_len=256, micro_batch=2, grad_checkpointing=True), "cpu").run  # SDPA
     bf16 = fp32.replace(dtype="bf16")
     assert layer_activations(spec, fp32, Precisions.of(fp32), "cpu").backward_transient == 27_800 * 512
     assert layer_activations(spec, bf16, Precisions.of(bf16), "cpu").backward_transient == 15_448 * 512

@@ -40,7 +40,7 @@ def _case(family, seq, batch, *parts, marks=(), **extra):
     if family == "gemma2":
         changes.setdefault("attn_implementation", "eager")  # transformers runs Gemma 2 eager only
     label = "-".join([family, f"T{seq}", f"B{batch}"] + [f"{k}={v}" for k, v in changes.items()])
-    return pytest.param(family, RunConfig(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
+    return pytest.param(family, RunConfig.of(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
 
 
 #: CI grid: every family once or twice; 13 traces and 5 derived recipes (5 traces each), the recipes

@@ -37,7 +37,7 @@ def test_trainer_prediction_within_3_percent_of_measured_tensor_peak(tmp_path, t
     trainer.train()
     logged = next(e for e in trainer.state.log_history if "memfit/measured_peak_bytes" in e)
     predicted, measured = logged["memfit/predicted_peak_bytes"], logged["memfit/measured_peak_bytes"]
-    assert measured > 0 and callback.run.lora_r == (8 if mode == "lora" else 0)
+    assert measured > 0 and callback.run.lora.r == (8 if mode == "lora" else 0)
     assert callback.run.grad_checkpointing == (mode == "gc")
     assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
 

@@ -41,7 +41,7 @@ def test_sft_trainer_prediction_within_3_percent_of_measured_tensor_peak(tmp_pat
     trainer.train()
     logged = next(e for e in trainer.state.log_history if "memfit/measured_peak_bytes" in e)
     predicted, measured = logged["memfit/predicted_peak_bytes"], logged["memfit/measured_peak_bytes"]
-    assert str(callback.run.loss) == "trl" and callback.run.lora_r == (8 if mode == "lora" else 0)
+    assert str(callback.run.loss) == "trl" and callback.run.lora.r == (8 if mode == "lora" else 0)
     assert callback.run.grad_checkpointing == (mode == "gc")
     assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
 
@@ -64,7 +64,7 @@ def test_the_trl_buffer_is_priced_at_its_full_width_whatever_the_vocabulary(tiny
     from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(tiny_llama_config, "tiny")
-    run = RunConfig(seq_len=64, micro_batch=4, mixed_precision="no", loss="trl", packing="concat")
+    run = RunConfig.of(seq_len=64, micro_batch=4, mixed_precision="no", loss="trl", packing="concat")
     trl_peak = estimate(spec, run, device="cpu").peak_bytes
     chunked_peak = estimate(spec, run.replace(loss="chunked"), device="cpu").peak_bytes
     assert trl_peak - chunked_peak > 4 * 63 * 4 * 32768 * 0.9  # B (T-1) rows x 32,768 fp32 columns
@@ -81,7 +81,7 @@ def test_memfit_train_and_exact_mode_refuse_trls_head_in_one_sentence():
     from memfit.spec.losses import check_loss_runnable
 
     with pytest.raises(UserError, match="memfit train does not run"):
-        check_loss_runnable(RunConfig(loss="trl"), cuda=False)
+        check_loss_runnable(RunConfig.of(loss="trl"), cuda=False)
     result = CliRunner().invoke(cli, ["estimate", "tiny", "--loss", "trl", "--exact", "--device", "cpu"])
     assert_one_sentence(result, "--loss trl prices TRL's SFTTrainer")
 

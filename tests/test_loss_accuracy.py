@@ -24,7 +24,7 @@ def _case(family, seq, batch, *parts, marks=()):
     if family == "gemma2":
         changes["attn_implementation"] = "eager"
     label = "-".join([family, f"T{seq}", f"B{batch}"] + [f"{k}={v}" for k, v in changes.items()])
-    return pytest.param(family, RunConfig(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
+    return pytest.param(family, RunConfig.of(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
 
 
 GRID = [
@@ -83,7 +83,7 @@ def test_techniques_cut_what_they_claim():
     from memfit.spec.model import spec_from_config
 
     spec = spec_from_config(family_config("llama"), "llama")
-    base = RunConfig(seq_len=256, micro_batch=4)
+    base = RunConfig.of(seq_len=256, micro_batch=4)
     std, chunked = estimate(spec, base, device="cpu"), estimate(spec, base.replace(loss="chunked"), device="cpu")
     logits = 12 * 1024 * spec.vocab_size  # the standard path's backward-start logits term, 12 B per element
     assert std.phase_peaks["backward"] - chunked.phase_peaks["backward"] >= 0.6 * logits

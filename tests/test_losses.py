@@ -122,5 +122,5 @@ def test_chunk_rule_is_liger_s(monkeypatch):
 def test_fused_kernels_are_refused_without_cuda():
     assert LOSSES[Loss.LIGER].needs_cuda and not LOSSES[Loss.CHUNKED].needs_cuda
     with pytest.raises(UserError, match="needs a CUDA GPU"):
-        check_loss_runnable(RunConfig(loss="liger"), cuda=False)
-    check_loss_runnable(RunConfig(loss="chunked"), cuda=False)
+        check_loss_runnable(RunConfig.of(loss="liger"), cuda=False)
+    check_loss_runnable(RunConfig.of(loss="chunked"), cuda=False)

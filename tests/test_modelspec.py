@@ -44,11 +44,11 @@ def test_lora_params_all_linear_and_named(tiny_llama_config):
     spec = spec_from_config(tiny_llama_config, "t")
     # r * (in + out) per projection: q (64+64) k (64+32) v (64+32) o (64+64) gate/up (64+128)x2 down (128+64)
     per_layer = 8 * (128 + 96 + 96 + 128 + 192 * 3)
-    assert spec.lora_params(RunConfig(lora_r=8)) == 2 * per_layer
-    assert spec.lora_params(RunConfig(lora_r=8, lora_targets=("q_proj", "v_proj"))) == 2 * 8 * (128 + 96)
+    assert spec.lora_params(RunConfig.of(lora_r=8)) == 2 * per_layer
+    assert spec.lora_params(RunConfig.of(lora_r=8, lora_targets=("q_proj", "v_proj"))) == 2 * 8 * (128 + 96)
     assert spec.trainable_params(RunConfig()) == spec.params
     with pytest.raises(UserError, match="matches no projection of t; its projections are: down_proj, gate_proj"):
-        spec.check_lora_targets(RunConfig(lora_r=8, lora_targets=("nope",)))
+        spec.check_lora_targets(RunConfig.of(lora_r=8, lora_targets=("nope",)))
 
 
 def test_tied_and_fused_architectures():

@@ -36,7 +36,7 @@ def test_experts_kernel_follows_the_weights_dtype(mixtral, tiny_llama_config):
         experts(mixtral, "grouped_mm", "fp32")
     dense = spec_from_config(tiny_llama_config, "tiny")
     assert experts(dense, "auto", "fp32") == "" and resolve(dense, RunConfig()).experts == ""
-    resolved = resolve(mixtral, RunConfig(mixed_precision="bf16"))
+    resolved = resolve(mixtral, RunConfig.of(mixed_precision="bf16"))
     assert resolved.experts == "eager" and resolved.run.experts_implementation == "eager"
     assert any(line.startswith("experts: eager (the model's per-expert loop") for line in resolved.describe())
 
@@ -62,7 +62,7 @@ def test_moe_estimate_matches_exact(family, regime, tmp_path, monkeypatch):
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     spec = spec_from_config(moe_config(family), f"moe-{family}")
-    run = RunConfig(seq_len=64, micro_batch=4, **REGIMES[regime])
+    run = RunConfig.of(seq_len=64, micro_batch=4, **REGIMES[regime])
     analytic, exact = estimate(spec, run, device="cpu"), trace(spec, run, device="cpu")
     assert abs(analytic.peak_bytes - exact.peak_bytes) <= 0.03 * exact.peak_bytes, (analytic.peak_bytes,
                                                                                     exact.peak_bytes)
@@ -89,7 +89,7 @@ def test_lora_trainable_count_is_pefts(family):
     from memfit.builder import parts as build
 
     spec = spec_from_config(moe_config(family), f"moe-{family}")
-    resolved = resolve(spec, RunConfig(lora_r=8, dtype="bf16"))
+    resolved = resolve(spec, RunConfig.of(lora_r=8, dtype="bf16"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(moe_config(family), **build.model_kwargs(
             resolved.run, resolved.attention, resolved.experts))

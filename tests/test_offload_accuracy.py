@@ -19,7 +19,7 @@ OFFLOAD = {"offload": "activations"}
 def _case(family, seq, batch, *parts, marks=()):
     changes = {k: v for part in parts for k, v in part.items()}
     label = "-".join([family, f"T{seq}", f"B{batch}"] + [f"{k}={v}" for k, v in changes.items()])
-    return pytest.param(family, RunConfig(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
+    return pytest.param(family, RunConfig.of(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
 
 
 GRID = [

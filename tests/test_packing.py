@@ -59,7 +59,7 @@ def test_collate_gives_padding_a_segment_of_its_own_and_model_inputs_drop_the_ma
 def test_packing_setting_reads_old_booleans_and_names():
     assert parse_packing(True) is Packing.DOCUMENTS and parse_packing(False) is Packing.NONE
     assert RunConfig().packing is Packing.DOCUMENTS
-    assert RunConfig(packing="concat").packing is Packing.CONCAT
+    assert RunConfig.of(packing="concat").packing is Packing.CONCAT
 
 
 def test_padding_share():
@@ -121,7 +121,7 @@ def test_trace_and_estimate_model_the_block_causal_mask_of_packed_rows():
 
     cfg = family_config("llama")
     spec = spec_from_config(cfg, "llama")
-    docs, concat = (RunConfig(seq_len=64, micro_batch=2, packing=p) for p in ("documents", "concat"))
+    docs, concat = (RunConfig.of(seq_len=64, micro_batch=2, packing=p) for p in ("documents", "concat"))
     traced = trace(cfg, docs, device="cpu").activations_per_layer
     assert traced == estimate(spec, docs, device="cpu").activations_per_layer
     assert traced - estimate(spec, concat, device="cpu").activations_per_layer == 163_840
@@ -141,7 +141,7 @@ def test_golden_packed_mask_term_on_the_tiny_llama():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False)
     spec = spec_from_config(cfg, "tiny-test")
-    packed = estimate(spec, RunConfig(seq_len=16, micro_batch=2), device="cpu")
-    plain = estimate(spec, RunConfig(seq_len=16, micro_batch=2, packing="concat"), device="cpu")
+    packed = estimate(spec, RunConfig.of(seq_len=16, micro_batch=2), device="cpu")
+    plain = estimate(spec, RunConfig.of(seq_len=16, micro_batch=2, packing="concat"), device="cpu")
     assert plain.activations_per_layer == 140_032
     assert packed.activations_per_layer == 150_272

@@ -114,7 +114,7 @@ def test_constraints_pin_settings():
     full = candidates(128, 8, constraints=Constraints(full=True))
     assert full and all(not r.is_lora() for r in full)
     lora = candidates(128, 8, constraints=Constraints(lora_r=64, allow_quantize=False))
-    assert lora and all(r.lora_r == 64 and r.quantize is Quantize.NONE for r in lora)
+    assert lora and all(r.lora.r == 64 and r.quantize is Quantize.NONE for r in lora)
     pinned = candidates(128, 8, constraints=Constraints.from_flat(
         {"optimizer": "sgd", "grad-checkpointing": True, "micro_batch": 2, "mixed_precision": "bf16"}))
     assert pinned and all(r.optimizer is Optimizer.SGD and r.grad_checkpointing and r.micro_batch == 2
@@ -135,7 +135,7 @@ def test_flops_per_token_golden(tiny):
     # x 8 layers = 6,291,456; + head 384*256 = 98,304 -> N = 6,389,760 (embedding lookups are not matmuls).
     # attention forward per token at T=256: 4 * L * H * Q * T = 4*8*4*64*256 = 2,097,152.
     assert cost.matmul_params(tiny) == (6_389_760, 6_291_456)
-    full = RunConfig(seq_len=256)
+    full = RunConfig.of(seq_len=256)
     # 6N + 3 * attn (PaLM appendix B: 6N + 12 LHQT)
     assert cost.flops_per_token(tiny, full) == 6 * 6_389_760 + 3 * 2_097_152 == 44_630_016
     # checkpointing re-runs the layers' forward (not the head's): + 2 N_layers + attn
@@ -149,7 +149,7 @@ def test_flops_per_token_golden(tiny):
 
 def test_step_time_terms(qwen):
     gpu = gpu_by_name("a100-80gb")
-    run = RunConfig(seq_len=1024, micro_batch=8, grad_accum=4, mixed_precision="bf16", optimizer="adamw-fused")
+    run = RunConfig.of(seq_len=1024, micro_batch=8, grad_accum=4, mixed_precision="bf16", optimizer="adamw-fused")
     t = cost.step_time(qwen, run, gpu)
     expected_compute = 4 * 8 * 1024 * cost.flops_per_token(qwen, run) / (312e12 * cost.MATMUL_EFFICIENCY)
     assert t.compute == pytest.approx(expected_compute)

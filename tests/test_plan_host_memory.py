@@ -24,7 +24,7 @@ def test_host_bytes_of_an_offloaded_full_finetune_by_hand():
     # copy of its half of the parameters, 2 B: 10 B per parameter per rank, 20 B per parameter per machine
     # (+ the rotary buffers, stored with the weights).
     spec = load_spec("tiny")
-    run = RunConfig(num_processes=2, sharding="fsdp", offload="params", optimizer="adamw-fused")
+    run = RunConfig.of(num_processes=2, sharding="fsdp", offload="params", optimizer="adamw-fused")
     p = spec.params
     assert host_bytes(spec, run) == 2 * ((4 * p + spec.buffer_bytes) // 2 + 4 * p // 2 + 8 * p // 2 + 4 * p // 2)
     # without offload only the rollback copy is on the host
@@ -46,7 +46,7 @@ def test_the_70b_plan_on_two_24gb_gpus_needs_the_host_ram_of_an_offloaded_bf16_b
     assert host_bytes(spec, unchecked) > parse_size("128GiB")
     with pytest.raises(NothingFitsError, match="outside the training step"):
         plan("llama-2-70b", None, **args, constraints=Constraints(host_memory=parse_size("128GiB")))
-    qlora = RunConfig(seq_len=2048, micro_batch=1, num_processes=2, sharding="fsdp", offload="params",
+    qlora = RunConfig.of(seq_len=2048, micro_batch=1, num_processes=2, sharding="fsdp", offload="params",
                       quantize="4bit", lora_r=16, mixed_precision="bf16", dtype="bf16", grad_checkpointing=True)
     assert host_bytes(spec, qlora) < parse_size("128GiB")
     packed_nf4 = spec.linear_params // 2  # two weights per byte, before absmax and the fp32 embeddings/head

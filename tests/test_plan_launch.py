@@ -47,7 +47,7 @@ def test_train_flags_round_trip_through_the_train_cli():
     def probe(**kwargs):
         parsed.update(kwargs)
 
-    run = RunConfig(seq_len=512, micro_batch=2, grad_accum=4, num_processes=8, sharding="zero3", offload="params",
+    run = RunConfig.of(seq_len=512, micro_batch=2, grad_accum=4, num_processes=8, sharding="zero3", offload="params",
                     dtype="bf16", grad_checkpointing=True)
     flags = launch.train_flags("llama-3-8b", run)
     probe.main(flags[2:], standalone_mode=False)
@@ -55,7 +55,7 @@ def test_train_flags_round_trip_through_the_train_cli():
 
 
 def test_accelerate_config_agrees_with_the_flags_train_checks():
-    run = RunConfig(num_processes=2, sharding="zero2", mixed_precision="bf16")
+    run = RunConfig.of(num_processes=2, sharding="zero2", mixed_precision="bf16")
     cfg = launch.accelerate_config(run)
     assert cfg["distributed_type"] == "FSDP" and cfg["num_processes"] == 2 and cfg["mixed_precision"] == "bf16"
     fsdp = cfg["fsdp_config"]
@@ -66,7 +66,7 @@ def test_accelerate_config_agrees_with_the_flags_train_checks():
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
            "FSDP_OFFLOAD_PARAMS": "false"}
     sharding.check_launch(run, 2, env=env)
-    assert launch.accelerate_config(RunConfig(num_processes=4))["distributed_type"] == "MULTI_GPU"
+    assert launch.accelerate_config(RunConfig.of(num_processes=4))["distributed_type"] == "MULTI_GPU"
 
 
 def test_cli_prints_the_launch_command_and_writes_the_config(tmp_path):
@@ -86,7 +86,7 @@ def test_outside_step_peaks(tiny):
     # V 384, 8 layers of L = 786,976 params (the estimator spreads the final norm's 256 over the layers:
     # (6,492,416 - 2 x 98,304) / 8), untied head (tail = head + final norm = 98,560 params);
     # fsdp over 2 ranks, fp32 AdamW, evaluation at the micro-batch: B x T = 2 x 64 = 128 tokens.
-    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
+    run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
     states = model_states(tiny, run)
     resident = states.weights + states.optimizer
     out = outside_step(tiny, run)
@@ -116,7 +116,7 @@ def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeyp
     from memfit.planning.gpus import gpu_by_name
     from memfit.planning.search import evaluate
 
-    run = RunConfig(seq_len=128, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
+    run = RunConfig.of(seq_len=128, micro_batch=2, optimizer="adamw", num_processes=2, sharding="fsdp")
     a100 = gpu_by_name("a100-80gb")
     step = evaluate(tiny, run, a100, 10**15)
     budget = int(step.peak_bytes * 1.06)
@@ -130,7 +130,7 @@ def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeyp
 
 
 def test_launch_command_is_folded_to_80_columns_and_pastes_as_the_same_command():
-    run = RunConfig(seq_len=2048, micro_batch=4, grad_accum=4, num_processes=2, sharding="fsdp", lora_r=16)
+    run = RunConfig.of(seq_len=2048, micro_batch=4, grad_accum=4, num_processes=2, sharding="fsdp", lora_r=16)
     command = launch.launch_command("llama-3-8b", run, "acc.yaml")
     assert len(command) > 200  # one line would be cut or wrapped mid-flag by the terminal
     folded = launch.shell_lines(command)

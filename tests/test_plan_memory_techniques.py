@@ -33,7 +33,7 @@ def test_full_fine_tune_of_llama3_8b_gets_a_larger_micro_batch_with_chunked_loss
 
 def test_techniques_cost_time_in_the_step_model():
     spec, gpu = load_spec("llama-3-8b"), gpu_by_name("a100-80gb")
-    run = RunConfig(seq_len=2048, micro_batch=1, dtype="bf16")
+    run = RunConfig.of(seq_len=2048, micro_batch=1, dtype="bf16")
     plain = step_time(spec, run, gpu)
     chunked = step_time(spec, run.replace(loss="chunked"), gpu)
     # one more head matmul per token: 2 x 4,096 x 128,256 FLOPs, 1.05 GFLOP x 2,048 tokens

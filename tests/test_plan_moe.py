@@ -24,7 +24,7 @@ def mixtral():
 def test_routing_margin_by_hand(mixtral, tiny_llama_config):
     # 2 x 64 = 128 tokens, 2 experts each: 256 pairs, balanced 64 per expert; worst case all 128 in one:
     # 64 rows more, each one expert's up-projection output and activation, 3 x 128 wide.
-    run = RunConfig(seq_len=64, micro_batch=2)
+    run = RunConfig.of(seq_len=64, micro_batch=2)
     assert routing_margin(mixtral, run) == 64 * 3 * 128 * 4  # fp32: the eager loop, 4-byte activations
     assert routing_margin(mixtral, run.replace(mixed_precision="bf16")) == 64 * 3 * 128 * 2  # AMP: still eager
     assert routing_margin(mixtral, run.replace(dtype="bf16")) == 0  # bf16 weights: grouped_mm, all pairs at once
@@ -35,7 +35,7 @@ def test_a_plan_that_fits_only_balanced_routing_does_not_fit(mixtral):
     from memfit.planning.gpus import gpu_by_name
     from memfit.planning.search import REFERENCE_GPU, evaluate
 
-    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw-fused")
+    run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw-fused")
     gpu = gpu_by_name(REFERENCE_GPU)
     plan = evaluate(mixtral, run, gpu, 1 << 40)
     assert plan.routing_bytes == 98_304 and plan.needed_bytes == plan.peak_bytes + 98_304
@@ -63,8 +63,8 @@ def test_attention_targets_and_lora_parts_by_hand():
     assert attention == ("q_proj", "k_proj", "v_proj", "o_proj")
     # r 8 x (in + out) per projection, 3 layers: q 64->64 1,024, k and v 64->32 768 each, o 1,024: 3,584 a layer;
     # all-linear adds the shared expert (gate and up 64->128, down 128->64: 1,536 each) and its gate (64->1: 520)
-    assert spec.trainable_params(RunConfig(lora_r=8, lora_targets=attention)) == 3 * 3_584 == 10_752
-    assert spec.trainable_params(RunConfig(lora_r=8)) == 3 * (3_584 + 3 * 1_536 + 520) == 26_136
+    assert spec.trainable_params(RunConfig.of(lora_r=8, lora_targets=attention)) == 3 * 3_584 == 10_752
+    assert spec.trainable_params(RunConfig.of(lora_r=8)) == 3 * (3_584 + 3 * 1_536 + 520) == 26_136
 
 
 @pytest.mark.slow  # ~35 s: a recipe of its own (LoRA under AMP) is derived

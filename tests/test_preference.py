@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from _train_helpers import assert_one_sentence, max_diff, tiny_config, write_model, write_pairs
 from memfit.builder import preference
 from memfit.cli import cli
-from memfit.settings.config import Method
+from memfit.settings.config import Method, PreferenceSettings
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
@@ -60,17 +60,17 @@ def _trl(spec, logits, labels, ref=None):
     if spec.method is Method.DPO:
         c, r = _trl_logps(logits, labels, False).chunk(2)
         rc, rr = ref.chunk(2)
-        return (-F.logsigmoid(spec.beta * ((c - rc) - (r - rr)))).mean()
+        return (-F.logsigmoid(spec.params.beta * ((c - rc) - (r - rr)))).mean()
     c, r = _trl_logps(logits, labels, True).chunk(2)
     if spec.method is Method.SIMPO:
         from trl.experimental.cpo import CPOTrainer
 
-        ns = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=spec.simpo_gamma, beta=spec.beta,
+        ns = SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=spec.params.simpo_gamma, beta=spec.params.beta,
                              label_smoothing=0.0, accelerator=device)
         return CPOTrainer.cpo_loss(ns, c, r)[0].mean()
     from trl.experimental.orpo import ORPOTrainer
 
-    losses = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=spec.orpo_lambda, accelerator=device), c, r)[0]
+    losses = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=spec.params.orpo_lambda, accelerator=device), c, r)[0]
     nll = F.cross_entropy(logits[:B, :-1].reshape(-1, V), labels[:B, 1:].reshape(-1), ignore_index=-100)
     return nll - losses.mean()
 
@@ -78,7 +78,7 @@ def _trl(spec, logits, labels, ref=None):
 @pytest.mark.parametrize("method", [Method.DPO, Method.ORPO, Method.SIMPO])
 def test_loss_and_gradient_equal_trl(method):
     logits, labels = _batch()
-    spec = preference.PreferenceLoss(method, beta=0.3, orpo_lambda=0.2, simpo_gamma=0.7)
+    spec = preference.PreferenceLoss(method, PreferenceSettings(beta=0.3, orpo_lambda=0.2, simpo_gamma=0.7))
     ref = torch.randn(2 * B, dtype=torch.float64) * 3 - 10
     mine = _memfit(spec, logits, labels, ref)
     (g_mine,) = torch.autograd.grad(mine, logits)
@@ -94,9 +94,10 @@ def test_trl_defaults_are_memfit_defaults():
     from trl.experimental.cpo import CPOConfig
     from trl.experimental.orpo import ORPOConfig
 
-    assert preference.DEFAULT_BETA == DPOConfig.beta == CPOConfig.beta
-    assert preference.DEFAULT_SIMPO_GAMMA == CPOConfig.simpo_gamma
-    assert preference.DEFAULT_ORPO_LAMBDA == ORPOConfig.beta
+    ours = preference.PreferenceLoss(Method.DPO).params  # the schema's defaults (PreferenceSettings)
+    assert ours.beta == DPOConfig.beta == CPOConfig.beta
+    assert ours.simpo_gamma == CPOConfig.simpo_gamma
+    assert ours.orpo_lambda == ORPOConfig.beta
 
 
 @pytest.mark.parametrize("method", [Method.DPO, Method.ORPO, Method.SIMPO])

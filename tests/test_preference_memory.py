@@ -25,7 +25,7 @@ CASES = [
 def test_analytic_matches_exact_within_3_percent(family, settings):
     config = accuracy_config(family)
     spec = spec_from_config(config, f"test-{family}")
-    run = RunConfig(seq_len=128, micro_batch=2, **settings)
+    run = RunConfig.of(seq_len=128, micro_batch=2, **settings)
     analytic = estimate(spec, run, device="cpu", derived=False)
     exact = trace(config, run, device="cpu")
     assert abs(analytic.peak_bytes - exact.peak_bytes) <= 0.03 * exact.peak_bytes, (analytic, exact)
@@ -38,9 +38,9 @@ def test_the_reference_policy_prices_differently():
     preference step holds the logits of 2B sequences."""
     config = accuracy_config("llama-gqa")
     spec = spec_from_config(config, "test-llama-gqa")
-    sft = estimate(spec, RunConfig(seq_len=128, micro_batch=2), device="cpu", derived=False)
-    copy = estimate(spec, RunConfig(seq_len=128, micro_batch=2, method="dpo"), device="cpu", derived=False)
-    pre = estimate(spec, RunConfig(seq_len=128, micro_batch=2, method="dpo", precompute_reference=True),
+    sft = estimate(spec, RunConfig.of(seq_len=128, micro_batch=2), device="cpu", derived=False)
+    copy = estimate(spec, RunConfig.of(seq_len=128, micro_batch=2, method="dpo"), device="cpu", derived=False)
+    pre = estimate(spec, RunConfig.of(seq_len=128, micro_batch=2, method="dpo", precompute_reference=True),
                    device="cpu", derived=False)
     assert copy.weights - pre.weights == spec.params * 4 and pre.weights == sft.weights  # fp32 weights
     assert copy.peak_bytes - pre.peak_bytes == spec.params * 4

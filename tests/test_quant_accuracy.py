@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 def _run(quantize: str, checkpointing: bool = False, precision: str = "no", dtype: str = "fp32",
          upcast: str = "lean") -> RunConfig:
-    return RunConfig(seq_len=64, micro_batch=2, lora_r=16, quantize=quantize, optimizer="adamw", packing="concat",
+    return RunConfig.of(seq_len=64, micro_batch=2, lora_r=16, quantize=quantize, optimizer="adamw", packing="concat",
                      grad_checkpointing=checkpointing, mixed_precision=precision, dtype=dtype, qlora_upcast=upcast)
 
 

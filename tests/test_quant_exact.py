@@ -23,7 +23,7 @@ PHASES = ("forward", "backward", "optimizer")
 
 def _case(family, seq, batch, **changes):
     label = "-".join([family, f"T{seq}", f"B{batch}"] + [f"{k}={v}" for k, v in changes.items()])
-    run = RunConfig(seq_len=seq, micro_batch=batch, lora_r=8, quantize="4bit", **changes)
+    run = RunConfig.of(seq_len=seq, micro_batch=batch, lora_r=8, quantize="4bit", **changes)
     return pytest.param(family, run, id=label)
 
 

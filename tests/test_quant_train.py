@@ -37,20 +37,20 @@ def test_capability_rule_and_its_sentences():
 
 
 def test_preflight_refuses_without_bitsandbytes(monkeypatch):
-    preflight(RunConfig(lora_r=4, quantize="4bit"))  # installed here: runs on this CPU
-    preflight(RunConfig(optimizer="adamw-8bit"))
+    preflight(RunConfig.of(lora_r=4, quantize="4bit"))  # installed here: runs on this CPU
+    preflight(RunConfig.of(optimizer="adamw-8bit"))
     monkeypatch.setattr(quant_support, "installed_version", lambda: "")
-    for run, flag in ((RunConfig(lora_r=4, quantize="8bit"), "--quantize 8bit"),
-                      (RunConfig(optimizer="adamw-8bit"), "--optimizer adamw-8bit")):
+    for run, flag in ((RunConfig.of(lora_r=4, quantize="8bit"), "--quantize 8bit"),
+                      (RunConfig.of(optimizer="adamw-8bit"), "--optimizer adamw-8bit")):
         with pytest.raises(UserError, match=rf"^{flag} needs bitsandbytes, which is not installed"):
             preflight(run)
 
 
 def test_compute_dtype_follows_the_run():
-    assert quant_support.bnb_config(RunConfig(lora_r=4, quantize="4bit")).bnb_4bit_compute_dtype == torch.float32
-    bf16 = RunConfig(lora_r=4, quantize="4bit", mixed_precision="bf16")
+    assert quant_support.bnb_config(RunConfig.of(lora_r=4, quantize="4bit")).bnb_4bit_compute_dtype == torch.float32
+    bf16 = RunConfig.of(lora_r=4, quantize="4bit", mixed_precision="bf16")
     assert quant_support.bnb_config(bf16).bnb_4bit_compute_dtype == torch.bfloat16
-    assert quant_support.compute_bytes(bf16) == 2 and quant_support.compute_bytes(RunConfig(dtype="bf16")) == 2
+    assert quant_support.compute_bytes(bf16) == 2 and quant_support.compute_bytes(RunConfig.of(dtype="bf16")) == 2
 
 
 def test_qlora_4bit_trains_and_merge_keeps_a_4bit_base(tmp_path):

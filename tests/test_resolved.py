@@ -67,7 +67,7 @@ def test_a_row_change_is_seen_by_estimate_cost_trace_and_train(member, tiny, mon
                                step_temporary="none", single_tensor_temporary="none", traffic=lambda p: 77.0 * p, devices=("cuda", "cpu"),
                                traceable=True, build=spy)
     monkeypatch.setitem(optimizers.OPTIMIZERS, member, fake)
-    run = RunConfig(seq_len=16, micro_batch=2, optimizer=member)
+    run = RunConfig.of(seq_len=16, micro_batch=2, optimizer=member)
     # fp32 full fine-tune: 5 state tensors of 4 bytes per trainable parameter, no step temporary
     b = estimate(tiny, run, device="cpu")
     weights = 4 * tiny.params + tiny.buffer_bytes
@@ -140,7 +140,7 @@ def test_attention_is_asked_of_transformers(tmp_path, tiny):
     with pytest.raises(UserError, match=r"cannot run --attn-implementation sdpa \(Gemma2ForCausalLM does not support"):
         attention(gemma, "sdpa")
     # The estimate prices what runs: auto on Gemma 2 is the eager estimate, on Llama the SDPA one.
-    run = RunConfig(seq_len=32, micro_batch=2)
+    run = RunConfig.of(seq_len=32, micro_batch=2)
     assert estimate(gemma, run, device="cpu") .activations == estimate(gemma, run.replace(attn_implementation="eager"),
                                                                       device="cpu").activations
     assert estimate(tiny, run, device="cpu").activations == estimate(tiny, run.replace(attn_implementation="sdpa"),
@@ -177,7 +177,7 @@ def test_estimate_trace_and_train_build_the_same_run(tmp_path, model, targets):
     from memfit.training.setup import build_model
 
     path = _config_file(tmp_path, model, model["model_type"])
-    run = RunConfig(seq_len=16, micro_batch=1, optimizer="sgd",
+    run = RunConfig.of(seq_len=16, micro_batch=1, optimizer="sgd",
                     **({"lora_r": 4, "lora_targets": targets} if targets else {}))
     est = estimate(path, run, device="cpu")
     exact = trace(path, run, device="cpu")
@@ -204,7 +204,7 @@ def test_tiny_gemma2_trains(tmp_path):
 def test_versions_outside_the_verified_range_are_noted(tiny, monkeypatch):
     assert versions.notes({"transformers": "5.24.0", "torch": "2.13.0+cpu"}) == []
     monkeypatch.setattr(versions, "installed_version", {"transformers": "4.46.3", "torch": "2.13.0"}.get)
-    b = estimate(tiny, RunConfig(seq_len=16, micro_batch=2), device="cpu")
+    b = estimate(tiny, RunConfig.of(seq_len=16, micro_batch=2), device="cpu")
     said = [line for line in b.notes if "outside the range" in line]
     assert said == ["transformers 4.46.3 is outside the range memfit's estimator is verified on (transformers "
                     ">=5.24,<5.25); its modeling code may save other tensors, so check with --exact."]

@@ -13,7 +13,7 @@ from memfit.settings.config import RunConfig
 from memfit.spec.model import load_spec
 from memfit.training.rollback import OptimizerSnapshot, snapshot_needed
 
-RUN = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")
+RUN = RunConfig.of(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")
 
 
 # --------------------------------------------------------------------------------- the prediction

@@ -18,18 +18,21 @@ from memfit.cli import train as train_cli
 from memfit.cli.options import _plain
 from memfit.errors import UserError
 from memfit.planning.space import Constraints
-from memfit.settings.config import RunConfig, TrainConfig
+from memfit.settings.config import LoraSettings, PreferenceSettings, RunConfig, TrainConfig
 from memfit.settings.schema import (
     COMMANDS,
     PLAN_ROLES,
     RESUME_RULES,
     flag_of,
     for_command,
+    groups,
+    in_group,
     key_of,
     option_spec,
     searched,
     setting,
     settings,
+    walk,
 )
 from memfit.settings.validate import flag
 from memfit.training import resume
@@ -93,7 +96,7 @@ def test_a_commands_own_default_says_why():
     with pytest.raises(ValueError, match="reason"):
         setting(1, resume="restored", commands=("plan",), overrides={"plan": {"default": 2}})
     for cls in (RunConfig, TrainConfig):
-        for f in settings(cls):
+        for f in walk(cls):
             for command, changes in f.metadata["overrides"].items():
                 assert "default" not in changes or changes["why"], (f.name, command)
     # train's demo shape, plan's typical fine-tune: the defaults memfit.settings.defaults.SHAPES explains
@@ -108,13 +111,37 @@ def test_data_preview_flags_are_train_settings():
 
 
 def test_every_field_is_a_setting_with_a_resume_rule_and_a_flag_validate_names():
+    for cls in (RunConfig, TrainConfig, LoraSettings, PreferenceSettings):
+        others = {f.name for f in dataclasses.fields(cls)} - {f.name for f in settings(cls)}
+        held = {f.name for f in groups(cls)} | ({"run"} if cls is TrainConfig else set())
+        assert others == held, "a field that is no setting and no nested group of settings"
     for cls in (RunConfig, TrainConfig):
-        groups = {f.name for f in dataclasses.fields(cls)} - {f.name for f in settings(cls)}
-        assert groups == ({"run"} if cls is TrainConfig else set()), "a field that is no setting"
-        for f in settings(cls):
-            assert f.metadata["resume"] in RESUME_RULES, f.name
-            assert f.metadata["plan"] in (None, *PLAN_ROLES), f.name
-            assert flag(f.name) == flag_of(f), f.name  # error sentences name the flag the user types
+        for s in walk(cls):
+            assert s.metadata["resume"] in RESUME_RULES, s.path
+            assert s.metadata["plan"] in (None, *PLAN_ROLES), s.path
+            assert flag(s.key) == flag_of(s), s.path  # error sentences name the flag the user types
+
+
+def test_nested_groups_keep_flags_keys_and_run_json_flat():
+    """``RunConfig.lora`` and ``TrainConfig.preference`` are nested dataclasses; what a user types, writes in
+    YAML and finds in run.json is the flat name it always was (``--lora-r``, ``lora_r``, ``--beta``)."""
+    assert [s.path for s in in_group(RunConfig, "lora")] == [("lora", "r"), ("lora", "alpha"), ("lora", "dropout"),
+                                                            ("lora", "targets")]
+    assert [flag_of(s) for s in in_group(RunConfig, "lora")] == ["--lora-r", "--lora-alpha", "--lora-dropout",
+                                                                "--lora-targets"]
+    assert [s.key for s in in_group(TrainConfig, "preference")] == ["beta", "orpo_lambda", "simpo_gamma"]
+    run = RunConfig.of(lora_r=8, lora_targets="q_proj,v_proj", seq_len=64)
+    assert run.lora == LoraSettings(r=8, targets=("q_proj", "v_proj")) and run.seq_len == 64
+    assert run.to_flat()["lora_r"] == 8 and run.to_flat()["lora_targets"] == "q_proj,v_proj" and "lora" not in run.to_flat()
+    assert run.replace(lora_alpha=32).lora.alpha == 32.0 and run.replace(lora_alpha=32).lora.r == 8
+    assert RunConfig.from_flat(run.to_flat()) == run
+    with pytest.raises(TypeError, match="lora_rank"):
+        RunConfig.of(lora_rank=8)  # a key that is no setting is refused as a constructor refuses it
+    with pytest.raises(UserError, match="--lora-alpha must be a finite positive number"):
+        LoraSettings(alpha=0)  # a group checks its own values, in the flag's words
+    config = TrainConfig.from_flat({"beta": 0.3, "lora_r": 4})
+    assert config.preference == PreferenceSettings(beta=0.3) and config.run.lora.r == 4
+    assert config.to_flat()["beta"] == 0.3 and "preference" not in config.to_flat()
 
 
 def test_resumes_rules_name_only_settings_and_come_from_the_schema():
@@ -133,8 +160,8 @@ def test_resumes_rules_name_only_settings_and_come_from_the_schema():
 
 def test_the_yaml_keys_train_accepts_are_the_schemas(tmp_path):
     keys = TrainConfig.keys()
-    assert set(keys) == {key_of(f) for cls in (TrainConfig, RunConfig) for f in settings(cls)}
-    config = TrainConfig(optimizer_lr=3e-4, max_steps=7, run=RunConfig(lora_r=8, lora_dropout=0.1))
+    assert set(keys) == {s.key for cls in (TrainConfig, RunConfig) for s in walk(cls)}
+    config = TrainConfig(optimizer_lr=3e-4, max_steps=7, run=RunConfig.of(lora_r=8, lora_dropout=0.1))
     assert TrainConfig.from_flat(config.to_flat()) == config  # every key round-trips
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora_dropuot: 0.1\nmax_steps: 1\n")
@@ -145,10 +172,10 @@ def test_the_yaml_keys_train_accepts_are_the_schemas(tmp_path):
 
 def test_the_planners_constraints_are_the_searched_settings():
     names = [f.name for f in dataclasses.fields(Constraints)]
-    assert names[:len(searched(RunConfig))] == [f.name for f in searched(RunConfig)]
-    assert set(names) - {f.name for f in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
-                                                                    "host_memory"}
-    assert {f.name for f in settings(RunConfig) if f.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
+    assert names[:len(searched(RunConfig))] == [s.key for s in searched(RunConfig)]  # lora_r: the flat key
+    assert set(names) - {s.key for s in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
+                                                                   "host_memory"}
+    assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 
@@ -157,7 +184,7 @@ def test_a_check_from_the_schema_names_the_flag_everywhere(tmp_path):
     """``lora_dropout``'s check (``frac``) refuses the same value from the CLI, a YAML file and a library call."""
     sentence = "--lora-dropout must be a number in [0, 1), got 1."
     with pytest.raises(UserError, match=re.escape(sentence)):
-        RunConfig(lora_dropout=1.0)
+        RunConfig.of(lora_dropout=1.0)
     for command, args in (("estimate", ["tiny"]), ("train", [])):
         result = CliRunner().invoke(cli, [command, *args, "--lora-r", "4", "--lora-dropout", "1"])
         assert result.exit_code == 1 and sentence in result.output, result.output

@@ -107,7 +107,7 @@ def test_qlora_fsdp_with_the_base_offloaded_matches_one_process(tmp_path):
 
 @pytest.mark.parametrize("shard", ["fsdp", "zero2", "zero3"])
 def test_sharded_8bit_base_is_refused_in_one_sentence(shard):
-    run = RunConfig(lora_r=4, quantize="8bit", sharding=shard, num_processes=2)
+    run = RunConfig.of(lora_r=4, quantize="8bit", sharding=shard, num_processes=2)
     expected = (f"--quantize 8bit cannot be combined with --sharding {shard}: FSDP2 cannot shard bitsandbytes' "
                 "8-bit weights (their row scales are lost); use --quantize 4bit, which shards, or --sharding ddp.")
     assert engines.refusal(run, cuda=True) == expected

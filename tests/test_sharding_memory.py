@@ -84,7 +84,7 @@ def test_ddp_gradients_live_in_its_buckets_one_copy_all_run():
     # check: tiny's trainable parameters x 4 bytes (fp32) of buckets on each of 2 DDP ranks and no
     # separate gradients; none on one process or under FSDP (which reduce-scatters into sharded grads).
     spec = load_spec("tiny")
-    run = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw", sharding="ddp", num_processes=2)
+    run = RunConfig.of(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw", sharding="ddp", num_processes=2)
     states = model_states(spec, run)
     assert (states.buckets, states.gradients) == (spec.trainable_params(run) * 4, 0)
     assert model_states(spec, run.replace(num_processes=1)).buckets == 0
@@ -109,7 +109,7 @@ def test_adamw_on_cpu_charges_the_single_tensor_loop_not_the_foreach_group():
     # and quotient next to the previous one's quotient; tiny's largest pair is up_proj after gate_proj
     # (768 x 256 = 196,608 elements each): 3 x 196,608, fp32.
     spec = load_spec("tiny")
-    run = RunConfig(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")
+    run = RunConfig.of(seq_len=32, micro_batch=1, grad_accum=1, optimizer="adamw")
     cuda = model_states(spec, run, "cuda").step_temporary
     cpu = model_states(spec, run, "cpu").step_temporary
     assert cuda == (spec.trainable_params(run) - 17 * 256) * 4

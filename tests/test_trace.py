@@ -38,12 +38,12 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def full_fp32(tiny):
-    return trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cpu", timeline=True)
+    return trace(tiny, RunConfig.of(seq_len=32, micro_batch=2), device="cpu", timeline=True)
 
 
 @pytest.fixture(scope="module")
 def lora_bf16(tiny):
-    run = RunConfig(seq_len=32, micro_batch=2, dtype="bf16", lora_r=4)
+    run = RunConfig.of(seq_len=32, micro_batch=2, dtype="bf16", lora_r=4)
     return trace(tiny, run, device="cpu", timeline=True)
 
 
@@ -102,7 +102,7 @@ def test_lora_grads_only_for_adapters(lora_bf16):
 
 
 def test_checkpointing_lowers_forward_peak(tiny, full_fp32):
-    ckpt = trace(tiny, RunConfig(seq_len=32, micro_batch=2, grad_checkpointing=True), device="cpu")
+    ckpt = trace(tiny, RunConfig.of(seq_len=32, micro_batch=2, grad_checkpointing=True), device="cpu")
     assert ckpt.phase_peaks["forward"] < full_fp32[0].phase_peaks["forward"]
     assert ckpt.activations_per_layer < full_fp32[0].activations_per_layer
 
@@ -110,7 +110,7 @@ def test_checkpointing_lowers_forward_peak(tiny, full_fp32):
 def test_cuda_adds_the_estimators_other_term(tiny, full_fp32):
     from memfit.memory.device_terms import cuda_other
 
-    out = trace(tiny, RunConfig(seq_len=32, micro_batch=2), device="cuda")
+    out = trace(tiny, RunConfig.of(seq_len=32, micro_batch=2), device="cuda")
     # as on CUDA, torch's foreach AdamW: the peak of this tiny model is the step, with all grads alive,
     # the moments, and torch._foreach_sqrt(exp_avg_sq)'s temporary the size of one parameter group (fp32):
     # train's first group, the matrices, is all but the 5 norms (2 per layer + the final one, 64 each):
@@ -135,7 +135,7 @@ def test_timeline_plot(tmp_path, full_fp32):
 def test_missing_private_api_is_a_user_error(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)
     with pytest.raises(UserError, match="FakeTensorMode and MemTracker"):
-        trace(tiny, RunConfig(seq_len=8, micro_batch=1), device="cpu")
+        trace(tiny, RunConfig.of(seq_len=8, micro_batch=1), device="cpu")
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -146,14 +146,14 @@ def test_missing_private_api_is_a_user_error(tiny, monkeypatch):
 ])
 def test_unsupported_settings_are_user_errors(tiny, changes, words):
     with pytest.raises(UserError, match=words):
-        trace(tiny, RunConfig(seq_len=8, micro_batch=1, **changes), device="cpu")
+        trace(tiny, RunConfig.of(seq_len=8, micro_batch=1, **changes), device="cpu")
 
 
 def test_bad_device_and_model_are_user_errors(tiny):
     with pytest.raises(UserError, match="device"):
-        trace(tiny, RunConfig(seq_len=8, micro_batch=1), device="tpu")
+        trace(tiny, RunConfig.of(seq_len=8, micro_batch=1), device="tpu")
     with pytest.raises(UserError):
-        trace("no-such-model-xyz", RunConfig(seq_len=8, micro_batch=1), device="cpu")
+        trace("no-such-model-xyz", RunConfig.of(seq_len=8, micro_batch=1), device="cpu")
 
 
 def test_lora_checkpointing_leaves_no_embedding_gradient_in_the_optimizer_step(tiny):
@@ -161,7 +161,7 @@ def test_lora_checkpointing_leaves_no_embedding_gradient_in_the_optimizer_step(t
     gradient; under the tracker its gradient (B x T x H fp32 = 2 x 64 x 64 x 4 = 32,768 bytes here) used to
     outlive backward through a hook cycle, which a real run does not have. The optimizer step holds no
     temporaries (AdamW's are under 1 KiB here: 28 adapter tensors, foreach over them)."""
-    run = RunConfig(seq_len=64, micro_batch=2, lora_r=4, grad_checkpointing=True)
+    run = RunConfig.of(seq_len=64, micro_batch=2, lora_r=4, grad_checkpointing=True)
     _, line = trace(tiny, run, device="cpu", timeline=True)
     first, _ = line.phase_bounds()["optimizer"]
     assert line.samples[first]["temporary"] < 32_768, line.samples[first]

@@ -223,18 +223,18 @@ def test_fp16_preflight():
     from memfit.training.setup import preflight
 
     with pytest.raises(UserError, match="cannot train weights stored in fp16"):
-        preflight(RunConfig(mixed_precision="fp16", dtype="fp16"))
+        preflight(RunConfig.of(mixed_precision="fp16", dtype="fp16"))
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="use --mixed-precision bf16"):
-            preflight(RunConfig(mixed_precision="fp16"))
-    preflight(RunConfig(mixed_precision="fp16", dtype="fp16", lora_r=8)) if torch.cuda.is_available() else None
+            preflight(RunConfig.of(mixed_precision="fp16"))
+    preflight(RunConfig.of(mixed_precision="fp16", dtype="fp16", lora_r=8)) if torch.cuda.is_available() else None
 
 
 def test_fallback_ladder_keeps_the_effective_batch_and_ends():
     from memfit.settings.config import RunConfig
     from memfit.training import oom
 
-    run = RunConfig(micro_batch=4, grad_accum=1)
+    run = RunConfig.of(micro_batch=4, grad_accum=1)
     ladder = oom.fallback_ladder(run)
     # Divisors of 4 below 4, largest first, with accumulation raised to keep 4 sequences per step;
     # then checkpointing on at micro-batch 1.
@@ -243,4 +243,4 @@ def test_fallback_ladder_keeps_the_effective_batch_and_ends():
     assert all(r.effective_batch() == run.effective_batch() for r in ladder)
     assert oom.next_config(run) == ladder[0]
     # At micro-batch 1 with checkpointing already on there is nothing left that keeps the batch.
-    assert oom.next_config(RunConfig(micro_batch=1, grad_accum=4, grad_checkpointing=True)) is None
+    assert oom.next_config(RunConfig.of(micro_batch=1, grad_accum=4, grad_checkpointing=True)) is None

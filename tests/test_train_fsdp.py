@@ -159,7 +159,7 @@ def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
     from memfit.training.setup import build_optimizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(write_model(tmp_path)))
-    optimizer = build_optimizer(model, RunConfig(optimizer="adamw"), TrainConfig(weight_decay=0.1, optimizer_lr=1e-3))
+    optimizer = build_optimizer(model, RunConfig.of(optimizer="adamw"), TrainConfig(weight_decay=0.1, optimizer_lr=1e-3))
     model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
     optimizer.step()
     _, by_name = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
@@ -175,8 +175,8 @@ def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
 # ------------------------------------------------------------------------------------------- bad input
 def test_one_process_cannot_shard():
     with pytest.raises(UserError, match="needs 2 or more processes"):
-        sharding.check_launch(RunConfig(sharding="fsdp"), 1, env={})
-    sharding.check_launch(RunConfig(sharding="fsdp"), 2, env={})
+        sharding.check_launch(RunConfig.of(sharding="fsdp"), 1, env={})
+    sharding.check_launch(RunConfig.of(sharding="fsdp"), 2, env={})
 
 
 @pytest.mark.parametrize(("run", "env", "message"), [
@@ -190,11 +190,11 @@ def test_one_process_cannot_shard():
 ])
 def test_accelerate_config_that_disagrees_with_the_flags_is_refused(run, env, message):
     with pytest.raises(UserError, match=message):
-        sharding.check_launch(RunConfig(**run), 2, env=env)
+        sharding.check_launch(RunConfig.of(**run), 2, env=env)
 
 
 def test_agreeing_accelerate_config_is_accepted():
-    sharding.check_launch(RunConfig(sharding="zero2"), 2,
+    sharding.check_launch(RunConfig.of(sharding="zero2"), 2,
                           env={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"})
 
 
@@ -206,7 +206,7 @@ def test_agreeing_accelerate_config_is_accepted():
 ])
 def test_combinations_no_engine_runs_are_refused(run, message):
     with pytest.raises(UserError, match=message):
-        sharding.check_run(RunConfig(**run), cuda=False)
+        sharding.check_run(RunConfig.of(**run), cuda=False)
 
 
 def test_sharded_checkpoint_is_refused_by_an_unsharded_run(tmp_path):
@@ -218,7 +218,7 @@ def test_sharded_checkpoint_is_refused_by_an_unsharded_run(tmp_path):
                                         r"--state-dict full"):
         load(str(tmp_path))
     with pytest.raises(UserError, match="--state-dict must be sharded or full"):
-        sharding.state_saver(None, RunConfig(sharding="fsdp"), None, None, None, "both")
+        sharding.state_saver(None, RunConfig.of(sharding="fsdp"), None, None, None, "both")
 
 
 def test_an_oom_on_one_of_several_ranks_stops_them_all_in_one_sentence():
@@ -232,7 +232,7 @@ def test_an_oom_on_one_of_several_ranks_stops_them_all_in_one_sentence():
 def test_preamble_names_the_per_rank_prediction_and_the_peaks_outside_the_step():
     from memfit.memory.estimate import estimate
 
-    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero2")
+    run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw", num_processes=2, sharding="zero2")
     line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
     assert line.startswith("predicted per-rank peak ") and "zero2 over 2 processes" in line
     assert "evaluation " in line and "full-state save " in line and "host RAM on rank 0" in line
@@ -244,7 +244,7 @@ def test_preamble_names_the_per_rank_prediction_and_the_peaks_outside_the_step()
 def test_preamble_of_one_process_says_predicted_peak_without_ranks():
     from memfit.memory.estimate import estimate
 
-    run = RunConfig(seq_len=64, micro_batch=2, optimizer="adamw")
+    run = RunConfig.of(seq_len=64, micro_batch=2, optimizer="adamw")
     line = sharding.per_rank_line("tiny", run, estimate("tiny", run, device="cpu"))
     assert line.startswith("predicted peak ") and "rank" not in line and "process" not in line
     assert "evaluation " in line and "full-state save" not in line

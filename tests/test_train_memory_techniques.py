@@ -72,7 +72,7 @@ def test_optimizer_in_backward_resumes_exactly(tmp_path, monkeypatch):
 
 def test_refusals_are_one_sentence(tmp_path):
     with pytest.raises(UserError, match="--grad-accum 1"):
-        RunConfig(optimizer_in_backward=True, grad_accum=2)
+        RunConfig.of(optimizer_in_backward=True, grad_accum=2)
     with pytest.raises(UserError, match="cannot clip"):
         run_training(tiny_config(tmp_path / "c", run={"optimizer_in_backward": True}, max_grad_norm=1.0), show=False)
     with pytest.raises(UserError, match="CUDA"):

@@ -180,7 +180,7 @@ def test_the_fallback_lowers_the_phase_that_ran_out(tmp_path):
     from memfit.memory.estimate import estimate
 
     model = write_model(tmp_path)
-    run = RunConfig(seq_len=64, micro_batch=4, grad_accum=1, optimizer="adamw-foreach")
+    run = RunConfig.of(seq_len=64, micro_batch=4, grad_accum=1, optimizer="adamw-foreach")
     predicted = lambda r: estimate(model, r, device="cpu")  # noqa: E731
     # Forward/backward: a smaller micro-batch (the estimator agrees it lowers those peaks).
     for phase in ("forward", "backward"):

@@ -32,21 +32,21 @@ def test_gb_and_gib_are_labelled_and_differ():
 
 
 def test_run_config_derived_numbers_and_validation():
-    run = RunConfig(seq_len=512, micro_batch=2, grad_accum=8, num_processes=2, mixed_precision="bf16")
+    run = RunConfig.of(seq_len=512, micro_batch=2, grad_accum=8, num_processes=2, mixed_precision="bf16")
     assert run.effective_batch() == 32
     assert run.tokens_per_step() == 32 * 512
     assert run.mixed_precision is Precision.BF16
     assert run.compute_dtype() == "bf16"
     with pytest.raises(UserError, match="micro-batch"):
-        RunConfig(micro_batch=0)
+        RunConfig.of(micro_batch=0)
     with pytest.raises(UserError, match="--optimizer"):
-        RunConfig(optimizer="adam9000")
+        RunConfig.of(optimizer="adam9000")
     with pytest.raises(UserError, match="lora-r"):
-        RunConfig(quantize="4bit")
+        RunConfig.of(quantize="4bit")
 
 
 def test_train_config_round_trips_through_flat_keys():
-    cfg = TrainConfig(model="tiny", run=RunConfig(lora_r=8, lora_targets=("q_proj", "v_proj")), optimizer_lr=1e-4)
+    cfg = TrainConfig(model="tiny", run=RunConfig.of(lora_r=8, lora_targets=("q_proj", "v_proj")), optimizer_lr=1e-4)
     flat = cfg.to_flat()
     assert flat["lora_targets"] == "q_proj,v_proj" and flat["lr"] == 1e-4
     assert TrainConfig.from_flat(flat) == cfg

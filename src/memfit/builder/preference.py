@@ -27,19 +27,14 @@ gradients against TRL's functions within 1e-5.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from memfit.settings.config import Method
+from memfit.settings.config import Method, PreferenceSettings
 
 IGNORE_INDEX = -100
-
-#: TRL's defaults: ``DPOConfig.beta``, ``CPOConfig.beta`` and ``simpo_gamma``, ``ORPOConfig.beta`` (lambda).
-DEFAULT_BETA = 0.1
-DEFAULT_ORPO_LAMBDA = 0.1
-DEFAULT_SIMPO_GAMMA = 0.5
 
 NEEDS_REFERENCE = {Method.DPO}
 """The methods whose loss reads a reference policy's log-probabilities."""
@@ -47,12 +42,11 @@ NEEDS_REFERENCE = {Method.DPO}
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """The method and its parameters (from ``TrainConfig``)."""
+    """The method and its parameters (``TrainConfig.preference``; their defaults are TRL's: ``DPOConfig.beta``,
+    ``CPOConfig.beta`` and ``simpo_gamma``, ``ORPOConfig.beta`` for lambda)."""
 
     method: Method
-    beta: float = DEFAULT_BETA
-    orpo_lambda: float = DEFAULT_ORPO_LAMBDA
-    simpo_gamma: float = DEFAULT_SIMPO_GAMMA
+    params: PreferenceSettings = field(default_factory=PreferenceSettings)
 
     @property
     def needs_reference(self) -> bool:
@@ -95,16 +89,16 @@ def pair_losses(spec: PreferenceLoss, sums, counts, ref_sums=None):
     if spec.method is Method.DPO:
         rc, rr = ref_sums.chunk(2)
         chosen, rejected = c - rc, r - rr
-        return -F.logsigmoid(spec.beta * (chosen - rejected)), spec.beta * chosen.detach(), spec.beta * rejected.detach()
+        return -F.logsigmoid(spec.params.beta * (chosen - rejected)), spec.params.beta * chosen.detach(), spec.params.beta * rejected.detach()
     a, b = c / nc, r / nr
     # a pair with no target (the sampler's dummy row) has a = b = 0, where log(1 - e^0) is -inf: keep it finite
     # (its loss is masked out, but 0 x inf in backward would still be NaN)
     real = pair_mask(counts)
     a, b = torch.where(real, a, -1.0), torch.where(real, b, -1.0)
     if spec.method is Method.SIMPO:
-        return -F.logsigmoid(spec.beta * (a - b) - spec.simpo_gamma), spec.beta * a.detach(), spec.beta * b.detach()
+        return -F.logsigmoid(spec.params.beta * (a - b) - spec.params.simpo_gamma), spec.params.beta * a.detach(), spec.params.beta * b.detach()
     log_odds = (a - b) - (_log1mexp(a) - _log1mexp(b))
-    return -spec.orpo_lambda * F.logsigmoid(log_odds), spec.orpo_lambda * a.detach(), spec.orpo_lambda * b.detach()
+    return -spec.params.orpo_lambda * F.logsigmoid(log_odds), spec.params.orpo_lambda * a.detach(), spec.params.orpo_lambda * b.detach()
 
 
 def _log1mexp(x):

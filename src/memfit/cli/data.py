@@ -38,8 +38,8 @@ def preview(**kwargs: Any) -> None:
     from memfit.settings.config import TrainConfig
 
     index, as_json = kwargs.pop("index"), kwargs.pop("as_json")
-    config = TrainConfig(**{k: v for k, v in kwargs.items() if v is not None and v is not False}
-                         | {"train_on_prompt": bool(kwargs.get("train_on_prompt"))})
+    config = TrainConfig.of(**{k: v for k, v in kwargs.items() if v is not None and v is not False}
+                            | {"train_on_prompt": bool(kwargs.get("train_on_prompt"))})
     result = preview_record(config, index)
     if as_json:
         click.echo(json.dumps(result, indent=2))

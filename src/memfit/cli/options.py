@@ -11,18 +11,17 @@ from __future__ import annotations
 import enum
 import types
 import typing
-from dataclasses import Field
 from typing import Any
 
 import click
 
 from memfit.settings.config import RunConfig, TrainConfig
-from memfit.settings.schema import flag_of, for_command, key_of, option_spec, settings
+from memfit.settings.schema import Setting, flag_of, for_command, option_spec, walk
 
 
-def _value_type(cls, f: Field):
-    """The field's type with ``None`` taken out of an optional one (``int | None`` -> ``int``)."""
-    hint = typing.get_type_hints(cls)[f.name]
+def _value_type(f: Setting):
+    """The setting's type with ``None`` taken out of an optional one (``int | None`` -> ``int``)."""
+    hint = typing.get_type_hints(f.owner)[f.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
@@ -35,10 +34,10 @@ def _plain(value: Any) -> Any:
     return ",".join(value) if isinstance(value, tuple) else value
 
 
-def option(cls, f: Field, command: str):
+def option(f: Setting, command: str):
     """The click option of setting ``f`` in ``command``."""
     spec, hints, name = option_spec(f, command), f.metadata["click"], flag_of(f)
-    kind, default = _value_type(cls, f), spec["default"]
+    kind, default = _value_type(f), spec["default"]
     kwargs: dict[str, Any] = {"help": spec["help"]}
     if kind is bool and not hints.get("negatable"):
         return click.option(name, is_flag=True, **kwargs)  # off unless given
@@ -59,7 +58,7 @@ def option(cls, f: Field, command: str):
 
 def schema_options(cls, command: str, *, group: str | None = None) -> list:
     """The click options of ``cls``'s settings that ``command`` takes (only ``group``'s when given)."""
-    return [option(cls, f, command) for f in for_command(cls, command)
+    return [option(f, command) for f in for_command(cls, command)
             if group is None or f.metadata["group"] == group]
 
 
@@ -90,7 +89,7 @@ def train_options(command: str, *, group: str | None = None) -> list:
     return schema_options(TrainConfig, command, group=group)
 
 
-MEMORY_KEYS = tuple(key_of(f) for f in settings(RunConfig))
+MEMORY_KEYS = tuple(s.key for s in walk(RunConfig))
 
 
 def run_config_from(kwargs: dict[str, Any]) -> RunConfig:

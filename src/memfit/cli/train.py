@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from memfit.cli.options import explicit, flags, memory_options, with_options
+from memfit.cli.options import MEMORY_KEYS, explicit, flags, memory_options, with_options
 from memfit.errors import printable
-from memfit.settings.config import RunConfig, TrainConfig, check_lora_options
+from memfit.settings.config import TrainConfig, check_lora_options
 from memfit.settings.defaults import SHAPES
 
 EPILOG = """\b
@@ -66,7 +66,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
         from memfit.training.setup import default_precision
 
         merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
-    merged["pinned"] = tuple(sorted(k for k in chosen if k in RunConfig.__dataclass_fields__))
+    merged["pinned"] = tuple(sorted(k for k in chosen if k in MEMORY_KEYS))
     merged["explicit"] = tuple(sorted(chosen))  # --resume restores the saved run's value of the others
     return TrainConfig.from_flat(merged)
 

@@ -164,7 +164,7 @@ def read_pairs(config) -> list[Pair]:
 
         return [record_to_pair(r, f"{QA} pair {i}") for i, r in enumerate(demo_pairs(config.seed), start=1)]
     pairs = []
-    for part in data_sources.load_parts(config.data, split=config.split, data_config=config.data_config):
+    for part in data_sources.load_parts(config.data, split=config.reading.split, data_config=config.reading.data_config):
         first = part.ds[0] if len(part.ds) else None
         if first is not None and not is_pair_record(first):
             fields = ", ".join(map(str, first)) if isinstance(first, dict) else "a text document"
@@ -182,7 +182,7 @@ def load_pair_rows(config, run, tokenizer):
     from memfit.data.formats import chat_template_of
 
     pairs = read_pairs(config)
-    chat_template_of(tokenizer, config.chat_template, data_has_conversations=any(p.is_conversation for p in pairs))
+    chat_template_of(tokenizer, config.reading.chat_template, data_has_conversations=any(p.is_conversation for p in pairs))
     rows = [encode_pair(p, tokenizer, run.seq_len) for p in pairs]
     train, held = split_indices(len(rows), config.eval_fraction, config.seed)
     evals = [{"input_ids": rows[i]["input_ids"], "labels": rows[i]["labels"]} for i in held]

@@ -14,8 +14,8 @@ def fields_of(config: TrainConfig):
     """``Fields`` from ``--text-field`` and the like, and the names the user typed (checked to exist)."""
     from memfit.data.formats import Fields
 
-    given = {"text": config.text_field, "prompt": config.prompt_field, "completion": config.completion_field,
-             "messages": config.messages_field}
+    given = {"text": config.reading.text_field, "prompt": config.reading.prompt_field, "completion": config.reading.completion_field,
+             "messages": config.reading.messages_field}
     named = tuple(k for k, v in given.items() if v)
     return Fields(**{k: v for k, v in given.items() if v}), named
 
@@ -62,28 +62,28 @@ def _encode(config: TrainConfig, tokenizer):
     from memfit.data.formats import Fields, chat_template_of
     from memfit.settings.config import FORMATS
 
-    if config.data_format is not None and config.data_format not in FORMATS:
-        raise UserError(f"Unknown --data-format {config.data_format!r}; choose one of: {', '.join(FORMATS)}.")
+    if config.reading.data_format is not None and config.reading.data_format not in FORMATS:
+        raise UserError(f"Unknown --data-format {config.reading.data_format!r}; choose one of: {', '.join(FORMATS)}.")
     fields, named = fields_of(config)
-    parts = data_sources.load_parts(config.data, split=config.split, data_config=config.data_config,
-                                    fmt=config.data_format, fields=fields)
+    parts = data_sources.load_parts(config.data, split=config.reading.split, data_config=config.reading.data_config,
+                                    fmt=config.reading.data_format, fields=fields)
     plan = []  # (dataset, where, format, fields) per part
     for part in parts:
         if part.files and part.files[0].suffix.lower() == ".txt":  # one "text" column, whatever the options
             plan.append((part.ds, part.where, "text", Fields()))
             continue
         data_sources.check_columns(part.ds, part.where, [getattr(fields, name) for name in named])
-        plan.append((part.ds, part.where, config.data_format, fields))
+        plan.append((part.ds, part.where, config.reading.data_format, fields))
     examples = LazyExamples(plan)
-    chat_template_of(tokenizer, config.chat_template, data_has_conversations=examples.has_conversations())
+    chat_template_of(tokenizer, config.reading.chat_template, data_has_conversations=examples.has_conversations())
     try:
-        encoded = encode_parts(plan, tokenizer, train_on_prompt=config.train_on_prompt, num_proc=config.num_proc)
+        encoded = encode_parts(plan, tokenizer, train_on_prompt=config.reading.train_on_prompt, num_proc=config.reading.num_proc)
     except UserError:
         from memfit.data.dataset import find_bad_input
 
         for part in parts:  # a bad record of a .jsonl file: name its line, as memfit's own reader does
             for file in part.files:
-                find_bad_input(file, config.data_format, fields)
+                find_bad_input(file, config.reading.data_format, fields)
         raise
     return examples, encoded
 
@@ -163,14 +163,14 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     tokenizer = data.load_tokenizer(config.tokenizer, model, is_preset=modelspec.is_preset(config.model),
                                     trust_remote_code=config.trust_remote_code)
     # read up to record `index` only (memfit.data.stream), not the whole source
-    example = record_at(config.data, index, fmt=config.data_format, fields=fields, split=config.split,
-                        data_config=config.data_config, named_fields=named)
-    chat_template_of(tokenizer, config.chat_template, data_has_conversations=example.is_conversation)
+    example = record_at(config.data, index, fmt=config.reading.data_format, fields=fields, split=config.reading.split,
+                        data_config=config.reading.data_config, named_fields=named)
+    chat_template_of(tokenizer, config.reading.chat_template, data_has_conversations=example.is_conversation)
     from memfit.data.pairs import Pair
 
     if isinstance(example, Pair):
         return _preview_pair(example, tokenizer)
-    ids, labels, *_ = data._encode_docs([example], tokenizer, config.train_on_prompt)[0]
+    ids, labels, *_ = data._encode_docs([example], tokenizer, config.reading.train_on_prompt)[0]
     fmt = "conversation" if example.is_conversation else ("prompt-completion" if example.is_prompt_completion
                                                            else "text")
     targets = sum(1 for t in labels[1:] if t != data.IGNORE_INDEX)

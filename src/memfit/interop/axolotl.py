@@ -201,9 +201,9 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
         "chunked_cross_entropy": str(run.loss) == "chunked", "cut_cross_entropy": str(run.loss) == "cce",
     }
     if run.is_lora():
-        linear = run.lora_targets == ("all-linear",)
-        out.update(lora_r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                   lora_target_linear=linear, lora_target_modules=None if linear else list(run.lora_targets))
+        linear = run.lora.targets == ("all-linear",)
+        out.update(lora_r=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
+                   lora_target_linear=linear, lora_target_modules=None if linear else list(run.lora.targets))
     if str(run.sharding) in ("fsdp", "zero2"):
         out["fsdp_version"] = 2
         out["fsdp_config"] = {"reshard_after_forward": str(run.sharding) == "fsdp",

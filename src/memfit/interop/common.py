@@ -56,9 +56,9 @@ class Reading:
         dropout and targets), how documents fill rows, and the attention; the planner chooses the rest
         (precision, checkpointing, optimizer, micro-batch, loss, ...) among what the tool runs."""
         run = self.run
-        pins = {"lora_r": run.lora_r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
+        pins = {"lora_r": run.lora.r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
         if run.is_lora():
-            pins.update(lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout, lora_targets=run.lora_targets)
+            pins.update(lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout, lora_targets=run.lora.targets)
         return pins
 
     def unmapped_for(self, run: RunConfig | None = None) -> tuple[str, ...]:
@@ -185,7 +185,7 @@ class Keys:
         if self.stated_processes is not None:
             run = {**run, "num_processes": self.stated_processes}
         try:
-            config = RunConfig(**run)
+            config = RunConfig.of(**run)
         except UserError as err:
             raise UserError(f"{self.path}: {err}") from None
         return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),

@@ -149,8 +149,8 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
         "enable_liger_kernel": str(run.loss) == "liger",
     }
     if run.is_lora():
-        out.update(lora_rank=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                   lora_target="all" if run.lora_targets == ("all-linear",) else ",".join(run.lora_targets))
+        out.update(lora_rank=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
+                   lora_target="all" if run.lora.targets == ("all-linear",) else ",".join(run.lora.targets))
         if str(run.quantize) != "none":
             out["quantization_bit"] = int(str(run.quantize)[0])
     elif str(run.dtype) == "bf16":

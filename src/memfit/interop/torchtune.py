@@ -170,10 +170,10 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
         prefix = "qlora_" if str(run.quantize) == "4bit" else "lora_"
         model_cfg["_component_"] = f"{module}.{prefix}{preset}"
         inverse = {v: k for k, v in MODULES.items()}
-        targets = list(MODULES.values()) + list(MLP) if run.lora_targets == ("all-linear",) else run.lora_targets
+        targets = list(MODULES.values()) + list(MLP) if run.lora.targets == ("all-linear",) else run.lora.targets
         model_cfg.update(lora_attn_modules=[inverse[t] for t in targets if t in inverse],
                          apply_lora_to_mlp=all(m in targets for m in MLP), apply_lora_to_output=False,
-                         lora_rank=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout)
+                         lora_rank=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout)
     out: dict[str, Any] = dict(source.data) if source is not None and source.tool == NAME else {}
     tokenizer = dict(out.get("tokenizer") or {})
     tokenizer["max_seq_len"] = run.seq_len

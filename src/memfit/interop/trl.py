@@ -204,8 +204,8 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
         "use_peft": run.is_lora(), "activation_offloading": str(run.offload) == "activations",
     }
     if run.is_lora():
-        out.update(lora_r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                   lora_target_modules=list(run.lora_targets),
+        out.update(lora_r=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
+                   lora_target_modules=list(run.lora.targets),
                    load_in_4bit=str(run.quantize) == "4bit", load_in_8bit=str(run.quantize) == "8bit")
     if str(run.attn_implementation) != "auto":
         out["attn_implementation"] = str(run.attn_implementation)

@@ -88,7 +88,7 @@ class _Ctx:
         self.full = not run.is_lora()
         self.lora = set()
         if run.is_lora():
-            self.lora = {lin.name for lin in spec.lora_linears(run.lora_targets)}
+            self.lora = {lin.name for lin in spec.lora_linears(run.lora.targets)}
         self.autocast = str(run.mixed_precision) in ("bf16", "fp16")
         """Accelerate's autocast is on (the fp32 adapters' linears then run in ``c``, whatever ``prec.amp`` says)."""
         self.xin = True
@@ -130,15 +130,15 @@ class _Ctx:
         # the fp32 adapters are cast under autocast whatever the base's dtype (a bf16 base too: p.amp is False)
         cast = self.autocast and p.adapter != p.c
         if cast and self.bnb_keeps_half_input and src == p.c:
-            per_input, shared, mid = 0, (0 if already else src * dim), p.c * run.lora_r
+            per_input, shared, mid = 0, (0 if already else src * dim), p.c * run.lora.r
         elif cast:
-            per_input, shared, mid = p.c * dim, 0, p.c * run.lora_r
+            per_input, shared, mid = p.c * dim, 0, p.c * run.lora.r
         elif src != p.adapter:
-            per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora_r
+            per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora.r
         else:
-            per_input, shared, mid = 0, (0 if already else src * dim), p.adapter * run.lora_r
+            per_input, shared, mid = 0, (0 if already else src * dim), p.adapter * run.lora.r
         dropout = 0
-        if run.lora_dropout > 0:
+        if run.lora.dropout > 0:
             # nn.Dropout on the adapter input: the dropped copy (saved by lora_A instead) and the mask
             # (bool on CUDA's fused kernel, input dtype on CPU).
             mask = 1 if self.device == "cuda" else (p.c if cast else p.adapter)

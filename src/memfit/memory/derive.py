@@ -283,8 +283,7 @@ def recipe_settings(spec, run: RunConfig) -> RunConfig:
     """
     settings = RunConfig(
         seq_len=1, micro_batch=1, mixed_precision=run.mixed_precision, dtype=run.dtype,
-        grad_checkpointing=run.grad_checkpointing, lora_r=run.lora_r, lora_alpha=run.lora_alpha,
-        lora_dropout=run.lora_dropout, lora_targets=run.lora_targets, optimizer=Optimizer.ADAMW,
+        grad_checkpointing=run.grad_checkpointing, lora=run.lora, optimizer=Optimizer.ADAMW,
         attn_implementation=run.attn_implementation, experts_implementation=run.experts_implementation,
         packing=run.packing, loss=run.loss, optimizer_in_backward=run.optimizer_in_backward,
         offload=run.offload if run.offload is Offload.ACTIVATIONS else Offload.NONE)

@@ -56,6 +56,7 @@ from memfit.memory.states import (
     optimizer_state_bytes,
 )
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.defaults import LORA_RANK
 from memfit.spec.model import ModelSpec, load_spec
 from memfit.spec.optimizers import row
 from memfit.spec.resolved import resolve
@@ -427,17 +428,13 @@ def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
 # ----------------------------------------------------------------------------------------------
 # The classic regimes, side by side (``memfit estimate --compare``)
 # ----------------------------------------------------------------------------------------------
-#: LoRA rank used by --compare when the user did not give one.
-COMPARE_LORA_R = 16
-
-
 def classic_regimes(run: RunConfig) -> list[tuple[str, RunConfig]]:
     """fp32, AMP fp16, AMP bf16, pure bf16, LoRA and QLoRA, each without and with checkpointing.
 
     Sequence length, batch, optimizer and processes come from ``run``. LoRA trains rank
-    ``run.lora_r`` (16 if unset) adapters on a bf16 base; QLoRA on an NF4 base.
+    ``run.lora.r`` (``memfit.settings.defaults.LORA_RANK`` if unset) adapters on a bf16 base; QLoRA on an NF4 base.
     """
-    r = run.lora_r or COMPARE_LORA_R
+    r = run.lora.r or LORA_RANK
     full = run.replace(lora_r=0, quantize=Quantize.NONE)
     regimes = [
         ("fp32", full.replace(mixed_precision=Precision.NO, dtype="fp32")),

@@ -380,8 +380,8 @@ def optimizer_state_bytes(spec: ModelSpec, run: RunConfig, trainable: int, grad_
 def _adafactor_elements(spec: ModelSpec, run: RunConfig) -> int:
     """Elements of Adafactor's factored second moment: rows + cols per matrix, numel per vector."""
     if run.is_lora():
-        lins = spec.lora_linears(run.lora_targets)
-        return sum(lin.count * (run.lora_r + lin.in_features + lin.out_features + run.lora_r) for lin in lins)
+        lins = spec.lora_linears(run.lora.targets)
+        return sum(lin.count * (run.lora.r + lin.in_features + lin.out_features + run.lora.r) for lin in lins)
     mats = sum(lin.count * (lin.in_features + lin.out_features) for lin in spec.linears)
     embed = spec.vocab_size + spec.hidden_size
     head = 0 if spec.tie_word_embeddings else spec.vocab_size + spec.hidden_size
@@ -442,7 +442,7 @@ def _vector_params(spec: ModelSpec, run: RunConfig) -> int:
 
 def _largest_trainable(spec: ModelSpec, run: RunConfig) -> int:
     if run.is_lora():
-        return max((run.lora_r * max(lin.in_features, lin.out_features) for lin in spec.lora_linears(run.lora_targets)),
+        return max((run.lora.r * max(lin.in_features, lin.out_features) for lin in spec.lora_linears(run.lora.targets)),
                    default=0)
     return max([spec.vocab_size * spec.hidden_size] + [lin.in_features * lin.out_features for lin in spec.linears])
 

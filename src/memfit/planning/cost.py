@@ -169,7 +169,7 @@ def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, f
 
     kernels = KERNELS_PER_LAYER * (4 / 3 if run.grad_checkpointing else 1) * spec.num_layers
     if run.is_lora():
-        kernels += KERNELS_PER_LORA_MODULE * sum(lin.count for lin in spec.lora_linears(run.lora_targets))
+        kernels += KERNELS_PER_LORA_MODULE * sum(lin.count for lin in spec.lora_linears(run.lora.targets))
     return compute, memory, kernels * LAUNCH_S
 
 
@@ -212,7 +212,7 @@ def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, flo
 def _trainable_tensors(spec, run: RunConfig) -> int:
     """Trainable tensors (LoRA: A and B per adapted projection; full: 2 norms + projections per layer + 3)."""
     if run.is_lora():
-        return 2 * sum(lin.count for lin in spec.lora_linears(run.lora_targets))
+        return 2 * sum(lin.count for lin in spec.lora_linears(run.lora.targets))
     return sum(lin.count for lin in spec.linears) + 2 * spec.num_layers + 3
 
 

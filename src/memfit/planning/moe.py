@@ -8,7 +8,6 @@ so this module does not import the search that calls it); the terms behind them 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from memfit.settings.config import RunConfig, Sharding
@@ -65,14 +64,14 @@ def _lora_line(result, price: Callable[[RunConfig], object]) -> str | None:
     if not run.is_lora():
         return None
     chosen = spec.trainable_params(run)
-    projections = sum(run.lora_r * (lin.in_features + lin.out_features) * lin.count
-                      for lin in spec.lora_linears(run.lora_targets))
+    projections = sum(run.lora.r * (lin.in_features + lin.out_features) * lin.count
+                      for lin in spec.lora_linears(run.lora.targets))
     experts = (f"PEFT also wraps the stacked expert weights ({spec.expert_params:,} parameters)" if chosen != projections
                else f"the {spec.expert_params:,} expert parameters stay frozen")
     attn = attention_targets(spec)
-    alt_run = dataclasses.replace(run, lora_targets=attn)
+    alt_run = run.replace(lora_targets=attn)
     alt = spec.trainable_params(alt_run)
-    head = (f"LoRA r{run.lora_r} on {','.join(run.lora_targets)}: {chosen:,} trainable, peak "
+    head = (f"LoRA r{run.lora.r} on {','.join(run.lora.targets)}: {chosen:,} trainable, peak "
             f"{fmt_gib(best.peak_bytes)}")
     if alt == chosen:
         return f"{head}, the attention only ({','.join(attn)}); {experts}."

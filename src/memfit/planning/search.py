@@ -119,8 +119,8 @@ class PlanResult:
 def method(run: RunConfig) -> str:
     """``full``, ``LoRA r16``, ``QLoRA 4bit r16``."""
     if run.quantize is not Quantize.NONE:
-        return f"QLoRA {run.quantize} r{run.lora_r}"
-    return f"LoRA r{run.lora_r}" if run.is_lora() else "full"
+        return f"QLoRA {run.quantize} r{run.lora.r}"
+    return f"LoRA r{run.lora.r}" if run.is_lora() else "full"
 
 
 def precision(run: RunConfig) -> str:

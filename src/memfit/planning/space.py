@@ -27,9 +27,9 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.settings.config import (
-    DEFAULT_LORA_TARGETS,
     Attention,
     DType,
+    LoraSettings,
     Loss,
     Method,
     Offload,
@@ -42,10 +42,8 @@ from memfit.settings.config import (
     Sharding,
     _enum,  # the enum parser RunConfig uses, so constraint errors read the same
 )
+from memfit.settings.defaults import LORA_RANK
 from memfit.settings.schema import flag_of, searched
-
-#: LoRA rank used when the user does not pin one (a common default: PEFT examples, QLoRA paper uses 64).
-DEFAULT_LORA_R = 16
 
 #: Optimizers with AdamW's update rule, tried by default ("adamw" is torch's foreach on CUDA, so it is
 #: the same candidate as "adamw-foreach" and is not tried twice).
@@ -71,10 +69,10 @@ class _Rules:
     """``Constraints``' checks and helpers (its fields are made by ``_fields``)."""
 
     def __post_init__(self) -> None:
-        for f in searched(RunConfig):  # the enum settings, read as RunConfig reads them
-            value = getattr(self, f.name)
-            if value is not None and isinstance(f.default, Enum):
-                object.__setattr__(self, f.name, _enum(type(f.default), value, flag_of(f)))
+        for s in searched(RunConfig):  # the enum settings, read as RunConfig reads them
+            value = getattr(self, s.key)
+            if value is not None and isinstance(s.default, Enum):
+                object.__setattr__(self, s.key, _enum(type(s.default), value, flag_of(s)))
         if self.lora_r is not None and self.lora_r < 0:
             raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
         if self.full and self.lora_r:
@@ -117,8 +115,8 @@ def _fields() -> list:
     """One field per setting the planner chooses (``memfit.settings.schema.searched``: every ``RunConfig`` setting
     but the sequence length and the processes, which are the problem it is given), ``None`` by default
     (the planner's choice), carrying the setting's metadata; then ``_PLAN_ONLY``."""
-    hints = typing.get_type_hints(RunConfig)
-    pins = [(f.name, hints[f.name] | None, field(default=None, metadata=f.metadata)) for f in searched(RunConfig)]
+    pins = [(s.key, typing.get_type_hints(s.owner)[s.name] | None, field(default=None, metadata=s.metadata))
+            for s in searched(RunConfig)]  # named by key: a nested setting's is flat (lora_r)
     return pins + _PLAN_ONLY
 
 
@@ -203,8 +201,10 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
     method = _enum(Method, method, "--method")
     precompute = _choices(c.precompute_reference, (False, True) if method is Method.DPO else (False,))
     pairs = micro_batches(batch, num_processes, c)
-    lora_common = {"lora_r": c.lora_r or DEFAULT_LORA_R, "lora_alpha": c.lora_alpha or 16.0,
-                   "lora_dropout": c.lora_dropout or 0.0, "lora_targets": c.lora_targets or DEFAULT_LORA_TARGETS}
+    pinned_lora = {name: value for name, value in (("alpha", c.lora_alpha), ("dropout", c.lora_dropout),
+                                                   ("targets", c.lora_targets)) if value is not None}
+    lora_common = LoraSettings(r=c.lora_r or LORA_RANK, **pinned_lora)  # the rest: LoraSettings' defaults
+    no_lora = LoraSettings()
     shardings = _choices(c.sharding, tuple(Sharding) if num_processes > 1 else (Sharding.DDP,))
     out = []
     for regime in (r for r in regimes(bf16_ok) if _regime_allowed(r, c)):
@@ -225,7 +225,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
             if (offload is Offload.PARAMS and regime.quantize is not Quantize.NONE
                     and (regime.quantize is Quantize.Q8 or sharding is Sharding.DDP)):
                 continue  # bitsandbytes' weights stay on the GPU unless FSDP2 shards a 4-bit base
-            lora = lora_common if regime.lora else {"lora_r": 0}
+            lora = lora_common if regime.lora else no_lora
             out += [RunConfig(
                 seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
@@ -233,7 +233,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
                 packing=c.packing or Packing.DOCUMENTS, method=method, precompute_reference=pre,
                 qlora_upcast=c.qlora_upcast or QloraUpcast.LEAN,
-                optimizer_in_backward=in_bw, **lora) for pre in precompute]
+                optimizer_in_backward=in_bw, lora=lora) for pre in precompute]
     if not out:
         raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

@@ -16,7 +16,7 @@ lives here, one table a reader scans for the setting they look for; splitting it
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -31,10 +31,22 @@ from memfit.settings.defaults import (
     DEMO_STEPS,
     FULL_LR,
     LORA_LR,
+    LORA_RANK,
     SHAPES,
     fmt_lr,
 )
-from memfit.settings.schema import flag_of, in_group, key_of, own_defaults, setting, settings
+from memfit.settings.schema import (
+    build,
+    flag_of,
+    in_group,
+    nested,
+    own_defaults,
+    replaced,
+    setting,
+    settings,
+    settings_group,
+    walk,
+)
 
 #: The record formats ``--data-format`` names; ``memfit.data.formats`` reads each.
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt-completion", "text")
@@ -183,6 +195,49 @@ _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) an
 _DEMO = f"train's own default: sized for the demo (memfit.settings.defaults.SHAPES['train']: {SHAPES['train']})"
 
 
+def _normalise(config) -> None:
+    """Parse the enum settings declared on ``config`` itself (their type is their default's) and check every
+    value by its field's ``check`` (``memfit.settings.validate.check_fields``), in place: called by each
+    settings dataclass's ``__post_init__``, so a value is refused from a flag, a YAML file or a library call."""
+    set_ = object.__setattr__
+    for f in settings(type(config)):
+        if isinstance(f.default, Enum):
+            value = getattr(config, f.name)
+            set_(config, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
+                                                                                       flag_of(f)))
+    for name, value in validate.check_fields(config).items():  # one place for every value check
+        set_(config, name, value)
+
+
+@settings_group("lora", prefix="lora_")
+@dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA adapters PEFT puts on the base (``memfit.spec.lora.lora_config`` builds PEFT's ``LoraConfig``
+    from them); ``r = 0`` is a full fine-tune. Flags and YAML keys carry the prefix: ``--lora-r``, ``lora_r``."""
+
+    r: int = setting(0, plan="searched", resume="restored", check="int>=0",
+                     what="0 (full fine-tune) or a positive rank",
+                     commands=_ALL, help="LoRA rank; 0 = full fine-tune.",
+                     overrides={"plan": {"help": "Pin LoRA at this rank (0 = full fine-tune)."}})
+    """LoRA rank; 0 is a full fine-tune."""
+    alpha: float = setting(16.0, plan="searched", resume="restored", check="pos", commands=_ALL)
+    """LoRA's scale numerator: the adapters' update is scaled by ``alpha / r``."""
+    dropout: float = setting(0.0, plan="searched", resume="restored", check="frac", commands=_ALL)
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``); > 0 keeps a mask per adapted linear."""
+    targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, plan="searched", resume="restored", commands=_ALL,
+                                       help="Comma-separated module names, or all-linear.")
+    """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets.split(",") if t.strip()))
+        elif isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets):
+            object.__setattr__(self, "targets", tuple(self.targets))
+        else:
+            raise UserError(f"--lora-targets must be module names separated by commas, got {self.targets!r}.")
+        _normalise(self)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything about a training run that changes its memory and speed (what estimate and plan see).
@@ -217,19 +272,8 @@ class RunConfig:
                                        help="Recompute each layer in backward instead of storing activations.",
                                        overrides={"plan": {"help": "Pin checkpointing on or off."}})
     """Recompute each decoder layer in backward instead of keeping its activations."""
-    lora_r: int = setting(0, group="lora", plan="searched", resume="restored", check="int>=0",
-                          what="0 (full fine-tune) or a positive rank",
-                          commands=_ALL, help="LoRA rank; 0 = full fine-tune.",
-                          overrides={"plan": {"help": "Pin LoRA at this rank (0 = full fine-tune)."}})
-    """LoRA rank; 0 is a full fine-tune."""
-    lora_alpha: float = setting(16.0, group="lora", plan="searched", resume="restored", check="pos", commands=_ALL)
-    """LoRA's scale numerator: the adapters' update is scaled by ``lora_alpha / lora_r``."""
-    lora_dropout: float = setting(0.0, group="lora", plan="searched", resume="restored", check="frac", commands=_ALL)
-    """Dropout on the adapters' input (PEFT's ``lora_dropout``); > 0 keeps a mask per adapted linear."""
-    lora_targets: tuple[str, ...] = setting(DEFAULT_LORA_TARGETS, group="lora", plan="searched", resume="restored",
-                                            commands=_ALL,
-                                            help="Comma-separated module names, or all-linear.")
-    """Module names LoRA wraps; ``all-linear`` is PEFT's shorthand for every linear but the head."""
+    lora: LoraSettings = nested(LoraSettings)
+    """The LoRA adapters (``LoraSettings``: ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``)."""
     quantize: Quantize = setting(Quantize.NONE, plan="searched", resume="restored", commands=_ALL,
                                  help="QLoRA: frozen base in 4 or 8 bit (bitsandbytes: CUDA, or CPU from 0.50).",
                                  overrides={"plan": {"help": "Pin the QLoRA base (none forbids it)."}})
@@ -291,21 +335,10 @@ class RunConfig:
     factor on GPUs to justify one). May change on resume: it changes how a step runs, not what it computes."""
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        for f in settings(RunConfig):  # the enum settings: their type is their default's
-            if isinstance(f.default, Enum):
-                value = getattr(self, f.name)
-                set_(self, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
-                                                                                          flag_of(f)))
-        if isinstance(self.lora_targets, str):
-            set_(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
-        elif isinstance(self.lora_targets, (list, tuple)) and all(isinstance(t, str) for t in self.lora_targets):
-            set_(self, "lora_targets", tuple(self.lora_targets))
-        else:
-            raise UserError(f"--lora-targets must be module names separated by commas, got {self.lora_targets!r}.")
-        for name, value in validate.check_run(self).items():  # one place for every value check
-            set_(self, name, value)
-        if self.quantize is not Quantize.NONE and self.lora_r == 0:
+        if not isinstance(self.lora, LoraSettings):
+            raise UserError("RunConfig.lora must be a LoraSettings (or give lora_r=... to RunConfig.of).")
+        _normalise(self)
+        if self.quantize is not Quantize.NONE and self.lora.r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
         if self.method is not Method.SFT and self.loss is not Loss.STANDARD:
             raise UserError(f"--method {self.method} reads each sequence's log-probabilities from the full logits; "
@@ -332,32 +365,40 @@ class RunConfig:
         return self.forward_sequences() * self.grad_accum * self.num_processes * self.seq_len
 
     def is_lora(self) -> bool:
-        return self.lora_r > 0
+        return self.lora.r > 0
 
     def compute_dtype(self) -> str:
         """The dtype matmuls run in: the autocast dtype if mixed precision is on, else the weight dtype."""
         return str(self.dtype) if self.mixed_precision is Precision.NO else str(self.mixed_precision)
 
     def replace(self, **changes: Any) -> RunConfig:
-        return dataclasses.replace(self, **changes)
+        """This run with settings changed by key (``lora_r=8``, the names flags and YAML use) or by field
+        (``lora=LoraSettings(...)``)."""
+        return replaced(self, changes)
+
+    @classmethod
+    def of(cls, **values: Any) -> RunConfig:
+        """A run from settings by key (``RunConfig.of(seq_len=512, lora_r=16)``): the flat names of flags and YAML,
+        nested groups built from their keys; an unknown key raises ``TypeError`` as a constructor does."""
+        return build(cls, values)
 
     def to_flat(self) -> dict[str, Any]:
         """Plain dict with train-flag keys and YAML-friendly values."""
         out: dict[str, Any] = {}
-        for f in settings(self):
-            value = getattr(self, f.name)
+        for s in walk(type(self)):
+            value = s.get(self)
             if isinstance(value, Enum):
                 value = value.value
             elif isinstance(value, tuple):
                 value = ",".join(value)
-            out[key_of(f)] = value
+            out[s.key] = value
         return out
 
     @classmethod
     def from_flat(cls, data: dict[str, Any]) -> RunConfig:
         """Build from a flat dict, ignoring keys that are not memory settings."""
-        names = {key_of(f): f.name for f in settings(cls)}
-        return cls(**{names[k]: v for k, v in data.items() if k in names and v is not None})
+        keys = {s.key for s in walk(cls)}
+        return build(cls, {k: v for k, v in data.items() if k in keys and v is not None})
 
 
 def check_lora_options(given, lora_r_given: bool) -> None:
@@ -366,10 +407,73 @@ def check_lora_options(given, lora_r_given: bool) -> None:
     a full fine-tune asked for (a plan's launch line and ``plan.yaml`` spell out every setting). Read by
     train, estimate and plan."""
     # the LoRA group's settings (memfit.settings.schema) but --lora-r, which switches the adapters on
-    named = [flag_of(f) for f in in_group(RunConfig, "lora") if f.name != "lora_r" and f.name in given]
+    named = [flag_of(s) for s in in_group(RunConfig, "lora") if s.key != "lora_r" and s.key in given]
     if named and not lora_r_given:
         raise UserError(f"{' and '.join(named)} shape{'s' if len(named) == 1 else ''} LoRA adapters, which only "
-                        f"--lora-r turns on; add --lora-r (16 is common) or drop {' and '.join(named)}.")
+                        f"--lora-r turns on; add --lora-r ({LORA_RANK} is common) or drop {' and '.join(named)}.")
+
+
+@settings_group("data")
+@dataclass(frozen=True)
+class DataReading:
+    """How the records of ``TrainConfig.data`` are read and tokenized (``memfit.data.prep``; issue 11, see
+    ``memfit.data.formats`` and ``memfit.data.sources``): the flags ``memfit data preview`` shares with train.
+    Flags and YAML keys are the field names (``--data-format``, ``data_format``)."""
+
+    data_format: str | None = setting(None, resume="restored", check="text",
+                                      click={"choices": FORMATS},
+                                      help="Force the record format instead of detecting it from the keys.")
+    """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
+    train_on_prompt: bool = setting(False, resume="restored", check="bool",
+                                    help="Take the loss on prompts and user turns too (default: completions/"
+                                    "assistant turns).")
+    """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
+    chat_template: str | None = setting(None, resume="restored", check="text", click={"path": True},
+                                        help="Jinja chat template file for a tokenizer without one (or to replace "
+                                        "its own).")
+    """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
+    split: str = setting("train", resume="restored", check="text",
+                         help="Split of a Hub dataset or a save_to_disk DatasetDict.")
+    """Split of a Hub dataset or a saved ``DatasetDict``."""
+    data_config: str | None = setting(None, resume="restored", check="text",
+                                      help="Configuration (subset) of a Hub dataset.")
+    """Configuration (subset) name of a Hub dataset."""
+    text_field: str | None = setting(None, resume="restored", check="text",
+                                     help="Column holding the text (default: text).")
+    prompt_field: str | None = setting(None, resume="restored", check="text",
+                                       help="Column holding the prompt (default: prompt).")
+    completion_field: str | None = setting(None, resume="restored", check="text",
+                                           help="Column holding the completion (default: completion).")
+    messages_field: str | None = setting(None, resume="restored", check="text",
+                                         help="Column holding the conversation (default: messages).")
+    num_proc: int = setting(1, resume="restored", check="int>=1",
+                            help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
+    """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
+
+    def __post_init__(self) -> None:
+        _normalise(self)
+        if isinstance(self.chat_template, str) and self.chat_template.startswith("~"):  # not expanded by a shell
+            object.__setattr__(self, "chat_template", os.path.expanduser(self.chat_template))
+
+
+@settings_group("preference")
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """The hyperparameters of the preference losses (``--method dpo/orpo/simpo``; ``memfit.builder.preference``),
+    with TRL's defaults. Flags and YAML keys are the field names: ``--beta``, ``beta``."""
+
+    beta: float = setting(0.1, resume="restored", check="pos",
+                          help="DPO/SimPO temperature beta (TRL's default 0.1).")
+    """DPO's beta (deviation from the reference) and SimPO's reward scale (TRL's ``beta``)."""
+    orpo_lambda: float = setting(0.1, resume="restored", check="pos",
+                                 help="ORPO: weight lambda of the odds-ratio term (TRL's default 0.1).")
+    """ORPO's lambda (TRL's ``ORPOConfig.beta``)."""
+    simpo_gamma: float = setting(0.5, resume="restored", check="nonneg",
+                                 help="SimPO: target reward margin gamma (TRL's default 0.5).")
+    """SimPO's gamma (TRL's ``CPOConfig.simpo_gamma``)."""
+
+    def __post_init__(self) -> None:
+        _normalise(self)
 
 
 @dataclass(frozen=True)
@@ -389,7 +493,7 @@ class TrainConfig:
     tokenizer: str | None = setting(None, resume="restored", check="text",
                                     help="Tokenizer folder, or 'byte'; default: the model's.")
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
-    run: RunConfig = field(default_factory=lambda: RunConfig(**own_defaults(RunConfig, "train")))
+    run: RunConfig = field(default_factory=lambda: RunConfig.of(**own_defaults(RunConfig, "train")))
     """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
     On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.settings.defaults``);
     library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
@@ -490,46 +594,10 @@ class TrainConfig:
                                       "weight difference.")
     json: bool = setting(False, resume="never-restored", check="bool",
                          help="Print the final summary as JSON on stdout.")
-    # Data (issue 11; see memfit.data.formats and memfit.data.sources) -------------------------------
-    data_format: str | None = setting(None, resume="restored", check="text",
-                                      group="data", click={"choices": FORMATS},
-                                      help="Force the record format instead of detecting it from the keys.")
-    """Force the record format (messages, sharegpt, alpaca, prompt-completion, text); None: detect."""
-    train_on_prompt: bool = setting(False, resume="restored", check="bool", group="data",
-                                    help="Take the loss on prompts and user turns too (default: completions/"
-                                    "assistant turns).")
-    """Take the loss on every token (prompts, user turns) too, not only on completions/assistant turns."""
-    chat_template: str | None = setting(None, resume="restored", check="text", group="data", click={"path": True},
-                                        help="Jinja chat template file for a tokenizer without one (or to replace "
-                                        "its own).")
-    """Jinja chat template file, for a tokenizer without one (or to replace its own)."""
-    split: str = setting("train", resume="restored", check="text", group="data",
-                         help="Split of a Hub dataset or a save_to_disk DatasetDict.")
-    """Split of a Hub dataset or a saved ``DatasetDict``."""
-    data_config: str | None = setting(None, resume="restored", check="text", group="data",
-                                      help="Configuration (subset) of a Hub dataset.")
-    """Configuration (subset) name of a Hub dataset."""
-    text_field: str | None = setting(None, resume="restored", check="text", group="data",
-                                     help="Column holding the text (default: text).")
-    prompt_field: str | None = setting(None, resume="restored", check="text", group="data",
-                                       help="Column holding the prompt (default: prompt).")
-    completion_field: str | None = setting(None, resume="restored", check="text", group="data",
-                                           help="Column holding the completion (default: completion).")
-    messages_field: str | None = setting(None, resume="restored", check="text", group="data",
-                                         help="Column holding the conversation (default: messages).")
-    num_proc: int = setting(1, resume="restored", check="int>=1", group="data",
-                            help="Processes that tokenize a datasets source (.parquet/.csv/.json/.arrow, Hub id).")
-    """Processes ``datasets.map`` tokenizes a ``datasets`` source with."""
-    # Preference methods (issue 26; memfit.builder.preference): TRL's defaults --------------------------------
-    beta: float = setting(0.1, resume="restored", check="pos",
-                          help="DPO/SimPO temperature beta (TRL's default 0.1).")
-    """DPO's beta (deviation from the reference) and SimPO's reward scale (TRL's ``beta``)."""
-    orpo_lambda: float = setting(0.1, resume="restored", check="pos",
-                                 help="ORPO: weight lambda of the odds-ratio term (TRL's default 0.1).")
-    """ORPO's lambda (TRL's ``ORPOConfig.beta``)."""
-    simpo_gamma: float = setting(0.5, resume="restored", check="nonneg",
-                                 help="SimPO: target reward margin gamma (TRL's default 0.5).")
-    """SimPO's gamma (TRL's ``CPOConfig.simpo_gamma``)."""
+    reading: DataReading = nested(DataReading)
+    """How the records of ``data`` are read (``DataReading``: ``--data-format``, ``--split``, the column names, ...)."""
+    preference: PreferenceSettings = nested(PreferenceSettings)
+    """The preference losses' hyperparameters (``PreferenceSettings``: ``--beta``, ``--orpo-lambda``, ``--simpo-gamma``)."""
     threads: int | None = setting(None, resume="restored", check="int>=1", click={"min": 1},
                                   help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle "
                                   "and available to this process (affinity, cgroup quota).")
@@ -558,14 +626,28 @@ class TrainConfig:
 
     def to_flat(self) -> dict[str, Any]:
         """Flat train-flag keys (``memfit.settings.schema.key_of``: ``lr``, not ``optimizer_lr``) with the run's settings."""
-        out = {key_of(f): getattr(self, f.name) for f in settings(self)}
+        out = {s.key: s.get(self) for s in walk(type(self))}
         out.update(self.run.to_flat())
         return out
 
+    def replace(self, **changes: Any) -> TrainConfig:
+        """This config with settings changed by key (``data_format=...``, nested groups' included) or by field."""
+        return replaced(self, changes)
+
+    @classmethod
+    def of(cls, **values: Any) -> TrainConfig:
+        """A train config from settings by key (``TrainConfig.of(model="tiny", beta=0.2, text_field="body")``),
+        the run's too (``lora_r=8``, into ``run``: train's defaults for the rest) or ``run=`` a ``RunConfig``;
+        an unknown key raises ``TypeError``."""
+        run_keys = {s.key for s in walk(RunConfig)}
+        run_values = {k: values.pop(k) for k in list(values) if k in run_keys}
+        run = values.pop("run", None) or RunConfig.of(**own_defaults(RunConfig, "train"))
+        return build(cls, {"run": run.replace(**run_values) if run_values else run, **values})
+
     @classmethod
     def keys(cls) -> dict[str, str]:
-        """Every key a YAML config (or ``from_flat``) accepts -> its field name: the schema's settings."""
-        return {key_of(f): f.name for c in (cls, RunConfig) for f in settings(c)}
+        """Every key a YAML config (or ``from_flat``) accepts -> its setting's field name: the schema's settings."""
+        return {s.key: s.name for c in (cls, RunConfig) for s in walk(c)}
 
     @classmethod
     def from_flat(cls, data: dict[str, Any]) -> TrainConfig:
@@ -573,9 +655,9 @@ class TrainConfig:
         data = {k.replace("-", "_"): v for k, v in data.items()}
         keys = cls.keys()
         validate.unknown_keys(set(data) - set(keys), set(keys))
-        own = {f.name for f in settings(cls)}
-        kwargs = {keys[k]: v for k, v in data.items() if keys[k] in own and v is not None}
-        return cls(run=RunConfig.from_flat(data), **kwargs)
+        own = {s.key for s in walk(cls)}
+        return build(cls, {"run": RunConfig.from_flat(data),
+                           **{k: v for k, v in data.items() if k in own and v is not None}})
 
 
 def read_config_file(path) -> dict[str, Any]:

@@ -34,6 +34,10 @@ DEMO_STEPS = 300
 LORA_LR = 2e-4
 """LoRA adapters on a pretrained model: the usual value of the LoRA/QLoRA papers and PEFT's examples
 (QLoRA: 2e-4 for models up to 13B). Adapters start at zero and need a larger step than the weights."""
+LORA_RANK = 16
+"""The LoRA rank memfit picks where LoRA is wanted and no rank was given: ``memfit plan``'s LoRA candidates
+and ``memfit estimate --compare``'s LoRA rows (a common default: PEFT's examples; the QLoRA paper uses 64)."""
+
 FULL_LR = 2e-5
 """A full fine-tune of a pretrained model: the common 1e-5..5e-5 range (Alpaca, Vicuna: 2e-5); 1e-3
 would undo the pretraining within a few steps."""

@@ -25,7 +25,11 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
     ``"given"`` ones are the problem it is given (the sequence length, the processes, the batch).
 ``group``
     The settings it belongs with (``"lora"``: the adapters; ``"data"``: how records are read, the flags
-    ``memfit data preview`` shares).
+    ``memfit data preview`` shares). A group whose settings the code hands around together is a nested
+    dataclass of its own (``settings_group``: ``RunConfig.lora`` is ``LoraSettings``), held by a
+    ``nested`` field; its flags keep the group's prefix (``lora.r`` is ``--lora-r``, key ``lora_r``),
+    so flags, YAML keys and run.json are flat whatever the nesting. ``walk`` lists every setting of a
+    config, nested ones included, with the path that reaches it.
 ``click``
     Plain-data hints for the click option: ``choices`` (a tuple of names), ``min`` (click checks the
     bound itself), ``path`` (a file path), ``show_default`` (text instead of the value).
@@ -36,6 +40,7 @@ Nothing here imports torch, click or the rest of memfit: ``memfit.settings.confi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import MISSING, Field
 from types import MappingProxyType
 from typing import Any
@@ -93,11 +98,138 @@ def is_setting(f: Field) -> bool:
     return "resume" in f.metadata
 
 
-def settings(cls) -> list[Field]:
-    """The setting fields of a config class, in declaration order (groups such as ``TrainConfig.run`` left out)."""
-    return [f for f in dataclasses.fields(cls) if is_setting(f)]
+def settings(cls) -> tuple[Field, ...]:
+    """The setting fields declared on a config class itself, in declaration order (its nested groups, and
+    ``TrainConfig.run``, left out: ``walk`` reaches into them)."""
+    return _settings(cls if isinstance(cls, type) else type(cls))
 
 
+@functools.cache
+def _settings(cls: type) -> tuple[Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if is_setting(f))
+
+
+def settings_group(name: str, *, prefix: str = ""):
+    """Class decorator: a frozen dataclass of settings that belong together (``name``: their ``group``),
+    held by its parent config's ``nested`` field. Each setting's flag is ``--`` + ``prefix`` + its name
+    unless it declares its own, so nesting never changes what a user types or writes in YAML."""
+
+    def mark(cls):
+        for f in settings(cls):
+            meta = dict(f.metadata)
+            meta["group"] = name
+            meta["flag"] = meta["flag"] or "--" + (prefix + f.name).replace("_", "-")
+            f.metadata = MappingProxyType(meta)
+        cls.__settings_group__ = name
+        return cls
+
+    return mark
+
+
+def nested(cls) -> Any:
+    """The field of a config that holds a ``settings_group`` (default: the group's defaults)."""
+    if not hasattr(cls, "__settings_group__"):
+        raise ValueError(f"{cls.__name__} is not a settings_group")
+    return dataclasses.field(default_factory=cls, metadata=MappingProxyType({"nested": cls}))
+
+
+def groups(cls) -> list[Field]:
+    """The fields of ``cls`` that hold a nested group of settings (``nested``)."""
+    return [f for f in dataclasses.fields(cls) if "nested" in f.metadata]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting of a config, nested or not: the field that declares it and the attributes that reach it."""
+
+    field: Field
+    path: tuple[str, ...]
+    """Attribute names from the config to the value: ``("seq_len",)``, ``("lora", "r")``."""
+    owner: type
+    """The dataclass that declares the field (its type hints give the setting's type)."""
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def metadata(self):
+        return self.field.metadata
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+    @property
+    def default_factory(self) -> Any:
+        return self.field.default_factory
+
+    @property
+    def key(self) -> str:
+        return key_of(self.field)
+
+    def get(self, config) -> Any:
+        for name in self.path:
+            config = getattr(config, name)
+        return config
+
+
+@functools.cache
+def walk(cls, _path: tuple[str, ...] = ()) -> tuple[Setting, ...]:
+    """Every setting of config class ``cls`` in declaration order, reaching into its nested groups (cached:
+    the planner replaces settings of hundreds of runs per search)."""
+    out: list[Setting] = []
+    for f in dataclasses.fields(cls):
+        if is_setting(f):
+            out.append(Setting(f, (*_path, f.name), cls))
+        elif "nested" in f.metadata:
+            out += walk(f.metadata["nested"], (*_path, f.name))
+    return tuple(out)
+
+
+@functools.cache
+def _by_key(cls) -> dict[str, Setting]:
+    return {s.key: s for s in walk(cls)}
+
+
+def build(cls, values: dict[str, Any]):
+    """``cls`` from settings by key (``key_of``: the names flags and YAML use; a setting of ``cls`` itself
+    also by its field name), nested groups built from their keys (a field that is no setting,
+    ``TrainConfig.run``, by its name); any other key raises ``TypeError`` as a dataclass does."""
+    own = {key_of(f): f.name for f in settings(cls)} | {f.name: f.name for f in settings(cls)}
+    own.update({f.name: f.name for f in dataclasses.fields(cls) if not is_setting(f) and "nested" not in f.metadata})
+    inner = {f.name: {s.key for s in walk(f.metadata["nested"])} for f in groups(cls)}
+    unknown = set(values) - set(own) - set().union(*inner.values())
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting(s) {sorted(unknown)}")
+    kwargs = {own[k]: v for k, v in values.items() if k in own}
+    for f in groups(cls):
+        part = {k: v for k, v in values.items() if k in inner[f.name]}
+        kwargs[f.name] = build(f.metadata["nested"], part)
+    return cls(**kwargs)
+
+
+def replaced(config, changes: dict[str, Any]):
+    """``config`` with settings changed by key (``lora_r=8``) or by field name (a whole group: ``lora=...``)."""
+    fields_ = type(config).__dataclass_fields__
+    direct = {k: v for k, v in changes.items() if k in fields_}
+    by_key = _by_key(type(config))
+    for key, value in changes.items():
+        if key in direct:
+            continue
+        if key not in by_key:
+            raise TypeError(f"{type(config).__name__} has no setting {key!r}")
+        setting_ = by_key[key]
+        if len(setting_.path) == 1:
+            direct[setting_.path[0]] = value
+            continue
+        head = setting_.path[0]
+        inner = direct.get(head, getattr(config, head))
+        direct[head] = replaced(inner, {setting_.key: value})
+    return dataclasses.replace(config, **direct)
+
+
+@functools.cache  # a Field (or Setting) is hashed by identity; its metadata is final once its class is made
 def flag_of(f: Field) -> str:
     """The flag the user types for the field (``--seq-len``, ``--lr``)."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
@@ -105,17 +237,22 @@ def flag_of(f: Field) -> str:
 
 def key_of(f: Field) -> str:
     """The field's key in YAML files, ``to_flat()`` and run.json: the flag's words (``seq_len``, ``lr``)."""
-    return flag_of(f)[2:].replace("-", "_")
+    return _key(flag_of(f))
+
+
+@functools.cache
+def _key(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def with_rule(classes, *rules: str) -> frozenset[str]:
     """The keys (``key_of``) of the settings of ``classes`` whose resume rule is one of ``rules``."""
-    return frozenset(key_of(f) for cls in classes for f in settings(cls) if f.metadata["resume"] in rules)
+    return frozenset(s.key for cls in classes for s in walk(cls) if s.metadata["resume"] in rules)
 
 
-def for_command(cls, command: str) -> list[Field]:
-    """The settings of ``cls`` that ``command`` takes as flags."""
-    return [f for f in settings(cls) if command in f.metadata["commands"]]
+def for_command(cls, command: str) -> list[Setting]:
+    """The settings of ``cls`` (nested ones included) that ``command`` takes as flags."""
+    return [s for s in walk(cls) if command in s.metadata["commands"]]
 
 
 def option_spec(f: Field, command: str) -> dict[str, Any]:
@@ -127,17 +264,17 @@ def option_spec(f: Field, command: str) -> dict[str, Any]:
     return spec
 
 
-def searched(cls) -> list[Field]:
+def searched(cls) -> list[Setting]:
     """The settings of ``cls`` the planner chooses (``PLAN_ROLES``), each a field of its constraints."""
-    return [f for f in settings(cls) if f.metadata["plan"] == "searched"]
+    return [s for s in walk(cls) if s.metadata["plan"] == "searched"]
 
 
-def in_group(cls, group: str) -> list[Field]:
-    """The settings of ``cls`` in ``group``."""
-    return [f for f in settings(cls) if f.metadata["group"] == group]
+def in_group(cls, group: str) -> list[Setting]:
+    """The settings of ``cls`` in ``group`` (a nested group's, or those marked ``group=``)."""
+    return [s for s in walk(cls) if s.metadata["group"] == group]
 
 
 def own_defaults(cls, command: str) -> dict[str, Any]:
-    """The settings of ``cls`` whose default in ``command`` differs from the schema's: ``{name: default}``."""
-    return {f.name: spec["default"] for f in for_command(cls, command)
-            if "default" in f.metadata["overrides"].get(command, {}) for spec in [option_spec(f, command)]}
+    """The settings of ``cls`` whose default in ``command`` differs from the schema's: ``{key: default}``."""
+    return {s.key: spec["default"] for s in for_command(cls, command)
+            if "default" in s.metadata["overrides"].get(command, {}) for spec in [option_spec(s, command)]}

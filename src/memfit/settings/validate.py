@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.settings.schema import settings
+from memfit.settings.schema import key_of, settings
 
 
 def flag(name: str) -> str:
@@ -111,23 +111,23 @@ def check_fields(config) -> dict[str, Any]:
     A setting whose default is None may be None: not given, derived later (``memfit.settings.defaults``)."""
     out: dict[str, Any] = {}
     for f in settings(config):
-        kind, value = f.metadata["check"], getattr(config, f.name)
+        kind, value, key = f.metadata["check"], getattr(config, f.name), key_of(f)  # key: a nested group's flag
         if kind is None or (value is None and f.default is None):
             continue
         what = f.metadata["what"]
         if kind in ("int>=0", "int>=1"):
             minimum = int(kind[-1])
-            out[f.name] = whole(f.name, value, minimum=minimum, what=what or (POSITIVE if minimum else NON_NEGATIVE))
+            out[f.name] = whole(key, value, minimum=minimum, what=what or (POSITIVE if minimum else NON_NEGATIVE))
         elif kind == "pos":
-            out[f.name] = number(f.name, value, low=0.0, low_open=True, what=what or "a finite positive number")
+            out[f.name] = number(key, value, low=0.0, low_open=True, what=what or "a finite positive number")
         elif kind == "nonneg":
-            out[f.name] = number(f.name, value, low=0.0, what=what or "a finite number >= 0")
+            out[f.name] = number(key, value, low=0.0, what=what or "a finite number >= 0")
         elif kind == "frac":
-            out[f.name] = number(f.name, value, low=0.0, high=1.0, high_open=True, what=what or "a number in [0, 1)")
+            out[f.name] = number(key, value, low=0.0, high=1.0, high_open=True, what=what or "a number in [0, 1)")
         elif kind == "bool":
-            out[f.name] = boolean(f.name, value)
+            out[f.name] = boolean(key, value)
         else:
-            out[f.name] = text(f.name, value)
+            out[f.name] = text(key, value)
     return out
 
 
@@ -139,7 +139,7 @@ def check_run(run) -> dict[str, Any]:
 def check_train(config) -> dict[str, Any]:
     """Checked, normalised values of a ``TrainConfig``'s own fields (those present on it)."""
     out = check_fields(config)
-    for name in ("output", "data", "chat_template"):  # `--output ~/runs/x` the shell did not expand (=, YAML)
+    for name in ("output", "data"):  # `--output ~/runs/x` the shell did not expand (=, YAML); DataReading: its own
         if isinstance(out.get(name), str) and out[name].startswith("~"):
             out[name] = os.path.expanduser(out[name])
     if out.get("output"):

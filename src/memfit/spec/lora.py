@@ -16,7 +16,7 @@ def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):
     wrap keeps adapters in fp32 over a bf16/fp16 base)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+    return LoraConfig(r=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
                       target_modules=list(targets), task_type="CAUSAL_LM")
 
 
@@ -38,5 +38,5 @@ def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, re
         with peft_wrap_quietly():
             return get_peft_model(model, lora_config(run, targets), revision=revision)
     except ValueError as err:
-        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora_targets)}: "
+        raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora.targets)}: "
                         f"{str(err).splitlines()[0]}") from None

@@ -281,23 +281,23 @@ class ModelSpec:
         transformers' weight conversions wraps the stacked 3-D expert weights for the experts' projection
         names (``ParamWrapper``: ``r * E * (in + out)`` per tensor) and leaves the dense and shared-expert
         MLPs of those names alone (deepseek_v3: 21,696 by the formula, 35,008 built at r 8)."""
-        if not run.lora_r:
+        if not run.lora.r:
             return 0
         if self.default_experts:  # PEFT maps expert names onto the stacked 3-D weights: ask it
             from memfit.spec.resolved import peft_adapter_params
 
-            return run.lora_r * peft_adapter_params(self, tuple(run.lora_targets))
-        return sum(run.lora_r * (lin.in_features + lin.out_features) * lin.count
-                   for lin in self.lora_linears(run.lora_targets))
+            return run.lora.r * peft_adapter_params(self, tuple(run.lora.targets))
+        return sum(run.lora.r * (lin.in_features + lin.out_features) * lin.count
+                   for lin in self.lora_linears(run.lora.targets))
 
     def trainable_params(self, run) -> int:
         """All parameters for a full fine-tune, the adapters only for LoRA/QLoRA."""
-        return self.lora_params(run) if run.lora_r else self.params
+        return self.lora_params(run) if run.lora.r else self.params
 
     def check_lora_targets(self, run) -> None:
         """Raise ``UserError`` when a LoRA target matches no projection (names the ones that exist)."""
-        if run.lora_r:
-            self.lora_linears(run.lora_targets)
+        if run.lora.r:
+            self.lora_linears(run.lora.targets)
 
 
 def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str, int, int], ...]]:

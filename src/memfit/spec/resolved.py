@@ -14,7 +14,7 @@
 - the optimizer's row of ``memfit.spec.optimizers.OPTIMIZERS``.
 
 ``ResolvedRun.run`` is the ``RunConfig`` with those answers written in (a concrete attention, the
-target list handed to PEFT), so code that reads ``run.attn_implementation`` or ``run.lora_targets``
+target list handed to PEFT), so code that reads ``run.attn_implementation`` or ``run.lora.targets``
 after resolution sees what is built.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.settings import validate
-from memfit.settings.config import Attention, Experts, RunConfig
+from memfit.settings.config import Attention, Experts, LoraSettings, RunConfig
 from memfit.spec.optimizers import OptimizerRow, check_device, row
 
 #: PEFT's shorthand for every Linear/Conv1D but the output head (``peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND``).
@@ -145,7 +145,7 @@ def peft_adapter_params(spec, targets: tuple[str, ...]) -> int:
         peft_targets = lora_targets(spec, targets).peft_targets
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(spec.hf_config))
-            wrapped = wrap_lora(model, RunConfig(lora_r=1, lora_targets=peft_targets), peft_targets)
+            wrapped = wrap_lora(model, RunConfig(lora=LoraSettings(r=1, targets=peft_targets)), peft_targets)
         answers[targets] = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     return answers[targets]
 
@@ -323,8 +323,8 @@ class ResolvedRun:
                 "trainable_params": int(self.trainable_params)}
 
 
-def _with(run: RunConfig, **changes: Any) -> RunConfig:
-    """``run`` with ``changes`` written in, without ``RunConfig.__post_init__``'s checks: the values are
+def _with(run, **changes: Any):
+    """``run`` (a ``RunConfig``, or a nested group of it) with ``changes`` written in, without ``RunConfig.__post_init__``'s checks: the values are
     already valid members, and the planner resolves hundreds of runs per search (``replace`` re-validates
     every field, ~0.5 ms each)."""
     if all(getattr(run, k) == v for k, v in changes.items()):
@@ -343,9 +343,9 @@ def resolve(spec, run: RunConfig, device: str | None = None) -> ResolvedRun:
         check_device(run.optimizer, device)
     chosen = attention(spec, run.attn_implementation, run.compute_dtype())
     kernel = experts(spec, run.experts_implementation, str(run.dtype))
-    lora = lora_targets(spec, tuple(run.lora_targets)) if run.is_lora() else None
+    lora = lora_targets(spec, tuple(run.lora.targets)) if run.is_lora() else None
     resolved = _with(run, attn_implementation=as_attention(chosen),
                      experts_implementation=Experts(kernel) if kernel in {e.value for e in Experts} else run.experts_implementation,
-                     lora_targets=lora.peft_targets if lora else run.lora_targets)
+                     lora=_with(run.lora, targets=lora.peft_targets if lora else run.lora.targets))
     trainable = spec.trainable_params(resolved)
     return ResolvedRun(resolved, run, chosen, lora, opt, trainable, kernel)

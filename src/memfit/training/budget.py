@@ -22,9 +22,8 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     from memfit.integrations import quant_support
     from memfit.training.setup import cuda_available
 
-    typed = [k for k in config.pinned if k in RunConfig.__dataclass_fields__ and k not in _NOT_PINNED]
-    pinned = {k: getattr(run, k) for k in typed}
-    pinned = {k: (v.value if hasattr(v, "value") else v) for k, v in pinned.items()}
+    flat = run.to_flat()  # by key (lora_r), values plain (enums' names)
+    pinned = {k: flat[k] for k in config.pinned if k in flat and k not in _NOT_PINNED}
     if "lora_r" not in pinned and run.quantize is Quantize.NONE:
         pinned["lora_r"] = 0  # no --lora-r: a full fine-tune, as without --budget
     pinned.setdefault("sharding", "ddp")

@@ -72,7 +72,7 @@ def fingerprint(run, hf_config) -> dict[str, Any]:
     arch = {k: getattr(hf_config, k, None) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                                                      "num_hidden_layers", "num_attention_heads",
                                                      "num_key_value_heads")}
-    trained = f"LoRA r={run.lora_r} on {','.join(run.lora_targets)}" if run.is_lora() else "full fine-tune"
+    trained = f"LoRA r={run.lora.r} on {','.join(run.lora.targets)}" if run.is_lora() else "full fine-tune"
     return {"arch": arch, "trained": trained, "optimizer": str(run.optimizer), "dtype": str(run.dtype),
             "quantize": str(run.quantize)}
 

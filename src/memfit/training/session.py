@@ -253,8 +253,7 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     from memfit.builder import preference
     from memfit.training.step import PreferenceRun
 
-    spec = preference.PreferenceLoss(run.method, beta=config.beta, orpo_lambda=config.orpo_lambda,
-                                     simpo_gamma=config.simpo_gamma)
+    spec = preference.PreferenceLoss(run.method, config.preference)
     reference = None
     if spec.needs_reference and run.precompute_reference:  # each rank with the weights its share, then all of it
         from accelerate.utils import gather_object
