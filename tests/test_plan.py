@@ -355,7 +355,7 @@ def test_table_at_80_columns_keeps_what_tells_two_plans_apart():
     adamw-foreach at the same split) and an 8-bit row ranked below slower ones with nothing to say why."""
     from rich.console import Console
 
-    from memfit.planning.table import plan_table, ranking_note
+    from memfit.report.plan_table import plan_table, ranking_note
 
     result = plan("qwen2.5-0.5b", "24GiB", seq_len=1024, batch=16)  # the CLI's defaults
     table, dropped = plan_table(result, 10, 80)

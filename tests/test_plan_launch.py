@@ -14,6 +14,7 @@ from memfit.memory.outside import outside_step
 from memfit.memory.states import model_states
 from memfit.planning import launch
 from memfit.planning.search import plan
+from memfit.report.runs import shell_lines
 from memfit.settings.config import RunConfig
 from memfit.spec import engines
 from memfit.training import sharding
@@ -133,7 +134,7 @@ def test_launch_command_is_folded_to_80_columns_and_pastes_as_the_same_command()
     run = RunConfig.of(seq_len=2048, micro_batch=4, grad_accum=4, num_processes=2, sharding="fsdp", lora_r=16)
     command = launch.launch_command("llama-3-8b", run, "acc.yaml")
     assert len(command) > 200  # one line would be cut or wrapped mid-flag by the terminal
-    folded = launch.shell_lines(command)
+    folded = shell_lines(command)
     assert all(len(line) <= 80 for line in folded.splitlines())
     assert all(line.endswith(" \\") for line in folded.splitlines()[:-1])
     assert shlex.split(folded.replace("\\\n", " ")) == shlex.split(command)

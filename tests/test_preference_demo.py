@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.report.summary import summary_table
 from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training.loop import run_training
-from memfit.training.progress import summary_table
 
 
 def test_demo_pairs_reject_the_answer_of_another_question_type():

@@ -11,15 +11,9 @@ import torch
 from rich.console import Console
 
 from memfit.memory import measure
+from memfit.report.summary import baseline_warning, measured_vs_predicted, print_summary
 from memfit.training import threads
-from memfit.training.progress import (
-    LiveProgress,
-    StepFields,
-    baseline_warning,
-    measured_vs_predicted,
-    print_summary,
-    progress_line,
-)
+from memfit.training.progress import LiveProgress, StepFields, progress_line
 
 
 def _console(width: int = 80) -> Console:

@@ -12,9 +12,8 @@ import sys
 
 import click
 
-from memfit import __version__
+from memfit import __version__, quiet_import_notices
 from memfit.errors import UserError, printable
-from memfit.integrations.hf_compat import quiet_import_notices
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("memfit.cli.train", "Train or fine-tune a causal LM on Accelerate and measure its memory."),
@@ -52,7 +51,7 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            with quiet_import_notices():  # bitsandbytes' and DeepSpeed's import-time notices (memfit.integrations.hf_compat)
+            with quiet_import_notices():  # bitsandbytes' and DeepSpeed's import-time notices
                 return super().invoke(ctx)
         except UserError as err:
             facing = UserFacingError(str(err))

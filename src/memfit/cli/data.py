@@ -34,7 +34,7 @@ def command() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print input_ids, labels and the marked text as JSON.")
 def preview(**kwargs: Any) -> None:
     """Show one record rendered as training sees it; text without loss is shown as [[no loss: ...]]."""
-    from memfit.data.prep import preview_record
+    from memfit import preview_record
     from memfit.settings.config import TrainConfig
 
     index, as_json = kwargs.pop("index"), kwargs.pop("as_json")

@@ -1,4 +1,4 @@
-"""``memfit estimate``: where every byte of a training step goes (thin over ``memfit.memory.estimate``)."""
+"""``memfit estimate``: where every byte of a training step goes (thin over ``memfit.estimate``)."""
 
 from __future__ import annotations
 
@@ -47,11 +47,10 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
       memfit estimate --from axolotl.yml        # also TRL/Trainer, LLaMA-Factory, torchtune files
     """
+    from memfit import check_seq_len, estimate, load_spec, progress_bars
+    from memfit import compare as compare_regimes
     from memfit.cli.options import explicit
-    from memfit.memory.estimate import compare as compare_regimes
-    from memfit.memory.estimate import estimate
     from memfit.settings.config import check_lora_options
-    from memfit.spec.model import check_seq_len, load_spec
 
     typed = explicit(click.get_current_context(), kwargs)
     reading = read_from(from_path, from_format)
@@ -71,8 +70,6 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     for flag_name, path in (("--plot", plot_path), ("--timeline", timeline_path)):
         if path:  # before the work: a figure that cannot be written is found out first
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
-    from memfit.integrations.hub import progress_bars
-
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
@@ -92,7 +89,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
 
 def _exact(model, spec, run, device, timeline_path):
     try:
-        from memfit.memory.trace import trace
+        from memfit import trace
     except ImportError:
         raise UserError("--exact needs memfit.memory.trace, which this install lacks.") from None
     if not timeline_path:
@@ -147,6 +144,6 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
 
 
 def _regime_config(run, name):
-    from memfit.memory.estimate import classic_regimes
+    from memfit import classic_regimes
 
     return dict(classic_regimes(run))[name].to_flat()

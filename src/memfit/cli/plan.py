@@ -1,4 +1,4 @@
-"""``memfit plan``: parse flags, call ``memfit.planning.search.plan``, render a table / JSON / YAML."""
+"""``memfit plan``: parse flags, call ``memfit.plan`` (or ``memfit.maximize``), render a table / JSON / YAML."""
 
 from __future__ import annotations
 
@@ -73,10 +73,7 @@ _OUTPUT = [
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
             accelerate_config, maximize, emit, from_path, from_format, **pins):
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
-    from memfit.integrations.hub import progress_bars
-    from memfit.planning.gpus import detect_gpu
-    from memfit.planning.space import Constraints
-    from memfit.spec.model import check_seq_len, load_spec
+    import memfit
 
     margin = _checked_inputs(top, margin, output, emit, pins)
     reading = read_from(from_path, from_format)
@@ -86,17 +83,15 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
     adapt = engine_of = None
     if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
-        import memfit
-
         tool = emit[0] if emit else reading.tool
         adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
-    constraints = Constraints.from_flat(pins)
-    device = detect_gpu() if gpu and gpu.lower() == "auto" else gpu
-    with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
+    constraints = memfit.Constraints.from_flat(pins)
+    device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
+    with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         # reading the architecture is not part of the search
-        spec = load_spec(model, revision=revision) if model else reading.spec()
-    check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
+        spec = memfit.load_spec(model, revision=revision) if model else reading.spec()
+    memfit.check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
                      gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method,
@@ -106,17 +101,15 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         write_plan_yaml(result, Path(output), revision)
     if emit:
         _write_emitted(emit, result, model or reading.model, reading)
-    from memfit.planning import launch
-
-    config_file = accelerate_config or launch.DEFAULT_CONFIG_FILE
+    config_file = accelerate_config or memfit.ACCELERATE_CONFIG_FILE
     if accelerate_config:
-        launch.write_accelerate_config(result.best.config, Path(accelerate_config))
-    command_line = launch.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
+        memfit.write_accelerate_config(result.best.config, Path(accelerate_config))
+    command_line = memfit.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
     if result.best.config.loss is Loss.TRL:  # priced for TRL's SFTTrainer; memfit train does not run TRL's loss
         command_line = None
     if as_json:
         click.echo(json.dumps({**result.to_dict(top=top or None), "launch": command_line,
-                               "accelerate_config": launch.accelerate_config(result.best.config)}, indent=2))
+                               "accelerate_config": memfit.accelerate_config(result.best.config)}, indent=2))
         return
     _print(result, top or None, elapsed, output, maximize)
     if reading is not None:
@@ -127,16 +120,18 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
-    _print_launch(launch, command_line, accelerate_config, config_file)
+    _print_launch(command_line, accelerate_config, config_file)
 
 
-def _print_launch(launch, command_line: str | None, accelerate_config: str | None, config_file: str) -> None:
+def _print_launch(command_line: str | None, accelerate_config: str | None, config_file: str) -> None:
     """How to run the chosen plan (None: TRL's loss, which memfit prices but does not train with)."""
     if command_line is None:
         click.echo("Launch: with TRL's SFTTrainer (memfit prices its loss, --loss trl, but does not train with it; "
                    "--emit trl FILE writes the plan as its config).")
         return
-    click.echo("Launch:\n" + launch.shell_lines(command_line))
+    from memfit.report.runs import shell_lines
+
+    click.echo("Launch:\n" + shell_lines(command_line))
     if accelerate_config:
         click.echo(f"Wrote {printable(accelerate_config)} (Accelerate config).")
     elif "accelerate launch" in command_line:
@@ -145,16 +140,14 @@ def _print_launch(launch, command_line: str | None, accelerate_config: str | Non
 def _search(spec, budget, maximize: str | None, shape: dict):
     """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
     (largest micro-batch) that fits per technique (``memfit.maximize``: no preference method, no --emit)."""
-    from memfit.planning.search import SAFETY_MARGIN, plan
+    import memfit
 
     if shape["safety_margin"] is None:
-        shape["safety_margin"] = SAFETY_MARGIN
+        shape["safety_margin"] = memfit.SAFETY_MARGIN
     if maximize:
-        from memfit import maximize as search_largest
-
-        return search_largest(spec, budget, maximize, **{k: v for k, v in shape.items()
-                                                          if k not in ("batch", "adapt", "method", "engine_of")})
-    return plan(spec, budget, **shape)
+        return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items()
+                                                           if k not in ("batch", "adapt", "method", "engine_of")})
+    return memfit.plan(spec, budget, **shape)
 
 
 def _checked_inputs(top: int, margin, output, emit, pins: dict):
@@ -213,8 +206,8 @@ def _write_emitted(emit, result, model, reading) -> None:
 def _print(result, top, elapsed: float, output, maximize: str | None = None) -> None:
     from rich.console import Console
 
-    from memfit.planning.search import describe
-    from memfit.planning.table import plan_table, ranking_note
+    from memfit.report.plan_table import plan_table, ranking_note
+    from memfit.report.runs import describe
     from memfit.units import fmt_gib
 
     console = Console()
@@ -232,11 +225,11 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
     for line in result.notes:  # a mixture-of-experts model's routing margin, LoRA parts, expert split
         console.print(line, highlight=False)
     if maximize:
-        from memfit.planning.table import largest_note
+        from memfit import largest_note
 
         console.print(largest_note(result, maximize), highlight=False)
     if best.config.offload is not Offload.NONE:
-        from memfit.memory.snapshot import host_bytes
+        from memfit import host_bytes
 
         console.print(f"Host RAM: {fmt_gib(host_bytes(result.spec, best.config))} per machine (offloaded state and "
                       "rollback snapshot of all ranks; --host-memory checks it).", highlight=False)

@@ -9,7 +9,7 @@ import click
 
 def preset_rows() -> list[dict]:
     """Name, parameter count (real checkpoint's), family and description of every preset."""
-    from memfit.spec.model import load_presets
+    from memfit import load_presets
 
     rows = []
     for name, entry in sorted(load_presets().items()):
@@ -22,7 +22,7 @@ def preset_rows() -> list[dict]:
 
 def gpu_rows() -> list[dict]:
     try:
-        from memfit.planning.gpus import load_gpus
+        from memfit import load_gpus
     except ImportError:
         return []
     return [{"name": g.name, "memory_bytes": g.memory_bytes, "half_tflops": g.half_tflops,

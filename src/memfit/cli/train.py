@@ -1,4 +1,4 @@
-"""``memfit train``: parse flags (and ``--config FILE``), call ``memfit.training.loop.train``, render."""
+"""``memfit train``: parse flags (and ``--config FILE``), call ``memfit.train``, render."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     chosen = set(typed) | set(from_file)
     check_lora_options(chosen, "lora_r" in chosen)
     if "mixed_precision" not in chosen:
-        from memfit.training.setup import default_precision
+        from memfit import default_precision
 
         merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
     merged["pinned"] = tuple(sorted(k for k in chosen if k in MEMORY_KEYS))
@@ -84,8 +84,8 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     """
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
-        from memfit.training.equivalence import check_equivalence
-        from memfit.training.summary import json_safe
+        from memfit import check_equivalence
+        from memfit.report.summary import json_safe
 
         result = check_equivalence(config)
         if config.json:
@@ -100,21 +100,21 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
         return
     import contextlib
 
-    from memfit.training.loop import run_training
+    import memfit
 
     # --json: stdout carries the summary only. Libraries print there during the run (DeepSpeed's logger,
     # bound to the stdout of the moment Accelerate's unwrap_model imports it when installed: "Setting
     # accelerator to CPU"), so the run's stdout goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if config.json else contextlib.nullcontext():
-        summary = run_training(config).summary
+        summary = memfit.train(config)  # the summary's JSON form (RunSummary.to_dict())
     import accelerate
 
     if not accelerate.PartialState().is_main_process:
         return
     if config.json:
-        click.echo(json.dumps(summary.to_dict(), indent=2, default=str))
+        click.echo(json.dumps(summary, indent=2, default=str))
     else:
-        from memfit.training.progress import print_summary
+        from memfit.report.summary import print_summary
 
         print_summary(summary)
 

@@ -204,7 +204,8 @@ def _adapters(model) -> dict[str, Any]:
 def _refusal(spec, run, peak: int, budget: int, device: str) -> str:
     """One sentence: the predicted peak, the budget, and the fastest plan that fits (or that none does)."""
     from memfit.errors import NothingFitsError
-    from memfit.planning.search import describe, plan
+    from memfit.planning.search import plan
+    from memfit.report.runs import describe
     from memfit.units import fmt_gib
 
     head = f"This run needs {fmt_gib(peak)} at its peak, more than the {fmt_gib(budget)} it has"

@@ -60,29 +60,6 @@ def launch_command(model: str, run: RunConfig, config_file: str = DEFAULT_CONFIG
     return f"accelerate launch --config_file {shlex.quote(config_file)} -m memfit train {train} --data DATA"
 
 
-def shell_lines(command: str, width: int = 80) -> str:
-    """``command`` folded at flag boundaries into shell lines of at most ``width`` columns joined by
-    ``\\`` (a flag stays with its value), so it fits the terminal and still pastes as one command."""
-    import shlex
-
-    words = shlex.split(command)
-    groups: list[str] = []
-    for word in words:
-        if groups and not word.startswith("-") and groups[-1].startswith("--") and " " not in groups[-1]:
-            groups[-1] += " " + shlex.quote(word)  # a flag's value stays on its line
-        else:
-            groups.append(shlex.quote(word))
-    lines, line = [], "  "
-    for group in groups:
-        if line.strip() and len(line) + 1 + len(group) + 2 > width:
-            lines.append(line + " \\")
-            line = "    " + group
-        else:
-            line = (line + " " + group) if line.strip() else "  " + group
-    lines.append(line)
-    return "\n".join(lines)
-
-
 def write_accelerate_config(run: RunConfig, path: Path) -> None:
     """Write ``accelerate_config(run)`` as YAML, atomically."""
     import yaml

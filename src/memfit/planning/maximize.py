@@ -22,6 +22,7 @@ from __future__ import annotations
 from memfit.errors import NothingFitsError, UserError
 from memfit.planning.search import SAFETY_MARGIN, Plan, PlanResult, _resolve, evaluate, nothing_fits_message
 from memfit.planning.space import Constraints, candidates
+from memfit.units import fmt_gib
 
 #: What ``--maximize`` can maximize: the flag's value -> the ``RunConfig`` field.
 TARGETS = {"seq-len": "seq_len", "micro-batch": "micro_batch"}
@@ -132,3 +133,18 @@ def next_step(result: PlanResult, target: str) -> Plan | None:
     return evaluate(result.spec, result.best.config.replace(**{field: value + 1}), result.gpu, result.budget_bytes,
                     result.safety_margin)
 
+
+def largest_note(result: PlanResult, target: str) -> str:
+    """One sentence: the largest value found, and why one more does not fit (or that it is the model's cap).
+
+    It lives here, not in report/: it evaluates one more step (``next_step``) to say what that needs."""
+    field = TARGETS[target]
+    value = getattr(result.best.config, field)
+    what = "sequence" if field == "seq_len" else "micro-batch"
+    unit = "tokens" if field == "seq_len" else "sequences"
+    nxt = next_step(result, target)
+    if nxt is None:
+        limit = "the model's positions" if field == "seq_len" else f"the search's bound ({MAX_MICRO_BATCH:,})"
+        return f"Largest {what} that fits: {value:,} {unit}, {limit} (more would fit the budget)."
+    return (f"Largest {what} that fits: {value:,} {unit}; {value + 1:,} needs {fmt_gib(nxt.needed_bytes)}, over "
+            f"{fmt_gib(result.budget_bytes)} once the {result.safety_margin:.0%} margin is added.")

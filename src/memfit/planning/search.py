@@ -20,7 +20,8 @@ from memfit.memory.breakdown import MemoryBreakdown
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
-from memfit.settings.config import DType, Offload, Optimizer, Precision, Quantize, RunConfig
+from memfit.report.runs import describe
+from memfit.settings.config import Optimizer, RunConfig
 from memfit.spec.resolved import attention
 from memfit.units import fmt_gib, parse_size
 
@@ -58,9 +59,14 @@ class Plan:
         return max(self.peak_bytes + self.routing_bytes, self.outside_bytes)
 
     @property
+    def weight(self) -> float:
+        """The ``PREFERENCE`` weight of its settings (1.0: none); the plan table's note states it."""
+        return PREFERENCE.get(self.config.optimizer, 1.0)
+
+    @property
     def score(self) -> float:
         """What the ranking sorts by: tokens/s times the ``PREFERENCE`` weight of its settings."""
-        return self.tokens_per_s * PREFERENCE.get(self.config.optimizer, 1.0)
+        return self.tokens_per_s * self.weight
 
     def to_dict(self) -> dict[str, Any]:
         out = {"config": self.config.to_flat(), "peak_bytes": int(self.peak_bytes),
@@ -114,43 +120,6 @@ class PlanResult:
             "plans": [p.to_dict() for p in plans],
             **({"notes": self.notes} if self.notes else {}),
         }
-
-
-def method(run: RunConfig) -> str:
-    """``full``, ``LoRA r16``, ``QLoRA 4bit r16``."""
-    if run.quantize is not Quantize.NONE:
-        return f"QLoRA {run.quantize} r{run.lora.r}"
-    return f"LoRA r{run.lora.r}" if run.is_lora() else "full"
-
-
-def precision(run: RunConfig) -> str:
-    """``bf16 AMP / fp32 w`` (autocast compute / stored weights), ``pure bf16``, ``fp32``."""
-    if run.mixed_precision is Precision.NO:
-        return "fp32" if run.dtype is DType.FP32 else f"pure {run.dtype}"
-    stored = {Quantize.Q4: "4bit", Quantize.Q8: "int8"}.get(run.quantize, str(run.dtype))
-    return f"{run.mixed_precision} AMP / {stored} w"
-
-
-def describe(run: RunConfig) -> str:
-    """One line: ``QLoRA 4bit r16, bf16 AMP / 4bit w, checkpointing, micro-batch 1 x 16 accumulation, ...``."""
-    parts = [method(run), precision(run)]
-    if run.grad_checkpointing:
-        parts.append("checkpointing")
-    parts += [f"micro-batch {run.micro_batch} x {run.grad_accum} accumulation", str(run.optimizer)]
-    if run.offload is not Offload.NONE:
-        parts.append(f"offload {run.offload}")
-    if str(run.loss) != "standard":
-        parts.append(f"{run.loss} loss")
-    if run.optimizer_in_backward:
-        parts.append("optimizer in backward")
-    if str(run.method) != "sft":
-        from memfit.memory.preference_terms import reference_policy
-
-        policy = reference_policy(run)
-        parts.append(f"{run.method}" + (f" (reference: {policy})" if policy else ""))
-    if run.num_processes > 1:
-        parts.append(f"{run.sharding} over {run.num_processes} processes")
-    return ", ".join(parts)
 
 
 def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> bool:

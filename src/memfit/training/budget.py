@@ -74,7 +74,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
 
 def plan_record(config: TrainConfig, result) -> dict[str, Any]:
     """What ``run.json`` keeps of the plan: the budget, the device ranked for, the chosen plan, one line."""
-    from memfit.planning.search import describe
+    from memfit.report.runs import describe
 
     chosen = result.best
     return {"budget": config.budget, "budget_bytes": int(result.budget_bytes),

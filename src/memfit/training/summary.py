@@ -1,18 +1,18 @@
 """What a finished training run reports: one typed object, rendered three ways.
 
-``RunSummary`` is built once by ``training.finish``; the rich table (``progress.summary_table``),
+``RunSummary`` is built once by ``training.finish``; the rich table (``report.summary.summary_table``),
 ``run.json`` and ``memfit train --json`` all render it, through ``to_dict`` for the two JSON forms, so
 the three can never disagree on a number or a key.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.measure import PeakMemory
+from memfit.report.summary import fallback_line, json_safe
 from memfit.settings.config import RunConfig
 
 #: The run settings a fallback may change; ``FallbackRecord`` shows them before and after.
@@ -48,14 +48,8 @@ class FallbackRecord:
         return cls(data["step"], data.get("phase", "forward"), data["error"], dict(data["from"]), dict(data["to"]))
 
     def describe(self) -> str:
-        """One line: ``step 2 (forward): micro-batch 4 x 1 -> 2 x 2``."""
-        a, b = self.before, self.after
-        if a.get("optimizer") != b.get("optimizer"):
-            return f"step {self.step} ({self.phase}): optimizer {a.get('optimizer')} -> {b.get('optimizer')}"
-        change = f"micro-batch {a['micro_batch']} x {a['grad_accum']} -> {b['micro_batch']} x {b['grad_accum']}"
-        if b["grad_checkpointing"] and not a["grad_checkpointing"]:
-            change += " + checkpointing"
-        return f"step {self.step} ({self.phase}): {change}"
+        """One line: ``step 2 (forward): micro-batch 4 x 1 -> 2 x 2`` (``report.summary.fallback_line``)."""
+        return fallback_line(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "phase": self.phase, "error": self.error, "from": dict(self.before),
@@ -144,14 +138,3 @@ class RunSummary:
             "preference": self.preference,
         }
         return json_safe(out)
-
-
-def json_safe(value: Any) -> Any:
-    """NaN becomes ``None`` (JSON has no NaN), recursively."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value

@@ -1,16 +1,20 @@
-"""Render a ``PlanResult`` as a rich table (rendering only; the numbers come from ``search``)."""
+"""Render a ``PlanResult`` as a rich table (rendering only; the numbers come from ``planning.search``).
+
+It reads the result's fields (``plans``, ``chosen``, ``budget_bytes``, ...) and imports nothing of planning/,
+which sits above report/ in the layers.
+"""
 
 from __future__ import annotations
 
 from rich import box
 from rich.table import Table
 
-from memfit.planning.search import PREFERENCE, PlanResult, method, precision
 from memfit.report.fit import Col, fitted_table
+from memfit.report.runs import method, precision
 from memfit.units import binary_scale, fmt_gib
 
 
-def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Table, list[str]]:
+def plan_table(result, top: int = 10, width: int = 200) -> tuple[Table, list[str]]:
     """The first ``top`` ranked plans: the choice marked ``*``, plans that do not fit marked ``x``.
 
     The offload and sharding columns appear only when a shown plan uses them. On a terminal narrower
@@ -50,31 +54,15 @@ def plan_table(result: PlanResult, top: int = 10, width: int = 200) -> tuple[Tab
                         pad_edge=False, collapse_padding=True)
 
 
-def ranking_note(result: PlanResult, top: int = 10) -> str | None:
-    """The sentence that explains a shown plan ranked below a slower one: ``PREFERENCE`` weights.
+def ranking_note(result, top: int = 10) -> str | None:
+    """The sentence that explains a shown plan ranked below a slower one: the planner's ``PREFERENCE``
+    weights, read from the shown plans (``Plan.weight``).
 
     The table sorts by weighted tokens/s, so an 8-bit AdamW row sits below exact-AdamW rows whose
     tokens/s are up to 1% lower; without this line the order looks wrong.
     """
-    shown = {p.config.optimizer for p in result.plans[:top] if p.fits}
-    weighted = sorted((opt for opt in shown if opt in PREFERENCE), key=str)
-    if not weighted:
+    weights = {p.config.optimizer: p.weight for p in result.plans[:top] if p.fits and p.weight != 1.0}
+    if not weights:
         return None
-    parts = ", ".join(f"{opt} as if {1 - PREFERENCE[opt]:.0%} slower" for opt in weighted)
+    parts = ", ".join(f"{opt} as if {1 - weights[opt]:.0%} slower" for opt in sorted(weights, key=str))
     return f"Ranked by tokens/s with {parts} (exact AdamW wins near-ties)."
-
-
-def largest_note(result: PlanResult, target: str) -> str:
-    """One sentence: the largest value found, and why one more does not fit (or that it is the model's cap)."""
-    from memfit.planning.maximize import MAX_MICRO_BATCH, TARGETS, next_step
-
-    field = TARGETS[target]
-    value = getattr(result.best.config, field)
-    what = "sequence" if field == "seq_len" else "micro-batch"
-    unit = "tokens" if field == "seq_len" else "sequences"
-    nxt = next_step(result, target)
-    if nxt is None:
-        limit = "the model's positions" if field == "seq_len" else f"the search's bound ({MAX_MICRO_BATCH:,})"
-        return f"Largest {what} that fits: {value:,} {unit}, {limit} (more would fit the budget)."
-    return (f"Largest {what} that fits: {value:,} {unit}; {value + 1:,} needs {fmt_gib(nxt.needed_bytes)}, over "
-            f"{fmt_gib(result.budget_bytes)} once the {result.safety_margin:.0%} margin is added.")
