@@ -148,7 +148,7 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     from memfit.training import setup
     from memfit.training.step import train_step
 
-    cfg = TrainConfig(model=model, run=run, seed=seed, optimizer_lr=1e-4, output="/tmp/memfit-bench-unused")
+    cfg = TrainConfig.of(model=model, run=run, seed=seed, lr=1e-4, output="/tmp/memfit-bench-unused")
     free_memory()
     accelerator = setup.build_accelerator(run, cfg)
     bundle = setup.build_model(cfg, run)

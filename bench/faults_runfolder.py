@@ -41,7 +41,7 @@ def runfolder_cases(c, tmp: Path, model: str, data: str) -> None:
     base = base_run(c, tmp, model, data, "rf-base")
     for name, extra in {"--overwrite": ["--overwrite"], "--resume": ["--resume"]}.items():
         run = copy_run(base, tmp / f"rf-{len(c.rows)}")
-        holder = RunFolder(run).open(TrainConfig(output=str(run), resume=True), is_main=True)
+        holder = RunFolder(run).open(TrainConfig.of(output=str(run), resume=True), is_main=True)
         (run / "checkpoints" / f".tmp-step-5-{holder.tag}").mkdir()
         before = digest(run)
         try:

@@ -43,7 +43,7 @@ def measure(config, run: RunConfig, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = _common.build_model(config, seed=seed)
     model.train()
-    optimizer = build_optimizer(model, run, TrainConfig(run=run, optimizer_lr=1e-3))
+    optimizer = build_optimizer(model, run, TrainConfig.of(run=run, lr=1e-3))
     ids = _common.token_blocks(config.vocab_size, run.micro_batch, run.seq_len, seed)  # (B, T)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     n = torch.tensor(ids.numel())
@@ -112,7 +112,7 @@ def speed(config, base: RunConfig, variant: RunConfig, repeats: int, seed: int =
     n = torch.tensor(ids.numel())
 
     def timed(run: RunConfig) -> float:
-        optimizer = build_optimizer(model, run, TrainConfig(run=run, optimizer_lr=1e-3))
+        optimizer = build_optimizer(model, run, TrainConfig.of(run=run, lr=1e-3))
         start = time.perf_counter()
         loss = micro_loss(model, batch, n, True, config.vocab_size, run.loss)
         loss.backward()

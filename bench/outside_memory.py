@@ -175,7 +175,7 @@ def _plain(model_name: str, run):
 
     hf_config = modelspec.resolve_config(model_name)
     source = ModelSource(hf_config, None, True, resolve(modelspec.load_spec(model_name), run))
-    return build_model(TrainConfig(model=model_name, run=run), run, source).model
+    return build_model(TrainConfig.of(model=model_name, run=run), run, source).model
 
 
 def main() -> None:

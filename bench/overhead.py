@@ -158,10 +158,10 @@ def run_memfit(setup: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         data = Path(out) / "data.txt"
         data.write_text(_text_for(setup))
-        cfg = TrainConfig(
+        cfg = TrainConfig.of(
             model=setup["model"], data=str(data),
             run=RunConfig.of(seq_len=setup["seq_len"], micro_batch=setup["micro_batch"], optimizer="adamw"),
-            optimizer_lr=LR, weight_decay=0.0, warmup_steps=0, max_steps=setup["steps"], seed=SEED,
+            lr=LR, weight_decay=0.0, warmup_steps=0, max_steps=setup["steps"], seed=SEED,
             packing=True, eval_every=0, eval_fraction=0.0, save_every=None, log_every=1,
             max_grad_norm=MAX_GRAD_NORM, output=str(Path(out) / "run"), overwrite=True, samples=0,
         )

@@ -51,7 +51,7 @@ def measure(model_dir: str, run: RunConfig) -> dict:
     from memfit.training.setup import build_accelerator, build_model, build_optimizer
     from memfit.training.step import micro_loss
 
-    config = TrainConfig(model=model_dir, tokenizer="byte", run=run, optimizer_lr=1e-3)
+    config = TrainConfig.of(model=model_dir, tokenizer="byte", run=run, lr=1e-3)
     bundle = build_model(config, run)
     model = bundle.model
     if str(run.mixed_precision) != "no":

@@ -36,7 +36,7 @@ def main() -> None:
     from memfit.training.setup import ModelSource, build_accelerator, build_model
 
     run = RunConfig.of(seq_len=32, micro_batch=1, optimizer="adamw", sharding=args.sharding)
-    config = TrainConfig(model=args.model, run=run)
+    config = TrainConfig.of(model=args.model, run=run)
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)
     source = ModelSource(modelspec.resolve_config(args.model), None, True, resolve(modelspec.load_spec(args.model), run))

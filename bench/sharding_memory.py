@@ -90,7 +90,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
                     sharding=sharding_flag, offload=offload, lora_r=lora_r, quantize=quantize,
                     packing="concat")  # what train_steps feeds: whole rows, unpadded: no attention mask
-    config = TrainConfig(model=model_name, run=run, max_grad_norm=0.0, optimizer_lr=1e-3)  # the lr does not move memory
+    config = TrainConfig.of(model=model_name, run=run, max_grad_norm=0.0, lr=1e-3)  # the lr does not move memory
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)
     hf_config = modelspec.resolve_config(model_name)

@@ -65,7 +65,7 @@ def write_text(root: Path, n: int = 60, seed: int = 0) -> str:
 def tiny_config(tmp: Path, *, run: dict | None = None, **overrides) -> TrainConfig:
     """3 SGD steps of 4 sequences on the QA data, fp32, no packing, no eval, no samples."""
     base = dict(model=write_model(tmp / "model"), tokenizer="byte", data=write_qa(tmp),
-                optimizer_lr=0.5, warmup_steps=0, max_steps=3, eval_every=0,
+                lr=0.5, warmup_steps=0, max_steps=3, eval_every=0,
                 eval_fraction=0.0, samples=0, log_every=1, output=str(tmp / "out"), max_grad_norm=0.0)
     run_kw = dict(seq_len=64, micro_batch=4, grad_accum=1, optimizer="sgd", packing="none")
     run_kw.update(run or {})

@@ -52,7 +52,7 @@ def test_demo_with_checkpointing_warns_nothing(tmp_path, lora_r):
     ``is_gradient_checkpointing``) this caught two FutureWarnings per run.
     """
     run = RunConfig.of(seq_len=128, micro_batch=4, grad_checkpointing=True, lora_r=lora_r)
-    config = TrainConfig(run=run, max_steps=2, eval_every=2, samples=1, output=str(tmp_path / "out"),
+    config = TrainConfig.of(run=run, max_steps=2, eval_every=2, samples=1, output=str(tmp_path / "out"),
                          merge=bool(lora_r))
     assert _warnings_of(config) == []
 
@@ -67,7 +67,7 @@ def test_loading_a_checkpoint_shows_no_loading_bar(tmp_path, capfd):
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA)).save_pretrained(folder)
     capfd.readouterr()
     (tmp_path / "data.txt").write_text("\n\n".join(f"Tom found {i} kites. The end." for i in range(40)))
-    config = TrainConfig(model=str(folder), tokenizer="byte", data=str(tmp_path / "data.txt"),
+    config = TrainConfig.of(model=str(folder), tokenizer="byte", data=str(tmp_path / "data.txt"),
                          run=RunConfig.of(seq_len=64, micro_batch=2, grad_checkpointing=True), max_steps=1,
                          eval_every=0, samples=0, output=str(tmp_path / "out"))
     assert _warnings_of(config) == []

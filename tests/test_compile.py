@@ -55,7 +55,7 @@ def test_exact_compile_predicts_the_compiled_steps_measured_peak():
     from memfit.builder.parts import make_optimizer, parameter_groups
     from memfit.memory.measure import counted, counted_compiled, resident_tensors
     from memfit.memory.trace import trace
-    from memfit.settings.config import TrainConfig
+    from memfit.settings.config import OptimSettings
 
     config = family_config("llama")
     # 384 tokens: activations, not the optimizer step, set both peaks (at 128 the step did, the same for both)
@@ -67,7 +67,7 @@ def test_exact_compile_predicts_the_compiled_steps_measured_peak():
         # memfit's optimizer, as the trace builds it: its two weight-decay groups order the per-tensor loop,
         # whose previous ``denom`` is alive during the next tensor's step (one AdamW over model.parameters()
         # was 702,464 bytes lower than the trace: a down_proj-sized denom before the head's step)
-        optimizer = make_optimizer(run, parameter_groups(model, TrainConfig.weight_decay), 1e-4)
+        optimizer = make_optimizer(run, parameter_groups(model, OptimSettings.weight_decay), 1e-4)
         net = torch.compile(model) if compiled else model
         ids = torch.randint(0, config.vocab_size, (run.micro_batch, run.seq_len))
 

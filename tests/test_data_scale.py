@@ -165,7 +165,7 @@ def test_resume_on_arrow_data_lands_on_the_same_samples_and_weights(tmp_path, mo
     from memfit.training.loop import run_training
 
     data = _parquet(tmp_path)
-    common = dict(data=data, text_field="body", max_steps=4, packing="documents", optimizer_lr=1e-2, warmup_steps=2,
+    common = dict(data=data, text_field="body", max_steps=4, packing="documents", lr=1e-2, warmup_steps=2,
                   run={"optimizer": "adamw"})
     full = run_training(tiny_config(tmp_path / "a", **common), show=False)
     cfg = tiny_config(tmp_path / "b", save_every=2, **common)
@@ -190,7 +190,7 @@ def test_eval_samples_use_the_chat_template_and_leave_training_unchanged(tmp_pat
                                                      {"role": "assistant", "content": f"{i + 1}."}]}) + "\n"
                             for i in range(20)))
     common = dict(data=str(path), packing="documents", eval_every=2, eval_fraction=0.2, max_steps=4,
-                  run={"optimizer": "adamw"}, optimizer_lr=1e-2)
+                  run={"optimizer": "adamw"}, lr=1e-2)
     plain = run_training(tiny_config(tmp_path / "plain", **common), show=False)
     cfg = tiny_config(tmp_path / "sampled", eval_samples=2, **common)
     sampled = run_training(cfg, show=False)

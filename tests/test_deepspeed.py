@@ -53,7 +53,7 @@ def _plain_and_deepspeed(tmp_path, flag: str, stage: int, extra=()):
     # 22 samples, effective batch 4 = 1 x 2 accumulation x 2 ranks: the 6th step holds 2 samples (rank 1
     # runs dummy rows then); micro-batches hold different numbers of target tokens (write_qa).
     data = write_qa(tmp_path, n=22)
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, max_grad_norm=1.0)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, max_grad_norm=1.0)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
     proc = _launch(stage, "--model", two.model, "--data", data, *ARGS, "--sharding", flag, *extra,
@@ -71,7 +71,7 @@ def deepspeed_runs(tmp_path_factory):
     for flag, stage in (("zero2", 2), ("zero3", 3)):
         (root / flag).mkdir()
         data = write_qa(root / flag, n=22)
-        two = tiny_config(root / flag / "two", data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2,
+        two = tiny_config(root / flag / "two", data=data, max_steps=6, lr=1e-2, warmup_steps=2,
                           max_grad_norm=1.0)
         configs[flag] = two
         cases.append({"name": flag, "kind": "memfit", "env": _ds_env(stage),
@@ -86,7 +86,7 @@ def deepspeed_runs(tmp_path_factory):
 def test_deepspeed_on_two_processes_matches_one_plain_process(tmp_path, flag, stage, deepspeed_runs):
     two, proc = deepspeed_runs[flag]
     assert proc.returncode == 0, proc.failure()
-    common = dict(data=two.data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, max_grad_norm=1.0)
+    common = dict(data=two.data, max_steps=6, lr=1e-2, warmup_steps=2, max_grad_norm=1.0)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common), show=False)
     from transformers import AutoModelForCausalLM
 
@@ -207,13 +207,13 @@ def test_accumulation_clipping_and_state_dict_must_agree():
     accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                   state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds)))
     run = RunConfig.of(sharding="zero3", grad_accum=2, micro_batch=1, num_processes=2, optimizer="adamw")
-    config = TrainConfig(run=run, max_grad_norm=1.0)
+    config = TrainConfig.of(run=run, max_grad_norm=1.0)
     with pytest.raises(UserError, match="gradient_accumulation_steps: 1 but the run accumulates 2"):
         deepspeed_engine.configure(accelerator, run, config, env={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1"})
     with pytest.raises(UserError, match="gradient_clipping: 0.5 but --max-grad-norm is 1.0"):
         deepspeed_engine.configure(accelerator, run, config, env={"ACCELERATE_GRADIENT_CLIPPING": "0.5"})
     with pytest.raises(UserError, match="--state-dict full is for FSDP2"):
-        deepspeed_engine.configure(accelerator, run, TrainConfig(run=run, state_dict="full"), env={})
+        deepspeed_engine.configure(accelerator, run, TrainConfig.of(run=run, state_dict="full"), env={})
     assert ds == {"placeholder": 1}  # nothing installed by a refused configure
     deepspeed_engine.configure(accelerator, run, config, hidden_size=64,
                                env={"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2", "ACCELERATE_GRADIENT_CLIPPING": "1.0"})

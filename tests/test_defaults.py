@@ -53,7 +53,7 @@ def test_given_seq_len_demo_and_resume_are_not_derived(tmp_path):
     given = _user_config(tmp_path, data, run=RunConfig.of(seq_len=64), explicit=("seq_len",))
     assert derived.with_seq_len(given, resumed=False) == (given, None)
     assert derived.with_seq_len(_user_config(tmp_path, data), resumed=True)[0].run.seq_len == 128  # the restored length stays
-    demo = TrainConfig(explicit=())
+    demo = TrainConfig.of(explicit=())
     assert derived.with_seq_len(demo, resumed=False) == (demo, None)
 
 
@@ -62,17 +62,17 @@ def test_given_seq_len_demo_and_resume_are_not_derived(tmp_path):
     (False, True, 2e-4, "LoRA default"), (False, False, 2e-5, "full fine-tune of a pretrained model")])
 def test_lr_by_method(tmp_path, random_init, lora, lr, why):
     config, note = derived.with_lr(_user_config(tmp_path, "d.jsonl"), random_init=random_init, lora=lora)
-    assert config.optimizer_lr == lr
+    assert config.optim.lr == lr
     assert note == f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
-    given = _user_config(tmp_path, "d.jsonl", optimizer_lr=0.05)
+    given = _user_config(tmp_path, "d.jsonl", lr=0.05)
     assert derived.with_lr(given, random_init=random_init, lora=lora) == (given, None)
 
 
 def test_demo_defaults_are_unchanged(tmp_path):
     """No --model, no --data: 128 x 4, lr 1e-3, 300 steps, and no "default ..." line (docs show this run)."""
-    demo = TrainConfig(explicit=())
-    assert (demo.run.seq_len, demo.run.micro_batch, demo.warmup_steps) == (128, 4, 10)
-    assert derived.with_lr(demo, random_init=True, lora=False) == (TrainConfig(explicit=(), optimizer_lr=1e-3), None)
+    demo = TrainConfig.of(explicit=())
+    assert (demo.run.seq_len, demo.run.micro_batch, demo.optim.warmup_steps) == (128, 4, 10)
+    assert derived.with_lr(demo, random_init=True, lora=False) == (TrainConfig.of(explicit=(), lr=1e-3), None)
     assert derived.total_steps(demo, steps_per_epoch=25) == (300, None)
     assert derived.total_steps(_user_config(tmp_path, "d.jsonl"), steps_per_epoch=25)[0] == 25  # a real run: 1 epoch
 
@@ -213,14 +213,14 @@ def test_lora_options_with_lora_r_given_are_accepted(tmp_path, built):
 
 
 def test_a_library_run_without_lr_resumes_with_its_saved_lr(tmp_path):
-    """``TrainConfig(optimizer_lr=None)`` is "not given": ``--resume`` takes the run's derived lr instead of
+    """``TrainConfig.of(lr=None)`` is "not given": ``--resume`` takes the run's derived lr instead of
     refusing "--lr differs"."""
     import dataclasses
 
     from _train_helpers import tiny_config
     from memfit.training.loop import run_training
 
-    cfg = dataclasses.replace(tiny_config(tmp_path, max_steps=2, save_every=2), optimizer_lr=None)
+    cfg = tiny_config(tmp_path, max_steps=2, save_every=2).replace(lr=None)
     run_training(cfg, show=False)
     resumed = run_training(dataclasses.replace(cfg, resume=True, max_steps=3, extend_schedule=True), show=False)
     assert resumed.summary.steps == 3

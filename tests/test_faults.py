@@ -297,7 +297,7 @@ def test_second_run_into_a_locked_folder_is_refused(tmp_path, inputs, base_run):
     from memfit.training.runfolder import RunFolder
 
     run = shutil.copytree(base_run[0], tmp_path / "run")
-    holder = RunFolder(run).open(TrainConfig(output=str(run), resume=True), is_main=True)
+    holder = RunFolder(run).open(TrainConfig.of(output=str(run), resume=True), is_main=True)
     try:
         _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"]),
                       f"Another memfit run (pid {os.getpid()}) is writing to")

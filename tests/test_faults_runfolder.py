@@ -67,7 +67,7 @@ def test_refused_run_touches_nothing_of_the_running_one(tmp_path, run, own_run, 
     from memfit.settings.config import TrainConfig
     from memfit.training.runfolder import RunFolder
 
-    holder = RunFolder(run).open(TrainConfig(output=str(run), resume=True), is_main=True)  # run A, saving
+    holder = RunFolder(run).open(TrainConfig.of(output=str(run), resume=True), is_main=True)  # run A, saving
     staging = [run / "checkpoints" / f".tmp-step-5-{holder.tag}", run / f".tmp-export-{holder.tag}"]
     for folder in staging:
         folder.mkdir()

@@ -36,7 +36,7 @@ def one_process(gloo_runs, tmp_path_factory):
     assert MOE_ARGS[MOE_ARGS.index("--max-steps") + 1] == "4"
     cfg = tiny_config(tmp_path_factory.mktemp("moe-one"), model=paths["model"], data=paths["data"], init="random",
                       run={"optimizer": "adamw", "micro_batch": 2, "grad_accum": 2, "packing": "concat"},
-                      optimizer_lr=1e-2, warmup_steps=1, max_steps=4)
+                      lr=1e-2, warmup_steps=1, max_steps=4)
     return run_training(cfg, show=False)
 
 

@@ -132,7 +132,7 @@ def test_dpo_accumulation_trains_the_same_weights(tmp_path, split):
     models = []
     for micro, accum in [(4, 1), split]:
         out = tmp_path / f"o{micro}{accum}{len(models)}"
-        cfg = tiny_config(tmp_path, data=data, output=str(out), max_steps=2, optimizer_lr=0.5,
+        cfg = tiny_config(tmp_path, data=data, output=str(out), max_steps=2, lr=0.5,
                           run={"method": "dpo", "micro_batch": micro, "grad_accum": accum})
         models.append(run_training(cfg, show=False).model)
     assert max_diff(*models) < 1e-5
@@ -295,7 +295,7 @@ def test_dpo_metrics_reach_the_tracker(tmp_path):
     from memfit.training.loop import run_training
 
     cfg = tiny_config(tmp_path, data=write_pairs(tmp_path / "p.jsonl"), tracker="tensorboard", max_steps=2,
-                      optimizer_lr=0.1, run={"method": "dpo", "micro_batch": 2})
+                      lr=0.1, run={"method": "dpo", "micro_batch": 2})
     run_training(cfg, show=False)
     logged = {}
     for events in (tmp_path / "out").rglob("events.out.tfevents.*"):

@@ -35,11 +35,11 @@ def test_dpo_on_an_sft_model_raises_reward_accuracy_and_margin(tmp_path):
     reference (every reward 0); over the last quarter of the steps most pairs rank right."""
     from memfit.data.corpus.pairs import QA
 
-    sft = TrainConfig(model="tiny", data=str(QA), max_steps=60, optimizer_lr=2e-3, warmup_steps=5, samples=0,
+    sft = TrainConfig.of(model="tiny", data=str(QA), max_steps=60, lr=2e-3, warmup_steps=5, samples=0,
                       eval_every=0, output=str(tmp_path / "sft"))
     run_training(sft, show=False)
-    dpo = TrainConfig(model=str(tmp_path / "sft"), run=RunConfig.of(method="dpo", seq_len=48, micro_batch=4),
-                      max_steps=30, optimizer_lr=1e-4, samples=0, eval_every=0, output=str(tmp_path / "dpo"))
+    dpo = TrainConfig.of(model=str(tmp_path / "sft"), run=RunConfig.of(method="dpo", seq_len=48, micro_batch=4),
+                      max_steps=30, lr=1e-4, samples=0, eval_every=0, output=str(tmp_path / "dpo"))
     summary = run_training(dpo, show=False).summary.to_dict()
     first, last = summary["preference"]["first"], summary["preference"]["last"]
     assert first["steps"] == [1, 1] and last["steps"] == [24, 30] and last["pairs"] == 28

@@ -15,7 +15,7 @@ from memfit.training.loop import run_training
 
 
 def _single(tmp_path, data: str, method: str, **run):
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw", "micro_batch": 1, "grad_accum": 4,
                                              "method": method, **run}, **common)
     return one, run_training(one, show=False), common

@@ -47,7 +47,7 @@ def test_quantized_weights_to_the_byte(model_dir, quantize):
     from memfit.training.setup import build_model
 
     run = _run(quantize)
-    model = build_model(TrainConfig(model=model_dir, tokenizer="byte", run=run), run).model
+    model = build_model(TrainConfig.of(model=model_dir, tokenizer="byte", run=run), run).model
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers(), *quant_state_tensors(model)]}
     held = sum(storages.values())
@@ -95,7 +95,7 @@ def test_unquantized_parameters_follow_the_one_rule(model_dir, upcast):
     from memfit.training.setup import build_model
 
     run = _run("4bit", dtype="bf16", upcast=upcast)
-    model = build_model(TrainConfig(model=model_dir, tokenizer="byte", run=run), run).model
+    model = build_model(TrainConfig.of(model=model_dir, tokenizer="byte", run=run), run).model
     want = {"fp32": torch.float32, "bf16": torch.bfloat16}[unquantized_dtype(run)]
     assert want == (torch.bfloat16 if upcast == "lean" else torch.float32)
     rest = [p for n, p in model.named_parameters() if "lora_" not in n and type(p).__name__ != "Params4bit"]
@@ -162,7 +162,7 @@ def test_checkpointing_is_non_reentrant_and_the_model_trains(model_dir):
     from memfit.training.setup import build_model
 
     run = _run("4bit", checkpointing=True)
-    model = build_model(TrainConfig(model=model_dir, tokenizer="byte", run=run), run).model
+    model = build_model(TrainConfig.of(model=model_dir, tokenizer="byte", run=run), run).model
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     assert layers and all(m._gradient_checkpointing_func.keywords == CHECKPOINT_KWARGS for m in layers)
     # from_pretrained returns eval mode; a layer in eval mode skips checkpointing (and dropout)

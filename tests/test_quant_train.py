@@ -24,7 +24,7 @@ bnb = pytest.importorskip("bitsandbytes")  # installed by scripts/setup.sh (the 
 def _qlora(tmp_path, quantize="4bit", **overrides):
     tmp_path.mkdir(parents=True, exist_ok=True)
     run = {"lora_r": 8, "quantize": quantize, "optimizer": "adamw", "seq_len": 64, **overrides.pop("run", {})}
-    return tiny_config(tmp_path, data=write_text(tmp_path), packing=True, optimizer_lr=1e-2, run=run, **overrides)
+    return tiny_config(tmp_path, data=write_text(tmp_path), packing=True, lr=1e-2, run=run, **overrides)
 
 
 def test_capability_rule_and_its_sentences():
@@ -100,7 +100,7 @@ def test_8bit_adamw_trains_a_full_finetune_on_cpu(tmp_path, monkeypatch):
     steps = []
     real_step = bnb.optim.AdamW8bit.step
     monkeypatch.setattr(bnb.optim.AdamW8bit, "step", lambda self, *a, **k: steps.append(1) or real_step(self, *a, **k))
-    cfg = tiny_config(tmp_path, data=write_text(tmp_path), packing=True, max_steps=6, optimizer_lr=1e-2,
+    cfg = tiny_config(tmp_path, data=write_text(tmp_path), packing=True, max_steps=6, lr=1e-2,
                       run={"optimizer": "adamw-8bit", "seq_len": 64})
     run_training(cfg, show=False)
     assert len(steps) == 6  # bitsandbytes' 8-bit AdamW took every step

@@ -181,7 +181,7 @@ def test_estimate_trace_and_train_build_the_same_run(tmp_path, model, targets):
                     **({"lora_r": 4, "lora_targets": targets} if targets else {}))
     est = estimate(path, run, device="cpu")
     exact = trace(path, run, device="cpu")
-    bundle = build_model(TrainConfig(model=path, tokenizer="byte", run=run), run)
+    bundle = build_model(TrainConfig.of(model=path, tokenizer="byte", run=run), run)
     assert est.trainable_params == exact.trainable_params == bundle.trainable_params
     assert est.attn_implementation == exact.attn_implementation == bundle.attention
     assert est.lora_targets == exact.lora_targets == bundle.lora_targets

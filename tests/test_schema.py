@@ -18,7 +18,15 @@ from memfit.cli import train as train_cli
 from memfit.cli.options import _plain
 from memfit.errors import UserError
 from memfit.planning.space import Constraints
-from memfit.settings.config import LoraSettings, PreferenceSettings, RunConfig, TrainConfig
+from memfit.settings.config import (
+    CheckpointSettings,
+    DataReading,
+    LoraSettings,
+    OptimSettings,
+    PreferenceSettings,
+    RunConfig,
+    TrainConfig,
+)
 from memfit.settings.schema import (
     COMMANDS,
     PLAN_ROLES,
@@ -111,7 +119,9 @@ def test_data_preview_flags_are_train_settings():
 
 
 def test_every_field_is_a_setting_with_a_resume_rule_and_a_flag_validate_names():
-    for cls in (RunConfig, TrainConfig, LoraSettings, PreferenceSettings):
+    nested_classes = {f.metadata["nested"] for cls in (RunConfig, TrainConfig) for f in groups(cls)}
+    assert nested_classes == {LoraSettings, DataReading, OptimSettings, CheckpointSettings, PreferenceSettings}
+    for cls in (RunConfig, TrainConfig, *nested_classes):
         others = {f.name for f in dataclasses.fields(cls)} - {f.name for f in settings(cls)}
         held = {f.name for f in groups(cls)} | ({"run"} if cls is TrainConfig else set())
         assert others == held, "a field that is no setting and no nested group of settings"
@@ -130,6 +140,8 @@ def test_nested_groups_keep_flags_keys_and_run_json_flat():
     assert [flag_of(s) for s in in_group(RunConfig, "lora")] == ["--lora-r", "--lora-alpha", "--lora-dropout",
                                                                 "--lora-targets"]
     assert [s.key for s in in_group(TrainConfig, "preference")] == ["beta", "orpo_lambda", "simpo_gamma"]
+    assert [s.key for s in in_group(TrainConfig, "optim")] == ["lr", "weight_decay", "warmup_steps", "max_grad_norm"]
+    assert [s.key for s in in_group(TrainConfig, "checkpoints")] == ["save_every", "keep_last", "state_dict"]
     run = RunConfig.of(lora_r=8, lora_targets="q_proj,v_proj", seq_len=64)
     assert run.lora == LoraSettings(r=8, targets=("q_proj", "v_proj")) and run.seq_len == 64
     assert run.to_flat()["lora_r"] == 8 and run.to_flat()["lora_targets"] == "q_proj,v_proj" and "lora" not in run.to_flat()
@@ -139,8 +151,9 @@ def test_nested_groups_keep_flags_keys_and_run_json_flat():
         RunConfig.of(lora_rank=8)  # a key that is no setting is refused as a constructor refuses it
     with pytest.raises(UserError, match="--lora-alpha must be a finite positive number"):
         LoraSettings(alpha=0)  # a group checks its own values, in the flag's words
-    config = TrainConfig.from_flat({"beta": 0.3, "lora_r": 4})
+    config = TrainConfig.from_flat({"beta": 0.3, "lora_r": 4, "lr": "1e-3", "save_every": 5})
     assert config.preference == PreferenceSettings(beta=0.3) and config.run.lora.r == 4
+    assert config.optim.lr == 1e-3 and config.checkpoints.save_every == 5
     assert config.to_flat()["beta"] == 0.3 and "preference" not in config.to_flat()
 
 
@@ -161,7 +174,7 @@ def test_resumes_rules_name_only_settings_and_come_from_the_schema():
 def test_the_yaml_keys_train_accepts_are_the_schemas(tmp_path):
     keys = TrainConfig.keys()
     assert set(keys) == {s.key for cls in (TrainConfig, RunConfig) for s in walk(cls)}
-    config = TrainConfig(optimizer_lr=3e-4, max_steps=7, run=RunConfig.of(lora_r=8, lora_dropout=0.1))
+    config = TrainConfig.of(lr=3e-4, max_steps=7, run=RunConfig.of(lora_r=8, lora_dropout=0.1))
     assert TrainConfig.from_flat(config.to_flat()) == config  # every key round-trips
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora_dropuot: 0.1\nmax_steps: 1\n")

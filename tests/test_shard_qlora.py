@@ -27,7 +27,7 @@ from _gloo_cases import QLORA_ARGS as ARGS  # the flags of every launch here
 
 def _single(tmp_path, data: str) -> dict:
     """The 1-process reference's adapters: effective batch 2 as 1 process x 2 accumulated micro-batches."""
-    one = run_training(tiny_config(tmp_path / "one", data=data, max_steps=4, optimizer_lr=1e-2, warmup_steps=0,
+    one = run_training(tiny_config(tmp_path / "one", data=data, max_steps=4, lr=1e-2, warmup_steps=0,
                                    run={"optimizer": "adamw", "lora_r": 4, "quantize": "4bit", "micro_batch": 1,
                                         "grad_accum": 2}), show=False)
     return {k.replace(".default", ""): v for k, v in one.model.state_dict().items() if "lora_" in k}

@@ -59,7 +59,7 @@ def test_tied_model_unsharded_checkpoint_resumes_under_fsdp(tmp_path):
     # An unsharded run's checkpoint (Accelerate's save_state) keeps one name of the tied pair: the sharded
     # run loads it non-strictly (training.sharding._load_full) and must still get the head = the embedding.
     data, model = write_qa(tmp_path, n=22), _tied_model(tmp_path / "model")
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2)
     config = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, save_every=3, **common)
     config = dataclasses.replace(config, model=model)
     reference = run_training(config, show=False)

@@ -109,7 +109,7 @@ def test_output_folder_loads_and_records_the_run(grid):
 
 # ----------------------------------------------------------------------------------------- training
 def test_loss_falls_on_text(tmp_path):
-    cfg = tiny_config(tmp_path, data=write_text(tmp_path), max_steps=12, packing=True, optimizer_lr=1e-2,
+    cfg = tiny_config(tmp_path, data=write_text(tmp_path), max_steps=12, packing=True, lr=1e-2,
                       eval_every=12, eval_fraction=0.1, run={"optimizer": "adamw", "seq_len": 64})
     summary = run_training(cfg, show=False).summary
     losses = [m["loss"] for m in metrics(cfg.output)]
@@ -138,9 +138,9 @@ def test_lora_trains_only_the_adapters(tmp_path):
 
 
 def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch):
-    full = run_training(tiny_config(tmp_path / "a", max_steps=4, run={"optimizer": "adamw"}, optimizer_lr=1e-2,
+    full = run_training(tiny_config(tmp_path / "a", max_steps=4, run={"optimizer": "adamw"}, lr=1e-2,
                                     warmup_steps=2), show=False)
-    cfg = tiny_config(tmp_path / "b", max_steps=4, save_every=2, run={"optimizer": "adamw"}, optimizer_lr=1e-2,
+    cfg = tiny_config(tmp_path / "b", max_steps=4, save_every=2, run={"optimizer": "adamw"}, lr=1e-2,
                       warmup_steps=2)
     resumed = crash_after_first_checkpoint_then_resume(cfg, monkeypatch)  # killed after the step-2 checkpoint
     assert resumed.summary.steps == 4 and resumed.summary.sequences == 16

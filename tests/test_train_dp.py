@@ -24,7 +24,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path, gloo_runs):
     proc = gloo_runs["dp"]
     assert proc.returncode == 0, proc.failure()
     data, root = proc.paths["data"], Path(proc.paths["output"]).parents[1]
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common)
     single = run_training(one, show=False)
     two = tiny_config(root / "two", save_every=3, **common)

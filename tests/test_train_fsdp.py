@@ -31,7 +31,7 @@ def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str
                         **loop):
     # 22 samples, effective batch 4: the 6th step holds 2 samples (rank 1 runs dummy rows then).
     data = write_qa(tmp_path, n=n)
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
     proc = _launch("--model", two.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
@@ -45,7 +45,7 @@ def _single_and_launched(tmp_path, launched, run: dict, **loop):
     case's ``TrainConfig`` (its data, model and output)."""
     assert launched.returncode == 0, launched.failure()
     data = launched.paths["data"]
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2, **loop)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(Path(launched.paths["output"]).parents[1] / "two", **common)
     assert (two.model, two.output) == (launched.paths["model"], launched.paths["output"])
@@ -111,7 +111,7 @@ def test_full_state_dict_resumes_on_another_number_of_processes(tmp_path):
     # 1 -> 2: an unsharded single-process run's step-3 checkpoint resumed under FSDP on 2 processes,
     # saving full checkpoints; 2 -> 1: that run's step-5 checkpoint resumed on 1 process.
     data = write_qa(tmp_path, n=22)
-    common = dict(data=data, max_steps=6, optimizer_lr=1e-2, warmup_steps=2)
+    common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2)
     reference = run_training(tiny_config(tmp_path / "ref", run={"optimizer": "adamw"}, **common), show=False)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, save_every=3, **common)
     run_training(one, show=False)
@@ -159,7 +159,7 @@ def test_full_checkpoint_numbers_the_optimizer_state_as_torch_does(tmp_path):
     from memfit.training.setup import build_optimizer
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(write_model(tmp_path)))
-    optimizer = build_optimizer(model, RunConfig.of(optimizer="adamw"), TrainConfig(weight_decay=0.1, optimizer_lr=1e-3))
+    optimizer = build_optimizer(model, RunConfig.of(optimizer="adamw"), TrainConfig.of(weight_decay=0.1, lr=1e-3))
     model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
     optimizer.step()
     _, by_name = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))

@@ -36,8 +36,8 @@ def test_chunked_loss_keeps_exact_accumulation(tmp_path):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_optimizer_in_backward_gives_the_plain_step_s_weights(tmp_path, optimizer):
     run = {"optimizer": optimizer}
-    plain = run_training(tiny_config(tmp_path / "plain", run=run, optimizer_lr=1e-2), show=False)
-    inbw = run_training(tiny_config(tmp_path / "inbw", run={**run, "optimizer_in_backward": True}, optimizer_lr=1e-2),
+    plain = run_training(tiny_config(tmp_path / "plain", run=run, lr=1e-2), show=False)
+    inbw = run_training(tiny_config(tmp_path / "inbw", run={**run, "optimizer_in_backward": True}, lr=1e-2),
                         show=False)
     assert max_diff(plain.model, inbw.model) <= 1e-6
     assert max_diff(plain.model, inbw.model) < max_diff(plain.model, _untrained(tmp_path))
@@ -51,7 +51,7 @@ def _untrained(tmp_path):
 
 
 def test_optimizer_in_backward_resumes_exactly(tmp_path, monkeypatch):
-    kw = dict(max_steps=4, optimizer_lr=1e-2, warmup_steps=2)
+    kw = dict(max_steps=4, lr=1e-2, warmup_steps=2)
     run = {"optimizer": "adamw", "optimizer_in_backward": True}
     full = run_training(tiny_config(tmp_path / "a", run=run, **kw), show=False)
     cfg = tiny_config(tmp_path / "b", save_every=2, run=run, **kw)

@@ -35,7 +35,7 @@ FALLBACK = {"2x2": {"micro_batch": 2, "grad_accum": 2}, "fused": {"optimizer": "
 
 
 def adamw_config(tmp, *, run: dict | None = None, **overrides):
-    return tiny_config(tmp, optimizer_lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+    return tiny_config(tmp, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
                        run={"optimizer": "adamw-foreach", **(run or {})}, **overrides)
 
 

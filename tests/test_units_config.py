@@ -46,7 +46,7 @@ def test_run_config_derived_numbers_and_validation():
 
 
 def test_train_config_round_trips_through_flat_keys():
-    cfg = TrainConfig(model="tiny", run=RunConfig.of(lora_r=8, lora_targets=("q_proj", "v_proj")), optimizer_lr=1e-4)
+    cfg = TrainConfig.of(model="tiny", run=RunConfig.of(lora_r=8, lora_targets=("q_proj", "v_proj")), lr=1e-4)
     flat = cfg.to_flat()
     assert flat["lora_targets"] == "q_proj,v_proj" and flat["lr"] == 1e-4
     assert TrainConfig.from_flat(flat) == cfg

@@ -63,12 +63,12 @@ from memfit.memory.quantized_trace import gemm_4bit_steps, hold_quant_state
 from memfit.settings.config import (
     Attention,
     Offload,
+    OptimSettings,
     Packing,
     Precision,
     Quantize,
     RunConfig,
     Sharding,
-    TrainConfig,
 )
 from memfit.spec.model import check_seq_len
 from memfit.spec.optimizers import row
@@ -269,7 +269,7 @@ def _build_optimizer(model, run: RunConfig, device: str = "cuda"):
     implementation torch picks on ``device`` (``cuda_like``: the fake tensors are CPU tensors, on which
     torch would pick single-tensor AdamW; a CUDA run gets foreach, ``optimizers.torch_default_is_foreach``).
     The decay's value allocates nothing (AdamW decays in place; SGD at train's default 0 skips it)."""
-    groups = build.parameter_groups(model, TrainConfig.weight_decay)
+    groups = build.parameter_groups(model, OptimSettings.weight_decay)
     return build.make_optimizer(run, groups, _TRACE_LR, cuda_like=device == "cuda")
 
 

@@ -456,6 +456,50 @@ class DataReading:
             object.__setattr__(self, "chat_template", os.path.expanduser(self.chat_template))
 
 
+@settings_group("optim")
+@dataclass(frozen=True)
+class OptimSettings:
+    """The optimizer's step (``memfit.training.setup.build_optimizer`` and the schedule; the optimizer's kind,
+    which changes memory, is ``RunConfig.optimizer``). Flags and YAML keys are the field names: ``--lr``, ``lr``."""
+
+    lr: float | None = setting(None, resume="restored", check="pos",
+                               help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random "
+                               f"weights (a preset, the demo), {fmt_lr(LORA_LR)} for LoRA, "
+                               f"{fmt_lr(FULL_LR)} for a full fine-tune.")
+    """Peak learning rate; None: by method (``memfit.settings.defaults.default_lr``: 1e-3 from random weights, as
+    the demo, 2e-4 for LoRA, 2e-5 for a full fine-tune), filled in when the run is built."""
+    weight_decay: float = setting(0.0, resume="restored", check="nonneg")
+    warmup_steps: int = setting(10, resume="restored", check="int>=0")
+    max_grad_norm: float = setting(1.0, resume="restored", check="nonneg", help="Gradient clipping (0: off).")
+
+    def __post_init__(self) -> None:
+        _normalise(self)
+
+
+@settings_group("checkpoints")
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """When a run writes checkpoints, how many it keeps and in which form (``memfit.training.checkpoint``).
+    Flags and YAML keys are the field names: ``--save-every``, ``save_every``."""
+
+    save_every: int | None = setting(None, resume="may-change", check="int>=0",
+                                     help="Checkpoint every N steps (and at the end); default: ten times per run; "
+                                     "0: never.")
+    """Checkpoint every N optimizer steps (and at the end); None: automatically, ten times per run; 0: never."""
+    keep_last: int = setting(2, resume="may-change", check="int>=1",
+                             help="Checkpoints kept (older ones go only once a newer one is complete).")
+    """Checkpoints kept: older ones are removed only after a newer one is complete and verified."""
+    state_dict: str = setting("sharded", resume="may-change", click={"choices": ("sharded", "full")},
+                              help="Checkpoints of a sharded run: each rank's shards, or the full state gathered on "
+                              "rank 0 (resumes on any number of processes, --sharding ddp on 1 included).")
+    """Sharded runs' checkpoints: ``sharded`` (each rank writes its shards; resumes on any number of ranks
+    of a sharded run) or ``full`` (gathered on rank 0 into an unsharded run's files; resumes on any
+    number of processes, sharded or not). ``training.sharding``."""
+
+    def __post_init__(self) -> None:
+        _normalise(self)
+
+
 @settings_group("preference")
 @dataclass(frozen=True)
 class PreferenceSettings:
@@ -497,14 +541,8 @@ class TrainConfig:
     """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
     On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.settings.defaults``);
     library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
-    optimizer_lr: float | None = setting(None, resume="restored", check="pos", flag="--lr",
-                                         help=f"Peak learning rate; default by method: {fmt_lr(DEMO_LR)} from random "
-                                         f"weights (a preset, the demo), {fmt_lr(LORA_LR)} for LoRA, "
-                                         f"{fmt_lr(FULL_LR)} for a full fine-tune.")
-    """Peak learning rate; None: by method (``memfit.settings.defaults.default_lr``: 1e-3 from random weights, as
-    the demo, 2e-4 for LoRA, 2e-5 for a full fine-tune), filled in when the run is built."""
-    weight_decay: float = setting(0.0, resume="restored", check="nonneg")
-    warmup_steps: int = setting(10, resume="restored", check="int>=0")
+    optim: OptimSettings = nested(OptimSettings)
+    """The optimizer's step: learning rate, weight decay, warm-up, clipping (``OptimSettings``: ``--lr``, ...)."""
     max_steps: int | None = setting(None, resume="length", check="int>=1",
                                     help="Optimizer steps (with --epochs: whichever ends first); default: "
                                     f"{DEMO_STEPS} for the demo, else 1 epoch.")
@@ -521,24 +559,12 @@ class TrainConfig:
     eval_every: int = setting(40, resume="may-change", check="int>=0",
                               help="Evaluate on the held-out split every N steps (0: never).")
     eval_fraction: float = setting(0.02, resume="restored", check="frac")
-    save_every: int | None = setting(None, resume="may-change", check="int>=0",
-                                     help="Checkpoint every N steps (and at the end); default: ten times per run; "
-                                     "0: never.")
-    """Checkpoint every N optimizer steps (and at the end); None: automatically, ten times per run; 0: never."""
-    keep_last: int = setting(2, resume="may-change", check="int>=1",
-                             help="Checkpoints kept (older ones go only once a newer one is complete).")
-    """Checkpoints kept: older ones are removed only after a newer one is complete and verified."""
-    state_dict: str = setting("sharded", resume="may-change", click={"choices": ("sharded", "full")},
-                              help="Checkpoints of a sharded run: each rank's shards, or the full state gathered on "
-                              "rank 0 (resumes on any number of processes, --sharding ddp on 1 included).")
-    """Sharded runs' checkpoints: ``sharded`` (each rank writes its shards; resumes on any number of ranks
-    of a sharded run) or ``full`` (gathered on rank 0 into an unsharded run's files; resumes on any
-    number of processes, sharded or not). ``training.sharding``."""
+    checkpoints: CheckpointSettings = nested(CheckpointSettings)
+    """When checkpoints are written, how many are kept, in which form (``CheckpointSettings``: ``--save-every``, ...)."""
     init: str = setting("pretrained", resume="restored", click={"choices": ("pretrained", "random")},
                         help="random: train a model folder that holds only config.json from random weights.")
     """``random``: train a model folder that holds only a config.json from random initialisation."""
     log_every: int = setting(5, resume="may-change", check="int>=1")
-    max_grad_norm: float = setting(1.0, resume="restored", check="nonneg", help="Gradient clipping (0: off).")
     output: str | None = setting(None, resume="never-restored", check="text",
                                  help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. A folder holding "
                                  "another run is refused unless --overwrite or --resume.")
@@ -625,7 +651,7 @@ class TrainConfig:
             object.__setattr__(self, name, value)
 
     def to_flat(self) -> dict[str, Any]:
-        """Flat train-flag keys (``memfit.settings.schema.key_of``: ``lr``, not ``optimizer_lr``) with the run's settings."""
+        """Flat train-flag keys (``memfit.settings.schema.key_of``), nested groups' included, with the run's settings."""
         out = {s.key: s.get(self) for s in walk(type(self))}
         out.update(self.run.to_flat())
         return out

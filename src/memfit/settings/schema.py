@@ -6,7 +6,8 @@ memfit derives from it, so adding a setting is adding one field (plus the code i
 ``help``
     The ``--help`` text of its flag (``None``: no text). The field's docstring is the longer story.
 ``flag``
-    The command-line flag, when it is not ``--`` + the name with ``-`` (``optimizer_lr`` is ``--lr``).
+    The command-line flag, when it is not ``--`` + the name with ``-`` (a nested group's prefix included:
+    ``LoraSettings.r`` is ``--lora-r``).
     Its YAML key and ``to_flat()`` key is the flag without ``--``, with ``_`` (``lr``).
 ``check``
     How ``memfit.settings.validate.check_fields`` checks a value from a flag, a YAML file or a library call:

@@ -22,8 +22,8 @@ from memfit.settings.schema import key_of, settings
 
 
 def flag(name: str) -> str:
-    """``optimizer_lr``/``max_steps`` -> ``--lr``/``--max-steps``: the words the user typed."""
-    return "--lr" if name in ("optimizer_lr", "lr") else "--" + name.replace("_", "-")
+    """A setting's key (``max_steps``, ``lora_r``) -> its flag (``--max-steps``, ``--lora-r``): the words the user typed."""
+    return "--" + name.replace("_", "-")
 
 
 INT_MAX = 2**63 - 1

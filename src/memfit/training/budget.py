@@ -63,7 +63,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
             break
         try:
             preflight(candidate.config)
-            optim_in_backward.check(candidate.config, config.max_grad_norm)  # e.g. it cannot clip
+            optim_in_backward.check(candidate.config, config.optim.max_grad_norm)  # e.g. it cannot clip
         except UserError:
             continue
         result.chosen = index

@@ -101,7 +101,7 @@ def _put_in_place(tmp: Path, final: Path) -> None:
 def due(config, step: int, total_steps: int) -> bool:
     """Whether step ``step`` ends with a checkpoint: every ``--save-every`` steps and at the end; by default
     ten times per run (every ``total_steps // 10`` steps, at least every step); ``--save-every 0``: never."""
-    every = config.save_every if config.save_every is not None else max(total_steps // 10, 1)
+    every = config.checkpoints.save_every if config.checkpoints.save_every is not None else max(total_steps // 10, 1)
     return every > 0 and (step % every == 0 or step == total_steps)
 
 

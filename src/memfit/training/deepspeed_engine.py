@@ -200,15 +200,15 @@ def configure(accelerator, run: RunConfig, config, hidden_size: int | None = Non
         raise UserError(f"The Accelerate config sets gradient_accumulation_steps: {gas} but the run accumulates "
                         f"{run.grad_accum} micro-batches per step; make them agree (or drop it from the config).")
     clip = env.get("ACCELERATE_GRADIENT_CLIPPING")
-    if clip not in (None, "auto", "none") and float(clip) != float(config.max_grad_norm):
+    if clip not in (None, "auto", "none") and float(clip) != float(config.optim.max_grad_norm):
         raise UserError(f"The Accelerate config sets gradient_clipping: {clip} but --max-grad-norm is "
-                        f"{config.max_grad_norm}; make them agree.")
-    if config.state_dict != "sharded":
+                        f"{config.optim.max_grad_norm}; make them agree.")
+    if config.checkpoints.state_dict != "sharded":
         raise UserError("--state-dict full is for FSDP2; DeepSpeed checkpoints are DeepSpeed's own partitioned "
                         "format (resumable on the same number of ranks): drop --state-dict.")
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
     ds.clear()
-    ds.update(ds_config(run, max_grad_norm=config.max_grad_norm, hidden_size=hidden_size))
+    ds.update(ds_config(run, max_grad_norm=config.optim.max_grad_norm, hidden_size=hidden_size))
 
 
 def state_saver(accelerator, run: RunConfig):

@@ -58,11 +58,11 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
 
 def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[TrainConfig, str | None]:
     """``config`` with the learning rate by method when ``--lr`` was not given (``defaults.default_lr``)."""
-    if config.optimizer_lr is not None:
+    if config.optim.lr is not None:
         return config, None
     lr, why = defaults.default_lr(random_init=random_init, lora=lora)
     note = None if is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
-    return dataclasses.replace(config, optimizer_lr=lr), note
+    return config.replace(lr=lr), note
 
 
 def total_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, str | None]:

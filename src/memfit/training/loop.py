@@ -96,7 +96,7 @@ def run_step(s: TrainSession) -> StepResult:
         try:
             with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro,  # CPU: live tensor bytes
                                      resident=s.snapshot.buffers()):
-                return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.max_grad_norm,
+                return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.optim.max_grad_norm,
                                   uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
                                   loss=s.run.loss, in_backward=s.in_backward,
                                   activations_on_cpu=str(s.run.offload) == "activations", preference=s.preference)
@@ -197,7 +197,7 @@ def save_due(s: TrainSession) -> None:
                 s.accelerator, s.output, s.state.step,
                 {**s.state.to_dict(), **resume.record(s.config, s.run, s.source.hf_config, s.total_steps),
                  **s.guard.lineage()},
-                keep_last=s.config.keep_last, save_state=s.save_state, tag=s.guard.tag)
+                keep_last=s.config.checkpoints.keep_last, save_state=s.save_state, tag=s.guard.tag)
             s.guard.record(f"checkpoints/{s.guard.last_checkpoint.name}")
     if stop:
         s.guard.stop(s.state.step)

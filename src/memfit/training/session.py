@@ -162,7 +162,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         "(--lora-r 0: a full fine-tune is saved whole anyway); drop --merge or add --lora-r.")
     preflight(config.run)
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
-    optim_in_backward.check(config.run, config.max_grad_norm)
+    optim_in_backward.check(config.run, config.optim.max_grad_norm)
     resumed = resume_point is not None and isinstance(resume_point.state.get("settings"), dict)
     config = resolve_output(config)
     accelerator = build_accelerator(config.run, config)
@@ -234,7 +234,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step, run.compile),
                         in_backward=optimizer if run.optimizer_in_backward else None,
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
-                                                        config.state_dict),
+                                                        config.checkpoints.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
                         t_process=t_process, preference=pref, router=router_balance(model))
 

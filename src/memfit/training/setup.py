@@ -379,17 +379,17 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     """The optimizer named by ``run.optimizer`` over the trainable parameters, in weight-decay groups
     (``memfit.builder.parts``, which --exact's trace calls too). ``sgd`` is plain SGD without momentum (no state);
     torch picks the implementation for the device the parameters are on."""
-    lr = config.optimizer_lr
+    lr = config.optim.lr
     if lr is None:  # a library caller that builds without a session (which derives it): the method's default
         from memfit.settings.defaults import default_lr
 
         lr = default_lr(random_init=False, lora=run.is_lora())[0]
-    return build.make_optimizer(run, build.parameter_groups(model, config.weight_decay), lr)
+    return build.make_optimizer(run, build.parameter_groups(model, config.optim.weight_decay), lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):
     """Linear warmup then cosine decay to 0 over the run (transformers' schedule)."""
     from transformers import get_cosine_schedule_with_warmup
 
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    warmup = min(config.optim.warmup_steps, max(total_steps - 1, 0))
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
