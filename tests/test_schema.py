@@ -116,6 +116,10 @@ def test_a_commands_own_default_says_why():
 def test_data_preview_flags_are_train_settings():
     flags = set(_flags(data_cli.preview))
     assert flags - COMMAND_ONLY["data preview"] <= set(_schema_flags("train"))
+    # the data group's flags in the schema's order, as train's --help lists them (they were listed reversed)
+    reading = [flag_of(s) for s in in_group(TrainConfig, "data")]
+    assert [f for f in _flags(data_cli.preview) if f in reading] == reading
+    assert [f for f in _flags(train_cli.command) if f in reading] == reading
 
 
 def test_every_field_is_a_setting_with_a_resume_rule_and_a_flag_validate_names():

@@ -49,5 +49,5 @@ def preview(**kwargs: Any) -> None:
     click.echo(printable_lines(result["marked"]))  # the record's own text: its control characters shown, not obeyed
 
 
-for _opt in reversed(data_options()):
+for _opt in data_options():  # on a finished click Command each option is appended: in the schema's order
     preview = _opt(preview)

@@ -672,8 +672,9 @@ class TrainConfig:
 
     @classmethod
     def keys(cls) -> dict[str, str]:
-        """Every key a YAML config (or ``from_flat``) accepts -> its setting's field name: the schema's settings."""
-        return {s.key: s.name for c in (cls, RunConfig) for s in walk(c)}
+        """Every key a YAML config (or ``from_flat``) accepts -> where the setting lives (``"optim.lr"``,
+        ``"run.lora.r"``): the schema's settings."""
+        return {s.key: ".".join(s.path) for s in walk(cls)} | {s.key: "run." + ".".join(s.path) for s in walk(RunConfig)}
 
     @classmethod
     def from_flat(cls, data: dict[str, Any]) -> TrainConfig:
