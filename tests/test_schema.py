@@ -155,6 +155,10 @@ def test_nested_groups_keep_flags_keys_and_run_json_flat():
         RunConfig.of(lora_rank=8)  # a key that is no setting is refused as a constructor refuses it
     with pytest.raises(UserError, match="--lora-alpha must be a finite positive number"):
         LoraSettings(alpha=0)  # a group checks its own values, in the flag's words
+    with pytest.raises(UserError, match=r"RunConfig.lora must be of type LoraSettings \(or give its settings by key"):
+        RunConfig(lora={"r": 8})  # a plain dict would fail later, deep in a run
+    with pytest.raises(UserError, match="TrainConfig.optim must be of type OptimSettings"):
+        TrainConfig(optim=3e-4)
     config = TrainConfig.from_flat({"beta": 0.3, "lora_r": 4, "lr": "1e-3", "save_every": 5})
     assert config.preference == PreferenceSettings(beta=0.3) and config.run.lora.r == 4
     assert config.optim.lr == 1e-3 and config.checkpoints.save_every == 5

@@ -38,6 +38,7 @@ from memfit.settings.defaults import (
 from memfit.settings.schema import (
     build,
     flag_of,
+    groups,
     in_group,
     nested,
     own_defaults,
@@ -195,10 +196,21 @@ _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) an
 _DEMO = f"train's own default: sized for the demo (memfit.settings.defaults.SHAPES['train']: {SHAPES['train']})"
 
 
+def _check_groups(config) -> None:
+    """Each nested group of ``config`` holds its own class (a library caller's ``lora={"r": 8}`` is refused here,
+    in one sentence, not as an AttributeError deep in a run)."""
+    for f in groups(type(config)):
+        cls = f.metadata["nested"]
+        if not isinstance(getattr(config, f.name), cls):
+            raise UserError(f"{type(config).__name__}.{f.name} must be of type {cls.__name__} (or give its settings by key "
+                            f"to {type(config).__name__}.of).")
+
+
 def _normalise(config) -> None:
     """Parse the enum settings declared on ``config`` itself (their type is their default's) and check every
     value by its field's ``check`` (``memfit.settings.validate.check_fields``), in place: called by each
     settings dataclass's ``__post_init__``, so a value is refused from a flag, a YAML file or a library call."""
+    _check_groups(config)
     set_ = object.__setattr__
     for f in settings(type(config)):
         if isinstance(f.default, Enum):
@@ -335,8 +347,6 @@ class RunConfig:
     factor on GPUs to justify one). May change on resume: it changes how a step runs, not what it computes."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora, LoraSettings):
-            raise UserError("RunConfig.lora must be a LoraSettings (or give lora_r=... to RunConfig.of).")
         _normalise(self)
         if self.quantize is not Quantize.NONE and self.lora.r == 0:
             raise UserError("--quantize trains LoRA adapters on a frozen quantized base; set --lora-r too.")
@@ -647,6 +657,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.run, RunConfig):
             raise UserError("TrainConfig.run must be a RunConfig.")
+        _check_groups(self)
         for name, value in validate.check_train(self).items():  # one place for every value check
             object.__setattr__(self, name, value)
 

@@ -1,7 +1,7 @@
 """Every value a user gives, checked once at the boundary, in the same words from the command line or YAML.
 
-``RunConfig.__post_init__`` and ``TrainConfig.__post_init__`` call ``check_run`` and ``check_train``,
-which check each setting as its field declares (``check`` in ``memfit.settings.schema``), so a value is refused
+Each settings dataclass's ``__post_init__`` (``RunConfig``, ``TrainConfig`` and their nested groups) calls
+``check_fields`` (``TrainConfig`` through ``check_train``), which checks each setting as its field declares (``check`` in ``memfit.settings.schema``), so a value is refused
 whether it came from a flag, a ``--config`` YAML file or a library call, and the sentence always names
 the flag (``--lr``), never the Python field. Model configs are checked by
 ``check_model_config`` (read by estimate, plan and train through ``modelspec.resolve_config``) before
@@ -129,11 +129,6 @@ def check_fields(config) -> dict[str, Any]:
         else:
             out[f.name] = text(key, value)
     return out
-
-
-def check_run(run) -> dict[str, Any]:
-    """Checked, normalised values of a ``RunConfig`` (numbers only; enums are checked by the config)."""
-    return check_fields(run)
 
 
 def check_train(config) -> dict[str, Any]:
