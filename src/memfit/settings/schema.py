@@ -134,9 +134,10 @@ def nested(cls) -> Any:
     return dataclasses.field(default_factory=cls, metadata=MappingProxyType({"nested": cls}))
 
 
-def groups(cls) -> list[Field]:
+@functools.cache
+def groups(cls) -> tuple[Field, ...]:
     """The fields of ``cls`` that hold a nested group of settings (``nested``)."""
-    return [f for f in dataclasses.fields(cls) if "nested" in f.metadata]
+    return tuple(f for f in dataclasses.fields(cls) if "nested" in f.metadata)
 
 
 @dataclasses.dataclass(frozen=True)
