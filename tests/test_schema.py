@@ -213,3 +213,21 @@ def test_a_check_from_the_schema_names_the_flag_everywhere(tmp_path):
     cfg.write_text("lora_r: 4\nlora_dropout: 1\n")
     result = CliRunner().invoke(cli, ["train", "--config", str(cfg)])
     assert result.exit_code == 1 and sentence in result.output, result.output
+
+
+@pytest.mark.parametrize(("key", "value", "flag_name", "choices"), [
+    ("state_dict", "fulll", "--state-dict", "sharded, full"),
+    ("init", "zeros", "--init", "pretrained, random"),
+    ("tracker", "tensorbord", "--tracker", "tensorboard, wandb, mlflow, trackio, aim"),
+])
+def test_a_yaml_value_outside_a_settings_choices_is_refused(tmp_path, key, value, flag_name, choices):
+    """click checks a flag's choices; the same value from a ``--config`` file or a library call was accepted
+    (``TrainConfig.from_flat({"state_dict": "foo"})`` built a config). Now refused in one sentence, nothing written."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{key}: {value}\nmax_steps: 1\n")
+    result = CliRunner().invoke(cli, ["train", "--config", str(cfg), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert f"Unknown {flag_name} '{value}'; choose one of: {choices}." in result.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=f"Unknown {flag_name}"):
+        TrainConfig.of(**{key: value})

@@ -106,13 +106,19 @@ NON_NEGATIVE = "0 or a positive whole number"
 
 
 def check_fields(config) -> dict[str, Any]:
-    """Checked, normalised values of a config's settings, by each field's ``check`` (``memfit.settings.schema``).
+    """Checked, normalised values of a config's settings, by each field's ``check`` (``memfit.settings.schema``)
+    and its ``choices`` (click checks a flag's; a YAML file's or a library call's value is checked here).
 
     A setting whose default is None may be None: not given, derived later (``memfit.settings.defaults``)."""
     out: dict[str, Any] = {}
     for f in settings(config):
         kind, value, key = f.metadata["check"], getattr(config, f.name), key_of(f)  # key: a nested group's flag
-        if kind is None or (value is None and f.default is None):
+        if value is None and f.default is None:
+            continue
+        choices = f.metadata["click"].get("choices")
+        if choices and value not in choices:
+            raise UserError(f"Unknown {flag(key)} {_shown(value)}; choose one of: {', '.join(choices)}.")
+        if kind is None:
             continue
         what = f.metadata["what"]
         if kind in ("int>=0", "int>=1"):
@@ -141,8 +147,6 @@ def check_train(config) -> dict[str, Any]:
         check_path_names(Path(out["output"]), flag_name="--output")
     if getattr(config, "model", None) is None:
         raise UserError("--model must name a preset or a model folder, got nothing.")
-    if getattr(config, "init", "pretrained") not in ("pretrained", "random"):
-        raise UserError(f"--init must be pretrained or random, got {_shown(config.init)}.")
     return out
 
 
