@@ -137,6 +137,7 @@ def _print_launch(command_line: str | None, accelerate_config: str | None, confi
     elif "accelerate launch" in command_line:
         click.echo(f"(add --accelerate-config {printable(config_file)} to write the file it names.)")
 
+
 def _search(spec, budget, maximize: str | None, shape: dict):
     """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
     (largest micro-batch) that fits per technique (``memfit.maximize``: no preference method, no --emit)."""

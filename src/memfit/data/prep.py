@@ -60,10 +60,6 @@ def _encode(config: TrainConfig, tokenizer):
     from memfit.data import sources as data_sources
     from memfit.data.arrow import encode_parts
     from memfit.data.formats import Fields, chat_template_of
-    from memfit.settings.config import FORMATS
-
-    if config.reading.data_format is not None and config.reading.data_format not in FORMATS:
-        raise UserError(f"Unknown --data-format {config.reading.data_format!r}; choose one of: {', '.join(FORMATS)}.")
     fields, named = fields_of(config)
     parts = data_sources.load_parts(config.data, split=config.reading.split, data_config=config.reading.data_config,
                                     fmt=config.reading.data_format, fields=fields)

@@ -21,11 +21,10 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
 
 
 def check_tracker(name: str | None) -> None:
-    """Refuse a tracker whose package is not installed, naming the extra that installs it."""
+    """Refuse a tracker whose package is not installed, naming the extra that installs it (an unknown name is
+    refused with the config: ``TrainConfig.tracker``'s choices are ``TRACKERS``)."""
     if not name:
         return
-    if name not in TRACKERS:
-        raise UserError(f"Unknown --tracker {name!r}; choose one of: {', '.join(TRACKERS)}.")
     if importlib.util.find_spec(TRACKERS[name]) is None:
         raise UserError(f"--tracker {name} needs the {TRACKERS[name]} package; install it with "
                         f"pip install 'memfit[{name}]'.")

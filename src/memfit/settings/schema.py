@@ -231,7 +231,7 @@ def replaced(config, changes: dict[str, Any]):
     return dataclasses.replace(config, **direct)
 
 
-@functools.cache  # a Field (or Setting) is hashed by identity; its metadata is final once its class is made
+@functools.cache  # Fields hash by identity, Settings by (field, path, owner); metadata is final once a class is made
 def flag_of(f: Field) -> str:
     """The flag the user types for the field (``--seq-len``, ``--lr``)."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
