@@ -21,7 +21,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "memfit setup: installing $TORCH_SPEC" >&2
   "${PIP[@]}" "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import memfit, accelerate, peft, pytest, bitsandbytes, trl" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import memfit, accelerate, peft, pytest, xdist, bitsandbytes, trl" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.memfit-installed ]; then
   "${PIP[@]}" -e ".[dev,tensorboard,quant,trl]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   .venv/bin/python -c "import memfit, accelerate, peft, bitsandbytes" && touch .venv/.memfit-installed

@@ -1,10 +1,14 @@
-"""The documented ``memfit train`` commands, run in the background while the rest of the suite runs.
+"""The documented ``memfit train`` runs that run in a process of their own, in the background.
 
-They take about a third of the suite's time (the README demo alone trains 300 steps: ~3 minutes on 2
-cores), and each runs in a process of its own anyway (``scripts/doc_outputs.py --print``: in-process after
-the rest of the suite, the demo's output differed). ``conftest.py`` starts them, one after the other in
-one thread, as soon as collection ends and moves their doc tests to the end of the session, so they
-overlap with the other tests instead of adding to them; ``tests/test_docs.py`` takes each output from
+The README demo trains 300 steps (about 220 s of CPU time) and its output shows what a fresh process prints
+(its thread line, its RSS): it runs in a process of its own (``scripts/doc_outputs.py --print``). The other
+documented train commands (error messages, a 2-step budget run, the equivalence check) run in-process as
+every other documented command does (``doc_outputs.run``), which spares each an interpreter start with
+torch, transformers and PEFT (~9 s of CPU time each).
+
+On one process ``conftest.py`` starts these runs as soon as collection ends and moves their doc tests to the
+end of the session, so they overlap with the other tests; on pytest-xdist workers the run starts when its
+test asks (scheduled first), and the other worker overlaps it. ``tests/test_docs.py`` takes each output from
 here. A run that the session does not reach is stopped when the session ends.
 """
 
@@ -19,6 +23,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: The documented train commands run in a process of their own (the module docstring says why).
+OWN_PROCESS = {("train", "--output", "runs/demo")}
 
 
 class TrainOutputs:

@@ -93,36 +93,105 @@ def _start_gloo_launch(session) -> None:
 
 
 def _doc_train_argv(item) -> list[str] | None:
-    """The argv of a ``tests/test_docs.py`` case that runs ``memfit train``, else None."""
+    """The argv of a ``tests/test_docs.py`` case that runs ``memfit train`` in a process of its own
+    (``_doc_train_runs.OWN_PROCESS``), else None."""
     callspec = getattr(item, "callspec", None)
     if item.module.__name__ != "test_docs" or callspec is None:
         return None
+    from _doc_train_runs import OWN_PROCESS
+
     argv = callspec.params.get("argv")
-    return argv if argv and argv[0] == "train" else None
+    return argv if argv and tuple(argv) in OWN_PROCESS else None
 
 
+def _xdist(config) -> bool:
+    """Whether the session runs on pytest-xdist workers (pyproject's ``-n auto --dist loadgroup``): true in
+    the controller and in each worker."""
+    return hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) not in (None, 0)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core this process may use, at most 4 (each holds torch and its models)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+def pytest_configure(config):
+    """On an xdist worker, torch runs one thread: the workers already fill the cores, and two threads per
+    worker would have torch's OpenMP threads spin on a core another worker needs."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _shared_group(item) -> str | None:
+    """The xdist group of a test that must share its worker with others: the 2-process cases' tests read one
+    launch (``gloo_runs``, a session fixture: built once per worker that asks for it), and the tests of a
+    module or class fixture share what it builds (a launch, a trained run)."""
+    if any(item.iter_markers("launch_cases")):
+        return "gloo-launch"
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if defs and defs[-1].scope in ("module", "class", "package"):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+def _xdist_order(item) -> int:
+    """Longest work first, so that no long test starts last and ends the run alone: the shared 2-process
+    launch, then the documented demo (a 300-step run), then the tests marked ``heavy``, then the rest."""
+    if any(item.iter_markers("launch_cases")):
+        return 0
+    if _doc_train_argv(item) is not None:
+        return 1
+    return 2 if any(item.iter_markers("heavy")) else 3
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """The documented train runs' checks go last, so their background runs (below) overlap the suite."""
-    items.sort(key=lambda item: _doc_train_argv(item) is not None)  # stable: the rest keep their order
+    """On xdist workers: the tests that share a launch or a module's fixture go to one worker, longest work
+    first (``--dist loadgroup --no-loadscope-reorder`` keeps this order). On one process: the documented
+    train runs' checks go last, so their background runs (below) overlap the suite."""
+    if _xdist(config):
+        for item in items:
+            group = _shared_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=_xdist_order)  # stable: the rest keep their order
+        return
+    items.sort(key=lambda item: _doc_train_argv(item) is not None)
 
 
 def pytest_collection_finish(session):
-    """Start the shared 2-process launch and the documented train runs (``tests/_doc_train_runs.py``, longest
-    first) in the background: they are subprocesses, and overlap the tests that run meanwhile."""
-    if session.config.option.collectonly:
+    """On one process, start the shared 2-process launch and the documented train runs in their own process
+    (``tests/_doc_train_runs.py``) in the background: they are subprocesses, and overlap the tests that run
+    meanwhile. On xdist workers the other worker overlaps them: each starts when its first test asks."""
+    if session.config.option.collectonly or _xdist(session.config):
         return
     _start_gloo_launch(session)
     argvs = [argv for item in session.items if (argv := _doc_train_argv(item)) is not None]
     if argvs:
         from _doc_train_runs import TRAIN_OUTPUTS
 
-        TRAIN_OUTPUTS.start(sorted(argvs, key=lambda argv: "--max-steps" in argv))  # the 300-step demo first
+        TRAIN_OUTPUTS.start(argvs)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test ends with torch's thread count it started with: an in-process ``memfit train`` sets it for the
+    process (``training/threads.py``), and a later test on the same worker must not inherit it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 def pytest_sessionfinish(session):
+    """Stop what the background started and the session did not wait for (an early stop: -x, Ctrl-C)."""
     import sys
 
-    """Stop what the background started and the session did not wait for (an early stop: -x, Ctrl-C)."""
     if "_doc_train_runs" in sys.modules:
         sys.modules["_doc_train_runs"].TRAIN_OUTPUTS.stop()
     if "_launch_helpers" in sys.modules:

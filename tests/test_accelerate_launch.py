@@ -68,6 +68,7 @@ def fsdp_run(tmp_path_factory):
     return root, model, data, proc
 
 
+@pytest.mark.heavy
 def test_the_fsdp_config_plan_writes_launches_a_sharded_run(fsdp_run):
     root, _, _, proc = fsdp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,6 +77,7 @@ def test_the_fsdp_config_plan_writes_launches_a_sharded_run(fsdp_run):
     assert len(losses) == 3
 
 
+@pytest.mark.heavy
 def test_a_deepspeed_config_file_launches_zero2_with_the_same_losses(fsdp_run, tmp_path):
     pytest.importorskip("deepspeed")  # the optional extra; .ci/run installs it
     root, model, data, fsdp = fsdp_run
@@ -91,6 +93,7 @@ def test_a_deepspeed_config_file_launches_zero2_with_the_same_losses(fsdp_run, t
     assert on_deepspeed == pytest.approx(on_fsdp, abs=1e-5)
 
 
+@pytest.mark.heavy
 def test_accelerate_launch_of_two_cpu_processes_that_starts_one_is_refused(tmp_path):
     """Issue 22: ``accelerate launch --num_processes 2`` on a machine without GPUs runs the script once (its
     simple launcher); memfit trained on that one process without a word. Now: one sentence, exit 1, and no

@@ -40,17 +40,6 @@ def _run_script(script: str, *args: str, timeout: int = 600) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture
-def keep_threads():
-    """The dry runs pin torch to one thread in-process (they run in-process to share imports); restore it
-    (the ``OMP_NUM_THREADS`` they set is restored by conftest's ``_environment_restored``)."""
-    import torch
-
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 # --- pure pieces: golden numbers --------------------------------------------------------------------
 
 
@@ -121,7 +110,8 @@ def test_config_grid_has_each_config_with_and_without_checkpointing():
 # --- the GPU scripts, dry-run on CPU ----------------------------------------------------------------
 
 
-def test_gpu_dry_run(tmp_path, keep_threads):
+@pytest.mark.heavy
+def test_gpu_dry_run(tmp_path):
     import gpu
 
     out = tmp_path / "gpu.json"
@@ -144,7 +134,8 @@ def test_gpu_dry_run(tmp_path, keep_threads):
     assert row["model_flops_per_token"] == pytest.approx(573_440)
 
 
-def test_gpu_memory_check_dry_run(tmp_path, keep_threads):
+@pytest.mark.heavy
+def test_gpu_memory_check_dry_run(tmp_path):
     import gpu_memory_check as check
 
     out = tmp_path / "check.json"
@@ -177,6 +168,7 @@ def test_gpu_scripts_refuse_without_cuda_unless_dry_run(capsys):
 # --- the CPU benchmarks: one contender, and the whole quick run (slow) ---------------------------------
 
 
+@pytest.mark.heavy
 def test_overhead_one_plain_run():
     import overhead
 
@@ -215,7 +207,8 @@ def test_sharding_memory_dry_run_measures_and_predicts():
     assert row["processes"] == 1 and row["measured_peak_bytes_per_rank"][0] > 0 and row["predicted_peak_bytes"] > 0
 
 
-def test_gpu_techniques_dry_run(tmp_path, keep_threads):
+@pytest.mark.heavy
+def test_gpu_techniques_dry_run(tmp_path):
     """Every case of the techniques bench comes back with numbers on CPU; those CPU cannot run say why.
 
     The dry-run model: 2-layer Llama, hidden 64, vocabulary 8,192, 2 x 256 = 512 tokens a step. Its standard
@@ -261,6 +254,7 @@ def test_gpu_techniques_dry_run(tmp_path, keep_threads):
     assert 0.9 < rows["standard"]["memfit_over_trainer"] < 1.1, rows["standard"]["memfit_over_trainer"]
 
 
+@pytest.mark.heavy
 def test_gpu_sharding_check_dry_run(tmp_path):
     # 2 gloo processes on CPU, the tiny preset, 3 steps under torch's CPU tensor tracker, one config
     # (~20-40 s): the per-rank rows come back from torchrun and are compared with the prediction.

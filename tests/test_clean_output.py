@@ -44,6 +44,7 @@ def _warnings_of(config: TrainConfig) -> list[str]:
             if not issubclass(w.category, DeprecationWarning) or w.filename.startswith(own)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("lora_r", [0, 8], ids=["full", "lora"])
 def test_demo_with_checkpointing_warns_nothing(tmp_path, lora_r):
     """The demo's settings (tiny preset, shipped corpus, eval, samples) for 2 steps with checkpointing.
@@ -165,6 +166,7 @@ def cli_output(tmp_path_factory):
 _foreign = foreign_lines
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["normal", "tied", "lora-merge", "qlora-merge", "bad-json"])
 def test_the_cli_prints_nothing_foreign(cli_output, case):
     """Each case's stdout and stderr hold memfit's lines only (the run writes checkpoints, evaluates, samples)."""

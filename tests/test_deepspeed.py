@@ -81,6 +81,7 @@ def deepspeed_runs(tmp_path_factory):
     return {flag: (configs[flag], runs[flag]) for flag in configs}
 
 
+@pytest.mark.heavy
 @needs_deepspeed
 @pytest.mark.parametrize(("flag", "stage"), [("zero2", 2), ("zero3", 3)])
 def test_deepspeed_on_two_processes_matches_one_plain_process(tmp_path, flag, stage, deepspeed_runs):

@@ -27,6 +27,7 @@ def llama():
     return spec_from_config(accuracy_config("llama-gqa"), "test-llama-gqa")
 
 
+@pytest.mark.heavy
 def test_derived_agrees_with_hand_written_llama(llama):
     from memfit.memory.estimate import estimate
 
@@ -121,6 +122,7 @@ def test_a_model_whose_trace_fails_is_one_sentence(llama, monkeypatch):
                               "(unsupported operator).")
 
 
+@pytest.mark.heavy
 def test_depth_extrapolation_follows_the_trace_through_backward():
     """fp32 + checkpointing: the backward peak is the first layer's backward, where the layers above hold
     their weight gradients, not their saved inputs. A 3-layer Granite is predicted from its 2-layer traces
@@ -151,6 +153,7 @@ def _derived_family(name: str):
                         word_embed_proj_dim=64, max_position_embeddings=1024)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family,changes", [
     ("nemotron", {"optimizer_in_backward": True}),  # was +27.8% over --exact (traced without it)
     ("opt", {"loss": "chunked"}),  # was KeyError: 'h' (OPT's causal LM calls model.decoder, not model)
@@ -178,6 +181,7 @@ def test_derived_recipe_honours_the_technique(family, changes, tmp_path, monkeyp
         assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, phase
 
 
+@pytest.mark.heavy
 def test_returned_attention_weights_are_not_a_layer_s_bytes(tmp_path, monkeypatch):
     """Bloom's layers return their (B, heads, T, T) attention weights; under checkpointing nothing saves
     them and the decoder drops each when the next layer returns. Charged to every extrapolated layer they
@@ -206,6 +210,7 @@ def _lfm2(layers: int = 6):
                          layer_types=types)
 
 
+@pytest.mark.heavy
 def test_each_layer_kind_is_derived_and_extrapolated_as_itself(tmp_path, monkeypatch):
     """lfm2 (4 convolution and 2 attention layers) at seq 2048: traced as [conv, conv, attention] and every
     further layer extrapolated as its own kind. Counting the later convolution layers as attention ones
@@ -226,6 +231,7 @@ def test_each_layer_kind_is_derived_and_extrapolated_as_itself(tmp_path, monkeyp
         assert abs(analytic.phase_peaks[phase] - bytes_) <= 0.03 * bytes_, (phase, analytic.phase_peaks, bytes_)
 
 
+@pytest.mark.heavy
 def test_a_hybrid_whose_layer_kind_cannot_be_derived_is_named(tmp_path, monkeypatch):
     """jamba: mamba layers (without the mamba kernels, transformers loops over the positions: more operators
     at every length) and attention layers, with MoE or dense MLPs. The mamba kind cannot be fitted

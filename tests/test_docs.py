@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _doc_train_runs import TRAIN_OUTPUTS
+from _doc_train_runs import OWN_PROCESS, TRAIN_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "scripts" / "doc_outputs.py")
@@ -34,12 +34,11 @@ def test_the_docs_show_command_outputs():
 
 @functools.cache
 def _fresh(argv_key: tuple[str, ...]) -> str:
-    """The command's output now. ``train`` runs in a process of its own, started in the background when
-    collection ends (``tests/_doc_train_runs.py``), so the 300-step demo overlaps the rest of the suite."""
-    argv = list(argv_key)
-    if argv[0] != "train":
-        return doc_outputs.run(argv)
-    return TRAIN_OUTPUTS.output(argv)
+    """The command's output now: in-process (``doc_outputs.run``), but the 300-step demo, which runs in a
+    process of its own that overlaps the rest of the suite (``tests/_doc_train_runs.py``)."""
+    if argv_key in OWN_PROCESS:
+        return TRAIN_OUTPUTS.output(list(argv_key))
+    return doc_outputs.run(list(argv_key))
 
 
 def _first_difference(shown: str, fresh: str, argv: list[str]) -> str:

@@ -465,6 +465,7 @@ def killed_runs(tmp_path_factory):
     return done
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("where", ["manifest", "optimizer"])
 def test_kill_9_during_a_save_leaves_a_resumable_run(killed_runs, where):
     out, returncode, stderr = killed_runs[where]

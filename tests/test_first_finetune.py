@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from _train_helpers import foreign_lines
 from test_hub import COMMIT, put_in_cache, tiny_model_folder
 
@@ -35,6 +37,7 @@ def _chat_file(path: Path, n: int = 24) -> str:
     return str(path)
 
 
+@pytest.mark.heavy
 def test_a_first_fine_tune_of_a_hub_model_logs_to_a_file_and_loads_anywhere(tmp_path, monkeypatch):
     cache = tmp_path / "hf-cache"
     put_in_cache(cache, "org/tiny-chat", tiny_model_folder(tmp_path / "src"))

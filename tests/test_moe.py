@@ -52,6 +52,7 @@ def test_unrunnable_kernel_is_one_sentence(tmp_path):
 REGIMES = {"fp32": {}, "amp": {"mixed_precision": "bf16"}, "bf16": {"dtype": "bf16"}}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family,regime", [("mixtral", "fp32"), ("mixtral", "amp"), ("qwen2_moe", "bf16"),
                                            ("qwen2_moe", "fp32")])
 def test_moe_estimate_matches_exact(family, regime, tmp_path, monkeypatch):

@@ -69,6 +69,7 @@ def test_estimate_cli_takes_the_new_flags():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.heavy
 def test_memory_techniques_bench_quick(tmp_path):
     out = tmp_path / "mt.json"
     bench = Path(__file__).resolve().parents[1] / "bench" / "memory_techniques.py"

@@ -108,6 +108,7 @@ def test_8bit_adamw_trains_a_full_finetune_on_cpu(tmp_path, monkeypatch):
     assert losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.heavy
 def test_budget_on_cpu_plans_qlora_and_trains_it(tmp_path):
     # A Llama whose projections dominate (hidden 512, intermediate 2048, 2 layers, vocab 512: 7.9 M of its
     # 8.4 M parameters are projections). With --lora-r 8, the smallest LoRA plan on this CPU needs ~23.1 MB
