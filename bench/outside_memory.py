@@ -171,10 +171,10 @@ def _plain(model_name: str, run):
     from memfit.settings.config import TrainConfig
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
-    from memfit.training.setup import ModelSource, build_model
+    from memfit.training.setup import ResolvedModel, build_model
 
     hf_config = modelspec.resolve_config(model_name)
-    source = ModelSource(hf_config, None, True, resolve(modelspec.load_spec(model_name), run))
+    source = ResolvedModel(hf_config, None, True, resolve(modelspec.load_spec(model_name), run))
     return build_model(TrainConfig.of(model=model_name, run=run), run, source).model
 
 

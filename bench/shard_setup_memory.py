@@ -33,13 +33,14 @@ def main() -> None:
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
     from memfit.training import sharding
-    from memfit.training.setup import ModelSource, build_accelerator, build_model
+    from memfit.training.setup import ResolvedModel, build_accelerator, build_model
 
     run = RunConfig.of(seq_len=32, micro_batch=1, optimizer="adamw", sharding=args.sharding)
     config = TrainConfig.of(model=args.model, run=run)
     accelerator = build_accelerator(run, config)
     run = run.replace(num_processes=accelerator.num_processes)
-    source = ModelSource(modelspec.resolve_config(args.model), None, True, resolve(modelspec.load_spec(args.model), run))
+    source = ResolvedModel(modelspec.resolve_config(args.model), None, True,
+                           resolve(modelspec.load_spec(args.model), run))
     empty = sharding.builds_empty(accelerator, run) and not args.every_rank_builds
     with counted() as live:
         model = build_model(config, run, source, empty=empty).model

@@ -80,7 +80,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     from memfit.spec.resolved import resolve
     from memfit.training import sharding
     from memfit.training.setup import (
-        ModelSource,
+        ResolvedModel,
         build_accelerator,
         build_model,
         build_optimizer,
@@ -96,7 +96,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     hf_config = modelspec.resolve_config(model_name)
     hf_config.use_cache = False
     resolved = resolve(modelspec.load_spec(model_name), run)  # what build_model builds (attention, optimizer row)
-    bundle = build_model(config, run, ModelSource(hf_config, None, True, resolved))
+    bundle = build_model(config, run, ResolvedModel(hf_config, None, True, resolved))
     model = sharding.shard_model(bundle.model, run, accelerator)
     optimizer = build_optimizer(model, run, config)
     scheduler = build_scheduler(optimizer, config, steps)

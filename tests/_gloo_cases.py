@@ -29,16 +29,16 @@ def _train(root: Path, n: int, args: list[str]) -> dict:
     ``root/two/out``: the layout ``tiny_config(root / "two", data=...)`` gives, so a test can rebuild it."""
     data = write_qa(root, n=n)
     two = tiny_config(root / "two", data=data)
-    return {"kind": "memfit", "argv": ["train", "--model", two.model, "--data", data, *args, "--output", two.output],
-            "paths": {"data": data, "model": two.model, "output": two.output}}
+    return {"kind": "memfit", "argv": ["train", "--model", two.source.model, "--data", data, *args, "--output", two.folder.output],
+            "paths": {"data": data, "model": two.source.model, "output": two.folder.output}}
 
 
 def _train_pairs(root: Path, n: int, args: list[str]) -> dict:
     """``memfit train --method ...`` on ``n`` preference pairs (``root/pairs.jsonl``), laid out as ``_train``."""
     data = write_pairs(root / "pairs.jsonl", n=n)
     two = tiny_config(root / "two", data=data)
-    return {"kind": "memfit", "argv": ["train", "--model", two.model, "--data", data, *args, "--output", two.output],
-            "paths": {"data": data, "model": two.model, "output": two.output}}
+    return {"kind": "memfit", "argv": ["train", "--model", two.source.model, "--data", data, *args, "--output", two.folder.output],
+            "paths": {"data": data, "model": two.source.model, "output": two.folder.output}}
 
 
 # ... and of the mixture-of-experts cases (test_moe_dp): whole 64-token rows of text (packed), so the measured

@@ -103,7 +103,7 @@ def crash_after_first_checkpoint_then_resume(cfg: TrainConfig, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, show=False)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
-    return run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
+    return run_training(cfg.replace(resume=True), show=False)
 
 
 FOREIGN = [

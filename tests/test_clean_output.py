@@ -39,7 +39,7 @@ def _warnings_of(config: TrainConfig) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summary = train(config, show=True)
-    assert summary["steps"] == config.max_steps
+    assert summary["steps"] == config.length.max_steps
     return [f"{w.category.__name__} at {w.filename}:{w.lineno}: {w.message}" for w in caught
             if not issubclass(w.category, DeprecationWarning) or w.filename.startswith(own)]
 

@@ -171,7 +171,8 @@ def test_resume_on_arrow_data_lands_on_the_same_samples_and_weights(tmp_path, mo
     cfg = tiny_config(tmp_path / "b", save_every=2, **common)
     resumed = crash_after_first_checkpoint_then_resume(cfg, monkeypatch)  # killed after the step-2 checkpoint
     assert resumed.summary.steps == 4 and resumed.summary.sequences == full.summary.sequences
-    losses = [{m["step"]: m["loss"] for m in metrics(out) if "loss" in m} for out in (cfg.output, full.summary.output)]
+    losses = [{m["step"]: m["loss"] for m in metrics(out) if "loss" in m}
+              for out in (cfg.folder.output, full.summary.output)]
     assert losses[0][3] == losses[1][3] and losses[0][4] == losses[1][4]
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -194,7 +195,7 @@ def test_eval_samples_use_the_chat_template_and_leave_training_unchanged(tmp_pat
     plain = run_training(tiny_config(tmp_path / "plain", **common), show=False)
     cfg = tiny_config(tmp_path / "sampled", eval_samples=2, **common)
     sampled = run_training(cfg, show=False)
-    lines = [json.loads(line) for line in (Path(cfg.output) / "samples.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (Path(cfg.folder.output) / "samples.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2, 2, 4, 4]
     held_out = {f"{i}+1?" for i in range(20)}
     assert all(line["prompt"] in held_out and isinstance(line["completion"], str) for line in lines)

@@ -56,8 +56,8 @@ def _plain_and_deepspeed(tmp_path, flag: str, stage: int, extra=()):
     common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, max_grad_norm=1.0)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
-    proc = _launch(stage, "--model", two.model, "--data", data, *ARGS, "--sharding", flag, *extra,
-                   "--output", two.output)
+    proc = _launch(stage, "--model", two.source.model, "--data", data, *ARGS, "--sharding", flag, *extra,
+                   "--output", two.folder.output)
     assert proc.returncode == 0, _rank0_error(proc)
     return one, two, proc
 
@@ -75,8 +75,8 @@ def deepspeed_runs(tmp_path_factory):
                           max_grad_norm=1.0)
         configs[flag] = two
         cases.append({"name": flag, "kind": "memfit", "env": _ds_env(stage),
-                      "argv": ["train", "--model", two.model, "--data", data, *ARGS, "--sharding", flag,
-                               "--save-every", "3", "--output", two.output]})
+                      "argv": ["train", "--model", two.source.model, "--data", data, *ARGS, "--sharding", flag,
+                               "--save-every", "3", "--output", two.folder.output]})
     runs = launch_cases(cases, root / "launch", env={"ACCELERATE_USE_DEEPSPEED": "true"}, timeout_per_case=500)
     return {flag: (configs[flag], runs[flag]) for flag in configs}
 
@@ -91,20 +91,20 @@ def test_deepspeed_on_two_processes_matches_one_plain_process(tmp_path, flag, st
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common), show=False)
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(two.output)  # a plain HF folder (safetensors)
-    assert (Path(two.output) / "model.safetensors").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(two.folder.output)  # a plain HF folder (safetensors)
+    assert (Path(two.folder.output) / "model.safetensors").is_file()
     assert max_diff(one.model, exported) < 1e-5
-    assert [m["loss"] for m in metrics(two.output)] == pytest.approx(
+    assert [m["loss"] for m in metrics(two.folder.output)] == pytest.approx(
         [m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
     # clipping ran inside DeepSpeed (max_grad_norm 1.0): its norm is what the plain run's clip measured
-    assert [m["grad_norm"] for m in metrics(two.output)] == pytest.approx(
+    assert [m["grad_norm"] for m in metrics(two.folder.output)] == pytest.approx(
         [m["grad_norm"] for m in metrics(one.summary.output)], rel=1e-4)
-    step3 = Path(two.output) / "checkpoints" / "step-3"
+    step3 = Path(two.folder.output) / "checkpoints" / "step-3"
     assert json.loads((step3 / deepspeed_engine.MARKER).read_text()) == {"stage": stage, "num_processes": 2}
     ranks = sorted(p.name for p in (step3 / "pytorch_model").glob("*zero_pp_rank_*_optim_states.pt"))
     assert len(ranks) == 2  # each rank wrote its own ZeRO partition of the optimizer state
     assert f"{flag} (DeepSpeed) over 2 processes" in " ".join((proc.stdout + proc.stderr).split())
-    run_json = json.loads((Path(two.output) / "run.json").read_text())
+    run_json = json.loads((Path(two.folder.output) / "run.json").read_text())
     assert len(run_json["rank_peak_bytes"]) == 2 and min(run_json["rank_peak_bytes"]) > 0
 
 
@@ -115,16 +115,16 @@ def test_deepspeed_checkpoint_resumes_exactly(tmp_path, flag, stage):
     _, two, _ = _plain_and_deepspeed(tmp_path, flag, stage, ["--save-every", "3"])
     from transformers import AutoModelForCausalLM
 
-    straight = AutoModelForCausalLM.from_pretrained(two.output)
-    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
-    proc = _launch(stage, "--model", two.model, "--data", two.data, *ARGS, "--sharding", flag, "--save-every", "3",
-                   "--resume", "--output", two.output)
+    straight = AutoModelForCausalLM.from_pretrained(two.folder.output)
+    shutil.rmtree(Path(two.folder.output) / "checkpoints" / "step-6")
+    proc = _launch(stage, "--model", two.source.model, "--data", two.data, *ARGS, "--sharding", flag, "--save-every", "3",
+                   "--resume", "--output", two.folder.output)
     assert proc.returncode == 0, _rank0_error(proc)
-    assert max_diff(straight, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-6
+    assert max_diff(straight, AutoModelForCausalLM.from_pretrained(two.folder.output)) < 1e-6
     # the same checkpoint on another stage: one sentence, nothing changed
     other = 3 if stage == 2 else 2
-    proc = _launch(other, "--model", two.model, "--data", two.data, *ARGS, "--sharding", f"zero{other}",
-                   "--resume", "--output", two.output)
+    proc = _launch(other, "--model", two.source.model, "--data", two.data, *ARGS, "--sharding", f"zero{other}",
+                   "--resume", "--output", two.folder.output)
     assert proc.returncode != 0 and f"holds DeepSpeed ZeRO-{stage} partitions of 2 ranks" in proc.stdout + proc.stderr
 
 

@@ -215,13 +215,11 @@ def test_lora_options_with_lora_r_given_are_accepted(tmp_path, built):
 def test_a_library_run_without_lr_resumes_with_its_saved_lr(tmp_path):
     """``TrainConfig.of(lr=None)`` is "not given": ``--resume`` takes the run's derived lr instead of
     refusing "--lr differs"."""
-    import dataclasses
-
     from _train_helpers import tiny_config
     from memfit.training.loop import run_training
 
     cfg = tiny_config(tmp_path, max_steps=2, save_every=2).replace(lr=None)
     run_training(cfg, show=False)
-    resumed = run_training(dataclasses.replace(cfg, resume=True, max_steps=3, extend_schedule=True), show=False)
+    resumed = run_training(cfg.replace(resume=True, max_steps=3, extend_schedule=True), show=False)
     assert resumed.summary.steps == 3
     assert json.loads((tmp_path / "out" / "run.json").read_text())["settings"]["lr"] == 1e-3  # random weights

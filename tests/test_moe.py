@@ -115,7 +115,7 @@ def test_moe_trains_as_predicted(lora, tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, run=run, model=str(tmp_path / "moe"), init="random", packing="concat",
                       data=write_text(tmp_path, n=200))
     summary = run_training(cfg, show=False).summary
-    logged = metrics(cfg.output)
+    logged = metrics(cfg.folder.output)
     assert all(1.0 <= r["router_max_load"] <= 2.0 for r in logged), logged  # E/k = 2: one expert took all
     measured = summary.to_dict()["peak_memory"]["cpu_tensor_peak"]
     predicted = summary.predicted_peak_bytes

@@ -302,7 +302,7 @@ def test_cli_json_schema_and_output_round_trip(tmp_path):
     # the YAML is what `memfit train --config plan.yaml` reads
     flat = yaml.safe_load(out.read_text())
     train = TrainConfig.from_flat(flat)
-    assert train.model == "tiny"
+    assert train.source.model == "tiny"
     assert train.run == RunConfig.from_flat(first["config"])
     assert train.run.effective_batch() == 16
 

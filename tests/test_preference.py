@@ -304,4 +304,4 @@ def test_dpo_metrics_reach_the_tracker(tmp_path):
         for tag in set(acc.Tags()["scalars"]) & {"reward_accuracy", "reward_margin"}:
             logged[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
     for tag in ("reward_accuracy", "reward_margin"):
-        assert logged[tag] == pytest.approx([(m["step"], m[tag]) for m in metrics(cfg.output)], abs=1e-6)
+        assert logged[tag] == pytest.approx([(m["step"], m[tag]) for m in metrics(cfg.folder.output)], abs=1e-6)

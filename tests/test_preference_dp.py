@@ -32,7 +32,7 @@ def test_dpo_two_processes_match_one_and_resume(tmp_path, gloo_runs):
     assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two_out)) < 1e-5
     logged = metrics(two_out)
     assert [m["sequences"] for m in logged] == [4, 8, 12, 16, 20, 22]
-    assert [m["reward_margin"] for m in logged] == pytest.approx([m["reward_margin"] for m in metrics(one.output)],
+    assert [m["reward_margin"] for m in logged] == pytest.approx([m["reward_margin"] for m in metrics(one.folder.output)],
                                                                  abs=1e-5)
     shutil.rmtree(two_out / "checkpoints" / "step-6")
     resumed = tiny_config(two_out.parent, resume=True, run={"optimizer": "adamw", "method": "dpo"}, **common)
@@ -93,15 +93,15 @@ def test_dpo_sharded_checkpoint_resumes_on_two_processes(tmp_path):
 
     data = write_pairs(tmp_path / "pairs.jsonl", n=22)
     two = tiny_config(tmp_path / "two", data=data)
-    args = ["train", "--model", two.model, "--data", data, *TRAIN_ARGS, "--method", "dpo", "--sharding", "fsdp",
-            "--save-every", "3", "--output", two.output]
+    args = ["train", "--model", two.source.model, "--data", data, *TRAIN_ARGS, "--method", "dpo", "--sharding", "fsdp",
+            "--save-every", "3", "--output", two.folder.output]
     first = gloo_launch("-m", "memfit", *args)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (Path(two.output) / "checkpoints" / "step-3").is_dir()
-    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
+    assert (Path(two.folder.output) / "checkpoints" / "step-3").is_dir()
+    shutil.rmtree(Path(two.folder.output) / "checkpoints" / "step-6")
     resumed = gloo_launch("-m", "memfit", *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     _one, single, _ = _single(tmp_path, data, "dpo")
-    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-5
-    assert [m["sequences"] for m in metrics(two.output) if "sequences" in m][-1] == 22
+    assert max_diff(single.model, AutoModelForCausalLM.from_pretrained(two.folder.output)) < 1e-5
+    assert [m["sequences"] for m in metrics(two.folder.output) if "sequences" in m][-1] == 22

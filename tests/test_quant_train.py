@@ -63,11 +63,11 @@ def test_qlora_4bit_trains_and_merge_keeps_a_4bit_base(tmp_path):
     # and head 384 x 64 each, 2 layers x (q 4,096 + k 2,048 + v 2,048 + o 4,096 + 3 x 8,192 + 2 norms x 64), final
     # norm 64), plus the adapters.
     assert res.summary.params == 123_200 + res.summary.trainable_params
-    losses = [m["loss"] for m in metrics(cfg.output)]
+    losses = [m["loss"] for m in metrics(cfg.folder.output)]
     assert losses[-1] < losses[0] - 0.3  # 5.96 (about ln 384) falls to ~5.5 in 10 steps at lr 1e-2
     # --merge on a 4-bit base: PEFT dequantizes, adds the adapter and quantizes again, so the merged model
     # is itself a 4-bit checkpoint (its config says so) that loads back through bitsandbytes.
-    merged = Path(cfg.output) / "merged"
+    merged = Path(cfg.folder.output) / "merged"
     assert json.loads((merged / "config.json").read_text())["quantization_config"]["load_in_4bit"] is True
     from transformers import AutoModelForCausalLM
 
@@ -92,7 +92,7 @@ def test_8bit_base_with_8bit_adamw_trains(tmp_path):
     cfg = _qlora(tmp_path, "8bit", max_steps=8, run={"optimizer": "adamw-8bit"})
     res = run_training(cfg, show=False)
     assert sum(isinstance(m, bnb.nn.Linear8bitLt) for m in res.model.modules()) == 14
-    losses = [m["loss"] for m in metrics(cfg.output)]
+    losses = [m["loss"] for m in metrics(cfg.folder.output)]
     assert losses[-1] < losses[0] - 0.2
 
 
@@ -104,7 +104,7 @@ def test_8bit_adamw_trains_a_full_finetune_on_cpu(tmp_path, monkeypatch):
                       run={"optimizer": "adamw-8bit", "seq_len": 64})
     run_training(cfg, show=False)
     assert len(steps) == 6  # bitsandbytes' 8-bit AdamW took every step
-    losses = [m["loss"] for m in metrics(cfg.output)]
+    losses = [m["loss"] for m in metrics(cfg.folder.output)]
     assert losses[-1] < losses[0] - 1.0
 
 
@@ -144,14 +144,14 @@ def test_qlora_on_a_shape_the_cpu_inference_kernel_cannot_pack_evaluates_and_exp
     layers are built as on one that has it."""
     monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
     cfg = _qlora(tmp_path, max_steps=4, eval_every=2, eval_fraction=0.1, samples=1)
-    model = json.loads(Path(cfg.model).read_text())
-    Path(cfg.model).write_text(json.dumps({**model, "intermediate_size": 176}))
+    model = json.loads(Path(cfg.source.model).read_text())
+    Path(cfg.source.model).write_text(json.dumps({**model, "intermediate_size": 176}))
     res = run_training(cfg, show=False)
     assert res.summary.steps == 4 and res.summary.final_eval_loss is not None
     layers = [m for m in res.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert {m.out_features for m in layers} >= {176}
     assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
-    assert (Path(cfg.output) / "adapter_model.safetensors").is_file()
+    assert (Path(cfg.folder.output) / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_lean_and_full_upcast_train_the_same_curve(tmp_path):
         cfg = _qlora(tmp_path / upcast, max_steps=6, warmup_steps=2,
                      run={"dtype": "bf16", "qlora_upcast": upcast, "lora_r": 8})
         run_training(cfg, show=False)
-        curves[upcast] = [m["loss"] for m in metrics(cfg.output) if "loss" in m]
+        curves[upcast] = [m["loss"] for m in metrics(cfg.folder.output) if "loss" in m]
     assert len(curves["lean"]) == len(curves["full"]) == 6
     assert curves["lean"][-1] < curves["lean"][0]  # it trains
     for lean, full in zip(curves["lean"], curves["full"], strict=True):

@@ -4,6 +4,7 @@ field of ``RunConfig``/``TrainConfig`` (``memfit.settings.schema``), or is liste
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 
 import click
@@ -19,12 +20,16 @@ from memfit.cli.options import _plain
 from memfit.errors import UserError
 from memfit.planning.space import Constraints
 from memfit.settings.config import (
+    Cadence,
     CheckpointSettings,
     DataReading,
+    FolderSettings,
     LoraSettings,
+    ModelSource,
     OptimSettings,
     PreferenceSettings,
     RunConfig,
+    RunLength,
     TrainConfig,
 )
 from memfit.settings.schema import (
@@ -124,7 +129,8 @@ def test_data_preview_flags_are_train_settings():
 
 def test_every_field_is_a_setting_with_a_resume_rule_and_a_flag_validate_names():
     nested_classes = {f.metadata["nested"] for cls in (RunConfig, TrainConfig) for f in groups(cls)}
-    assert nested_classes == {LoraSettings, DataReading, OptimSettings, CheckpointSettings, PreferenceSettings}
+    assert nested_classes == {LoraSettings, DataReading, OptimSettings, CheckpointSettings, PreferenceSettings,
+                              ModelSource, FolderSettings, RunLength, Cadence}
     for cls in (RunConfig, TrainConfig, *nested_classes):
         others = {f.name for f in dataclasses.fields(cls)} - {f.name for f in settings(cls)}
         held = {f.name for f in groups(cls)} | ({"run"} if cls is TrainConfig else set())
@@ -163,6 +169,59 @@ def test_nested_groups_keep_flags_keys_and_run_json_flat():
     assert config.preference == PreferenceSettings(beta=0.3) and config.run.lora.r == 4
     assert config.optim.lr == 1e-3 and config.checkpoints.save_every == 5
     assert config.to_flat()["beta"] == 0.3 and "preference" not in config.to_flat()
+
+
+#: TrainConfig's groups of issue 23 (model, run folder, length, cadence): field -> (class, the flat keys in order)
+TRAIN_GROUPS = {
+    "source": (ModelSource, ["model", "tokenizer", "revision", "trust_remote_code", "allow_pickle_weights", "init"]),
+    "folder": (FolderSettings, ["output", "resume", "overwrite", "extend_schedule", "allow_data_change"]),
+    "length": (RunLength, ["max_steps", "epochs"]),
+    "cadence": (Cadence, ["eval_every", "log_every", "samples", "eval_samples"]),
+}
+
+
+@pytest.mark.parametrize("field_name", TRAIN_GROUPS)
+def test_the_model_folder_length_and_cadence_groups_keep_flags_and_keys_flat(field_name, tmp_path):
+    """``TrainConfig.source``/``.folder``/``.length``/``.cadence`` are nested dataclasses; their flags, YAML keys
+    and run.json keys are the flat names they always were (``--output``, ``output``), reached by key."""
+    cls, keys = TRAIN_GROUPS[field_name]
+    settings_ = [s for s in walk(TrainConfig) if s.path[0] == field_name]
+    assert [s.key for s in settings_] == keys and {s.path for s in settings_} == {(field_name, k) for k in keys}
+    assert [flag_of(s) for s in settings_] == ["--" + k.replace("_", "-") for k in keys]  # no prefix
+    train_flags = _flags(train_cli.command)
+    assert all(train_flags[flag_of(s)].name == s.key for s in settings_)  # train's option, its kwarg the key
+    values = {"model": str(tmp_path / "m"), "tokenizer": "byte", "revision": None, "trust_remote_code": True,
+              "allow_pickle_weights": True, "init": "random", "output": str(tmp_path / "out"), "resume": True,
+              "overwrite": True, "extend_schedule": True, "allow_data_change": True, "max_steps": 7, "epochs": 2,
+              "eval_every": 3, "log_every": 2, "samples": 1, "eval_samples": 4}
+    given = {k: values[k] for k in keys}
+    config = TrainConfig.of(**given)
+    assert getattr(config, field_name) == cls(**given)  # of() by key builds the group
+    flat = config.to_flat()
+    assert {k: flat[k] for k in keys} == given and field_name not in flat  # run.json's settings stay flat
+    assert TrainConfig.from_flat(flat) == config  # and are read back by the same keys
+    other = {"init": "pretrained", "allow_data_change": False, "epochs": 5, "eval_samples": 0}[keys[-1]]
+    changed = getattr(config.replace(**{keys[-1]: other}), field_name)  # one setting by key, the rest kept
+    assert changed == dataclasses.replace(getattr(config, field_name), **{keys[-1]: other})
+    with pytest.raises(UserError, match=f"TrainConfig.{field_name} must be of type {cls.__name__}"):
+        TrainConfig(**{field_name: given})  # a plain dict would fail later, deep in a run
+    assert TrainConfig.keys()[keys[0]] == f"{field_name}.{keys[0]}"
+
+
+def test_the_groups_check_their_values_in_the_flags_words(tmp_path):
+    """The checks ``validate.check_train`` made on the flat config hold on the groups, in the same words."""
+    with pytest.raises(UserError, match=re.escape("--model must name a preset or a model folder, got nothing.")):
+        TrainConfig.of(model=None)
+    with pytest.raises(UserError, match=re.escape("--max-steps must be a positive whole number, got 0.")):
+        RunLength(max_steps=0)
+    with pytest.raises(UserError, match=re.escape("--eval-every must be 0 or a positive whole number, got -1.")):
+        TrainConfig.of(eval_every=-1)
+    assert FolderSettings(output="~/runs/x").output == str(pathlib.Path("~/runs/x").expanduser())
+    with pytest.raises(UserError, match="--output"):
+        TrainConfig.of(output=str(tmp_path / ("x" * 300)))  # a name the file system refuses
+    result = CliRunner().invoke(cli, ["train", "--extend-schedule", "--output", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "--extend-schedule continues a finished run past its end and needs --resume" \
+        in result.output, result.output
 
 
 def test_resumes_rules_name_only_settings_and_come_from_the_schema():

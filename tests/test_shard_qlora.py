@@ -57,11 +57,11 @@ def _qlora_single_and_fsdp(tmp_path, *extra: str):
     data = write_qa(tmp_path, n=22)
     single = _single(tmp_path, data)
     two = tiny_config(tmp_path / "two", data=data)
-    launch = ["-m", "memfit", "train", "--model", two.model, "--data", data, *ARGS, "--lora-r", "4",
-              "--quantize", "4bit", "--sharding", "fsdp", "--save-every", "2", *extra, "--output", two.output]
+    launch = ["-m", "memfit", "train", "--model", two.source.model, "--data", data, *ARGS, "--lora-r", "4",
+              "--quantize", "4bit", "--sharding", "fsdp", "--save-every", "2", *extra, "--output", two.folder.output]
     proc = gloo_launch(*launch, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return single, launch, two.output
+    return single, launch, two.folder.output
 
 
 @pytest.mark.launch_cases("qlora-fsdp")

@@ -10,7 +10,6 @@ whole. ~1-2 minutes per test (2 launches of 2 processes on 2 shared cores): mark
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -61,19 +60,19 @@ def test_tied_model_unsharded_checkpoint_resumes_under_fsdp(tmp_path):
     data, model = write_qa(tmp_path, n=22), _tied_model(tmp_path / "model")
     common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2)
     config = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, save_every=3, **common)
-    config = dataclasses.replace(config, model=model)
+    config = config.replace(model=model)
     reference = run_training(config, show=False)
     from safetensors.torch import load_file
 
-    checkpoints = Path(config.output) / "checkpoints"
+    checkpoints = Path(config.folder.output) / "checkpoints"
     assert len(load_file(str(checkpoints / "step-3" / "model.safetensors"))) == len(saved_names(reference.model)) - 1
     shutil.rmtree(checkpoints / "step-6")
     proc = _launch("--model", model, "--data", data, *ARGS, "--sharding", "fsdp", "--save-every", "3", "--resume",
-                   "--output", config.output)
+                   "--output", config.folder.output)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
-    sharded = AutoModelForCausalLM.from_pretrained(config.output)
+    sharded = AutoModelForCausalLM.from_pretrained(config.folder.output)
     assert sharded.lm_head.weight.data_ptr() == sharded.model.embed_tokens.weight.data_ptr()
     assert max_diff(reference.model, sharded) < 1e-6
 

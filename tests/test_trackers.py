@@ -18,7 +18,7 @@ def _train(tmp_path: Path, tracker: str) -> tuple[Path, list[dict]]:
 
     cfg = tiny_config(tmp_path, tracker=tracker, max_steps=2)
     run_training(cfg, show=False)
-    return Path(cfg.output), metrics(cfg.output)
+    return Path(cfg.folder.output), metrics(cfg.folder.output)
 
 
 def test_a_missing_tracker_is_one_sentence_naming_the_extra(monkeypatch):

@@ -73,20 +73,20 @@ def test_data_has_unequal_target_counts_per_micro_batch(grid):
 
 def test_accumulation_equivalence_weights_and_logged_losses(grid):
     ref_cfg, ref = grid[(4, 1)]
-    ref_losses = [m["loss"] for m in metrics(ref_cfg.output)]
+    ref_losses = [m["loss"] for m in metrics(ref_cfg.folder.output)]
     assert len(ref_losses) == 3
     for key in ((2, 2), (1, 4)):
         cfg, res = grid[key]
         assert max_diff(ref.model, res.model) < 1e-6, key
-        assert [m["loss"] for m in metrics(cfg.output)] == pytest.approx(ref_losses, abs=1e-6)
+        assert [m["loss"] for m in metrics(cfg.folder.output)] == pytest.approx(ref_losses, abs=1e-6)
 
 
 def test_gradient_checkpointing_gives_the_same_loss(grid, tmp_path):
     ref_cfg, ref = grid[(4, 1)]
     cfg = tiny_config(tmp_path, run={"grad_checkpointing": True})
     res = run_training(cfg, show=False)
-    assert [m["loss"] for m in metrics(cfg.output)] == pytest.approx([m["loss"] for m in metrics(ref_cfg.output)],
-                                                                     abs=1e-6)
+    ref_losses = [m["loss"] for m in metrics(ref_cfg.folder.output)]
+    assert [m["loss"] for m in metrics(cfg.folder.output)] == pytest.approx(ref_losses, abs=1e-6)
     assert max_diff(ref.model, res.model) < 1e-6
 
 
@@ -94,7 +94,7 @@ def test_output_folder_loads_and_records_the_run(grid):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg, res = grid[(4, 1)]
-    out = cfg.output
+    out = cfg.folder.output
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert max_diff(loaded, res.model) == 0.0
     assert AutoTokenizer.from_pretrained(out).pad_token_id == 0
@@ -112,7 +112,7 @@ def test_loss_falls_on_text(tmp_path):
     cfg = tiny_config(tmp_path, data=write_text(tmp_path), max_steps=12, packing=True, lr=1e-2,
                       eval_every=12, eval_fraction=0.1, run={"optimizer": "adamw", "seq_len": 64})
     summary = run_training(cfg, show=False).summary
-    losses = [m["loss"] for m in metrics(cfg.output)]
+    losses = [m["loss"] for m in metrics(cfg.folder.output)]
     assert losses[-1] < losses[0] - 1.0  # starts near ln(384) = 5.95 nats; a byte model drops fast
     assert summary.final_eval_loss < summary.unigram_loss + 1.0
 
@@ -215,7 +215,7 @@ def test_skipped_steps_are_counted_with_a_forced_overflow(tmp_path, monkeypatch)
     cfg = tiny_config(tmp_path)
     res = run_training(cfg, show=False)
     assert res.summary.skipped_steps == 1
-    assert [m["skipped_steps"] for m in metrics(cfg.output)] == [0, 1, 1]
+    assert [m["skipped_steps"] for m in metrics(cfg.folder.output)] == [0, 1, 1]
     assert json.loads((tmp_path / "out" / "run.json").read_text())["skipped_steps"] == 1
 
 

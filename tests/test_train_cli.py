@@ -81,7 +81,7 @@ def test_config_file_and_explicit_flags(tmp_path, monkeypatch):
     assert isinstance(result.exception, NothingTrained), result.output
     config = seen["config"]
     assert (config.run.micro_batch, config.run.grad_accum, config.run.lora.r) == (2, 3, 8)  # from the file
-    assert config.max_steps == 3 and config.optim.lr == 0.01  # typed flag wins over the file
+    assert config.length.max_steps == 3 and config.optim.lr == 0.01  # typed flag wins over the file
     assert set(config.pinned) == {"micro_batch", "grad_accum", "lora_r"}
 
 

@@ -28,18 +28,18 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path, gloo_runs):
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, **common)
     single = run_training(one, show=False)
     two = tiny_config(root / "two", save_every=3, **common)
-    assert two.output == proc.paths["output"] and two.model == proc.paths["model"]
+    assert two.folder.output == proc.paths["output"] and two.source.model == proc.paths["model"]
 
     from transformers import AutoModelForCausalLM
 
-    ddp = AutoModelForCausalLM.from_pretrained(two.output)
+    ddp = AutoModelForCausalLM.from_pretrained(two.folder.output)
     assert max_diff(single.model, ddp) < 1e-6
-    logged_two = metrics(two.output)
+    logged_two = metrics(two.folder.output)
     assert [m["sequences"] for m in logged_two] == [4, 8, 12, 16, 20, 22]  # every sample once, none dropped
-    assert [m["loss"] for m in logged_two] == pytest.approx([m["loss"] for m in metrics(one.output)], abs=1e-6)
+    assert [m["loss"] for m in logged_two] == pytest.approx([m["loss"] for m in metrics(one.folder.output)], abs=1e-6)
 
     # Resume the 2-process run's step-3 checkpoint on 1 process with another split (4 x 1).
-    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
+    shutil.rmtree(Path(two.folder.output) / "checkpoints" / "step-6")
     resumed_cfg = tiny_config(root / "two", resume=True, run={"optimizer": "adamw"}, **common)
     resumed = run_training(resumed_cfg, show=False)
     assert resumed.summary.sequences == 22

@@ -234,4 +234,4 @@ def test_model_built_on_cpu_when_asked(tmp_path):
     a = build_model(cfg, cfg.run, device=torch.device("cpu")).model
     b = build_model(cfg, cfg.run).model  # the default: CPU, as before
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    assert Path(cfg.model).is_file()
+    assert Path(cfg.source.model).is_file()

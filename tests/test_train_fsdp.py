@@ -34,8 +34,8 @@ def _single_and_sharded(tmp_path, sharding_flag: str, run: dict, extra: list[str
     common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(tmp_path / "two", **common)
-    proc = _launch("--model", two.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
-                   "--output", two.output, nproc=nproc)
+    proc = _launch("--model", two.source.model, "--data", data, *ARGS, "--sharding", sharding_flag, *extra,
+                   "--output", two.folder.output, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return one, two
 
@@ -48,7 +48,7 @@ def _single_and_launched(tmp_path, launched, run: dict, **loop):
     common = dict(data=data, max_steps=6, lr=1e-2, warmup_steps=2, **loop)
     one = run_training(tiny_config(tmp_path / "one", run={"optimizer": "adamw", **run}, **common), show=False)
     two = tiny_config(Path(launched.paths["output"]).parents[1] / "two", **common)
-    assert (two.model, two.output) == (launched.paths["model"], launched.paths["output"])
+    assert (two.source.model, two.folder.output) == (launched.paths["model"], launched.paths["output"])
     return one, two
 
 
@@ -58,16 +58,16 @@ def test_fsdp_full_finetune_on_two_processes_matches_one(tmp_path, gloo_runs):
     one, two = _single_and_launched(tmp_path, gloo_runs["fsdp-full"], {})
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(two.output)  # a plain HF folder, gathered on rank 0
+    exported = AutoModelForCausalLM.from_pretrained(two.folder.output)  # a plain HF folder, gathered on rank 0
     assert max_diff(one.model, exported) < 1e-5
-    assert [m["loss"] for m in metrics(two.output)] == pytest.approx([m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
+    assert [m["loss"] for m in metrics(two.folder.output)] == pytest.approx([m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
     # The checkpoint holds shards: each rank wrote its half of every 2-D weight (DCP metadata).
     from torch.distributed.checkpoint import FileSystemReader
 
-    meta = FileSystemReader(str(Path(two.output) / "checkpoints/step-3" / sharding.DCP_DIR)).read_metadata()
+    meta = FileSystemReader(str(Path(two.folder.output) / "checkpoints/step-3" / sharding.DCP_DIR)).read_metadata()
     q_proj = meta.state_dict_metadata["app.model.model.layers.0.self_attn.q_proj.weight"]
     assert [tuple(c.sizes) for c in q_proj.chunks] == [(32, 64), (32, 64)]  # 64 x 64 split by rows over 2 ranks
-    assert json.loads((Path(two.output) / "checkpoints/step-3" / sharding.SHARDED_MARKER).read_text()) == {
+    assert json.loads((Path(two.folder.output) / "checkpoints/step-3" / sharding.SHARDED_MARKER).read_text()) == {
         "sharding": "fsdp", "num_processes": 2}
 
 
@@ -81,11 +81,11 @@ def test_lora_under_zero2_on_two_processes_matches_one(tmp_path, gloo_runs):
     from transformers import AutoModelForCausalLM
 
     single = AutoModelForCausalLM.from_pretrained(one.summary.output)  # base + adapter, transformers' PEFT integration
-    sharded = AutoModelForCausalLM.from_pretrained(two.output)
+    sharded = AutoModelForCausalLM.from_pretrained(two.folder.output)
     assert max_diff(single, sharded) < 1e-5
     adapter_keys = [k for k in sharded.state_dict() if "lora_" in k]
     assert len(adapter_keys) == 8
-    evals = [m["eval_loss"] for m in metrics(two.output) if "eval_loss" in m]
+    evals = [m["eval_loss"] for m in metrics(two.folder.output) if "eval_loss" in m]
     assert len(evals) == 2 and evals == pytest.approx(
         [m["eval_loss"] for m in metrics(one.summary.output) if "eval_loss" in m], abs=1e-5)
 
@@ -93,13 +93,13 @@ def test_lora_under_zero2_on_two_processes_matches_one(tmp_path, gloo_runs):
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_two_processes(tmp_path):
     one, two = _single_and_sharded(tmp_path, "fsdp", {}, ["--save-every", "3"])
-    shutil.rmtree(Path(two.output) / "checkpoints" / "step-6")
-    proc = _launch("--model", two.model, "--data", two.data, *ARGS, "--sharding", "fsdp", "--save-every", "3",
-                   "--resume", "--output", two.output)
+    shutil.rmtree(Path(two.folder.output) / "checkpoints" / "step-6")
+    proc = _launch("--model", two.source.model, "--data", two.data, *ARGS, "--sharding", "fsdp", "--save-every", "3",
+                   "--resume", "--output", two.folder.output)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
-    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(two.output)) < 1e-6
+    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(two.folder.output)) < 1e-6
 
 
 @pytest.mark.slow
@@ -115,15 +115,15 @@ def test_full_state_dict_resumes_on_another_number_of_processes(tmp_path):
     reference = run_training(tiny_config(tmp_path / "ref", run={"optimizer": "adamw"}, **common), show=False)
     one = tiny_config(tmp_path / "one", run={"optimizer": "adamw"}, save_every=3, **common)
     run_training(one, show=False)
-    checkpoints = Path(one.output) / "checkpoints"
+    checkpoints = Path(one.folder.output) / "checkpoints"
     shutil.rmtree(checkpoints / "step-6")
-    proc = _launch("--model", one.model, "--data", data, *ARGS, "--sharding", "fsdp", "--state-dict", "full",
-                   "--save-every", "1", "--resume", "--output", one.output)
+    proc = _launch("--model", one.source.model, "--data", data, *ARGS, "--sharding", "fsdp", "--state-dict", "full",
+                   "--save-every", "1", "--resume", "--output", one.folder.output)
     rank0 = [line for line in (proc.stdout + proc.stderr).splitlines() if "rank0]" in line]
     assert proc.returncode == 0, "\n".join(rank0)[-3000:]  # rank 0's traceback, not torchrun's summary
     from transformers import AutoModelForCausalLM
 
-    assert max_diff(reference.model, AutoModelForCausalLM.from_pretrained(one.output)) < 1e-6
+    assert max_diff(reference.model, AutoModelForCausalLM.from_pretrained(one.folder.output)) < 1e-6
     step5 = checkpoints / "step-5"
     assert (step5 / "model.safetensors").is_file() and (step5 / "optimizer.bin").is_file()
     assert not (step5 / sharding.SHARDED_MARKER).exists() and not (step5 / sharding.DCP_DIR).exists()
@@ -142,8 +142,8 @@ def test_fsdp_full_finetune_on_four_processes_matches_one(tmp_path):
     one, four = _single_and_sharded(tmp_path, "fsdp", {}, ["--grad-accum", "1"], nproc=4)
     from transformers import AutoModelForCausalLM
 
-    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(four.output)) < 1e-5
-    assert [m["loss"] for m in metrics(four.output)] == pytest.approx(
+    assert max_diff(one.model, AutoModelForCausalLM.from_pretrained(four.folder.output)) < 1e-5
+    assert [m["loss"] for m in metrics(four.folder.output)] == pytest.approx(
         [m["loss"] for m in metrics(one.summary.output)], abs=1e-5)
 
 

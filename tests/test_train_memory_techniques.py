@@ -65,7 +65,7 @@ def test_optimizer_in_backward_resumes_exactly(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, show=False)
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
-    resumed = run_training(cfg.__class__(**{**cfg.__dict__, "resume": True}), show=False)
+    resumed = run_training(cfg.replace(resume=True), show=False)
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 

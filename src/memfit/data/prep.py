@@ -20,6 +20,21 @@ def fields_of(config: TrainConfig):
     return Fields(**{k: v for k, v in given.items() if v}), named
 
 
+def run_tokenizer(source, hub_model=None):
+    """The tokenizer a run of ``source`` (``memfit.settings.config.ModelSource``) trains with: ``--tokenizer`` when
+    given, else the model's own: from ``hub_model``'s snapshot (``training.setup.fetch_hub_model``), a Hub id's
+    cached tokenizer files, a folder's, or memfit's byte tokenizer for a preset
+    (``memfit.data.dataset.load_tokenizer``)."""
+    from memfit.data import dataset as data
+    from memfit.integrations.hub import local_folder
+    from memfit.spec.model import is_preset
+
+    folder = str(hub_model.path) if hub_model is not None else local_folder(
+        source.model, source.revision, files="tokenizer", trust_remote_code=source.trust_remote_code)
+    return data.load_tokenizer(source.tokenizer, folder, is_preset=is_preset(source.model),
+                               trust_remote_code=source.trust_remote_code)
+
+
 def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
     """``(examples, TokenizedData)`` for the run; the tokenizer gets ``--chat-template`` when given.
 
@@ -149,15 +164,9 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     from memfit.data import dataset as data
     from memfit.data.formats import chat_template_of, preview
     from memfit.data.stream import record_at
-    from memfit.spec import model as modelspec
 
     fields, named = fields_of(config)
-    from memfit.integrations.hub import local_folder
-
-    model = local_folder(config.model, config.revision, files="tokenizer",  # a Hub id: its cached tokenizer
-                         trust_remote_code=config.trust_remote_code)
-    tokenizer = data.load_tokenizer(config.tokenizer, model, is_preset=modelspec.is_preset(config.model),
-                                    trust_remote_code=config.trust_remote_code)
+    tokenizer = run_tokenizer(config.source)  # a Hub id: its cached tokenizer
     # read up to record `index` only (memfit.data.stream), not the whole source
     example = record_at(config.data, index, fmt=config.reading.data_format, fields=fields, split=config.reading.split,
                         data_config=config.reading.data_config, named_fields=named)

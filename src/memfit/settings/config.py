@@ -206,10 +206,11 @@ def _check_groups(config) -> None:
                             f"to {type(config).__name__}.of).")
 
 
-def _normalise(config) -> None:
+def _normalise(config, check=validate.check_fields) -> None:
     """Parse the enum settings declared on ``config`` itself (their type is their default's) and check every
-    value by its field's ``check`` (``memfit.settings.validate.check_fields``), in place: called by each
-    settings dataclass's ``__post_init__``, so a value is refused from a flag, a YAML file or a library call."""
+    value by its field's ``check`` (``memfit.settings.validate.check_fields``; ``check``: ``validate.check_train``
+    for the groups whose paths and model it also checks), in place: called by each settings dataclass's
+    ``__post_init__``, so a value is refused from a flag, a YAML file or a library call."""
     _check_groups(config)
     set_ = object.__setattr__
     for f in settings(type(config)):
@@ -217,7 +218,7 @@ def _normalise(config) -> None:
             value = getattr(config, f.name)
             set_(config, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
                                                                                        flag_of(f)))
-    for name, value in validate.check_fields(config).items():  # one place for every value check
+    for name, value in check(config).items():  # one place for every value check
         set_(config, name, value)
 
 
@@ -530,57 +531,60 @@ class PreferenceSettings:
         _normalise(self)
 
 
+@settings_group("model")
 @dataclass(frozen=True)
-class TrainConfig:
-    """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs.
-
-    Each field but ``run`` (the memory settings' group) is a setting of the schema (``memfit.settings.schema``)."""
+class ModelSource:
+    """Which model a run trains and how it is loaded: the weights (``model``, ``revision``, ``init``), the tokenizer,
+    and what loading may run (``trust_remote_code``, ``allow_pickle_weights``). Read together by whatever resolves,
+    fetches or loads the model (``memfit.training.setup``, ``memfit.spec.model.source_spec``, ``memfit.data.prep``).
+    Flags and YAML keys are the field names: ``--model``, ``model``."""
 
     model: str = setting("tiny", resume="restored", check="text",
                          help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
                          "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models).")
     """Architecture preset name, local Hugging Face checkpoint directory, or Hugging Face Hub id (org/name)."""
-    data: str | None = setting(None, resume="restored", check="text",
-                               help=".txt, .jsonl (text or prompt/completion) or a folder; default: the corpus "
-                               "shipped with memfit.")
-    """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     tokenizer: str | None = setting(None, resume="restored", check="text",
                                     help="Tokenizer folder, or 'byte'; default: the model's.")
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
-    run: RunConfig = field(default_factory=lambda: RunConfig.of(**own_defaults(RunConfig, "train")))
-    """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
-    On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.settings.defaults``);
-    library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
-    optim: OptimSettings = nested(OptimSettings)
-    """The optimizer's step: learning rate, weight decay, warm-up, clipping (``OptimSettings``: ``--lr``, ...)."""
-    max_steps: int | None = setting(None, resume="length", check="int>=1",
-                                    help="Optimizer steps (with --epochs: whichever ends first); default: "
-                                    f"{DEMO_STEPS} for the demo, else 1 epoch.")
-    """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
-    other run one epoch (``memfit.settings.defaults.default_steps``)."""
-    epochs: int | None = setting(None, resume="length", check="int>=1",
-                                 help="Passes over the training data (never capped by a default --max-steps).")
-    truncate: bool = setting(False, resume="restored", check="bool",
-                             help="Keep conversations longer than --seq-len cut to it (when the cut keeps a reply "
-                             "token) instead of dropping them.")
-    """Keep conversations longer than ``seq_len`` cut to it (when the cut keeps a target token), instead of
-    dropping them."""
-    seed: int = setting(0, resume="restored", check="int>=0")
-    eval_every: int = setting(40, resume="may-change", check="int>=0",
-                              help="Evaluate on the held-out split every N steps (0: never).")
-    eval_fraction: float = setting(0.02, resume="restored", check="frac")
-    checkpoints: CheckpointSettings = nested(CheckpointSettings)
-    """When checkpoints are written, how many are kept, in which form (``CheckpointSettings``: ``--save-every``, ...)."""
+    revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
+                                   help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
+                                   "records the commit).",
+                                   overrides={c: {"help": "Branch, tag or commit of a Hub MODEL (org/name); default: "
+                                                  "its main branch."} for c in ("estimate", "plan")})
+    """Branch, tag or commit of a Hub ``model`` (org/name); None: its default branch. A run pins the commit
+    it resolved to here, so ``--resume`` continues on the same weights (offline, from the cache)."""
+    trust_remote_code: bool = setting(False, resume="never-restored", check="bool", commands=("estimate", "train"),
+                                      help="Allow the model's own Python code (local or Hub).",
+                                      overrides={"estimate": {"help": "Allow the model's own Python code (a local "
+                                                              "folder or a Hub model)."}})
+    allow_pickle_weights: bool = setting(False, resume="never-restored", check="bool",
+                                         help="Accept a Hub model whose weights are PyTorch pickles (*.bin, *.pt), "
+                                         "which can run code when loaded; default: safetensors only.")
+    """Load a Hub model whose weights are PyTorch pickles (``*.bin``/``*.pt``), which can run code when loaded."""
     init: str = setting("pretrained", resume="restored", click={"choices": ("pretrained", "random")},
                         help="random: train a model folder that holds only config.json from random weights.")
     """``random``: train a model folder that holds only a config.json from random initialisation."""
-    log_every: int = setting(5, resume="may-change", check="int>=1")
+
+    def __post_init__(self) -> None:
+        _normalise(self, validate.check_train)
+
+
+@settings_group("folder")
+@dataclass(frozen=True)
+class FolderSettings:
+    """The run folder and what may happen to what it holds: a fresh run, a replaced one (``overwrite``) or one
+    continued (``resume``, ``extend_schedule``, ``allow_data_change``). Read by ``memfit.training.session``
+    (which folder), ``memfit.training.guard`` (what is written) and ``memfit.training.resume`` (what may go on).
+    None of it is restored by ``--resume``. Flags and YAML keys are the field names: ``--output``, ``output``."""
+
     output: str | None = setting(None, resume="never-restored", check="text",
                                  help="Run folder; default: a new runs/<model>-<YYYYmmdd-HHMMSS>. A folder holding "
                                  "another run is refused unless --overwrite or --resume.")
     """Run folder; None: a fresh ``runs/<model-name>-<YYYYmmdd-HHMMSS>`` per run (``--resume`` needs one given)."""
     resume: bool = setting(False, resume="never-restored", check="bool",
                            help="Continue from the latest checkpoint in --output (required).")
+    overwrite: bool = setting(False, resume="never-restored", check="bool",
+                              help="Replace a previous run in --output.")
     extend_schedule: bool = setting(False, resume="never-restored", check="bool",
                                     help="With --resume and more --max-steps/--epochs than a finished run had: train "
                                     "on, the learning-rate schedule recomputed over the new total (its lr rises "
@@ -592,14 +596,43 @@ class TrainConfig:
                                       "the checkpoint was saved (refused otherwise).")
     """With ``resume``: go on although the data's fingerprint differs from the checkpoint's
     (``training.resume.check_data``)."""
-    overwrite: bool = setting(False, resume="never-restored", check="bool",
-                              help="Replace a previous run in --output.")
-    merge: bool = setting(False, resume="may-change", check="bool",
-                          help="LoRA: also save the adapter merged into the base.")
-    trust_remote_code: bool = setting(False, resume="never-restored", check="bool", commands=("estimate", "train"),
-                                      help="Allow the model's own Python code (local or Hub).",
-                                      overrides={"estimate": {"help": "Allow the model's own Python code (a local "
-                                                              "folder or a Hub model)."}})
+
+    def __post_init__(self) -> None:
+        _normalise(self, validate.check_train)
+
+
+@settings_group("length")
+@dataclass(frozen=True)
+class RunLength:
+    """How long a run trains: optimizer steps and/or passes over the data, whichever ends first
+    (``memfit.training.derived.total_steps``; ``--resume`` restores neither when one is given:
+    ``RESUME_RULES["length"]``). Flags and YAML keys are the field names: ``--max-steps``, ``max_steps``."""
+
+    max_steps: int | None = setting(None, resume="length", check="int>=1",
+                                    help="Optimizer steps (with --epochs: whichever ends first); default: "
+                                    f"{DEMO_STEPS} for the demo, else 1 epoch.")
+    """Optimizer steps (with ``epochs``: whichever ends first); with neither, the demo trains 300 and any
+    other run one epoch (``memfit.settings.defaults.default_steps``)."""
+    epochs: int | None = setting(None, resume="length", check="int>=1",
+                                 help="Passes over the training data (never capped by a default --max-steps).")
+    """Passes over the training data; a default ``max_steps`` never caps them."""
+
+    def __post_init__(self) -> None:
+        _normalise(self)
+
+
+@settings_group("cadence")
+@dataclass(frozen=True)
+class Cadence:
+    """How often the loop evaluates, logs and shows samples (``memfit.training.loop``, ``memfit.training.samples``):
+    what a run reports, never what a step computes, so each may change on ``--resume``. Flags and YAML keys are
+    the field names: ``--eval-every``, ``eval_every``."""
+
+    eval_every: int = setting(40, resume="may-change", check="int>=0",
+                              help="Evaluate on the held-out split every N steps (0: never).")
+    """Evaluate on the held-out split every N optimizer steps; 0: never."""
+    log_every: int = setting(5, resume="may-change", check="int>=1")
+    """Log the training loss every N optimizer steps."""
     samples: int = setting(3, resume="may-change", check="int>=0",
                            help="Samples printed at the end: the model continues the beginnings of held-out "
                            "documents.")
@@ -608,6 +641,47 @@ class TrainConfig:
                                 help="Also generate N samples at each --eval-every evaluation (samples.jsonl in "
                                 "--output).")
     """Samples generated after each ``--eval-every`` evaluation (``samples.jsonl``); 0: only at the end."""
+
+    def __post_init__(self) -> None:
+        _normalise(self)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole ``memfit train`` invocation: the model, the data, the run, and the loop's knobs.
+
+    Each field but ``run`` (the memory settings' group) is a setting of the schema (``memfit.settings.schema``) or a
+    nested group of them (``source``, ``folder``, ``length``, ``cadence``, ...), whose flags and keys stay flat."""
+
+    source: ModelSource = nested(ModelSource)
+    """Which model and tokenizer, and how they load (``ModelSource``: ``--model``, ``--tokenizer``, ...)."""
+    data: str | None = setting(None, resume="restored", check="text",
+                               help=".txt, .jsonl (text or prompt/completion) or a folder; default: the corpus "
+                               "shipped with memfit.")
+    """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
+    run: RunConfig = field(default_factory=lambda: RunConfig.of(**own_defaults(RunConfig, "train")))
+    """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
+    On the user's model or data a ``seq_len`` not in ``explicit`` comes from the data (``memfit.settings.defaults``);
+    library callers (``explicit`` None) get exactly the ``seq_len`` they pass."""
+    optim: OptimSettings = nested(OptimSettings)
+    """The optimizer's step: learning rate, weight decay, warm-up, clipping (``OptimSettings``: ``--lr``, ...)."""
+    length: RunLength = nested(RunLength)
+    """How long the run trains (``RunLength``: ``--max-steps``, ``--epochs``)."""
+    truncate: bool = setting(False, resume="restored", check="bool",
+                             help="Keep conversations longer than --seq-len cut to it (when the cut keeps a reply "
+                             "token) instead of dropping them.")
+    """Keep conversations longer than ``seq_len`` cut to it (when the cut keeps a target token), instead of
+    dropping them."""
+    seed: int = setting(0, resume="restored", check="int>=0")
+    cadence: Cadence = nested(Cadence)
+    """How often the loop evaluates, logs and samples (``Cadence``: ``--eval-every``, ``--log-every``, ...)."""
+    eval_fraction: float = setting(0.02, resume="restored", check="frac")
+    checkpoints: CheckpointSettings = nested(CheckpointSettings)
+    """When checkpoints are written, how many are kept, in which form (``CheckpointSettings``: ``--save-every``, ...)."""
+    folder: FolderSettings = nested(FolderSettings)
+    """The run folder and what may happen to it (``FolderSettings``: ``--output``, ``--resume``, ...)."""
+    merge: bool = setting(False, resume="may-change", check="bool",
+                          help="LoRA: also save the adapter merged into the base.")
     batch: int | None = setting(None, plan="given", resume="restored", check="int>=1", commands=("plan", "train"),
                                 help="Effective batch in sequences per optimizer step (sets --grad-accum).",
                                 overrides={"plan": {"default": 16, "why": SHAPES["plan"], "help": "Effective batch: "
@@ -638,18 +712,6 @@ class TrainConfig:
                                   help="torch CPU threads; default: OMP_NUM_THREADS when set, else the cores idle "
                                   "and available to this process (affinity, cgroup quota).")
     """torch CPU threads; None: OMP_NUM_THREADS when set, else the idle cores available (training/threads.py)."""
-    # Hub models (issue 22; memfit.integrations.hub) --------------------------------------------------------------
-    revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
-                                   help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
-                                   "records the commit).",
-                                   overrides={c: {"help": "Branch, tag or commit of a Hub MODEL (org/name); default: "
-                                                  "its main branch."} for c in ("estimate", "plan")})
-    """Branch, tag or commit of a Hub ``model`` (org/name); None: its default branch. A run pins the commit
-    it resolved to here, so ``--resume`` continues on the same weights (offline, from the cache)."""
-    allow_pickle_weights: bool = setting(False, resume="never-restored", check="bool",
-                                         help="Accept a Hub model whose weights are PyTorch pickles (*.bin, *.pt), "
-                                         "which can run code when loaded; default: safetensors only.")
-    """Load a Hub model whose weights are PyTorch pickles (``*.bin``/``*.pt``), which can run code when loaded."""
     explicit: tuple[str, ...] | None = setting(None, resume="never-restored", commands=())
     """Settings the user gave (flags typed or in ``--config``); None for library callers, whose whole
     config counts as given. ``--resume`` restores the run's saved settings for the others."""

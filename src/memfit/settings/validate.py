@@ -1,7 +1,8 @@
 """Every value a user gives, checked once at the boundary, in the same words from the command line or YAML.
 
 Each settings dataclass's ``__post_init__`` (``RunConfig``, ``TrainConfig`` and their nested groups) calls
-``check_fields`` (``TrainConfig`` through ``check_train``), which checks each setting as its field declares (``check`` in ``memfit.settings.schema``), so a value is refused
+``check_fields`` (``TrainConfig``, ``ModelSource`` and ``FolderSettings`` through ``check_train``), which checks
+each setting as its field declares (``check`` in ``memfit.settings.schema``), so a value is refused
 whether it came from a flag, a ``--config`` YAML file or a library call, and the sentence always names
 the flag (``--lr``), never the Python field. Model configs are checked by
 ``check_model_config`` (read by estimate, plan and train through ``modelspec.resolve_config``) before
@@ -138,14 +139,15 @@ def check_fields(config) -> dict[str, Any]:
 
 
 def check_train(config) -> dict[str, Any]:
-    """Checked, normalised values of a ``TrainConfig``'s own fields (those present on it)."""
+    """Checked, normalised values of the settings declared on a ``TrainConfig`` or on one of its groups (those
+    present on it: ``data`` on the config, ``output`` on ``FolderSettings``, ``model`` on ``ModelSource``)."""
     out = check_fields(config)
     for name in ("output", "data"):  # `--output ~/runs/x` the shell did not expand (=, YAML); DataReading: its own
         if isinstance(out.get(name), str) and out[name].startswith("~"):
             out[name] = os.path.expanduser(out[name])
     if out.get("output"):
         check_path_names(Path(out["output"]), flag_name="--output")
-    if getattr(config, "model", None) is None:
+    if "model" in {f.name for f in settings(config)} and config.model is None:
         raise UserError("--model must name a preset or a model folder, got nothing.")
     return out
 

@@ -457,6 +457,18 @@ def load_spec(model, trust_remote_code: bool = False, revision: str | None = Non
     return _load_spec(str(model), trust_remote_code, revision)
 
 
+def source_config(source):
+    """``resolve_config`` of a run's ``memfit.settings.config.ModelSource``: its model at its revision, its own
+    code allowed or not (the three settings travel together; estimate and plan, with no ``ModelSource``, call
+    ``resolve_config`` with them loose)."""
+    return resolve_config(source.model, source.trust_remote_code, source.revision)
+
+
+def source_spec(source) -> ModelSpec:
+    """``load_spec`` of a run's ``memfit.settings.config.ModelSource`` (cached as ``load_spec`` is)."""
+    return load_spec(source.model, source.trust_remote_code, source.revision)
+
+
 @lru_cache(maxsize=64)
 def _load_spec(model: str, trust_remote_code: bool, revision: str | None) -> ModelSpec:
     config = resolve_config(model, trust_remote_code, revision)

@@ -52,9 +52,9 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
 
     constraints = Constraints.from_flat(constraints_for(config, run))
     gpu = detect_gpu() if cuda_available() else None
-    from memfit.spec.model import load_spec
+    from memfit.spec.model import source_spec
 
-    spec = load_spec(config.model, config.trust_remote_code, config.revision)  # a Hub id: its pinned commit
+    spec = source_spec(config.source)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
                   num_processes=run.num_processes, gpu=gpu, constraints=constraints,
                   cpu=gpu is None, method=run.method)  # no CUDA: the budget is this CPU's memory

@@ -36,18 +36,15 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
     tokenizer is the one training uses.
     """
-    if resumed or _given(config, "seq_len") or is_demo(config.model, config.data) or str(config.run.method) != "sft":
+    if (resumed or _given(config, "seq_len") or is_demo(config.source.model, config.data)
+            or str(config.run.method) != "sft"):
         return config, None  # a preference method keeps --seq-len: its pairs are cut to it, never packed
-    from memfit.data import dataset as data
-    from memfit.data.prep import record_lengths
-    from memfit.spec import model as modelspec
+    from memfit.data.prep import record_lengths, run_tokenizer
+    from memfit.spec.model import source_config
 
     # the tokenizer and config resolve_model loads next (it checks them against the derived length)
-    hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code,
-                                         revision=config.revision)
-    folder = str(hub_model.path) if hub_model is not None else config.model
-    tokenizer = data.load_tokenizer(config.tokenizer, folder, is_preset=modelspec.is_preset(config.model),
-                                    trust_remote_code=config.trust_remote_code)
+    hf_config = source_config(config.source)
+    tokenizer = run_tokenizer(config.source, hub_model)
     choice = defaults.seq_len_from_lengths(record_lengths(config, tokenizer),
                                            getattr(hf_config, "max_position_embeddings", None))
     if choice is None:  # no training record: build_data says so in its own words
@@ -61,7 +58,7 @@ def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[Trai
     if config.optim.lr is not None:
         return config, None
     lr, why = defaults.default_lr(random_init=random_init, lora=lora)
-    note = None if is_demo(config.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
+    note = None if is_demo(config.source.model, config.data) else f"lr {defaults.fmt_lr(lr)} ({why}; --lr to choose)"
     return config.replace(lr=lr), note
 
 
@@ -69,12 +66,12 @@ def total_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, str | N
     """Optimizer steps of the run: ``--max-steps`` or ``--epochs`` (whichever ends first when both are
     given), else ``defaults.default_steps``."""
     steps = []
-    if config.epochs:
-        steps.append(config.epochs * steps_per_epoch)
-    if config.max_steps:
-        steps.append(config.max_steps)
+    if config.length.epochs:
+        steps.append(config.length.epochs * steps_per_epoch)
+    if config.length.max_steps:
+        steps.append(config.length.max_steps)
     if steps:
         return min(steps), None
-    count, note = defaults.default_steps(demo=is_demo(config.model, config.data),
+    count, note = defaults.default_steps(demo=is_demo(config.source.model, config.data),
                                          steps_per_epoch=steps_per_epoch)
     return count, note or None

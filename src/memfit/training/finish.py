@@ -69,10 +69,11 @@ def _outside(s: TrainSession) -> dict | None:
 
 def samples(s: TrainSession, net) -> list[dict[str, str]]:
     """A few completions of held-out prompts (main process only)."""
-    if not s.is_main or s.config.samples <= 0:
+    if not s.is_main or s.config.cadence.samples <= 0:
         return []
     with not_a_batch_problem("generating samples"):
-        return generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs, count=s.config.samples,
+        return generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs,
+                                count=s.config.cadence.samples,
                                 seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
 
 

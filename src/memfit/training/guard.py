@@ -79,20 +79,20 @@ class RunGuard:
         """Lock ``--output`` if it already holds a run, before anything there is read (``RunFolder.lock_existing``)."""
         from memfit.training.runfolder import RunFolder
 
-        if config.output:
-            self.folder = RunFolder(Path(config.output))
+        if config.folder.output:
+            self.folder = RunFolder(Path(config.folder.output))
             self.folder.lock_existing(config, is_main=is_main)
 
     def open_folder(self, config, accelerator=None, *, is_main: bool, run_id: str | None = None,
                     data: dict | None = None):
-        """Check, create and lock ``config.output`` (``runfolder.RunFolder.open``); the staging tag is the main
+        """Check, create and lock ``config.folder.output`` (``runfolder.RunFolder.open``); the staging tag is the main
         process's on every rank."""
         from memfit.training.runfolder import RunFolder
 
-        if self.folder is None or self.folder.output != Path(config.output):
-            self.folder = RunFolder(Path(config.output))
+        if self.folder is None or self.folder.output != Path(config.folder.output):
+            self.folder = RunFolder(Path(config.folder.output))
         self.folder.open(config, is_main=is_main, run_id=run_id, data=data)
-        self.output = Path(config.output)  # from here on a failure names the run's checkpoints
+        self.output = Path(config.folder.output)  # from here on a failure names the run's checkpoints
         if accelerator is not None and accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 

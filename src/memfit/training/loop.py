@@ -53,7 +53,7 @@ class TrainResult:
 
 
 def train(config: TrainConfig, *, show: bool = True) -> dict:
-    """Train ``config.model`` on ``config.data`` and return the run summary as JSON (what ``--json`` prints)."""
+    """Train ``config.source.model`` on ``config.data`` and return the run summary as JSON (what ``--json`` prints)."""
     return run_training(config, show=show).summary.to_dict()
 
 
@@ -154,7 +154,7 @@ def _is_last(s: TrainSession) -> bool:
 
 def evaluate_due(s: TrainSession) -> bool:
     """The held-out loss every ``--eval-every`` steps and at the end; returns whether it ran."""
-    every = s.config.eval_every
+    every = s.config.cadence.eval_every
     if not (every > 0 and s.data.eval and (s.state.step % every == 0 or _is_last(s))):
         return False
     with not_a_batch_problem("evaluating"):
@@ -169,7 +169,7 @@ def evaluate_due(s: TrainSession) -> bool:
 
 def log_step(s: TrainSession, result: StepResult, evaluated: bool) -> None:
     """One ``metrics.jsonl`` record (and tracker entry) every ``--log-every`` steps and at the end."""
-    if s.state.step % max(s.config.log_every, 1) and not _is_last(s):
+    if s.state.step % max(s.config.cadence.log_every, 1) and not _is_last(s):
         return
     record = {"step": s.state.step, "loss": result.loss, "lr": s.scheduler.get_last_lr()[0],
               "tokens_per_s": s.state.tokens / max(s.state.train_s, 1e-9), "memory_bytes": measure.in_use(s.device),

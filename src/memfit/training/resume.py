@@ -88,14 +88,14 @@ def record(config, run, hf_config, total_steps: int | None = None) -> dict[str, 
 
 def restore(config):
     """``(config, ResumePoint)``: with ``--resume``, ``config`` with the saved run's settings; else ``(config, None)``."""
-    if getattr(config, "extend_schedule", False) and not config.resume:
+    if config.folder.extend_schedule and not config.folder.resume:
         raise UserError("--extend-schedule continues a finished run past its end and needs --resume (and --output, "
                         "the run's folder).")
-    if not config.resume or not config.output:
+    if not config.folder.resume or not config.folder.output:
         return config, None
     from memfit.training import manifest
 
-    output = Path(config.output).expanduser()
+    output = Path(config.folder.output).expanduser()
     if not output.is_dir():
         raise UserError(f"--resume found no checkpoint under {output}: it is not a run folder (it does not exist "
                         "or is a file).")
@@ -133,7 +133,7 @@ def check_data(point: ResumePoint, config) -> None:
         return
     what = (f"the data {config.data} changed since {point.path.name} was saved ({ledger.describe(saved)} then, "
             f"{ledger.describe(point.data)} now)")
-    if not getattr(config, "allow_data_change", False):
+    if not config.folder.allow_data_change:
         raise UserError(f"--resume: {what}; restore the data the run trained on, or add --allow-data-change to "
                         "train on the new data.")
     point.note = "; ".join(n for n in (point.note, f"{what}: training on the new data (--allow-data-change)") if n)
@@ -202,8 +202,8 @@ def check_belongs(point: ResumePoint | None, config, run, hf_config) -> None:
                             f"is {run.effective_batch()}; choose --micro-batch and --grad-accum whose product with "
                             "the processes is the same.")
     step = state.get("step", 0)
-    total = config.max_steps
-    if total is not None and total < step and not config.epochs:  # equal: nothing to train, export again
+    total = config.length.max_steps
+    if total is not None and total < step and not config.length.epochs:  # equal: nothing to train, export again
         raise UserError(f"--resume: the checkpoint is at step {step}, beyond --max-steps {total}; give --max-steps "
                         f"{step} or more.")
 
@@ -217,12 +217,12 @@ def check_extension(point: ResumePoint | None, config, total_steps: int) -> None
     (An unfinished run given more steps just stretches its decay; ``schedule_note`` says so.) Checked
     before the run folder is touched; checkpoints without ``total_steps`` are not checked.
     """
-    if point is None or getattr(config, "extend_schedule", False):
+    if point is None or config.folder.extend_schedule:
         return
     step, ended = int(point.state.get("step", 0)), point.state.get("total_steps")
     if isinstance(ended, int) and step >= ended and total_steps > step:
-        raise UserError(f"--resume: the run in {config.output} finished its {ended} steps with its learning rate "
-                        f"decayed to 0, and training on to step {total_steps} recomputes the schedule over "
+        raise UserError(f"--resume: the run in {config.folder.output} finished its {ended} steps with its learning "
+                        f"rate decayed to 0, and training on to step {total_steps} recomputes the schedule over "
                         f"{total_steps} steps, so the lr rises again; add --extend-schedule to train on that way.")
 
 

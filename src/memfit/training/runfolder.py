@@ -55,7 +55,8 @@ def input_folders(config) -> list[tuple[str, Path, bool]]:
     """The folders the run reads from (model, tokenizer, data) and whether a folder was given (then
     nothing below it may be the output either) or a file (then only its own folder is off limits)."""
     found = []
-    for label, value in (("--model", config.model), ("--tokenizer", config.tokenizer), ("--data", config.data)):
+    source = config.source
+    for label, value in (("--model", source.model), ("--tokenizer", source.tokenizer), ("--data", config.data)):
         if not value:
             continue
         path = Path(value).expanduser()
@@ -89,7 +90,7 @@ class RunFolder:
         """Lock ``--output`` when it already holds a run (or ``--resume`` continues one), before anything
         there is read; a folder that is not a run yet is locked by ``open`` once it is checked."""
         output = self.output.expanduser()
-        if is_main and not self.holds_lock and output.is_dir() and (config.resume or is_run_folder(output)):
+        if is_main and not self.holds_lock and output.is_dir() and (config.folder.resume or is_run_folder(output)):
             self._lock()
 
     def open(self, config, *, is_main: bool, run_id: str | None = None, data: dict | None = None) -> RunFolder:
@@ -103,7 +104,7 @@ class RunFolder:
                                 "into its inputs, so choose another --output.")
         if not is_main:  # the main process decides (and creates the marker the others would then see)
             return self
-        if config.resume:
+        if config.folder.resume:
             self._lock()  # held already when ``lock_existing`` ran: then a no-op
             self.ledger = ledger.read(output) or {"version": 1, "run_id": run_id or ledger.new_run_id(),
                                                   "files": ledger.legacy_files(output)}
@@ -113,17 +114,17 @@ class RunFolder:
             return self
         exists = output.is_dir()
         foreign = exists and any(p.name != MARKER for p in output.iterdir()) and not is_run_folder(output)
-        if foreign and not config.overwrite:
+        if foreign and not config.folder.overwrite:
             raise UserError(f"{output} holds files that are not a memfit run; pass --overwrite to write the run "
                             "there anyway (memfit replaces only its own files), or choose another --output.")
-        if exists and is_run_folder(output) and not config.overwrite:
+        if exists and is_run_folder(output) and not config.folder.overwrite:
             raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
                             "--resume to continue it, or choose another --output.")
         if not exists:
             output.mkdir(parents=True, exist_ok=True)
             self.created = True
         self._lock()
-        if config.overwrite:
+        if config.folder.overwrite:
             self._remove_own()
         self.ledger = {"version": 1, "run_id": run_id or ledger.new_run_id(), "data": data,
                        "files": list(ledger.RUN_FILES)}

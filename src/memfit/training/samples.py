@@ -103,7 +103,7 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
 
     from memfit.spec.engines import is_sharded
 
-    count = getattr(s.config, "eval_samples", 0)
+    count = s.config.cadence.eval_samples
     if count <= 0 or not s.is_main or is_sharded(s.run):
         return []
     from memfit.training.rollback import RngState

@@ -112,7 +112,7 @@ class TrainSession:
     in_backward: Any = None
     """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
     source: Any = None
-    """``setup.ModelSource``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
+    """``setup.ResolvedModel``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
     save_state: Any = None
     """``sharding.state_saver``: how a sharded run writes its checkpoint state (None: Accelerate's ``save_state``)."""
     batches: Any = None
@@ -129,7 +129,7 @@ class TrainSession:
 
     @property
     def output(self) -> Path:
-        return Path(self.config.output)
+        return Path(self.config.folder.output)
 
     @property
     def device(self) -> str:
@@ -180,7 +180,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
     total_steps, steps_note = derived.total_steps(config, schedule.steps_per_epoch())
     resume.check_extension(resume_point, config, total_steps)  # a finished run trained on: only when asked
-    output = Path(config.output)
+    output = Path(config.folder.output)
     data_fp = resume.data_now(resume_point, config) if accelerator.is_main_process else None
     guard.open_folder(config, accelerator, is_main=accelerator.is_main_process, data=data_fp,
                       run_id=resume_point.state.get("run_id") if resume_point is not None else None)
@@ -194,7 +194,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
     state = LoopState()
     lrs = None  # the resumed step's learning rate: as saved, and on this run's schedule
-    if config.resume:
+    if config.folder.resume:
         state = LoopState.from_dict(checkpoint.load_checkpoint(
             accelerator, output, resume_point.path, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
         state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
@@ -206,7 +206,8 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
 
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
                                   init_kwargs=local_init_kwargs(config.tracker, output))
-    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process, log_every=config.log_every)
+    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process,
+                       log_every=config.cadence.log_every)
     if plan_result is not None:
         bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
     if source.hub is not None:
@@ -282,9 +283,9 @@ def resolve_output(config: TrainConfig) -> TrainConfig:
     The timestamp is taken on the main process and broadcast, so the processes of a data-parallel
     launch (started a moment apart) agree on one folder.
     """
-    if config.output:
+    if config.folder.output:
         return config
-    if config.resume:
+    if config.folder.resume:
         raise UserError("--resume needs --output DIR, the folder of the run to continue "
                         "(without --output every run gets a new runs/<model>-<time> folder).")
     from accelerate import PartialState
@@ -293,10 +294,10 @@ def resolve_output(config: TrainConfig) -> TrainConfig:
     from memfit.training.setup import cuda_available
 
     state = PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
-    chosen = [str(checkpoint.default_output(config.model)) if state.is_main_process else None]
+    chosen = [str(checkpoint.default_output(config.source.model)) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(chosen)
-    return dataclasses.replace(config, output=chosen[0])
+    return config.replace(output=chosen[0])
 
 
 def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
@@ -391,7 +392,8 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
     sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
     unit = "sequences" if sft else "pairs"
     pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
-    return (f"model {config.model}: {fmt_count(bundle.params)} params, {fmt_count(bundle.trainable_params)} trainable | "
+    return (f"model {config.source.model}: {fmt_count(bundle.params)} params, "
+            f"{fmt_count(bundle.trainable_params)} trainable | "
             f"{len(data.train):,} train / {len(data.eval):,} held-out {unit} of <= {run.seq_len} tokens\n"
             f"effective batch {run.effective_batch()}{pairs} = micro-batch {run.micro_batch} x accumulation "
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "

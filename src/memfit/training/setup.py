@@ -10,7 +10,6 @@ Size: ``build_model`` is over 60 lines because it carries the load options of ev
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=run.grad_accum,
                                                                     sync_with_dataloader=False),
             log_with=config.tracker,
-            project_dir=config.output,
+            project_dir=config.folder.output,
             step_scheduler_with_optimizer=False,
             # --compile: Accelerate's prepare() wraps the model in torch.compile (inductor)
             dynamo_backend="inductor" if run.compile else None,
@@ -133,7 +132,7 @@ class ModelBundle:
 
 
 @dataclass
-class ModelSource:
+class ResolvedModel:
     """What a run's model is, resolved before anything heavy is built or any folder is written."""
 
     hf_config: object
@@ -163,44 +162,43 @@ def fetch_hub_model(config: TrainConfig, *, progress: bool = True):
 
     The snapshot is fetched into the Hugging Face cache once, before the run folder exists (a failed
     download leaves nothing there), with the weights only safetensors unless ``--allow-pickle-weights``.
-    ``config.revision`` is pinned to the commit it resolved to: checkpoints save it, so ``--resume`` builds
+    ``config.source.revision`` is pinned to the commit it resolved to: checkpoints save it, so ``--resume`` builds
     the same base, offline from the cache. ``progress``: huggingface_hub's bars on stderr (a terminal only).
     """
     from memfit.integrations import hub
     from memfit.spec import model as modelspec
 
-    hub.check_revision(config.model, config.revision)
-    if modelspec.is_preset(config.model) or not hub.is_hub_id(config.model):
+    source = config.source
+    hub.check_revision(source.model, source.revision)
+    if modelspec.is_preset(source.model) or not hub.is_hub_id(source.model):
         return config, None
-    files = "tokenizer" if config.init == "random" else "model"  # random weights: the config and tokenizer only
+    files = "tokenizer" if source.init == "random" else "model"  # random weights: the config and tokenizer only
     with hub.progress_bars(progress):
-        model = hub.fetch(config.model, config.revision, files=files, allow_pickle=config.allow_pickle_weights,
-                          trust_remote_code=config.trust_remote_code)
-    return dataclasses.replace(config, revision=model.commit), model
+        model = hub.fetch(source.model, source.revision, files=files, allow_pickle=source.allow_pickle_weights,
+                          trust_remote_code=source.trust_remote_code)
+    return config.replace(revision=model.commit), model
 
 
-def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelSource:
+def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ResolvedModel:
     """The model's transformers config and the tokenizer, checked against the run (seq-len, vocabulary).
 
     Cheap (no weights read), so the loop calls it before it creates the output folder: a bad ``--model``,
     ``--tokenizer`` or ``--seq-len`` leaves nothing behind. ``hub_model``: the snapshot ``fetch_hub_model``
     resolved a Hub id to (fetched here when not given).
     """
-    from memfit.data import dataset as data
+    from memfit.data.prep import run_tokenizer
     from memfit.spec import model as modelspec
 
     if hub_model is None:
         config, hub_model = fetch_hub_model(config)
-    folder = hub_model.path if hub_model is not None else Path(config.model).expanduser()
-    hf_config = modelspec.resolve_config(config.model, trust_remote_code=config.trust_remote_code,
-                                         revision=config.revision)
-    is_preset = modelspec.is_preset(config.model)
+    source = config.source
+    folder = hub_model.path if hub_model is not None else Path(source.model).expanduser()
+    hf_config = modelspec.source_config(source)
     modelspec.check_seq_len(run.seq_len, getattr(hf_config, "max_position_embeddings", None))
-    tokenizer = data.load_tokenizer(config.tokenizer, str(folder), is_preset=is_preset,
-                                    trust_remote_code=config.trust_remote_code)
+    tokenizer = run_tokenizer(source, hub_model)
     validate.check_tokenizer_fits(len(tokenizer), hf_config.vocab_size)
     hf_config.use_cache = False  # training: no KV cache
-    random_init = is_preset or folder.is_file() or config.init == "random"
+    random_init = modelspec.is_preset(source.model) or folder.is_file() or source.init == "random"
     if not random_init:
         from memfit.training.weights import check_weights
 
@@ -209,9 +207,9 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> ModelS
     # are refused here, before the output folder exists.
     from memfit.spec.resolved import resolve
 
-    spec = modelspec.load_spec(config.model, config.trust_remote_code, config.revision)
+    spec = modelspec.source_spec(source)
     _check_buildable(spec, run)
-    return ModelSource(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
+    return ResolvedModel(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
 
 
 def _check_buildable(spec, run: RunConfig) -> None:
@@ -223,7 +221,7 @@ def _check_buildable(spec, run: RunConfig) -> None:
     validate.check_buildable(spec.name, spec.params, per_param, what)
 
 
-def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None = None,
+def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | None = None,
                 device=None, *, empty: bool = False) -> ModelBundle:
     """The causal LM (preset with random weights, or a local checkpoint), with checkpointing and LoRA.
 
@@ -246,7 +244,8 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
         from accelerate import init_empty_weights
 
         with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(source.hf_config, trust_remote_code=config.trust_remote_code,
+            model = AutoModelForCausalLM.from_config(source.hf_config,
+                                                     trust_remote_code=config.source.trust_remote_code,
                                                      **kwargs)
         if run.quantize is not Quantize.NONE:
             from memfit.integrations.quant_support import quantized_copy
@@ -259,13 +258,13 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
             kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
-        if source.hub is not None and not config.allow_pickle_weights:
+        if source.hub is not None and not config.source.allow_pickle_weights:
             kwargs["use_safetensors"] = True  # a pickle another tool cached next to them is never unpickled
         from memfit.training.weights import loading
 
         with loading(source.path), no_loading_bar():
             model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
-                                                         trust_remote_code=config.trust_remote_code, **kwargs)
+                                                         trust_remote_code=config.source.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
         from memfit.integrations.quant_support import accept_own_quant_state, keep_training_path
 
@@ -293,7 +292,7 @@ def build_model(config: TrainConfig, run: RunConfig, source: ModelSource | None 
 
 
 def _name_base(wrapped, base: str | None) -> None:
-    """What the saved adapter names as its base model (``ModelSource.base_name``; the Hub commit is given
+    """What the saved adapter names as its base model (``ResolvedModel.base_name``; the Hub commit is given
     at the wrap). PEFT would take the path the weights were loaded from, which for a relative ``--model``
     only resolves from the directory train ran in."""
     if base is not None:
@@ -341,7 +340,7 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
         return _pair_data(config, run, tokenizer)
     examples, tokenized = load_for_run(config, run, tokenizer)
     train_idx, held = data.split_indices(len(examples), config.eval_fraction, config.seed)  # tokenize's split
-    count = max(config.samples, config.eval_samples)
+    count = max(config.cadence.samples, config.cadence.eval_samples)
     docs = [examples[int(i)] for i in spread(held if len(held) else train_idx, count)]
     from memfit.data.prep import data_note
 
@@ -357,7 +356,8 @@ def _pair_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     pairs, train, held_rows, held = load_pair_rows(config, run, tokenizer)
     if not train:
         raise UserError(f"The data {config.data} yields no training pair.")
-    picked = spread(list(held) if len(held) else list(range(len(pairs))), max(config.samples, config.eval_samples))
+    count = max(config.cadence.samples, config.cadence.eval_samples)
+    picked = spread(list(held) if len(held) else list(range(len(pairs))), count)
     docs = [prompt_example(pairs[int(i)]) for i in picked]
     unigram = data.unigram_loss(data.TokenizedData(train=train, eval=held_rows))
     note = (f"{len(pairs):,} preference pair(s), {run.method}: each micro-batch of B pairs is one forward of 2B "
