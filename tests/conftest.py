@@ -110,6 +110,7 @@ def _xdist(config) -> bool:
     return hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) not in (None, 0)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs without it (-p no:xdist)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core this process may use, at most 4 (each holds torch and its models)."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))
@@ -126,10 +127,14 @@ def pytest_configure(config):
 
 def _shared_group(item) -> str | None:
     """The xdist group of a test that must share its worker with others: the 2-process cases' tests read one
-    launch (``gloo_runs``, a session fixture: built once per worker that asks for it), and the tests of a
-    module or class fixture share what it builds (a launch, a trained run)."""
+    launch (``gloo_runs``, a session fixture: built once per worker that asks for it), a doc's commands run
+    in one scratch folder in order, and the tests of a module or class fixture share what it builds (a
+    launch, a trained run)."""
     if any(item.iter_markers("launch_cases")):
         return "gloo-launch"
+    callspec = getattr(item, "callspec", None)
+    if item.module.__name__ == "test_docs" and callspec is not None and _doc_train_argv(item) is None:
+        return "docs:" + callspec.params["where"]  # a doc's `$ cat FILE` reads what a command above it wrote
     for defs in item._fixtureinfo.name2fixturedefs.values():
         if defs and defs[-1].scope in ("module", "class", "package"):
             return item.nodeid.split("::")[0]
@@ -138,12 +143,15 @@ def _shared_group(item) -> str | None:
 
 def _xdist_order(item) -> int:
     """Longest work first, so that no long test starts last and ends the run alone: the shared 2-process
-    launch, then the documented demo (a 300-step run), then the tests marked ``heavy``, then the rest."""
+    launch, then the documented demo (a 300-step run), then the tests marked ``heavy`` and the docs that show
+    ``memfit train`` (a budget run: a minute), then the rest."""
     if any(item.iter_markers("launch_cases")):
         return 0
     if _doc_train_argv(item) is not None:
         return 1
-    return 2 if any(item.iter_markers("heavy")) else 3
+    callspec = getattr(item, "callspec", None)
+    trains = item.module.__name__ == "test_docs" and callspec is not None and callspec.params["argv"][0] == "train"
+    return 2 if trains or any(item.iter_markers("heavy")) else 3
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
