@@ -52,9 +52,10 @@ def tiny_llama_config():
 @pytest.fixture(scope="session")
 def gloo_runs(request):
     """``{name: CaseRun}``: the 2-process cases of ``_gloo_cases`` that this session's tests ask for
-    (``@pytest.mark.launch_cases(NAME, ...)``), run one after the other in ONE torchrun, started in the
-    background when collection ends (``pytest_collection_finish``) so it overlaps the tests before."""
-    if _GLOO_LAUNCH.get(request.session) is None:  # a session that started none (not expected): start now
+    (``@pytest.mark.launch_cases(NAME, ...)``), run one after the other in ONE torchrun. On one process it
+    starts in the background when collection ends (``pytest_collection_finish``), so it overlaps the tests
+    before; on xdist the worker that runs their group (``_shared_group``, scheduled first) starts it here."""
+    if _GLOO_LAUNCH.get(request.session) is None:
         _start_gloo_launch(request.session)
     return _GLOO_LAUNCH[request.session].result()
 
@@ -110,7 +111,7 @@ def _xdist(config) -> bool:
     return hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) not in (None, 0)
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the suite also runs without it (-p no:xdist)
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: conftest loads without xdist too
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core this process may use, at most 4 (each holds torch and its models)."""
     return max(1, min(len(os.sched_getaffinity(0)), 4))

@@ -255,7 +255,12 @@ class LoraSettings:
 class RunConfig:
     """Everything about a training run that changes its memory and speed (what estimate and plan see).
 
-    Each field is a setting of the schema (``memfit.settings.schema``): its flag, help, check and resume rule."""
+    Each field is a setting of the schema (``memfit.settings.schema``): its flag, help, check and resume rule.
+    ``RunConfig`` is itself the group of the memory settings (``TrainConfig.run``), handed whole to estimate,
+    trace, plan and the builders; only LoRA's adapters, which PEFT takes together, are a group within it. Its
+    precision, technique and parallelism fields stay flat: each is one axis of the planner's search
+    (``searched``), read on its own by the formulas that price it, and another level (``run.precision.dtype``)
+    would add a step to hundreds of reads without making any of them a fact kept in fewer places."""
 
     seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
                            help="Tokens per sequence.",
