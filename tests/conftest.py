@@ -114,7 +114,8 @@ def _xdist(config) -> bool:
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: conftest loads without xdist too
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core this process may use, at most 4 (each holds torch and its models)."""
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux: affinity
+    return max(1, min(cores, 4))
 
 
 def pytest_configure(config):
