@@ -25,10 +25,12 @@ What may differ from run to run, and how it is compared (the stated tolerance; a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 from functools import cache, lru_cache
@@ -103,8 +105,10 @@ def _write_fixtures(root: Path) -> None:
 
 @lru_cache(maxsize=1)
 def scratch() -> Path:
-    """The folder every documented command runs in (made once per process, with ``FIXTURES``)."""
+    """The folder every documented command runs in (made once per process, with ``FIXTURES``; removed when
+    the process exits: it holds only what the commands wrote, among them the demo's run folder)."""
     root = Path(tempfile.mkdtemp(prefix="memfit-docs-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     _write_fixtures(root)
     return root
 

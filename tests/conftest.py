@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,8 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-# Derived activation recipes (memory/derive.py) are cached per test session, never in the user's ~/.cache.
-os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-test-recipes-"))
+# Derived activation recipes (memory/derive.py) are cached per test session, never in the user's ~/.cache:
+# the process that starts the session makes the folder (its xdist workers inherit the variable, so they share
+# it) and removes it when it exits.
+if "MEMFIT_CACHE_DIR" not in os.environ:
+    os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-recipes-")
+    atexit.register(shutil.rmtree, os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

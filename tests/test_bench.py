@@ -290,3 +290,19 @@ def test_kernel_items_predict_without_a_gpu():
     assert rows["sdpa-flash"]["predicted"] == 4 * 2 * b * n * t * d + 4 * b * n * t
     assert rows["sdpa-efficient-fp32"]["predicted"] == 4 * 4 * b * n * t * d + 4 * b * n * 1024
     assert rows["dropout-mask"]["predicted"] == b * t * 768  # bool
+
+
+def test_cpu_precision_times_each_precision_against_fp32(tmp_path):
+    # bench/cpu_precision.py backs memfit train --budget's fp32-first rule on a CPU (training/budget.py): a tiny
+    # shape, one round; the speeds are the machine's, so only the record's shape and arithmetic are checked.
+    import cpu_precision
+
+    out = tmp_path / "precision.json"
+    assert cpu_precision.main(["--batch", "1", "--seq-len", "16", "--rounds", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    assert set(rows) == {"fp32", "pure-bf16", "bf16-autocast"} and results["threads"] == 1
+    for row in rows.values():
+        assert row["best_step_s"] == min(row["step_s"]) > 0 and len(row["step_s"]) == 1
+        assert math.isclose(row["tokens_per_s"], 16 / row["best_step_s"])
+        assert math.isclose(row["over_fp32"], row["best_step_s"] / rows["fp32"]["best_step_s"])

@@ -11,6 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
+# The second test reads what the first recorded: on xdist workers both run on one worker, in file order.
+pytestmark = pytest.mark.xdist_group("tests/test_isolation.py")
+
 PROBE = "MEMFIT_TEST_ISOLATION_PROBE"
 BEFORE: dict[str, str | None] = {}
 

@@ -76,6 +76,54 @@ def test_budget_keeps_lora_rank_when_given(tmp_path):
     assert "dtype" not in constraints_for(TrainConfig(), TrainConfig().run)  # untyped: the planner's choice
 
 
+def test_budget_on_a_cpu_computes_in_fp32_where_an_fp32_plan_fits(tmp_path):
+    # No CUDA here. The planner ranks by the reference GPU's speeds, where bf16 is the faster, but a CPU
+    # without bf16 matrix units runs bf16 ~15x slower (training/budget.CPU_PRECISION): so with no precision
+    # typed, fp32 plans come first, and a budget no fp32 plan fits is planned again with bf16 allowed.
+    from memfit.planning.search import plan
+    from memfit.planning.space import Constraints
+    from memfit.settings.config import DType, Precision, TrainConfig
+    from memfit.training.budget import constraints_for, cpu_pins, plan_line, plan_run
+
+    model = write_model(tmp_path / "m")
+    flat = {"model": model, "tokenizer": "byte", "seq_len": 64, "micro_batch": 8, "pinned": ("seq_len",)}
+    roomy = TrainConfig.from_flat({**flat, "budget": "1GiB"})
+    chosen, result = plan_run(roomy, roomy.run)
+    assert (chosen.dtype, chosen.mixed_precision) == (DType.FP32, Precision.NO)
+    assert "fp32 plans first on a CPU" in plan_line(roomy, result, cuda=False)
+    assert "fp32 plans first" not in plan_line(roomy, result, cuda=True)  # a GPU ranks its own speeds
+
+    # Unpinned, every plan of this model fits 1 GiB and a bf16 one ranks first: the pin is what chose fp32.
+    every = plan(model, "1GiB", seq_len=64, batch=8, cpu=True,
+                 constraints=Constraints.from_flat(constraints_for(roomy, roomy.run)))
+    assert (every.best.config.dtype, every.best.config.mixed_precision) != (DType.FP32, Precision.NO)
+
+    # A budget between the smallest bf16 peak and the smallest fp32 one: only bf16 plans fit, and one is trained.
+    def smallest(dtype):
+        return min(p.peak_bytes for p in every.plans if p.config.dtype is dtype)
+
+    bf16, fp32 = smallest(DType.BF16), smallest(DType.FP32)
+    assert bf16 < fp32
+    budget = int((bf16 + fp32) / 2 * (1 + every.safety_margin))
+    tight = TrainConfig.from_flat({**flat, "budget": str(budget)})
+    chosen, result = plan_run(tight, tight.run)
+    assert chosen.dtype is DType.BF16 and result.best.peak_bytes * (1 + result.safety_margin) <= budget
+    assert "the planner has no fp32 plan that fits" in plan_line(tight, result, cuda=False)
+
+    # A typed precision is the user's: only the other one is pinned first.
+    typed = TrainConfig.from_flat({**flat, "budget": "1GiB", "mixed_precision": "bf16",
+                                   "pinned": ("seq_len", "mixed_precision")})
+    assert cpu_pins(typed, cuda=False) == {"dtype": "fp32"} and cpu_pins(typed, cuda=True) == {}
+    chosen, _ = plan_run(typed, typed.run)
+    assert (chosen.dtype, chosen.mixed_precision) == (DType.FP32, Precision.BF16)
+
+    # LoRA: the planner's LoRA regimes all autocast (planning/space.regimes), so no fp32 one is planned.
+    lora = TrainConfig.from_flat({**flat, "budget": "1GiB", "lora_r": 8, "pinned": ("seq_len", "lora_r")})
+    chosen, result = plan_run(lora, lora.run)
+    assert chosen.lora.r == 8 and chosen.mixed_precision is Precision.BF16
+    assert "the planner has no fp32 plan that fits" in plan_line(lora, result, cuda=False)
+
+
 def test_impossible_budget_is_the_planners_sentence_and_writes_nothing(tmp_path, monkeypatch):
     # No CUDA here: the budget is this CPU's memory, planned with CPU terms (no CUDA context, the rollback
     # snapshot counted), where this 0.1 M-parameter model's smallest plan needs ~1-3 MiB; 512 KiB holds none.

@@ -18,6 +18,10 @@ class NothingFitsError(UserError):
     """No configuration fits the memory budget (raised by the planner)."""
 
 
+class NoCandidatesError(UserError):
+    """The pinned settings leave the planner no configuration to try (raised by ``planning.space``)."""
+
+
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
 """Terminal control characters (C0, DEL, C1) -> their ``\\xNN`` escape: an escape sequence carried by a
 user's value (a JSONL field name, a path) would otherwise recolour, move or retitle the user's terminal."""

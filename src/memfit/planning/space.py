@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any
 
-from memfit.errors import UserError
+from memfit.errors import NoCandidatesError, UserError
 from memfit.settings.config import (
     Attention,
     DType,
@@ -235,5 +235,5 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 qlora_upcast=c.qlora_upcast or QloraUpcast.LEAN,
                 optimizer_in_backward=in_bw, lora=lora) for pre in precompute]
     if not out:
-        raise UserError("The pinned settings leave no configuration to try; drop one of the constraints.")
+        raise NoCandidatesError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

@@ -30,6 +30,15 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     return {**pinned, "allow_offload": False, "allow_quantize": quant_support.runs_on("cuda" if cuda_available() else "cpu")}
 
 
+#: Pinned first on a CPU, each unless the user typed it: memfit train's own CPU default (fp32 weights, no
+#: autocast). CPUs without bf16 matrix units (AVX512-BF16, AMX) run torch's bf16 matmuls emulated:
+#: ``python bench/cpu_precision.py`` (the tiny preset, 8 x 128 tokens, one thread, interleaved, best of 3) on
+#: this project's 2-core AMD EPYC (AVX2) gave 0.89 s per step in fp32, 13.5 s in pure bf16 and 13.7 s under
+#: bf16 autocast (15x), while the planner's speeds are a GPU's, where bf16 is the faster. A budget that no fp32
+#: plan fits is planned again unpinned.
+CPU_PRECISION = {"dtype": "fp32", "mixed_precision": "no"}
+
+
 def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     """The fastest planned configuration that fits ``config.budget`` and that this machine can train.
 
@@ -37,26 +46,49 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     or ``--batch``) and the sequence length are kept. With CUDA present the plans are ranked for the
     device found (``detect_gpu``: fp16 instead of bf16 on a T4 or V100, its speed); without, the budget
     is this CPU's memory (``plan(..., cpu=True)``: CPU kernels, no CUDA context or allocator reserve, the
-    rollback snapshot counted; speeds of the planner's reference GPU). A budget test that relied on the
+    rollback snapshot counted; speeds of the planner's reference GPU), and fp32 plans come first
+    (``CPU_PRECISION``, but for a precision flag the user typed). A budget test that relied on the
     CUDA context to make a tiny model not fit (64 MiB) fits on CPU: its smallest plan needs a few MiB. Plans this machine cannot run (CUDA-only
     features on a CPU) are passed over: the first trainable one in rank order is taken.
 
     Raises:
         NothingFitsError: the planner's sentence (smallest peak reached, smallest GPU that holds it).
     """
-    from memfit.builder import optim_in_backward
+    from memfit.errors import NoCandidatesError, NothingFitsError
     from memfit.planning.gpus import detect_gpu
+    from memfit.training.setup import cuda_available
+
+    flat = constraints_for(config, run)
+    gpu = detect_gpu() if cuda_available() else None
+    pins = cpu_pins(config, cuda=gpu is not None)
+    if pins:
+        try:
+            return _plan_once(config, run, {**flat, **pins}, gpu)
+        except (NothingFitsError, NoCandidatesError, NoTrainablePlan):
+            pass  # no fp32 plan fits, none is planned (LoRA's regimes autocast) or none trains: bf16 allowed
+    return _plan_once(config, run, flat, gpu)
+
+
+def cpu_pins(config: TrainConfig, cuda: bool) -> dict[str, str]:
+    """What ``plan_run`` pins first: on a CPU, each of ``CPU_PRECISION`` the user did not type."""
+    return {} if cuda else {k: v for k, v in CPU_PRECISION.items() if k not in config.pinned}
+
+
+class NoTrainablePlan(UserError):
+    """Plans fit, but each needs what this machine lacks (CUDA-only features on a CPU)."""
+
+
+def _plan_once(config: TrainConfig, run: RunConfig, flat: dict[str, Any], gpu) -> tuple[RunConfig, Any]:
+    """``plan_run`` under the constraints ``flat`` (train-flag keys): the first fitting plan this machine trains."""
+    from memfit.builder import optim_in_backward
     from memfit.planning.search import plan
     from memfit.planning.space import Constraints
-    from memfit.training.setup import cuda_available, preflight
-
-    constraints = Constraints.from_flat(constraints_for(config, run))
-    gpu = detect_gpu() if cuda_available() else None
     from memfit.spec.model import source_spec
+    from memfit.training.setup import preflight
 
     spec = source_spec(config.source)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
-                  num_processes=run.num_processes, gpu=gpu, constraints=constraints,
+                  num_processes=run.num_processes, gpu=gpu, constraints=Constraints.from_flat(flat),
                   cpu=gpu is None, method=run.method)  # no CUDA: the budget is this CPU's memory
     for index, candidate in enumerate(result.plans):
         if not candidate.fits:
@@ -68,7 +100,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
             continue
         result.chosen = index
         return candidate.config.replace(num_processes=run.num_processes), result
-    raise UserError(f"No plan that fits {config.budget} can be trained on this machine "
+    raise NoTrainablePlan(f"No plan that fits {config.budget} can be trained on this machine "
                     "(the fitting ones need CUDA-only features); try a larger --budget.")
 
 
@@ -88,7 +120,10 @@ def plan_line(config: TrainConfig, result, cuda: bool) -> str:
     from memfit.units import fmt_count, fmt_gib
 
     record = plan_record(config, result)
-    speed_on = record["gpu"] if cuda else f"{record['gpu']} (the planner's reference: no CUDA device here)"
+    pins, chosen = cpu_pins(config, cuda), result.best.config.to_flat()
+    first = ("" if not pins else "; fp32 plans first on a CPU" if all(chosen[k] == v for k, v in pins.items())
+             else "; the planner has no fp32 plan that fits")
+    speed_on = record["gpu"] if cuda else f"{record['gpu']} (the planner's reference: no CUDA device here{first})"
     return (f"plan for {config.budget}: {record['description']}; predicted peak "
             f"{fmt_gib(record['chosen']['peak_bytes'])} of {fmt_gib(record['budget_bytes'])}, "
             f"~{fmt_count(record['chosen']['tokens_per_s'])} tokens/s on {speed_on}; "
