@@ -40,6 +40,9 @@ def _case(family, seq, batch, *parts, marks=(), **extra):
     if family == "gemma2":
         changes.setdefault("attn_implementation", "eager")  # transformers runs Gemma 2 eager only
     label = "-".join([family, f"T{seq}", f"B{batch}"] + [f"{k}={v}" for k, v in changes.items()])
+    # A case's tests run on one xdist worker, in file order: test_recipe_used then finds the recipe that
+    # test_analytic_matches_trace derived (gemma2's took ~10 s twice when the two ran on two workers at once).
+    marks = (*(marks if isinstance(marks, (list, tuple)) else (marks,)), pytest.mark.xdist_group(f"accuracy:{label}"))
     return pytest.param(family, RunConfig.of(seq_len=seq, micro_batch=batch, **changes), id=label, marks=marks)
 
 
