@@ -319,3 +319,47 @@ def test_ctrl_c_during_tokenization_removes_the_run_and_exits_130(tmp_path, inpu
     _one_sentence(_run(_train(*inputs, out, "--max-steps", "3")), "Interrupted by Ctrl-C before the first step",
                   code=130)
     assert not out.exists()
+
+
+def test_a_mistyped_model_or_data_path_is_refused_before_torch_loads(tmp_path):
+    # memfit.check_inputs (training/inputs.py) runs the loaders' own file-system checks first: these errors
+    # used to come after importing torch, transformers and PEFT (~9 s here). A fresh interpreter (this one has
+    # torch) runs every command with click's test runner, then says whether torch was imported.
+    import subprocess
+    import sys
+
+    pdf = tmp_path / "notes.pdf"
+    pdf.write_text("not data")
+    missing = str(tmp_path / "notes.jsnol")
+    commands = {
+        "train --data": ["train", "--data", missing, "--output", str(tmp_path / "out")],
+        "train --model": ["train", "--model", str(tmp_path / "no-such-model")],
+        "train --data FILE.pdf": ["train", "--data", str(pdf)],
+        "train --model HUB-ID --data": ["train", "--model", "org/name", "--data", missing],
+        "train --revision": ["train", "--revision", "v1"],
+        "estimate": ["estimate", str(tmp_path / "no-such-model")],
+        "plan": ["plan", "tinyy", "--budget", "8GiB"],
+        "data preview": ["data", "preview", "--data", missing],
+    }
+    code = ("import json, sys\nfrom click.testing import CliRunner\nfrom memfit.cli import cli\nout = {}\n"
+            "for name, argv in json.loads(sys.argv[1]).items():\n"
+            "    result = CliRunner().invoke(cli, argv)\n"
+            "    out[name] = [result.exit_code, result.output.strip().splitlines()]\n"
+            "print(json.dumps({'results': out, 'torch': 'torch' in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = {}
+    for name, (code_, lines) in report["results"].items():
+        assert code_ == 1 and len(lines) == 1 and lines[0].startswith("error: "), (name, lines)
+        errors[name] = lines[0]
+    assert errors["train --data"] == f"error: Data path {missing} does not exist."
+    assert errors["train --model HUB-ID --data"] == errors["train --data"]  # the Hub id is looked up later
+    assert errors["data preview"] == errors["train --data"]
+    assert "is neither a preset, a local model folder or config.json, nor a Hugging Face Hub id" in errors["train --model"]
+    assert "is neither a preset" in errors["estimate"] and "Did you mean tiny" in errors["plan"]
+    assert errors["train --data FILE.pdf"].startswith(f"error: {pdf} is a .pdf file; --data takes .txt, .jsonl")
+    assert "--revision picks a version of a Hugging Face Hub model, but 'tiny' is not a Hub id" in errors["train --revision"]
+    assert report["torch"] is False
+    assert not (tmp_path / "out").exists()

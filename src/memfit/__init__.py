@@ -18,7 +18,8 @@ Run: the breakdown, the plan, the training.
 - ``train(config)``: train on Accelerate and return the run summary's JSON form (``training.loop``);
   ``check_equivalence(config)``: whether micro-batch x accumulation trains the same weights as one big batch
   (``training.equivalence``); ``default_precision()``: the autocast train uses when none is given
-  (``training.setup``).
+  (``training.setup``); ``check_inputs(model, data, revision)``: a missing or mistyped model or data path
+  refused from the file system alone, before torch loads (``training.inputs``).
 - ``preview_record(config, index)``: one training record as the model sees it, loss mask marked
   (``data.prep``; ``memfit data preview``).
 
@@ -68,6 +69,7 @@ _PUBLIC = {
     "train": ("memfit.training.loop", "train"),
     "check_equivalence": ("memfit.training.equivalence", "check_equivalence"),
     "default_precision": ("memfit.training.setup", "default_precision"),
+    "check_inputs": ("memfit.training.inputs", "check_inputs"),
     "preview_record": ("memfit.data.prep", "preview_record"),
     "load_spec": ("memfit.spec.model", "load_spec"),
     "check_seq_len": ("memfit.spec.model", "check_seq_len"),

@@ -62,6 +62,10 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     merged = {**kwargs, **from_file, **typed}
     chosen = set(typed) | set(from_file)
     check_lora_options(chosen, "lora_r" in chosen)
+    import memfit
+
+    if isinstance(merged.get("model"), str):  # None: TrainConfig says so below
+        memfit.check_inputs(merged["model"], merged.get("data"), merged.get("revision"))  # a typo: before torch loads
     if "mixed_precision" not in chosen:
         from memfit import default_precision
 

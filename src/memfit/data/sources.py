@@ -167,16 +167,11 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
 
     root = default_corpus_path() if path is None else Path(path).expanduser()
     where = str(root if path is None else path)
-    if not root.exists() and path is not None and not _is_local_looking(str(path)):
+    if check_data_path(path) == "hub":
         return [Part(load_dataset(str(path), split=split, data_config=data_config), where)]
-    if not root.exists():
-        raise UserError(f"Data path {root} does not exist.")
     if root.is_dir() and _is_saved_dataset(root):
         return [Part(load_dataset(str(root), split=split), where)]
     files = [root] if root.is_file() else _data_files(root)
-    if root.is_file() and root.suffix.lower() not in ALL_BUILDERS:
-        raise UserError(f"{root} is a {root.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, "
-                        ".parquet, .arrow or a folder of them.")
     if not files:
         raise UserError(f"Data folder {root} holds no .txt, .jsonl, .json, .csv, .parquet or .arrow files.")
     parts, run = [], [files[0]]
@@ -189,6 +184,27 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
     if not sum(len(part.ds) for part in parts):
         raise UserError(f"Data {'file' if root.is_file() else 'folder'} {root} is empty.")
     return parts
+
+
+def check_data_path(path) -> str:
+    """What ``--data`` names, ``"hub"`` (a Hub dataset id: ``org/name``, nothing local of that name), ``"local"``
+    or ``"corpus"`` (``None``: the shipped one); else the sentence a missing path or a file of no data type
+    gets. Only the file system is read: the CLI checks a typo here before torch and transformers load.
+
+    Raises:
+        UserError: a local-looking path that does not exist, or a file whose suffix is no data type.
+    """
+    if path is None:
+        return "corpus"
+    root = Path(path).expanduser()
+    if not root.exists():
+        if not _is_local_looking(str(path)):
+            return "hub"
+        raise UserError(f"Data path {root} does not exist.")
+    if root.is_file() and root.suffix.lower() not in ALL_BUILDERS:
+        raise UserError(f"{root} is a {root.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, "
+                        ".parquet, .arrow or a folder of them.")
+    return "local"
 
 
 def _is_local_looking(path: str) -> bool:

@@ -62,17 +62,12 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
     from memfit.data.dataset import default_corpus_path
 
     root = default_corpus_path() if path is None else Path(path).expanduser()
-    if path is not None and not root.exists() and not data_sources._is_local_looking(str(path)):
+    if data_sources.check_data_path(path) == "hub":
         yield from _hub_rows(str(path), split, data_config, wanted)
         return
-    if not root.exists():
-        raise UserError(f"Data path {root} does not exist.")
     if root.is_dir() and data_sources._is_saved_dataset(root):
         yield from _saved_rows(root, split, wanted)
         return
-    if root.is_file() and root.suffix.lower() not in data_sources.ALL_BUILDERS:
-        raise UserError(f"{root} is a {root.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, "
-                        ".parquet, .arrow or a folder of them.")
     files = [root] if root.is_file() else data_sources._data_files(root)
     if not files:
         raise UserError(f"Data folder {root} holds no .txt, .jsonl, .json, .csv, .parquet or .arrow files.")

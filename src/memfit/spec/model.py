@@ -54,6 +54,32 @@ def unknown_model_error(name: str) -> UserError:
                      f"(org/name).{hint}")
 
 
+def model_kind(model: str, revision: str | None = None) -> str:
+    """What a model argument names: ``"preset"``, ``"hub"`` (``org/name``), ``"config.json"`` (a JSON file) or
+    ``"folder"`` (a local folder holding config.json); else one sentence. Nothing heavy is imported, so the CLI
+    checks a typo here before torch and transformers load (seconds), and ``resolve_config`` branches on it.
+
+    Raises:
+        UserError: ``--revision`` for what is no Hub id, a folder without config.json, or a name that is none
+            of the four.
+    """
+    from memfit.integrations import hub
+
+    hub.check_revision(model, revision)
+    if is_preset(model):
+        return "preset"
+    if hub.is_hub_id(model):
+        return "hub"
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return "config.json"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder.")
+        return "folder"
+    raise unknown_model_error(model)
+
+
 def preset_config(name: str):
     """A transformers ``PretrainedConfig`` built from a preset (no download)."""
     from transformers import AutoConfig
@@ -71,20 +97,20 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
     config.json when the cache lacks it (``memfit.integrations.hub``). Raises ``UserError`` (one sentence) for unknown
     names and configs that are not causal LMs.
     """
+    from memfit.integrations import hub
+
+    kind = model_kind(model, revision)  # a typo refused before transformers loads (seconds)
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from memfit.integrations import hub
-
-    hub.check_revision(model, revision)
-    if is_preset(model):
+    if kind == "preset":
         config = preset_config(model)
-    elif hub.is_hub_id(model):
+    elif kind == "hub":
         folder = hub.fetch(model, revision, files="config", trust_remote_code=trust_remote_code).path
         config = _folder_config(folder, f"{model}'s config.json", trust_remote_code)
     else:
         path = Path(model).expanduser()
-        if path.is_file() and path.suffix == ".json":
+        if kind == "config.json":
             data = _check_json(path)
             validate.check_model_config(SimpleNamespace(**data), model)  # before transformers divides by it
             model_type = data.pop("model_type")
@@ -94,12 +120,8 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
                 config = AutoConfig.for_model(model_type, **data)
             except (ValueError, TypeError, StrictDataclassError) as err:
                 raise UserError(f"{path} holds a config transformers cannot read: {_one_line(err)}") from None
-        elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise UserError(f"{path} has no config.json, so it is not a Hugging Face model folder.")
-            config = _folder_config(path, str(path), trust_remote_code)
         else:
-            raise unknown_model_error(model)
+            config = _folder_config(path, str(path), trust_remote_code)
     check_causal_lm(config, model)
     validate.check_model_config(config, model)
     validate.check_rope_with_transformers(config, model)
