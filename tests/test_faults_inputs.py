@@ -321,7 +321,7 @@ def test_ctrl_c_during_tokenization_removes_the_run_and_exits_130(tmp_path, inpu
     assert not out.exists()
 
 
-def test_a_mistyped_model_or_data_path_is_refused_before_torch_loads(tmp_path):
+def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_torch_loads(tmp_path):
     # memfit.check_inputs (training/inputs.py) runs the loaders' own file-system checks first: these errors
     # used to come after importing torch, transformers and PEFT (~9 s here). A fresh interpreter (this one has
     # torch) runs every command with click's test runner, then says whether torch was imported.
@@ -340,6 +340,13 @@ def test_a_mistyped_model_or_data_path_is_refused_before_torch_loads(tmp_path):
         "estimate": ["estimate", str(tmp_path / "no-such-model")],
         "plan": ["plan", "tinyy", "--budget", "8GiB"],
         "data preview": ["data", "preview", "--data", missing],
+        # An unset shell variable ("$DATA"): "" is the current folder to pathlib, whose data files were read.
+        "train --data EMPTY": ["train", "--data", ""],
+        "train --model BLANK": ["train", "--model", " "],
+        # ~user of no such user: Path.expanduser raised RuntimeError (a traceback); the shell leaves it as typed
+        "train --data ~USER": ["train", "--data", "~memfit-no-such-user/x.txt"],
+        "train --config ~USER": ["train", "--config", "~memfit-no-such-user/c.yaml"],
+        "estimate ~USER": ["estimate", "~memfit-no-such-user/m"],
     }
     code = ("import json, sys\nfrom click.testing import CliRunner\nfrom memfit.cli import cli\nout = {}\n"
             "for name, argv in json.loads(sys.argv[1]).items():\n"
@@ -361,5 +368,12 @@ def test_a_mistyped_model_or_data_path_is_refused_before_torch_loads(tmp_path):
     assert "is neither a preset" in errors["estimate"] and "Did you mean tiny" in errors["plan"]
     assert errors["train --data FILE.pdf"].startswith(f"error: {pdf} is a .pdf file; --data takes .txt, .jsonl")
     assert "--revision picks a version of a Hugging Face Hub model, but 'tiny' is not a Hub id" in errors["train --revision"]
+    assert errors["train --data EMPTY"] == ("error: --data is empty; name a data file, a folder of them or a Hub "
+                                            "dataset (org/name), or leave it out for the shipped corpus.")
+    assert errors["train --model BLANK"] == ("error: --model is empty; name a preset, a model folder, a config.json "
+                                             "or a Hub id (org/name).")
+    assert errors["train --data ~USER"] == "error: Data path ~memfit-no-such-user/x.txt does not exist."
+    assert errors["train --config ~USER"] == "error: Config file ~memfit-no-such-user/c.yaml does not exist."
+    assert "'~memfit-no-such-user/m' is neither a preset" in errors["estimate ~USER"]
     assert report["torch"] is False
     assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ would be swapped for a regular file (as root, breaking the machine's null device
 - the file gets the mode a plain ``open(path, "w")`` would (an existing regular file keeps its own).
 
 ``append_line`` is the one appender (``metrics.jsonl``): ``O_APPEND | O_NOFOLLOW``, regular files only.
+``user_path`` is how every path a user typed becomes a ``Path``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ import tempfile
 from pathlib import Path
 
 from memfit.errors import UserError
+
+
+def user_path(text: str | os.PathLike) -> Path:
+    """A path as the user typed it, ``~`` and ``~user`` expanded where they can be: ``Path.expanduser`` raises
+    ``RuntimeError`` for a user who does not exist (``--data ~nouser/x.txt`` ended in a traceback), while
+    ``os.path.expanduser`` leaves that path as typed, so the caller's "does not exist" sentence names it."""
+    return Path(os.path.expanduser(os.fspath(text)))
 
 
 def _umask() -> int:
@@ -82,7 +90,7 @@ def write_atomic(path: Path, data: str | bytes, *, what: str = "", root: Path | 
         OSError: the write failed and ``user_error`` is False (a training run: ``training.guard`` says which
             checkpoint is intact); the temporary file is removed first.
     """
-    path = Path(path).expanduser()
+    path = user_path(path)
     label = f"{what} {path}".strip()
     if root is not None:
         check_no_links(root, path)

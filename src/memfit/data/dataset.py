@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,7 +119,7 @@ def load_local_examples(path: str | os.PathLike | None, *, fmt: str | None = Non
     from memfit.data.formats import Fields
 
     fields = fields or Fields()
-    root = default_corpus_path() if path is None else Path(path).expanduser()
+    root = default_corpus_path() if path is None else user_path(path)
     if not root.exists():
         raise UserError(f"Data path {root} does not exist.")
     if root.is_dir():
@@ -288,7 +289,7 @@ def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_
     """
     if tokenizer == BYTE_TOKENIZER_NAME or (tokenizer is None and is_preset):
         return byte_tokenizer()
-    source = Path(tokenizer if tokenizer is not None else model).expanduser()
+    source = user_path(tokenizer if tokenizer is not None else model)
     if source.is_file():  # a config.json: its tokenizer sits next to it
         source = source.parent
     if not source.is_dir():

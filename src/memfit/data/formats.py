@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 IGNORE_INDEX = -100
 
@@ -147,11 +148,10 @@ def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversat
         UserError: the file cannot be read, or conversations need a template the tokenizer lacks.
     """
     if template_file:
-        from pathlib import Path
 
         from memfit import textfiles
 
-        path = Path(template_file).expanduser()
+        path = user_path(template_file)
         if not path.is_file():  # a folder, a missing file, a name such as ../../../x: never a template name
             raise UserError(f"Chat template {path} is not a file; pass --chat-template FILE (a Jinja template).")
         tokenizer.chat_template = textfiles.read_text(path, what="Chat template")

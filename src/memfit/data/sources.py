@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 """File suffix -> the ``datasets`` packaged builder that reads it (``load_examples``)."""
@@ -38,7 +39,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def handles(path) -> bool:
     """Whether ``path`` is read here (rather than by ``memfit.data.dataset``'s .txt/.jsonl reader)."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     if p.is_file():
         return p.suffix.lower() in BUILDERS
     if p.is_dir():
@@ -60,7 +61,7 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
     import datasets
 
     datasets.disable_progress_bars()
-    p = Path(path).expanduser()
+    p = user_path(path)
     if p.is_dir() and _is_saved_dataset(p):
         try:
             ds = datasets.load_from_disk(str(p))
@@ -165,7 +166,7 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
     """
     from memfit.data.dataset import default_corpus_path
 
-    root = default_corpus_path() if path is None else Path(path).expanduser()
+    root = default_corpus_path() if path is None else user_path(path)
     where = str(root if path is None else path)
     if check_data_path(path) == "hub":
         return [Part(load_dataset(str(path), split=split, data_config=data_config), where)]
@@ -196,7 +197,10 @@ def check_data_path(path) -> str:
     """
     if path is None:
         return "corpus"
-    root = Path(path).expanduser()
+    if not str(path).strip():  # an unset shell variable: "" would read every data file under the current folder
+        raise UserError("--data is empty; name a data file, a folder of them or a Hub dataset (org/name), or leave "
+                        "it out for the shipped corpus.")
+    root = user_path(path)
     if not root.exists():
         if not _is_local_looking(str(path)):
             return "hub"

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 
 def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: str = "train",
@@ -61,7 +62,7 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
     from memfit.data import sources as data_sources
     from memfit.data.dataset import default_corpus_path
 
-    root = default_corpus_path() if path is None else Path(path).expanduser()
+    root = default_corpus_path() if path is None else user_path(path)
     if data_sources.check_data_path(path) == "hub":
         yield from _hub_rows(str(path), split, data_config, wanted)
         return

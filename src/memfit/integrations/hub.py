@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 CONFIG = ("config.json",)
 #: Tokenizer, chat template and generation settings: tokenizer.json, tokenizer_config.json,
@@ -61,7 +62,7 @@ def is_hub_id(model: str) -> bool:
     text = str(model)
     parts = text.split("/")
     return (len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
-            and not Path(text).expanduser().exists())
+            and not user_path(text).exists())
 
 
 def cache_dir() -> str:

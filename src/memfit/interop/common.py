@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.settings.config import RunConfig
 
 _MISSING = object()
@@ -76,7 +77,7 @@ def load_file(path: str | Path) -> dict:
     """A YAML or JSON file's top-level mapping, or one sentence naming the file."""
     import yaml
 
-    path = Path(path).expanduser()
+    path = user_path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -206,7 +207,7 @@ def model_name(keys: Keys, key: str) -> str | None:
     if is_preset(value):
         return value.lower()
     name = _base_name(value)
-    if "/" in value and not Path(value).expanduser().exists():
+    if "/" in value and not user_path(value).exists():
         for preset, entry in load_presets().items():
             if _base_name(str(entry.get("source", ""))) == name:
                 if entry["source"].lower() != value.lower():
@@ -271,7 +272,7 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
         return {}
     config = value
     if isinstance(value, str):
-        found = [p for p in (Path(keys.path).parent / value, Path(value).expanduser()) if p.is_file()]
+        found = [p for p in (Path(keys.path).parent / value, user_path(value)) if p.is_file()]
         if not found:
             import re
 
@@ -318,7 +319,7 @@ def stated_processes(path: str) -> int | None:
     import re
 
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
+        text = user_path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
     counts = {int(n) for n in re.findall(_LAUNCH, text, flags=re.MULTILINE)}

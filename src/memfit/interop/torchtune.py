@@ -15,9 +15,9 @@ How torchtune runs a step, where it differs from memfit's own trainer:
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
+from memfit.files import user_path
 from memfit.interop.common import Keys, Reading
 
 NAME = "torchtune"
@@ -111,7 +111,7 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
             keys.price("QLoRA: torchtune's NF4 base (torchao) is priced as bitsandbytes' 4-bit NF4 base "
                        "(the same 4-bit blocks and scales).")
     checkpoint = (keys.data.get("checkpointer") or {}).get("checkpoint_dir")
-    if checkpoint and (Path(str(checkpoint)).expanduser() / "config.json").is_file():
+    if checkpoint and (user_path(str(checkpoint)) / "config.json").is_file():
         return str(checkpoint)
     if base not in BUILDERS:
         raise keys.error("model._component_", f"{builder!r} is a model builder memfit has no architecture for "

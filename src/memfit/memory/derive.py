@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.memory import layer_plan
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
@@ -347,9 +348,9 @@ def _recipe_key(spec, run: RunConfig) -> str:
 def cache_dir() -> Path:
     """``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit/recipes``, else ``~/.cache/memfit/recipes``."""
     if os.environ.get("MEMFIT_CACHE_DIR"):
-        return Path(os.environ["MEMFIT_CACHE_DIR"]).expanduser()
+        return user_path(os.environ["MEMFIT_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "memfit" / "recipes"
+    return user_path(base) / "memfit" / "recipes"
 
 
 _MEMORY: dict[str, DerivedRecipe] = {}

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from memfit.errors import UserError
+from memfit.files import user_path
 
 
 class SettingsLoader(yaml.SafeLoader):
@@ -41,7 +42,7 @@ def read_settings(path: str | Path) -> dict[str, Any]:
     """
     from memfit import textfiles
 
-    file = Path(path).expanduser()
+    file = user_path(path)
     if not file.is_file():
         raise UserError(f"Config file {file} does not exist.")
     text = textfiles.read_text(file, what="Config file")

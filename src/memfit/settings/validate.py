@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.settings.schema import key_of, settings
 
 
@@ -332,7 +333,7 @@ def check_attention_available(attn: str) -> None:
 def check_path_names(path: Path, *, flag_name: str) -> None:
     """Refuse an output path the file system cannot hold (a name over its limit, 255 bytes on most, or a
     path over 4096 bytes) or a symlink to nothing (``mkdir`` would fail on it with "File exists")."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     name_max = _name_max(path)
     long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
     if long is not None:
@@ -360,7 +361,7 @@ def _name_max(path: Path) -> int:
 def check_writable_target(path: Path, *, flag_name: str, is_dir: bool) -> None:
     """Refuse an output that cannot be written: a file where a folder must go (or the reverse), or a
     read-only place (the nearest existing folder above it is not writable)."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     check_path_names(path, flag_name=flag_name)
     if path.exists():
         if is_dir and not path.is_dir():

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.settings import validate
 from memfit.spec.linears import LinearShape
 
@@ -65,12 +66,14 @@ def model_kind(model: str, revision: str | None = None) -> str:
     """
     from memfit.integrations import hub
 
+    if not str(model).strip():  # an unset shell variable: "" is the current folder to pathlib
+        raise UserError("--model is empty; name a preset, a model folder, a config.json or a Hub id (org/name).")
     hub.check_revision(model, revision)
     if is_preset(model):
         return "preset"
     if hub.is_hub_id(model):
         return "hub"
-    path = Path(model).expanduser()
+    path = user_path(model)
     if path.is_file() and path.suffix == ".json":
         return "config.json"
     if path.is_dir():
@@ -109,7 +112,7 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
         folder = hub.fetch(model, revision, files="config", trust_remote_code=trust_remote_code).path
         config = _folder_config(folder, f"{model}'s config.json", trust_remote_code)
     else:
-        path = Path(model).expanduser()
+        path = user_path(model)
         if kind == "config.json":
             data = _check_json(path)
             validate.check_model_config(SimpleNamespace(**data), model)  # before transformers divides by it

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from memfit.files import check_no_links
+from memfit.files import check_no_links, user_path
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training import manifest
 from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
@@ -45,7 +45,7 @@ def default_output(model: str, root: Path = Path("runs"), now: float | None = No
     The model name is the preset name, or the checkpoint folder's name (a bare ``config.json``: its
     folder's). Two runs started in the same second get ``-2``, ``-3``, ... rather than colliding.
     """
-    path = Path(model).expanduser()
+    path = user_path(model)
     name = path.parent.name if path.is_file() else path.name or "model"
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
     base = root / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_folders
 
 LEDGER = ".memfit-files.json"
@@ -46,7 +47,7 @@ def fingerprint(data: str | None) -> dict[str, Any] | None:
     error: a file rewritten in place with the same size and mtime is not seen). None for a Hub id."""
     if not data:
         return None
-    path = Path(data).expanduser()
+    path = user_path(data)
     if path.is_file():
         digest = hashlib.sha256()
         with open(path, "rb") as fh:

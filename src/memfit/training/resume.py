@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.settings.validate import flag
 
 
@@ -54,8 +55,8 @@ class ResumePoint:
 
 def _absolute(value: Any) -> Any:
     """A path that exists, made absolute, so the run resumes from any working directory."""
-    if isinstance(value, str) and value and Path(value).expanduser().exists():
-        return str(Path(value).expanduser().resolve())
+    if isinstance(value, str) and value and user_path(value).exists():
+        return str(user_path(value).resolve())
     return value
 
 
@@ -95,7 +96,7 @@ def restore(config):
         return config, None
     from memfit.training import manifest
 
-    output = Path(config.folder.output).expanduser()
+    output = user_path(config.folder.output)
     if not output.is_dir():
         raise UserError(f"--resume found no checkpoint under {output}: it is not a run folder (it does not exist "
                         "or is a file).")

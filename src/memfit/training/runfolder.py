@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.files import check_no_links
+from memfit.files import check_no_links, user_path
 from memfit.settings.validate import check_writable_target
 from memfit.training import ledger
 
@@ -59,7 +59,7 @@ def input_folders(config) -> list[tuple[str, Path, bool]]:
     for label, value in (("--model", source.model), ("--tokenizer", source.tokenizer), ("--data", config.data)):
         if not value:
             continue
-        path = Path(value).expanduser()
+        path = user_path(value)
         if path.is_file():
             found.append((label, path.parent, False))
         elif path.is_dir():
@@ -89,7 +89,7 @@ class RunFolder:
     def lock_existing(self, config, *, is_main: bool) -> None:
         """Lock ``--output`` when it already holds a run (or ``--resume`` continues one), before anything
         there is read; a folder that is not a run yet is locked by ``open`` once it is checked."""
-        output = self.output.expanduser()
+        output = user_path(self.output)
         if is_main and not self.holds_lock and output.is_dir() and (config.folder.resume or is_run_folder(output)):
             self._lock()
 

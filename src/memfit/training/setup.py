@@ -15,6 +15,7 @@ from pathlib import Path
 
 from memfit.builder import parts as build
 from memfit.errors import UserError
+from memfit.files import user_path
 from memfit.integrations.hf_compat import no_loading_bar
 from memfit.settings import validate
 from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig, TrainConfig
@@ -192,7 +193,7 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
     if hub_model is None:
         config, hub_model = fetch_hub_model(config)
     source = config.source
-    folder = hub_model.path if hub_model is not None else Path(source.model).expanduser()
+    folder = hub_model.path if hub_model is not None else user_path(source.model)
     hf_config = modelspec.source_config(source)
     modelspec.check_seq_len(run.seq_len, getattr(hf_config, "max_position_embeddings", None))
     tokenizer = run_tokenizer(source, hub_model)
