@@ -330,6 +330,8 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
 
     pdf = tmp_path / "notes.pdf"
     pdf.write_text("not data")
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
     missing = str(tmp_path / "notes.jsnol")
     commands = {
         "train --data": ["train", "--data", missing, "--output", str(tmp_path / "out")],
@@ -340,6 +342,8 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
         "estimate": ["estimate", str(tmp_path / "no-such-model")],
         "plan": ["plan", "tinyy", "--budget", "8GiB"],
         "data preview": ["data", "preview", "--data", missing],
+        "train --data FIFO": ["train", "--data", str(fifo)],  # was "Data folder ... holds no ... files"
+        "train --config FIFO": ["train", "--config", str(fifo)],  # was "Config file ... does not exist."
         # An unset shell variable ("$DATA"): "" is the current folder to pathlib, whose data files were read.
         "train --data EMPTY": ["train", "--data", ""],
         "train --model BLANK": ["train", "--model", " "],
@@ -375,5 +379,20 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
     assert errors["train --data ~USER"] == "error: Data path ~memfit-no-such-user/x.txt does not exist."
     assert errors["train --config ~USER"] == "error: Config file ~memfit-no-such-user/c.yaml does not exist."
     assert "'~memfit-no-such-user/m' is neither a preset" in errors["estimate ~USER"]
+    assert errors["train --data FIFO"] == (f"error: {fifo} is neither a file nor a folder (a device, pipe or socket); "
+                                           "--data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them.")
+    assert errors["train --config FIFO"] == (f"error: Config file {fifo} is not a file (a folder, device or pipe); "
+                                             "pass a YAML file.")
     assert report["torch"] is False
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_that_is_no_folder_is_said_so(inputs, tmp_path):
+    # A FIFO where --tokenizer names a folder: it exists, so "does not exist" (the old sentence) was false.
+    model, data = inputs
+    fifo = tmp_path / "tok"
+    os.mkfifo(fifo)
+    args = _train(model, data, tmp_path / "out")
+    args[args.index("--tokenizer") + 1] = str(fifo)
+    _one_sentence(_run(args), f"Tokenizer folder {fifo} is not a folder; pass --tokenizer DIR (or --tokenizer byte).")
     assert not (tmp_path / "out").exists()

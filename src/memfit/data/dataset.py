@@ -293,7 +293,8 @@ def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_
     if source.is_file():  # a config.json: its tokenizer sits next to it
         source = source.parent
     if not source.is_dir():
-        raise UserError(f"Tokenizer folder {source} does not exist.")
+        raise UserError(f"Tokenizer folder {source} does not exist." if not source.exists() else
+                        f"Tokenizer folder {source} is not a folder; pass --tokenizer DIR (or --tokenizer byte).")
     if not any((source / name).is_file() for name in _TOKENIZER_FILES):
         raise UserError(f"{source} holds no tokenizer files; pass --tokenizer DIR (or --tokenizer byte).")
     from transformers import AutoTokenizer

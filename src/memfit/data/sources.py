@@ -193,7 +193,8 @@ def check_data_path(path) -> str:
     gets. Only the file system is read: the CLI checks a typo here before torch and transformers load.
 
     Raises:
-        UserError: a local-looking path that does not exist, or a file whose suffix is no data type.
+        UserError: a local-looking path that does not exist, a device or pipe, or a file whose suffix is no
+            data type.
     """
     if path is None:
         return "corpus"
@@ -205,6 +206,9 @@ def check_data_path(path) -> str:
         if not _is_local_looking(str(path)):
             return "hub"
         raise UserError(f"Data path {root} does not exist.")
+    if not root.is_file() and not root.is_dir():  # /dev/zero, a FIFO: reading one would never end
+        raise UserError(f"{root} is neither a file nor a folder (a device, pipe or socket); --data takes .txt, .jsonl, "
+                        ".json, .csv, .parquet, .arrow or a folder of them.")
     if root.is_file() and root.suffix.lower() not in ALL_BUILDERS:
         raise UserError(f"{root} is a {root.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, "
                         ".parquet, .arrow or a folder of them.")

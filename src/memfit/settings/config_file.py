@@ -44,7 +44,8 @@ def read_settings(path: str | Path) -> dict[str, Any]:
 
     file = user_path(path)
     if not file.is_file():
-        raise UserError(f"Config file {file} does not exist.")
+        raise UserError(f"Config file {file} does not exist." if not file.exists() else
+                        f"Config file {file} is not a file (a folder, device or pipe); pass a YAML file.")
     text = textfiles.read_text(file, what="Config file")
     try:
         data = yaml.load(text, Loader=SettingsLoader) or {}  # noqa: S506 - a SafeLoader subclass
