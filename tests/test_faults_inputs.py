@@ -332,6 +332,7 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
     pdf.write_text("not data")
     fifo = tmp_path / "pipe.txt"
     os.mkfifo(fifo)
+    (tmp_path / "number.yaml").write_text("data: 7\n")  # the file "7", as TrainConfig reads it (a TypeError once)
     missing = str(tmp_path / "notes.jsnol")
     commands = {
         "train --data": ["train", "--data", missing, "--output", str(tmp_path / "out")],
@@ -344,6 +345,7 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
         "data preview": ["data", "preview", "--data", missing],
         "train --data FIFO": ["train", "--data", str(fifo)],  # was "Data folder ... holds no ... files"
         "train --config FIFO": ["train", "--config", str(fifo)],  # was "Config file ... does not exist."
+        "train --config data: 7": ["train", "--config", str(tmp_path / "number.yaml")],
         # An unset shell variable ("$DATA"): "" is the current folder to pathlib, whose data files were read.
         "train --data EMPTY": ["train", "--data", ""],
         "train --model BLANK": ["train", "--model", " "],
@@ -383,6 +385,7 @@ def test_a_mistyped_empty_or_unexpandable_model_or_data_path_is_refused_before_t
                                            "--data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them.")
     assert errors["train --config FIFO"] == (f"error: Config file {fifo} is not a file (a folder, device or pipe); "
                                              "pass a YAML file.")
+    assert errors["train --config data: 7"] == "error: Data path 7 does not exist."
     assert report["torch"] is False
     assert not (tmp_path / "out").exists()
 

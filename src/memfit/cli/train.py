@@ -64,8 +64,9 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     check_lora_options(chosen, "lora_r" in chosen)
     import memfit
 
-    if isinstance(merged.get("model"), str):  # None: TrainConfig says so below
-        memfit.check_inputs(merged["model"], merged.get("data"), merged.get("revision"))  # a typo: before torch loads
+    model, data = merged.get("model"), merged.get("data")  # YAML's `data: 7` is the file "7", as TrainConfig reads it
+    if model is not None:  # None (YAML's null): the default model
+        memfit.check_inputs(str(model), None if data is None else str(data), merged.get("revision"))  # before torch
     if "mixed_precision" not in chosen:
         from memfit import default_precision
 
