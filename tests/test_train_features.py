@@ -117,11 +117,25 @@ def test_budget_on_a_cpu_computes_in_fp32_where_an_fp32_plan_fits(tmp_path):
     chosen, _ = plan_run(typed, typed.run)
     assert (chosen.dtype, chosen.mixed_precision) == (DType.FP32, Precision.BF16)
 
-    # LoRA: the planner's LoRA regimes all autocast (planning/space.regimes), so no fp32 one is planned.
+    # LoRA: on a CPU the planner has an fp32 LoRA regime (planning/space.regimes(cpu=True)), which the pin picks.
     lora = TrainConfig.from_flat({**flat, "budget": "1GiB", "lora_r": 8, "pinned": ("seq_len", "lora_r")})
     chosen, result = plan_run(lora, lora.run)
-    assert chosen.lora.r == 8 and chosen.mixed_precision is Precision.BF16
-    assert "the planner has no fp32 plan that fits" in plan_line(lora, result, cuda=False)
+    assert chosen.lora.r == 8 and (chosen.dtype, chosen.mixed_precision) == (DType.FP32, Precision.NO)
+    assert "fp32 plans first on a CPU" in plan_line(lora, result, cuda=False)
+    gpu_regimes = {(r.config.dtype, r.config.mixed_precision) for r in plan(
+        model, "1GiB", seq_len=64, batch=8, constraints=Constraints.from_flat(constraints_for(lora, lora.run))).plans}
+    assert (DType.FP32, Precision.NO) not in gpu_regimes  # a GPU plans LoRA with autocast only
+
+    # A typed --quantize 4bit: the planner's QLoRA regimes all autocast, so the fp32 pass has no candidate
+    # (NoCandidatesError) and the budget is planned again unpinned.
+    from memfit.integrations import quant_support
+
+    if quant_support.runs_on("cpu"):
+        qlora = TrainConfig.from_flat({**flat, "budget": "1GiB", "lora_r": 8, "quantize": "4bit",
+                                       "pinned": ("seq_len", "lora_r", "quantize")})
+        chosen, result = plan_run(qlora, qlora.run)
+        assert chosen.quantize.value == "4bit" and chosen.mixed_precision is Precision.BF16
+        assert "the planner has no fp32 plan that fits" in plan_line(qlora, result, cuda=False)
 
 
 def test_impossible_budget_is_the_planners_sentence_and_writes_nothing(tmp_path, monkeypatch):

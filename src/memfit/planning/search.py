@@ -203,7 +203,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     if not 0.0 <= safety_margin < 1.0:
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
     spec, device, budget = _resolve(model, gpu, budget_bytes)
-    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method)
+    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method, cpu=cpu)
     if adapt is not None:
         runs = list(dict.fromkeys(r for r in map(adapt, runs) if r is not None))
         if not runs:

@@ -129,11 +129,15 @@ becomes a constraint (``--lora-r 0`` or ``full=True`` pins a full fine-tune; ``q
 forbids quantization, like ``allow_quantize=False``)."""
 
 
-def regimes(bf16_ok: bool = True) -> list[Regime]:
+def regimes(bf16_ok: bool = True, cpu: bool = False) -> list[Regime]:
     """The precision x method regimes, best-known practice first.
 
     On a device without bf16 (T4, V100) AMP uses fp16 and pure half-precision full training is left out
-    (fp16 weights need loss scaling of fp32 master weights, which is what AMP on fp32 weights is).
+    (fp16 weights need loss scaling of fp32 master weights, which is what AMP on fp32 weights is). On a CPU
+    (``cpu``: ``memfit train --budget`` without CUDA) LoRA on fp32 weights without autocast is one more, last:
+    train's own CPU default, and what ``training.budget`` pins first there (a CPU without bf16 matrix units
+    runs bf16 ~15x slower than fp32: ``bench/cpu_precision.py``); the reference GPU's speeds rank it below the
+    autocast regimes, so unpinned it is chosen only when nothing else fits.
     """
     half = Precision.BF16 if bf16_ok else Precision.FP16
     half_dtype = DType.BF16 if bf16_ok else DType.FP16
@@ -147,6 +151,8 @@ def regimes(bf16_ok: bool = True) -> list[Regime]:
     ]
     if bf16_ok:
         out.insert(2, Regime(Precision.NO, DType.BF16, lora=False))
+    if cpu:
+        out.append(Regime(Precision.NO, DType.FP32, lora=True))
     return out
 
 
@@ -191,12 +197,13 @@ def _choices(pinned, default: tuple) -> tuple:
 
 
 def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Constraints | None = None,
-               bf16_ok: bool = True, method: Method = Method.SFT) -> list[RunConfig]:
+               bf16_ok: bool = True, method: Method = Method.SFT, cpu: bool = False) -> list[RunConfig]:
     """Every configuration the planner tries, in a fixed order (the ranking's last tie-break).
 
     ``method``: the objective (given, not searched); for DPO each candidate is tried with its reference
     computed during training (a frozen copy, or the LoRA adapter switched off) and, after it, precomputed
-    (``--precompute-reference``): at equal speed the earlier wins, so precomputing is chosen when only it fits."""
+    (``--precompute-reference``): at equal speed the earlier wins, so precomputing is chosen when only it fits.
+    ``cpu``: the plans are for a CPU (``regimes``: fp32 LoRA is one more regime there)."""
     c = constraints or Constraints()
     method = _enum(Method, method, "--method")
     precompute = _choices(c.precompute_reference, (False, True) if method is Method.DPO else (False,))
@@ -207,7 +214,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
     no_lora = LoraSettings()
     shardings = _choices(c.sharding, tuple(Sharding) if num_processes > 1 else (Sharding.DDP,))
     out = []
-    for regime in (r for r in regimes(bf16_ok) if _regime_allowed(r, c)):
+    for regime in (r for r in regimes(bf16_ok, cpu) if _regime_allowed(r, c)):
         # LoRA's optimizer state is small: only its frozen base is worth offloading (FSDP2's parameter offload,
         # under sharding; QLoRA's 4-bit base too, as FSDP-QLoRA does)
         lora_offloads = (Offload.NONE,) if regime.quantize is Quantize.Q8 else (Offload.NONE, Offload.PARAMS)
