@@ -148,7 +148,6 @@ def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversat
         UserError: the file cannot be read, or conversations need a template the tokenizer lacks.
     """
     if template_file:
-
         from memfit import textfiles
 
         path = user_path(template_file)

@@ -65,7 +65,7 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
         try:
             return _plan_once(config, run, {**flat, **pins}, gpu)
         except (NothingFitsError, NoCandidatesError, NoTrainablePlan):
-            pass  # no fp32 plan fits, none is planned (LoRA's regimes autocast) or none trains: bf16 allowed
+            pass  # no fp32 plan fits, none is planned (QLoRA's regimes autocast) or none trains: bf16 allowed
     return _plan_once(config, run, flat, gpu)
 
 
