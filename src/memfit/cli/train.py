@@ -68,9 +68,7 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     if model is not None:  # None (YAML's null): the default model
         memfit.check_inputs(str(model), None if data is None else str(data), merged.get("revision"))  # before torch
     if "mixed_precision" not in chosen:
-        from memfit import default_precision
-
-        merged["mixed_precision"] = default_precision().value  # bf16 autocast on a GPU that has it
+        merged["mixed_precision"] = memfit.default_precision().value  # bf16 autocast on a GPU that has it
     merged["pinned"] = tuple(sorted(k for k in chosen if k in MEMORY_KEYS))
     merged["explicit"] = tuple(sorted(chosen))  # --resume restores the saved run's value of the others
     return TrainConfig.from_flat(merged)

@@ -55,9 +55,8 @@ class ResumePoint:
 
 def _absolute(value: Any) -> Any:
     """A path that exists, made absolute, so the run resumes from any working directory."""
-    if isinstance(value, str) and value and user_path(value).exists():
-        return str(user_path(value).resolve())
-    return value
+    path = user_path(value) if isinstance(value, str) and value else None
+    return str(path.resolve()) if path is not None and path.exists() else value
 
 
 def settings(config, run) -> dict[str, Any]:
