@@ -138,6 +138,19 @@ def test_budget_on_a_cpu_computes_in_fp32_where_an_fp32_plan_fits(tmp_path):
         assert "the planner has no fp32 plan that fits" in plan_line(qlora, result, cuda=False)
 
 
+def test_a_budget_whose_fitting_plans_all_are_refused_names_the_refusal(tmp_path):
+    # GPT-2 small (124 M, fp32 AdamW state: ~2 GB) fits 1 GiB on this CPU only with --optimizer-in-backward,
+    # which cannot clip at the default --max-grad-norm 1.0: the sentence says so (it said "the fitting ones
+    # need CUDA-only features" whatever the refusal was), and nothing is written.
+    out = tmp_path / "out"
+    line = _error_line(_run(["--model", "gpt2", "--tokenizer", "byte", "--data", write_qa(tmp_path), "--seq-len", "64",
+                             "--batch", "4", "--budget", "1GiB", "--output", str(out)]))
+    assert line == ("error: No plan that fits 1GiB can be trained on this machine (the fastest is refused: "
+                    "--optimizer-in-backward steps each parameter before the global gradient norm is known, so it "
+                    "cannot clip; add --max-grad-norm 0); try a larger --budget.")
+    assert not out.exists()
+
+
 def test_impossible_budget_is_the_planners_sentence_and_writes_nothing(tmp_path, monkeypatch):
     # No CUDA here: the budget is this CPU's memory, planned with CPU terms (no CUDA context, the rollback
     # snapshot counted), where this 0.1 M-parameter model's smallest plan needs ~1-3 MiB; 512 KiB holds none.
