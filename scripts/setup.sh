@@ -1,29 +1,51 @@
 #!/usr/bin/env bash
-# Set up memfit in ./.venv and keep any torch the machine already has.
+# Set up memfit in ./.venv with the package versions its test suite was verified on.
 #
-# - The venv sees the system's site-packages, so a GPU build of torch that the user already
-#   installed satisfies memfit's `torch>=2.5` and is kept (pip installs nothing over it).
-# - With no torch at all, it installs torch==2.13.0: on this project's machines that is the CPU
-#   wheel lying on disk; elsewhere set TORCH_SPEC (e.g. a CPU index via PIP_INDEX_URL) first.
+# - constraints.txt pins every package set-up installs (transformers, accelerate, PEFT, TRL, bitsandbytes,
+#   datasets, ... and theirs) to the versions the suite passed on, so a fresh clone tests what CI tested,
+#   whatever PyPI released since. pyproject.toml keeps ranges, for installing memfit into your own
+#   environment. `bash scripts/newest_check.sh` tries the newest releases instead (README, "Versions").
+# - torch is not pinned there, and neither are its own dependencies: a torch the interpreter already has
+#   (a CUDA build, say) is kept. When `$PYTHON -c "import torch"` works, the venv sees the interpreter's
+#   site-packages and pip installs nothing over that torch; otherwise the venv is isolated (nothing the
+#   machine happens to have leaks in) and gets $TORCH_SPEC: torch==2.13.0, on this project's machines the
+#   CPU wheel lying on disk (elsewhere set TORCH_SPEC, e.g. with a CPU index in PIP_INDEX_URL).
 # - bitsandbytes (the `quant` extra: QLoRA and 8-bit AdamW, which run on the CPU too) requires
 #   torch>=2.4,<3, so it never replaces the torch found or installed above.
-# Idempotent: a second run only checks.
+# - MEMFIT_EXTRAS: the extras to install (default dev,tensorboard,quant,trl; CI adds the trackers).
+#   MEMFIT_CONSTRAINTS: another constraints file, or "none" for the newest releases (newest_check.sh).
+# Idempotent: a second run only checks (it reinstalls when pyproject.toml or the constraints changed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${MEMFIT_EXTRAS:-dev,tensorboard,quant,trl}
+CONSTRAINTS=${MEMFIT_CONSTRAINTS:-constraints.txt}
+VENV=${MEMFIT_VENV:-.venv}
 
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv --system-site-packages .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "memfit setup: keeping the torch $PYTHON already has (venv with its site-packages)" >&2
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  else
+    "$PYTHON" -m venv "$VENV"
+  fi
 fi
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "memfit setup: installing $TORCH_SPEC" >&2
   "${PIP[@]}" "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import memfit, accelerate, peft, pytest, xdist, bitsandbytes, trl" >/dev/null 2>&1 \
-   || [ pyproject.toml -nt .venv/.memfit-installed ]; then
-  "${PIP[@]}" -e ".[dev,tensorboard,quant,trl]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-  .venv/bin/python -c "import memfit, accelerate, peft, bitsandbytes" && touch .venv/.memfit-installed
+PINS=()
+if [ "$CONSTRAINTS" != none ]; then
+  PINS=(-c "$CONSTRAINTS")
 fi
-.venv/bin/python -c "import torch; print(f'memfit setup: torch {torch.__version__}, cuda={torch.cuda.is_available()}')" >&2
+STAMP="$VENV/.memfit-installed"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$EXTRAS $CONSTRAINTS" ] || [ pyproject.toml -nt "$STAMP" ] \
+   || { [ "$CONSTRAINTS" != none ] && [ "$CONSTRAINTS" -nt "$STAMP" ]; }; then
+  # (this machine's pip config names local wheel folders that may be missing: its warnings say nothing)
+  "${PIP[@]}" "${PINS[@]}" -e ".[$EXTRAS]" 2> >(grep -v "is ignored: it is neither" >&2)
+  "$VENV/bin/python" -c "import memfit, accelerate, peft" && echo "$EXTRAS $CONSTRAINTS" > "$STAMP"
+fi
+"$VENV/bin/python" -c "import torch, transformers; print(f'memfit setup: torch {torch.__version__}, '
+  f'transformers {transformers.__version__}, cuda={torch.cuda.is_available()}')" >&2

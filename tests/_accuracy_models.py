@@ -114,3 +114,17 @@ def moe_config(family: str, layers: int = 3):
                                num_local_experts=4, sliding_window=64,
                                rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **common)
     raise ValueError(family)
+
+
+_SPECS: dict[str, tuple] = {}
+
+
+def accuracy_model(family: str):
+    """(transformers config, ModelSpec) of ``accuracy_config(family)``, built once per test session."""
+    from memfit.spec.model import spec_from_config
+
+    if family not in _SPECS:
+        config = accuracy_config(family)
+        _SPECS[family] = (config, spec_from_config(config, f"test-{family}"))
+    return _SPECS[family]
+

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from _accuracy_models import FAMILIES, accuracy_config, wide_config
+from _accuracy_models import FAMILIES, accuracy_config, accuracy_model, wide_config
 from _trace_helpers import compare_table, tensor_peak
 from memfit.settings.config import RunConfig
 from memfit.units import KiB
@@ -93,14 +93,7 @@ DERIVED = {"gpt_neox", "olmo2", "stablelm", "granite", "qwen3"}
 _SPECS: dict[str, tuple] = {}
 
 
-def _model(family: str):
-    """(transformers config, ModelSpec) of a family, built once per test session."""
-    from memfit.spec.model import spec_from_config
-
-    if family not in _SPECS:
-        config = accuracy_config(family)
-        _SPECS[family] = (config, spec_from_config(config, f"test-{family}"))
-    return _SPECS[family]
+_model = accuracy_model
 
 
 def _wide_model(family: str):

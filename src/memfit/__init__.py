@@ -30,7 +30,8 @@ Inputs: the model and the machine.
   ``load_presets()``: the architecture presets (``spec.model``).
 - ``load_gpus()`` / ``detect_gpu()``: the GPU table, and the listed GPU present here (``planning.gpus``).
 - ``progress_bars(show)``: Hub download bars on or off around a fetch (``integrations.hub``);
-  ``quiet_import_notices()``: libraries' import-time notices kept off the output (``integrations.hf_compat``).
+  ``quiet_import_notices()``: libraries' import-time notices kept off the output (``integrations.hf_compat``);
+  ``derivation_progress(listener)``: a line to ``listener`` before each memory recipe is derived (``memory.derive``).
 
 Launch: ``launch_command(model, run, config_file)``, ``accelerate_config(run)``,
 ``write_accelerate_config(run, path)`` and ``ACCELERATE_CONFIG_FILE`` (``planning.launch``).
@@ -78,6 +79,7 @@ _PUBLIC = {
     "detect_gpu": ("memfit.planning.gpus", "detect_gpu"),
     "progress_bars": ("memfit.integrations.hub", "progress_bars"),
     "quiet_import_notices": ("memfit.integrations.hf_compat", "quiet_import_notices"),
+    "derivation_progress": ("memfit.memory.derive", "progress"),
     "launch_command": ("memfit.planning.launch", "launch_command"),
     "accelerate_config": ("memfit.planning.launch", "accelerate_config"),
     "write_accelerate_config": ("memfit.planning.launch", "write_accelerate_config"),

@@ -50,8 +50,12 @@ class LazyGroup(click.Group):
                 formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context):
+        # resolved here, not at the top: memory.derive's 140 ms that `memfit --help` need not pay (-X importtime)
+        from memfit import derivation_progress
+
         try:
-            with quiet_import_notices():  # bitsandbytes' and DeepSpeed's import-time notices
+            # bitsandbytes' and DeepSpeed's import-time notices off; a line on stderr before each recipe derivation
+            with quiet_import_notices(), derivation_progress(lambda line: click.echo(f"memfit: {line}", err=True)):
                 return super().invoke(ctx)
         except UserError as err:
             facing = UserFacingError(str(err))

@@ -108,16 +108,25 @@ def dropping_log(logger_name: str, pattern: str) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def quiet_bnb_kernel_notice() -> contextlib.AbstractContextManager:
-    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'".
+@contextlib.contextmanager
+def quiet_bnb_kernel_notice() -> Iterator[None]:
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community: ..." and, with ``HF_HUB_OFFLINE=1``,
+    the ``kernels`` package's "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'
+    because Hugging Face Hub is in offline mode." logged on its way there.
 
     Logged once per process when bitsandbytes is imported (by PEFT's or transformers' import, not only by
-    memfit's) on a CPU with AVX512-BF16 without the optional ``kernels`` package (``backends/cpu/ops.py``).
-    Safe to drop: that kernel serves only bitsandbytes' CPU inference path, which memfit turns off in every
-    4-bit layer (``memfit.integrations.quant_support.keep_training_path``), so no memfit run would use it. The CLI holds
-    this around every command (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
+    memfit's) on a CPU with AVX512-BF16: its CPU backend asks the Hub for that kernel through ``kernels``
+    (``backends/cpu/ops.py``; ``kernels`` is a dependency of transformers from 5.25, absent before, when the
+    message ended "No module named 'kernels'"). Safe to drop: that kernel serves only bitsandbytes' CPU
+    inference path, which memfit turns off in every 4-bit layer
+    (``memfit.integrations.quant_support.keep_training_path``), so no memfit run would use it. Only records naming
+    that repository are dropped: ``kernels``' other messages still show. The CLI holds this around every command
+    (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
     """
-    return dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community")
+    with (dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+          dropping_log("kernels._internals.hf_hub",
+                       r"Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'")):
+        yield
 
 
 def quiet_deepspeed_cpu_notice() -> contextlib.AbstractContextManager:

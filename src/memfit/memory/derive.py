@@ -41,17 +41,21 @@ would import the others' internals.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.memory import layer_plan
+from memfit.memory import preference_terms as pref
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.notes import notes
@@ -287,7 +291,8 @@ def recipe_settings(spec, run: RunConfig) -> RunConfig:
         grad_checkpointing=run.grad_checkpointing, lora=run.lora, optimizer=Optimizer.ADAMW,
         attn_implementation=run.attn_implementation, experts_implementation=run.experts_implementation,
         packing=run.packing, loss=run.loss, optimizer_in_backward=run.optimizer_in_backward,
-        offload=run.offload if run.offload is Offload.ACTIVATIONS else Offload.NONE)
+        offload=run.offload if run.offload is Offload.ACTIVATIONS else Offload.NONE,
+        method=run.method, precompute_reference=run.precompute_reference)
     if run.quantize is not Quantize.NONE:
         settings = settings.replace(dtype=DType.BF16, mixed_precision=Precision.NO)
     return settings
@@ -318,27 +323,28 @@ _IGNORED_CONFIG_KEYS = {"num_hidden_layers", "n_layer", "layer_types", "_name_or
 _KEYS: dict[tuple, tuple[object, str]] = {}
 
 
-def recipe_key(spec, run: RunConfig) -> str:
-    """Hash of what a derived recipe depends on: the config but its depth, the recipe settings, versions.
+def recipe_key(spec, run: RunConfig, device: str = "cpu") -> str:
+    """Hash of what a derived recipe depends on: the config but its depth, the recipe settings, the target
+    device (its kernels are traced), versions.
 
     Memoised per config object and settings (the planner asks thousands of times; hashing takes ~1 ms).
     """
-    memo = (id(spec.hf_config), recipe_settings(spec, run), _beyond_window(spec, run))
+    memo = (id(spec.hf_config), recipe_settings(spec, run), _beyond_window(spec, run), device)
     hit = _KEYS.get(memo)
     if hit is not None and hit[0] is spec.hf_config:
         return hit[1]
-    key = _recipe_key(spec, run)
+    key = _recipe_key(spec, run, device)
     _KEYS[memo] = (spec.hf_config, key)
     return key
 
 
-def _recipe_key(spec, run: RunConfig) -> str:
+def _recipe_key(spec, run: RunConfig, device: str) -> str:
     import torch
     import transformers
 
     config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
     payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
-               "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION,
+               "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION, "device": device,
                "traced": layer_plan.plan(spec).kinds,
                "torch": torch.__version__, "transformers": transformers.__version__}
     text = json.dumps(payload, sort_keys=True, default=str)
@@ -356,15 +362,59 @@ def cache_dir() -> Path:
 _MEMORY: dict[str, DerivedRecipe] = {}
 
 
-def derived_recipe(spec, run: RunConfig) -> DerivedRecipe:
-    """The derived recipe for ``spec`` under ``run``: from memory, the disk cache, or traced now."""
-    key = recipe_key(spec, run)
+class RecipeNotCached(Exception):
+    """Raised inside ``cached_only()`` where an estimate needs a recipe that would have to be traced now."""
+
+
+_POLICY = {"cached_only": False, "listeners": []}
+
+
+@contextlib.contextmanager
+def cached_only() -> Iterator[None]:
+    """Inside, ``derived_recipe`` raises ``RecipeNotCached`` instead of tracing: the planner prices every
+    candidate whose recipe exists first, then derives only for those that can still be the fastest plan."""
+    was = _POLICY["cached_only"]
+    _POLICY["cached_only"] = True
+    try:
+        yield
+    finally:
+        _POLICY["cached_only"] = was
+
+
+@contextlib.contextmanager
+def progress(listener: Callable[[str], None]) -> Iterator[None]:
+    """Inside, ``listener`` gets one line before each derivation (the CLI prints it: a derivation takes seconds)."""
+    _POLICY["listeners"].append(listener)
+    try:
+        yield
+    finally:
+        _POLICY["listeners"].remove(listener)
+
+
+def derivation_line(spec, run: RunConfig, device: str) -> str:
+    """What is being derived, in one line: the model type and the settings that change its activations."""
+    default = RunConfig(seq_len=1, micro_batch=1).to_flat()
+    changed = [f"{k} {v}" if not isinstance(v, bool) else k
+               for k, v in recipe_settings(spec, run).to_flat().items() if v != default.get(k) and v is not False]
+    what = ", ".join(changed) or "default settings"
+    return (f"deriving a memory recipe for {spec.model_type} ({what}; {device} kernels) from traces of its code: "
+            f"once, then cached in {cache_dir()}")
+
+
+def derived_recipe(spec, run: RunConfig, device: str = "cpu") -> DerivedRecipe:
+    """The derived recipe for ``spec`` under ``run`` on ``device``: from memory, the disk cache, or traced now
+    (``RecipeNotCached`` inside ``cached_only()``)."""
+    key = recipe_key(spec, run, device)
     if key in _MEMORY:
         return _MEMORY[key]
     path = cache_dir() / f"{spec.model_type}-{key}.json"
     recipe = _load(path, key)
     if recipe is None:
-        recipe = derive(spec, run, key)
+        if _POLICY["cached_only"]:
+            raise RecipeNotCached(key)
+        for listener in _POLICY["listeners"]:
+            listener(derivation_line(spec, run, device))
+        recipe = derive(spec, run, key, device)
         _store(path, recipe)
     _MEMORY[key] = recipe
     return recipe
@@ -443,8 +493,9 @@ def _what_differs(lines, kinds: tuple[str, ...]) -> str:
     return "its step"
 
 
-def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
-    """Trace the small model of ``layer_plan.plan`` (one layer of each kind) at the five ``_POINTS``."""
+def derive(spec, run: RunConfig, key: str | None = None, device: str = "cpu") -> DerivedRecipe:
+    """Trace the small model of ``layer_plan.plan`` (one layer of each kind) at the five ``_POINTS``, with
+    ``device``'s kernels (``"cuda"``: the substitutions ``--exact`` makes, ``trace.cuda_kernels``)."""
     from memfit.memory.trace import trace
     from memfit.spec.losses import one_chunk_per_micro_batch
 
@@ -459,7 +510,7 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
             # a chunked loss' chunk count grows with the tokens: one chunk per micro-batch keeps the
             # operators the same at every size (scaled back to the run's chunk in ``derived_estimate``)
             with one_chunk_per_micro_batch():
-                _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device="cpu",
+                _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device=device,
                                 timeline=True, steps=1)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
@@ -474,7 +525,7 @@ def derive(spec, run: RunConfig, key: str | None = None) -> DerivedRecipe:
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
     returned = [[[line.returned.get(at, {}).get(c, 0) for c in COMPONENTS] for line in lines]
                 for _span, _grads, at in per_kind.values()]
-    return DerivedRecipe(spec.model_type, key or recipe_key(spec, run), points, timelines, _runs(phases[:end]),
+    return DerivedRecipe(spec.model_type, key or recipe_key(spec, run, device), points, timelines, _runs(phases[:end]),
                          list(kinds), [v[0] for v in per_kind.values()], [v[1] for v in per_kind.values()], split,
                          round(time.perf_counter() - started, 2), returned)
 
@@ -521,8 +572,10 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     end (all gradients); optimizer = states + the optimizer's step temporaries (analytic, as hand-written).
     """
     traced = run.replace(loss="chunked") if str(run.loss) == "trl" else run  # TRL's head: see _trl_head_delta
-    recipe = derived_recipe(spec, traced)
-    states = model_states(spec, run, device, engine, rank)  # the optimizer torch runs on the device (its step temporaries)
+    recipe = derived_recipe(spec, traced, device)
+    states = model_states(spec, pref.pair_forward_run(run), device, engine, rank)  # as the hand-written path's
+    # DPO's frozen copy of the base beside the model's weights (the traces ran the reference forward: its transient)
+    states = dataclasses.replace(states, weights=states.weights + pref.reference_copy_bytes(spec, run))
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)
     # all gradients exist throughout backward under accumulation and under DDP (its resident buckets), so
     # backward's moments are picked by what else is alive (the hand-written recipes' rule, ``estimate``)

@@ -45,6 +45,10 @@ class PeakMemory:
     """CPU: tensor peak of the measured step (``StepPeak``); 0 when not measured."""
     cpu_tensor_peak_step: int = 0
     """Which step of the run that was (1-based)."""
+    cpu_tensor_peak_rows: tuple[int, int] | None = None
+    """(rows, tokens) of that step's largest micro-batch: rows are padded to the micro-batch's longest, not to
+    ``--seq-len``, so a step of short documents holds less than the full-length step the plan is sized for;
+    the summary compares the measurement with the prediction at this shape too (``StepPeak.rows``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -69,6 +73,7 @@ class PeakMemory:
             "cpu_peak_rss": self.cpu_peak_rss,
             "cpu_tensor_peak": self.cpu_tensor_peak,
             "cpu_tensor_peak_step": self.cpu_tensor_peak_step,
+            "cpu_tensor_peak_rows": list(self.cpu_tensor_peak_rows) if self.cpu_tensor_peak_rows else None,
             "peak_bytes": self.peak_bytes,
         }
 
@@ -102,6 +107,7 @@ def peak(device_type: str, step_peak: StepPeak | None = None) -> PeakMemory:
     out = PeakMemory(device=device_type, cpu_peak_rss=cpu_peak_rss())
     if step_peak is not None and step_peak.peak_bytes:
         out.cpu_tensor_peak, out.cpu_tensor_peak_step = step_peak.peak_bytes, step_peak.measured_step
+        out.cpu_tensor_peak_rows = step_peak.rows
     if device_type == "cuda":
         import torch
 
@@ -300,6 +306,8 @@ class StepPeak:
         self.calls = 0
         self.peak_bytes = 0
         self.measured_step = 0
+        self.rows: tuple[int, int] | None = None
+        """(rows, tokens) of the measured step's largest micro-batch (``PeakMemory.cpu_tensor_peak_rows``)."""
 
     @contextlib.contextmanager
     def watch(self, step: int, model, optimizer, batches: list[dict], resident=()) -> Iterator[None]:
@@ -313,6 +321,16 @@ class StepPeak:
         with (counted_compiled if self.compiled else counted)(held) as live:
             yield
         self.peak_bytes, self.measured_step = live.peak, step
+        self.rows = largest_rows(batches)
+
+
+def largest_rows(batches: list[dict]) -> tuple[int, int] | None:
+    """(rows, tokens) of the micro-batch with the most token slots: rows of ``input_ids`` (a preference batch's
+    pairs: its rejected side, ``rejected_input_ids``, is as many rows), tokens the longest of its id tensors."""
+    shapes = [(int(batch["input_ids"].shape[0]),
+               max(int(v.shape[-1]) for k, v in batch.items() if k.endswith("input_ids")))
+              for batch in batches if "input_ids" in batch]
+    return max(shapes, key=lambda shape: shape[0] * shape[1]) if shapes else None
 
 
 @contextlib.contextmanager

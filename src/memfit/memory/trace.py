@@ -500,6 +500,23 @@ def _release_input_leaves(leaves: list) -> None:
 
 
 @contextlib.contextmanager
+def _module_hierarchy_quiet():
+    """Silence ModTracker's "The module hierarchy tracking maybe be messed up" while tracing, and undo the
+    ``warnings.formatwarning`` it replaces process-wide before warning. It warns when a module's forward starts
+    while the tracker still lists it as running (seen on Qwen2 with transformers 5.25: a module the tracker names
+    ``Func``, entered from each layer's ``self_attn``, once per layer). memfit reads neither the tracker's module hierarchy nor its per-module peaks (its own
+    recorder and layer marks time the step), so the warning says nothing about memfit's numbers."""
+    formatwarning = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up",
+                                    category=UserWarning)
+            yield
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+@contextlib.contextmanager
 def _freed_grads_unseen(run: RunConfig):
     """Silence MemTracker's warning about a freed ``.grad`` in the first tracked step of an
     optimizer-in-backward run: the optimizer's hooks run before MemTracker's (installed at the first
@@ -851,11 +868,11 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
         with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-              gemm_4bit_steps(four_bit, api["TorchDispatchMode"])):
+              gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
     with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-          tracker, recorder, gemm_4bit_steps(four_bit, api["TorchDispatchMode"])):
+          tracker, recorder, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
         if steps > 1 and not untracked_warm_up:
             with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)

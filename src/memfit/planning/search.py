@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import NothingFitsError, UserError
+from memfit.memory import derive
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
@@ -52,6 +53,9 @@ class Plan:
     """The largest peak outside the step (loading, evaluation, a save, samples; ``memory.outside``)."""
     routing_bytes: int = field(default=0, compare=False, repr=False)
     """Mixture-of-experts: what the worst routing adds to the step's peak (``memory.moe.routing_margin``)."""
+    proxy: bool = field(default=False, compare=False, repr=False)
+    """Priced with the hand-written recipe of a nearby family instead of the derived one it would need: a
+    candidate no faster than a plan already found to fit, or far over the budget (``_evaluate_deferred``)."""
 
     @property
     def needed_bytes(self) -> int:
@@ -76,6 +80,8 @@ class Plan:
             out["step_seconds"] = self.time.seconds
         if self.routing_bytes:
             out["routing_margin_bytes"] = int(self.routing_bytes)
+        if self.proxy:
+            out["proxy"] = True
         return out
 
 
@@ -128,14 +134,15 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
 
 
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN, *,
-             cpu: bool = False, engine: str | None = None) -> Plan:
+             cpu: bool = False, engine: str | None = None, derived: bool | None = None) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
-    context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``)."""
+    context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``); ``derived``: ``estimate``'s
+    choice of recipe (False: a proxy, ``Plan.proxy``)."""
     from memfit.memory.moe import routing_margin
     from memfit.memory.outside import outside_step
     from memfit.memory.snapshot import device_estimate
 
-    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine)
+    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine, derived)
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
     # step with the routing that costs most (the estimate assumes the balanced one).
@@ -143,7 +150,7 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     routing = routing_margin(spec, run)
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
                 fits(max(breakdown.peak_bytes + routing, outside), budget_bytes, margin), breakdown, t,
-                int(outside), routing)
+                int(outside), routing, proxy=derived is False)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
@@ -222,6 +229,11 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     from memfit.planning.moe import moe_plan_lines
 
     result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
+    proxies = sum(p.proxy for p in ranked)
+    if proxies:
+        result.notes.append(f"~: {proxies} of {len(ranked)} candidates priced with the hand-written Llama recipe as a "
+                            f"proxy, not the recipe derived from {spec.model_type}'s code: each is slower than the "
+                            "chosen plan or far over the budget, so deriving theirs could not change the choice.")
     return result
 
 
@@ -234,7 +246,7 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
     from memfit.spec.engines import refusal
     from memfit.units import fmt_gib
 
-    plans, refused = [], []
+    plans, refused, deferred = [], [], []
     plain_plans: dict[RunConfig, Plan] = {}
     for run in runs:
         reason = refusal(run, cuda=True)  # only what `memfit train` runs on a GPU (e.g. no optimizer-only offload)
@@ -251,16 +263,71 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         if run != plain and plain in plain_plans and not _technique_can_help(plain_plans[plain], run, budget, margin):
             continue
         try:
-            plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
-                                  engine=engine_of(run) if engine_of else None))
+            with derive.cached_only():  # a recipe still to be traced: later, only if the run can win
+                plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
+                                      engine=engine_of(run) if engine_of else None))
+        except derive.RecipeNotCached:
+            deferred.append(run)
+            continue
         except UserError as err:
             refused.append(err)
             continue
         if run == plain:
             plain_plans[run] = plans[-1]
+    plans += _evaluate_deferred(spec, deferred, plans, gpu, budget, margin, cpu, engine_of, refused)
     if not plans:
         raise refused[0]
     return plans
+
+
+#: A candidate whose proxy estimate holds more than this times the tensor bytes the budget leaves room for is not
+#: derived: it is not going to fit (the proxy, Llama's hand-written recipe, was within 6% of the derived recipes
+#: on the accuracy grid's families with SDPA, and under-estimates, which this never skips, where attention is eager).
+PROXY_SLACK = 1.15
+
+
+def _far_over(proxy: Plan, budget: int, margin: float) -> bool:
+    """Whether ``proxy``'s tensor bytes exceed ``PROXY_SLACK`` times the room the budget leaves for tensors (the
+    budget less the safety margin and the device's constant ``other``: CUDA context, workspace)."""
+    other = proxy.breakdown.other
+    room = budget / (1.0 + margin) - other
+    return room <= 0 or proxy.needed_bytes - other > PROXY_SLACK * room
+
+
+def _evaluate_deferred(spec, runs: list[RunConfig], found: list[Plan], gpu: GPU, budget: int, margin: float,
+                       cpu: bool, engine_of, refused: list) -> list[Plan]:
+    """Price the candidates whose recipe must be derived (``memory/derive.py``: seconds per recipe, once, then
+    cached), fastest first, deriving only while one can still beat every plan found to fit.
+
+    A candidate is derived and priced exactly when it is not slower than the fastest plan known to fit and its proxy
+    estimate (the hand-written recipe, ``derived=False``) is not far over the budget (``_far_over``); every other
+    one keeps the proxy's numbers (``Plan.proxy``): it cannot be the chosen plan, whatever its exact peak.
+    The chosen plan is therefore the one a derivation of every candidate would choose, unless the proxy
+    over-estimates a candidate by more than ``PROXY_SLACK`` (then a slower plan is chosen: safe, not wrong).
+    """
+    best = max((p.score for p in found if p.fits), default=0.0)
+    proxies = []
+    for run in runs:
+        try:
+            proxies.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
+                                    engine=engine_of(run) if engine_of else None, derived=False))
+        except UserError as err:
+            refused.append(err)
+    out = []
+    for proxy in sorted(proxies, key=lambda p: -p.score):
+        if proxy.score < best or _far_over(proxy, budget, margin):
+            out.append(proxy)
+            continue
+        try:
+            plan = evaluate(spec, proxy.config, gpu, budget, margin, cpu=cpu,
+                            engine=engine_of(proxy.config) if engine_of else None)
+        except UserError as err:
+            refused.append(err)
+            continue
+        out.append(plan)
+        if plan.fits:
+            best = max(best, plan.score)
+    return out
 
 
 def _technique_can_help(plain: Plan, run: RunConfig, budget: int, margin: float) -> bool:

@@ -45,7 +45,8 @@ def plan_table(result, top: int = 10, width: int = 200) -> tuple[Table, list[str
             row.append(str(run.offload))
         if multi:
             row.append(str(run.sharding))
-        row += [f"{p.peak_bytes / size:.2f}", f"{headroom / size:+.2f}", f"{p.tokens_per_s:,.0f}"]
+        approx = "~" if p.proxy else ""  # priced by a proxy recipe (planning.search._evaluate_deferred's note)
+        row += [f"{approx}{p.peak_bytes / size:.2f}", f"{headroom / size:+.2f}", f"{p.tokens_per_s:,.0f}"]
         rows.append(row)
         styles.append("bold green" if i == result.chosen else None if p.fits else "dim")
     title = (f"{result.model}: budget {fmt_gib(result.budget_bytes)} (fits = peak + {result.safety_margin:.0%} "

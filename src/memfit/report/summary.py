@@ -87,7 +87,14 @@ def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     elif mem.get("cpu_tensor_peak"):
         rows.append(("peak tensors (measured)", f"{fmt_bytes(mem['cpu_tensor_peak'])} "
                                                 f"(step {mem.get('cpu_tensor_peak_step', '?')}, live tensors)"))
-    if predicted:
+    at_rows = summary.get("predicted_at_measured_rows")
+    if predicted and at_rows and measured and rows:
+        # the measured step's rows were shorter (or fewer) than the full rows the prediction is sized for
+        shape = mem.get("cpu_tensor_peak_rows") or ("?", "?")
+        rows.append(("peak tensors (predicted)", f"{fmt_bytes(predicted)} at full rows; "
+                     f"{fmt_bytes(at_rows)} at step {mem.get('cpu_tensor_peak_step', '?')}'s {shape[0]} x "
+                     f"{shape[1]} tokens ({measured_vs_predicted(measured, at_rows)})"))
+    elif predicted:
         diff = f" ({measured_vs_predicted(measured, predicted)})" if measured and rows else ""
         rows.append(("peak tensors (predicted)", fmt_bytes(predicted) + diff))
     else:

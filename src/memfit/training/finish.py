@@ -17,7 +17,7 @@ from memfit.training import checkpoint, sharding
 from memfit.training.budget import plan_record
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.samples import generate_samples
-from memfit.training.session import TrainSession
+from memfit.training.session import TrainSession, predict
 from memfit.training.setup import build_model
 from memfit.training.step import pool_preference
 from memfit.training.summary import RunSummary
@@ -41,7 +41,7 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.data.unigram,
         tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), train_s=s.state.train_s,
         wall_s=time.perf_counter() - s.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
-        measured=measured, predicted=s.predicted,
+        measured=measured, predicted=s.predicted, predicted_at_measured_rows=_predicted_at_rows(s, peak_mem),
         plan=plan_record(s.config, s.plan_result) if s.plan_result is not None else None,
         fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks, resumes=list(s.state.resumes),
         initial_run=s.initial_run,
@@ -57,6 +57,17 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         write_run_files(s.output, s.config, summary)
     s.accelerator.end_training()
     return summary, net
+
+
+def _predicted_at_rows(s: TrainSession, peak_mem: measure.PeakMemory) -> int | None:
+    """The prediction at the measured step's micro-batch shape, where its rows were shorter or fewer than the
+    run's full ``micro-batch x seq-len`` (rows are padded to the micro-batch's longest document, not to
+    ``--seq-len``); None where they were full, nothing was measured on tensors, or the estimator refused."""
+    rows = peak_mem.cpu_tensor_peak_rows
+    if s.predicted is None or not rows or tuple(rows) == (s.run.micro_batch, s.run.seq_len):
+        return None
+    at_rows = predict(s.source.spec, s.run.replace(micro_batch=rows[0], seq_len=rows[1]), s.device)
+    return at_rows.peak_bytes if at_rows is not None else None
 
 
 def _outside(s: TrainSession) -> dict | None:

@@ -109,6 +109,9 @@ class RunSummary:
     preference: dict[str, Any] | None = None
     """Preference methods: ``{"method", "first", "last"}``, the first and last steps' reward accuracy and
     margin (``training.step.StepResult.preference``); None for sft."""
+    predicted_at_measured_rows: int | None = None
+    """CPU: the predicted peak at the measured step's own micro-batch shape (``PeakMemory.cpu_tensor_peak_rows``)
+    where it differs from the run's full ``micro-batch x seq-len`` rows: like for like with the measurement."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -128,6 +131,7 @@ class RunSummary:
             "wall_s": self.wall_s, "skipped_steps": self.skipped_steps, "peak_memory": self.peak_memory.to_dict(),
             "measured": self.measured.to_dict(), "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted": self.predicted.to_dict() if self.predicted else None, "compared": self.compared,
+            "predicted_at_measured_rows": self.predicted_at_measured_rows,
             "plan": self.plan, "fallbacks": [fb.to_dict() for fb in self.fallbacks],
             "num_processes": self.num_processes, "rank_peak_bytes": list(self.rank_peak_bytes),
             "resumes": list(self.resumes), "initial_run": self.initial_run.to_flat(),
