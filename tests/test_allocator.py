@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from memfit.errors import UserError
-from memfit.memory.allocator import AllocatorOutOfMemory, CachingAllocator, replay
+from memfit.memory.alloc_stream import replay
+from memfit.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from memfit.memory.allocator_config import parse_alloc_conf, settings_from_env
 
 KiB, MiB = 2**10, 2**20
@@ -211,3 +212,49 @@ def test_settings_come_from_the_new_variable_first_then_the_old_name():
     assert (both.expandable_segments, both.max_split_size) == (False, 64 * MiB)
     assert "expandable_segments False" in both.describe() and "max_split_size 64 MiB" in both.describe()
     assert not settings_from_env({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}).modelled
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stream --exact records (memory/alloc_stream.py) and its replay
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def traced_tiny():
+    from transformers import LlamaConfig
+
+    from memfit.memory.trace import trace
+    from memfit.settings.config import RunConfig
+
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return trace(config, RunConfig.of(seq_len=32, micro_batch=2, grad_accum=2), device="cuda", timeline=True)
+
+
+def test_the_recorded_stream_holds_every_byte_the_trace_counts(traced_tiny):
+    from memfit.memory.alloc_stream import WORKSPACE
+
+    breakdown, line = traced_tiny
+    # After the peak reset, the bytes the stream's tensors asked for peak at the trace's tensor peak plus the
+    # cuBLAS workspace, to the byte: no allocation or free of the reported step is missing or late.
+    r = replay(line.allocations)
+    assert r.stats.peak_requested - WORKSPACE[2] == breakdown.peak_bytes - breakdown.other
+    assert ("reset_peaks",) in line.allocations and line.allocations.count(WORKSPACE) == 1
+    # what estimate reports is that replay, under this process' settings (none set here)
+    assert (breakdown.reserved, breakdown.reserved_allocated) == (r.stats.peak_reserved, r.stats.peak_allocated)
+    # every tensor of this model is under 1 MiB (small pool, 2 MiB segments); the 32 MiB workspace is one
+    # large segment of its own (>= 10 MiB: rounded to 2 MiB): reserved = 32 MiB + whole 2 MiB segments
+    assert (breakdown.reserved - 32 * MiB) % (2 * MiB) == 0 and breakdown.reserved > 32 * MiB
+    assert 0 < breakdown.fragmentation_share < 1
+    assert breakdown.to_dict()["allocator"]["reserved_bytes"] == breakdown.reserved
+
+
+def test_a_cpu_trace_records_no_stream_and_predicts_no_reserved_memory():
+    from transformers import LlamaConfig
+
+    from memfit.memory.trace import trace
+    from memfit.settings.config import RunConfig
+
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    breakdown, line = trace(config, RunConfig.of(seq_len=16, micro_batch=1), device="cpu", timeline=True)
+    assert (breakdown.reserved, line.allocations, breakdown.to_dict()["allocator"]) == (0, [], None)
