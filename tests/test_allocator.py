@@ -258,3 +258,16 @@ def test_a_cpu_trace_records_no_stream_and_predicts_no_reserved_memory():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     breakdown, line = trace(config, RunConfig.of(seq_len=16, micro_batch=1), device="cpu", timeline=True)
     assert (breakdown.reserved, line.allocations, breakdown.to_dict()["allocator"]) == (0, [], None)
+
+
+def test_fit_decisions_take_the_predicted_reserved_peak_and_the_context_where_the_replay_gave_one():
+    from memfit.memory.breakdown import MemoryBreakdown
+    from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, device_bytes
+
+    analytic = MemoryBreakdown(weights=10 * MiB, other=600 * MiB)
+    assert device_bytes(analytic) == 610 * MiB  # no replay: the peak, whose other holds context and reserve
+    # a replay that reserved 300 MiB for 10 MiB of tensors (small segments, workspace): context + 300 MiB
+    replayed = MemoryBreakdown(weights=10 * MiB, other=600 * MiB, reserved=300 * MiB, reserved_allocated=50 * MiB)
+    assert device_bytes(replayed) == CUDA_CONTEXT_BYTES + 300 * MiB
+    # never below the peak itself
+    assert device_bytes(MemoryBreakdown(weights=10 * MiB, other=600 * MiB, reserved=20 * MiB)) == 610 * MiB
