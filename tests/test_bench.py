@@ -306,3 +306,34 @@ def test_cpu_precision_times_each_precision_against_fp32(tmp_path):
         assert row["best_step_s"] == min(row["step_s"]) > 0 and len(row["step_s"]) == 1
         assert math.isclose(row["tokens_per_s"], 16 / row["best_step_s"])
         assert math.isclose(row["over_fp32"], row["best_step_s"] / rows["fp32"]["best_step_s"])
+
+
+def test_gpu_allocator_check_grid_and_errors():
+    import gpu_allocator_check as check
+
+    args = check.parse_args(["--models", "tiny", "--configs", "amp-bf16,lora-bf16+ckpt",
+                             "--confs", ",expandable_segments:True;max_split_size_mb:64"])
+    points = check.grid(args)
+    assert [(p["config"], p["alloc_conf"]) for p in points] == [
+        ("amp-bf16", ""), ("amp-bf16", "expandable_segments:True,max_split_size_mb:64"),
+        ("lora-bf16+ckpt", ""), ("lora-bf16+ckpt", "expandable_segments:True,max_split_size_mb:64")]
+    # predicted reserved 1.1 GiB against 1.0 GiB measured: +10%; nvidia-smi: 1.1 GiB + 500 MiB context against 2 GiB
+    row = {"predicted": {"allocator": {"reserved_bytes": 11 * 2**30 // 10, "allocated_bytes": 2**30}},
+           "measured": {"max_reserved_bytes": 2**30, "max_allocated_bytes": 2**30, "nvidia_smi_bytes": 2 * 2**30}}
+    check.compare(row)
+    assert row["errors"]["reserved"] == pytest.approx(0.1) and row["errors"]["allocated"] == 0
+    assert row["errors"]["nvidia_smi"] == pytest.approx((1.1 * 2**30 + 500 * 2**20) / 2**31 - 1)
+
+
+@pytest.mark.heavy
+def test_gpu_allocator_check_dry_run(tmp_path):
+    import gpu_allocator_check as check
+
+    out = tmp_path / "allocator.json"
+    assert check.main(["--dry-run", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    # the point ran in its own processes: the real step on CPU (no allocator figures) and the trace's replay
+    assert row["measured"]["trainable_params"] == DRY_LORA_TRAINABLE and row["measured"]["max_reserved_bytes"] is None
+    allocator = row["predicted"]["allocator"]
+    assert allocator["reserved_bytes"] >= allocator["allocated_bytes"] > 32 * 2**20  # the cuBLAS workspace and more
+    assert "PYTORCH_ALLOC_CONF unset" in allocator["settings"]

@@ -62,6 +62,15 @@ class MemoryBreakdown:
     """The experts kernel of a mixture-of-experts model (``memfit.spec.resolved.experts``); empty for a dense one."""
     lora_targets: tuple[str, ...] = ()
     """Last name components of the LoRA-wrapped projections (empty for a full fine-tune)."""
+    reserved: int = 0
+    """Predicted ``torch.cuda.max_memory_reserved``: the caching allocator's segments at their most (exact
+    mode on a CUDA target, from the replay of the step's allocations: ``memory/alloc_stream.py``); 0 when not
+    predicted. nvidia-smi shows it plus the CUDA context."""
+    reserved_allocated: int = 0
+    """Predicted ``torch.cuda.max_memory_allocated`` of the same replay (blocks as handed out: 512-byte rounding,
+    whole blocks where the rest is not split, cuBLAS's workspace); 0 when not predicted."""
+    allocator_settings: str = ""
+    """The caching allocator's settings the replay used (``AllocatorSettings.describe``)."""
     recipe: str = ""
     """Where the activation model came from (analytic only): ``hand-written recipe: llama`` or
     ``derived from traces of 1-2 layer <model_type>`` (``... of 3 layers of lfm2 (2 kinds)`` with several layer
@@ -70,6 +79,12 @@ class MemoryBreakdown:
     @property
     def peak_bytes(self) -> int:
         return int(sum(getattr(self, c) for c in CATEGORIES))
+
+    @property
+    def fragmentation_share(self) -> float:
+        """Share of the predicted reserved peak that no block handed out covers at the allocated peak
+        (``(reserved - reserved_allocated) / reserved``); 0 when not predicted."""
+        return (self.reserved - self.reserved_allocated) / self.reserved if self.reserved else 0.0
 
     @property
     def model_states(self) -> int:
@@ -94,6 +109,9 @@ class MemoryBreakdown:
             "experts_implementation": self.experts_implementation,
             "lora_targets": list(self.lora_targets),
             "recipe": self.recipe,
+            "allocator": {"reserved_bytes": int(self.reserved), "allocated_bytes": int(self.reserved_allocated),
+                          "fragmentation_share": round(self.fragmentation_share, 4),
+                          "settings": self.allocator_settings} if self.reserved else None,
             "notes": list(self.notes),
         }
 
@@ -102,6 +120,10 @@ class MemoryBreakdown:
         kwargs = dict(data.get("breakdown", {}))
         names = {f.name for f in fields(cls)}
         kwargs.update({k: v for k, v in data.items() if k in names and k != "breakdown"})
+        allocator = data.get("allocator") or {}
+        kwargs.update(reserved=int(allocator.get("reserved_bytes", 0)),
+                      reserved_allocated=int(allocator.get("allocated_bytes", 0)),
+                      allocator_settings=str(allocator.get("settings", "")))
         return cls(**kwargs)
 
     def relative_error(self, truth: MemoryBreakdown) -> dict[str, float]:

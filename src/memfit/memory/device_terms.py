@@ -28,3 +28,19 @@ ALLOCATOR_RESERVE_FRACTION = 0.05
 def cuda_other(allocated_peak: int) -> int:
     """CUDA context + cuBLAS workspace + the caching allocator's reserve over what tensors hold."""
     return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_RESERVE_FRACTION * allocated_peak)
+
+
+def device_bytes(breakdown) -> int:
+    """Bytes the device must hold for a step's peak: what fit decisions compare with a budget.
+
+    With the caching allocator's replay (``MemoryBreakdown.reserved``, ``--exact`` on a CUDA target): the CUDA
+    context + the predicted reserved peak (``max_memory_reserved``: tensors, block rounding, cached blocks,
+    cuBLAS's workspace), or the breakdown's peak where that is larger (a run may OOM on either). Without it
+    (the analytic estimate): the breakdown's peak, whose ``other`` is ``cuda_other`` (context + workspace +
+    ``ALLOCATOR_RESERVE_FRACTION`` of the tensors). Known error: replays of llama-2-7b LoRA (seq 512) and
+    qwen2.5-0.5b AMP bf16 left 2-13% of the reserved peak unused (more than the 5% fraction for the
+    latter without ``expandable_segments``); not yet checked on a GPU (``bench/gpu_allocator_check.py``).
+    """
+    if breakdown.reserved:
+        return int(max(breakdown.peak_bytes, CUDA_CONTEXT_BYTES + breakdown.reserved))
+    return int(breakdown.peak_bytes)

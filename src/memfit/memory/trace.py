@@ -98,6 +98,9 @@ class Timeline:
     """Per decoder layer, bytes by category of the tensors it returned beside its hidden states (attention
     weights) that died before backward: held only until the next layer's output replaced them, not kept
     by the layer (``Recorder.watch_returned``); ``memory/derive.py`` excludes them from a layer's bytes."""
+    allocations: list[tuple] = field(default_factory=list)
+    """The allocation stream of both steps, weights first, as ``memory/alloc_stream.py`` records it (a CUDA
+    trace of two steps; empty otherwise): what ``memory.allocator.replay`` takes."""
 
     def totals(self) -> list[int]:
         return [sum(s.values()) + self.other for s in self.samples]
@@ -131,6 +134,7 @@ def _private_api() -> dict[str, Any]:
             "RefType": tracker._MemRefType,
             "TorchDispatchMode": dispatch.TorchDispatchMode,
             "get_untyped_storages": common.get_untyped_storages,
+            "tree_leaves": importlib.import_module("torch.utils._pytree").tree_leaves,
         }
     except (ImportError, AttributeError) as err:
         import torch
@@ -648,6 +652,53 @@ def _skip_frozen_grad_hooks(tracker, model) -> None:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
 
 
+class _NoStream(contextlib.nullcontext):
+    """No allocation stream is recorded (a CPU trace, or ``steps=1``)."""
+
+    recording = recorded = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list = []
+
+
+def _allocation_stream(api: dict[str, Any], tracker, device: str, steps: int):
+    """The recorder of the allocation stream (``memory/alloc_stream.py``) for a CUDA trace of two steps, already
+    holding the weights and buffers MemTracker tracks (in its order: the model's) and cuBLAS's workspace."""
+    if device != "cuda" or steps < 2:
+        return _NoStream()
+    from memfit.memory.alloc_stream import WORKSPACE, stream_recorder
+
+    stream = stream_recorder(api["TorchDispatchMode"], api["get_untyped_storages"], api["tree_leaves"])
+    stream.recording = stream.recorded = True
+    for storage in list(tracker._WINFO):  # what track_external registered: parameters, buffers, quant state
+        stream.adopt(storage)
+    stream.events.append(WORKSPACE)
+    return stream
+
+
+def _with_reserved(breakdown: MemoryBreakdown, events) -> None:
+    """Fill ``breakdown``'s predicted reserved memory from the replay of ``events`` (None: not recorded)."""
+    if events is None:
+        return
+    from memfit.memory.alloc_stream import predicted_reserved
+    from memfit.memory.allocator_config import settings_from_env
+    from memfit.units import fmt_bytes
+
+    settings = settings_from_env()
+    result = predicted_reserved(events, settings)
+    breakdown.allocator_settings = settings.describe()
+    if result is None:
+        breakdown.notes.append("allocator: backend cudaMallocAsync is not modelled; no reserved memory predicted.")
+        return
+    breakdown.reserved, breakdown.reserved_allocated = result.stats.peak_reserved, result.stats.peak_allocated
+    breakdown.notes.append(
+        f"allocator: predicted max_memory_reserved {fmt_bytes(breakdown.reserved)} (max_memory_allocated "
+        f"{fmt_bytes(breakdown.reserved_allocated)}, cuBLAS workspace included; {result.fragmentation_share:.1%} "
+        f"of reserved is cached but unused at the peak; nvidia-smi adds the CUDA context), the step's allocations "
+        f"replayed through the caching allocator under {settings.describe()} (memory/allocator.py).")
+
+
 def other_bytes(tensor_peak: int, device: str) -> int:
     """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve).
 
@@ -859,6 +910,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     rows = _loss_rows(run, vocab, int(head_weight.shape[1]))
     recorder = _make_recorder(api, tracker, (run.micro_batch, run.seq_len), head_weight, rows)
     _mark_layers(net, recorder)
+    stream = _allocation_stream(api, tracker, device, steps)
     traced = _Traced(net, optimizer, _autocast_forward(net, run), tracker, recorder, run, vocab, resolved)
     _watch_input_leaves(net, traced.input_leaves)
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
@@ -868,11 +920,11 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
         with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-              gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
+              stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
     with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-          tracker, recorder, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
+          tracker, recorder, stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
         if steps > 1 and not untracked_warm_up:
             with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)
@@ -881,12 +933,16 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         recorder.state_bytes = _state_bytes(optimizer, api["get_untyped_storages"])
         substituted.new_step()  # count the reported step's calls only
         recorder.recording = True
+        if stream.recorded:  # the allocated peak: the reported step's (alloc_stream.py)
+            stream.events.append(("reset_peaks",))
         with _freed_grads_unseen(run) if steps == 1 else contextlib.nullcontext():  # its first tracked step
             _one_step(traced, micro_batches, optimizer_step=steps > 1)
         recorder.recording = False
+    stream.recording = False
     line = recorder.timeline
     other = other_bytes(max(line.totals(), default=0), device)
     line.other = other
+    line.allocations = stream.events
     line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"
     breakdown = _breakdown(config, traced, line, other)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy: the same weights again, never traced twice
@@ -894,6 +950,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         breakdown.weights += ref_copy
         breakdown.phase_peaks = {k: v + ref_copy for k, v in breakdown.phase_peaks.items()}
     breakdown.notes[2:2] = substituted.notes()
+    _with_reserved(breakdown, stream.events if stream.recorded else None)
     if four_bit:
         breakdown.notes.insert(2, "4-bit base: bitsandbytes' Linear4bit and its ops traced on fake tensors, the "
                                "forward's gemm_4bit as dequantize + linear (memory/quantized_trace.py).")

@@ -18,6 +18,7 @@ from typing import Any
 from memfit.errors import NothingFitsError, UserError
 from memfit.memory import derive
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.device_terms import device_bytes
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
@@ -148,8 +149,9 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     # step with the routing that costs most (the estimate assumes the balanced one).
     outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
     routing = routing_margin(spec, run)
+    step = device_bytes(breakdown)  # the one rule of what a step holds on the device (memory/device_terms.py)
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
-                fits(max(breakdown.peak_bytes + routing, outside), budget_bytes, margin), breakdown, t,
+                fits(max(step + routing, outside), budget_bytes, margin), breakdown, t,
                 int(outside), routing, proxy=derived is False)
 
 

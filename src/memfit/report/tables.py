@@ -43,6 +43,12 @@ def breakdown_table(b: MemoryBreakdown, title: str) -> Table:
     table.add_section()
     table.add_row(f"[bold]peak ({b.phase})[/]", f"[bold]{b.peak_bytes:,}[/]", f"[bold]{fmt_scaled(b.peak_bytes, binary)}[/]",
                   f"[bold]{fmt_scaled(b.peak_bytes, decimal)}[/]", "100%")
+    if b.reserved:  # the caching allocator's replay (exact mode, CUDA): beside the tensor peak it starts from
+        tensors = b.peak_bytes - b.other
+        table.add_section()
+        table.add_row("tensor peak", f"{tensors:,}", fmt_scaled(tensors, binary), fmt_scaled(tensors, decimal), "")
+        table.add_row("reserved (allocator)", f"{b.reserved:,}", fmt_scaled(b.reserved, binary),
+                      fmt_scaled(b.reserved, decimal), f"{b.fragmentation_share:.0%} unused")
     return table
 
 
