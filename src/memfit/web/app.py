@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 from memfit.errors import UserError
+from memfit.integrations.versions import MEMFIT
+from memfit.spec.model import load_presets
 from memfit.web import form, service
 from memfit.web.jobs import Jobs
 
@@ -40,11 +43,8 @@ def _starlette():
 
 def page_data() -> dict[str, Any]:
     """What the page draws its form from: controls, presets, tools, GPUs."""
-    import memfit
-
-    return {"version": memfit.__version__, "controls": form.run_controls(), "plan": form.plan_controls(),
-            "presets": list(memfit.load_presets()), "tools": list(service.TOOLS), "kinds": list(service.KINDS),
-            "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in memfit.load_gpus().values()]}
+    return {"version": MEMFIT, "controls": form.run_controls(), "plan": form.plan_controls(),
+            "presets": list(load_presets()), "tools": list(service.TOOLS), "kinds": list(service.KINDS)}
 
 
 def create_app():

@@ -24,17 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import memfit
+from memfit import interop
 from memfit.errors import UserError
-from memfit.planning.search import fits
+from memfit.memory.estimate import estimate as analytic_estimate
+from memfit.planning.gpus import load_gpus
+from memfit.planning.launch import launch_command
+from memfit.planning.search import SAFETY_MARGIN, fits
+from memfit.planning.search import plan as search_plans
+from memfit.planning.space import Constraints
 from memfit.settings.config import RunConfig, check_lora_options
 from memfit.settings.validate import POSITIVE, whole
+from memfit.spec.model import check_seq_len, load_spec
 from memfit.web.form import flags_of, run_controls
 
 KINDS = ("preset", "hub", "config", "tool")
 MAX_FILE_CHARS = 1 << 20
 """An uploaded or pasted file larger than 1 MiB is no config.json or training config."""
-TOOLS = ("trl", "axolotl", "llamafactory", "torchtune")  # memfit.interop.FORMATS, as --from-format and --emit take them
+TOOLS = interop.FORMATS  # as --from-format and --emit take them
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,13 @@ def resolved(source: Source):
 
 def _resolve(source: Source, folder: Path) -> Model:
     if source.kind in ("preset", "hub"):
-        return Model(memfit.load_spec(source.value), None, source.value)
+        return Model(load_spec(source.value), None, source.value)
     path = folder / source.filename
     path.write_text(source.value, encoding="utf-8")
     if source.kind == "config":
-        spec = dataclasses.replace(memfit.load_spec(str(path)), name=source.filename)  # not the temporary path
+        spec = dataclasses.replace(load_spec(str(path)), name=source.filename)  # not the temporary path
         return Model(spec, None, source.filename)
-    reading = memfit.read_config(str(path), source.format)
+    reading = interop.read(str(path), source.format)
     return Model(reading.spec(), reading, f"--from {shlex.quote(source.filename)}")
 
 
@@ -147,7 +153,7 @@ def cli_line(command: str, source: Source, typed: dict[str, Any], extra: str = "
 
 def gpu_fits(peak_bytes: int) -> list[dict[str, Any]]:
     """Every listed GPU, smallest first, and whether the peak fits it with the planner's safety margin."""
-    gpus = sorted(memfit.load_gpus().values(), key=lambda g: (g.memory_bytes, g.name))
+    gpus = sorted(load_gpus().values(), key=lambda g: (g.memory_bytes, g.name))
     return [{"name": g.name, "memory_bytes": g.memory_bytes, "fits": fits(peak_bytes, g.memory_bytes)} for g in gpus]
 
 
@@ -156,8 +162,8 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
     source, typed = Source.from_dict(request.get("model")), typed_settings(request.get("settings"))
     with resolved(source) as model:
         run = run_of(model, typed)
-        memfit.check_seq_len(run.seq_len, model.spec.max_position_embeddings)  # what train refuses is not estimated
-        breakdown = memfit.estimate(model.spec, run, device="cuda", engine=engine(model))
+        check_seq_len(run.seq_len, model.spec.max_position_embeddings)  # what train refuses is not estimated
+        breakdown = analytic_estimate(model.spec, run, device="cuda", engine=engine(model))
         reading = model.reading.to_dict(run) if model.reading is not None else None
         baseline = model.reading.run.to_flat() if model.reading is not None else None
     return {"model": model.spec.name, "config": run.to_flat(), **breakdown.to_dict(),
@@ -168,13 +174,15 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
 def exact(request: dict[str, Any]) -> dict[str, Any]:
     """The exact trace (``memfit estimate --exact``) and its memory timeline as a PNG: seconds to minutes,
     so the page runs it as a job (``memfit.web.jobs``), never on the request path."""
+    # torch's private tracing APIs (memory/trace.py) are opened only when a trace is asked for
+    from memfit.memory.trace import trace
     from memfit.report.timeline import plot_timeline
 
     source, typed = Source.from_dict(request.get("model")), typed_settings(request.get("settings"))
     with resolved(source) as model:
         run = run_of(model, typed)
-        memfit.check_seq_len(run.seq_len, model.spec.max_position_embeddings)
-        breakdown, line = memfit.trace(model.spec, run, device="cuda", timeline=True)
+        check_seq_len(run.seq_len, model.spec.max_position_embeddings)
+        breakdown, line = trace(model.spec, run, device="cuda", timeline=True)
         with tempfile.TemporaryDirectory(prefix="memfit-serve-") as folder:
             png = Path(folder) / "timeline.png"
             plot_timeline(line, png)
@@ -193,18 +201,18 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     batch = whole("batch", request.get("batch") or 16, minimum=1, what=POSITIVE)
     with resolved(source) as model:
         run = run_of(model, typed)
-        memfit.check_seq_len(run.seq_len, model.spec.max_position_embeddings)
+        check_seq_len(run.seq_len, model.spec.max_position_embeddings)
         realized = tool or (model.reading.tool if model.reading is not None else None)
-        adapt = memfit.config_realizer(realized) if realized else None
-        engine_of = memfit.config_engine(realized) if realized else None
+        adapt = interop.realize(realized) if realized else None
+        engine_of = interop.engine_of(realized) if realized else None
         pins = model.reading.plan_pins() if model.reading is not None else {}
-        result = memfit.plan(model.spec, budget or None, seq_len=run.seq_len, batch=batch,
-                             num_processes=run.num_processes, constraints=memfit.Constraints.from_flat(pins),
-                             safety_margin=memfit.SAFETY_MARGIN, adapt=adapt, method=run.method, engine_of=engine_of)
+        result = search_plans(model.spec, budget or None, seq_len=run.seq_len, batch=batch,
+                              num_processes=run.num_processes, constraints=Constraints.from_flat(pins),
+                              safety_margin=SAFETY_MARGIN, adapt=adapt, method=run.method, engine_of=engine_of)
         emitted = _emitted(tool, result, model) if tool else None
     train_model = model.reading.model if model.reading is not None else (
         "MODEL_DIR" if source.kind == "config" else source.value)
-    launch = None if str(result.best.config.loss) == "trl" else memfit.launch_command(train_model, result.best.config)
+    launch = None if str(result.best.config.loss) == "trl" else launch_command(train_model, result.best.config)
     # plan's own defaults differ from estimate's (--seq-len 1024): the line spells out the shape planned
     shape = {"seq_len": run.seq_len, **{k: typed[k] for k in ("num_processes", "method") if k in typed}}
     extra = f" --budget {shlex.quote(str(budget))} --batch {batch}" + (f" --emit {tool} {emitted['filename']}"
@@ -221,7 +229,7 @@ def _emitted(tool: str, result, model: Model) -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="memfit-serve-") as folder:
         path = Path(folder) / filename
         name = model.reading.model if model.reading is not None else result.model
-        memfit.write_config(tool, path, name, result.best.config, model.reading, emit_header(result))
+        interop.emit(tool, path, name, result.best.config, model.reading, emit_header(result))
         return {"tool": tool, "filename": filename, "text": path.read_text(encoding="utf-8")}
 
 
