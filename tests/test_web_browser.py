@@ -285,7 +285,7 @@ def test_exact_runs_off_the_request_path_with_progress(page):
     change(page, "micro_batch", "1")
     page.click("#exact-run")
     page.wait_for_selector("#exact-progress:not([hidden])", timeout=10_000)
-    # while the trace runs, the estimate still answers
+    # a change during the trace is answered once the trace is done (the library runs one call at a time)
     change(page, "grad_accum", "2")
     page.wait_for_selector("#exact-table", timeout=WAIT_MS)
     assert page.is_hidden("#exact-progress")

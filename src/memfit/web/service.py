@@ -17,9 +17,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import re
 import shlex
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,20 @@ KINDS = ("preset", "hub", "config", "tool")
 MAX_FILE_CHARS = 1 << 20
 """An uploaded or pasted file larger than 1 MiB is no config.json or training config."""
 TOOLS = interop.FORMATS  # as --from-format and --emit take them
+
+_ONE_AT_A_TIME = threading.Lock()
+"""The library answers one call at a time here: an estimate outside the verified versions derives its recipe by
+tracing, and a trace uses process-wide state (torch's MemTracker hooks, transformers' attention registry);
+two at once on the server's threads corrupt each other (seen: a ``KeyError`` in transformers' registry under
+concurrent redraws). So while an exact trace runs, redraws wait for it."""
+
+
+def one_at_a_time(func):
+    @functools.wraps(func)
+    def serialized(*args, **kwargs):
+        with _ONE_AT_A_TIME:
+            return func(*args, **kwargs)
+    return serialized
 
 
 @dataclass(frozen=True)
@@ -157,6 +173,7 @@ def gpu_fits(peak_bytes: int) -> list[dict[str, Any]]:
     return [{"name": g.name, "memory_bytes": g.memory_bytes, "fits": fits(peak_bytes, g.memory_bytes)} for g in gpus]
 
 
+@one_at_a_time
 def estimate(request: dict[str, Any]) -> dict[str, Any]:
     """The analytic breakdown: ``memfit estimate --json``'s payload, plus the GPUs and the CLI line."""
     source, typed = Source.from_dict(request.get("model")), typed_settings(request.get("settings"))
@@ -171,6 +188,7 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
                      "reading": reading, "baseline": baseline, "params": model.spec.params}}
 
 
+@one_at_a_time
 def exact(request: dict[str, Any]) -> dict[str, Any]:
     """The exact trace (``memfit estimate --exact``) and its memory timeline as a PNG: seconds to minutes,
     so the page runs it as a job (``memfit.web.jobs``), never on the request path."""
@@ -191,6 +209,7 @@ def exact(request: dict[str, Any]) -> dict[str, Any]:
             "page": {"timeline_png": image, "cli": cli_line("estimate", source, typed) + " --exact --timeline step.png"}}
 
 
+@one_at_a_time
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     """The fastest plan for a budget at the run's sequence length, processes and method (``memfit plan``), with
     its ``memfit train`` command and, when a tool is chosen, the plan as that tool's config (``--emit``)."""
