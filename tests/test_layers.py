@@ -31,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: The packages of memfit, lowest first (the picture in README.md's "Architecture"): a package imports
 #: only those listed before it (and the leaves ``errors``, ``units``, ``files``). ``cli/`` and the
 #: package's own ``__init__`` (the lazy public API) sit on top.
-LAYERS = ("integrations", "settings", "spec", "data", "builder", "memory", "report", "planning", "interop", "training", "cli")
+LAYERS = ("integrations", "settings", "spec", "data", "builder", "memory", "report", "planning", "interop", "training", "web", "cli")
 LEAVES = ("memfit.errors", "memfit.units", "memfit.files", "memfit.textfiles")
 
 

@@ -41,6 +41,9 @@ configuration (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit 
 (``interop``); ``config_realizer(tool)``: a planner candidate as that tool runs it; ``config_engine(tool)``:
 the engine (FSDP2 or DeepSpeed) it runs that candidate's sharding on.
 
+Page: ``serve(host, port, open_browser)``: the estimate and the plan as a local web page over these same names
+(``web.app``; the ``web`` extra; ``memfit serve``).
+
 The settings these take and give are ``memfit.settings`` (``RunConfig``, ``TrainConfig``), their errors
 ``memfit.errors``, their units ``memfit.units``; the renderers of their results are ``memfit.report``.
 
@@ -88,6 +91,7 @@ _PUBLIC = {
     "write_config": ("memfit.interop", "emit"),
     "config_realizer": ("memfit.interop", "realize"),
     "config_engine": ("memfit.interop", "engine_of"),
+    "serve": ("memfit.web.app", "serve"),
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("memfit.cli.estimate", "Where every byte of a training step goes (analytic or --exact)."),
     "plan": ("memfit.cli.plan", "The fastest configuration that fits a memory budget."),
     "data": ("memfit.cli.data", "Show a training record as the model sees it, loss mask marked (data preview)."),
+    "serve": ("memfit.cli.serve", "The estimate and the plan as a local web page (the web extra)."),
     "presets": ("memfit.cli.presets", "List the architecture presets and the GPU table."),
 }
 

@@ -9,22 +9,12 @@ names are ``memfit train``'s interface; ``run_config_from`` turns them into a ``
 from __future__ import annotations
 
 import enum
-import types
-import typing
 from typing import Any
 
 import click
 
 from memfit.settings.config import RunConfig, TrainConfig
 from memfit.settings.schema import Setting, flag_of, for_command, option_spec, walk
-
-
-def _value_type(f: Setting):
-    """The setting's type with ``None`` taken out of an optional one (``int | None`` -> ``int``)."""
-    hint = typing.get_type_hints(f.owner)[f.name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
 
 
 def _plain(value: Any) -> Any:
@@ -37,7 +27,7 @@ def _plain(value: Any) -> Any:
 def option(f: Setting, command: str):
     """The click option of setting ``f`` in ``command``."""
     spec, hints, name = option_spec(f, command), f.metadata["click"], flag_of(f)
-    kind, default = _value_type(f), spec["default"]
+    kind, default = f.value_type(), spec["default"]
     kwargs: dict[str, Any] = {"help": spec["help"]}
     if kind is bool and not hints.get("negatable"):
         return click.option(name, is_flag=True, **kwargs)  # off unless given

@@ -196,12 +196,9 @@ def _shape_from(reading, seq_len, batch, num_processes, pins: dict):
 def _write_emitted(emit, result, model, reading) -> None:
     """``--emit TOOL FILE``: the chosen plan as that tool's configuration, with a header saying how to check it."""
     import memfit
-    from memfit.units import fmt_gib
+    from memfit.report.plan_table import emit_header
 
-    best = result.best
-    header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
-              f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")
-    memfit.write_config(emit[0], emit[1], model, best.config, reading, header)
+    memfit.write_config(emit[0], emit[1], model, result.best.config, reading, emit_header(result))
 
 
 def _print(result, top, elapsed: float, output, maximize: str | None = None) -> None:

@@ -67,3 +67,11 @@ def ranking_note(result, top: int = 10) -> str | None:
         return None
     parts = ", ".join(f"{opt} as if {1 - weights[opt]:.0%} slower" for opt in sorted(weights, key=str))
     return f"Ranked by tokens/s with {parts} (exact AdamW wins near-ties)."
+
+
+def emit_header(result) -> str:
+    """The comment line on top of a plan written as another tool's config (``plan --emit``, ``memfit serve``):
+    what memfit predicted, and how to check it."""
+    best = result.best
+    return (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "
+            f"budget, ~{best.tokens_per_s:,.0f} tokens/s; check it with: memfit estimate --from THIS_FILE\n")

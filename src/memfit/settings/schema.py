@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import typing
 from dataclasses import MISSING, Field
 from types import MappingProxyType
 from typing import Any
@@ -169,6 +171,14 @@ class Setting:
     @property
     def key(self) -> str:
         return key_of(self.field)
+
+    def value_type(self) -> Any:
+        """The setting's type with ``None`` taken out of an optional one (``int | None`` -> ``int``): what a
+        flag or a form control for it takes."""
+        hint = typing.get_type_hints(self.owner)[self.name]
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        return hint
 
     def get(self, config) -> Any:
         for name in self.path:
