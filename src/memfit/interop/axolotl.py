@@ -19,11 +19,11 @@ from memfit.interop.common import (
     Keys,
     Reading,
     deepspeed,
-    preference,
     flash_attention,
     lora_targets,
     model_name,
     precision,
+    preference,
     trainer_optimizer,
 )
 
@@ -259,8 +259,6 @@ GROUPS = (
     (("adapter", "load_in_4bit", "load_in_8bit", "lora_target_linear", "lora_target_modules"), ()),
     (("rl", "precompute_ref_log_probs"), ()),
 )
-OPTIMIZERS = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-              "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 
 
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
@@ -274,12 +272,14 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
 
 def _settings(run, plugins: list[str]) -> dict[str, Any]:
     """Axolotl's keys for ``run`` (``plugins``: the source's plugins other than the loss's)."""
+    from memfit.interop.emitting import OPTIMIZER_NAMES
+
     loss_plugin = {"cce": [CCE_PLUGIN], "liger": [LIGER_PLUGIN]}.get(str(run.loss), [])
     out: dict[str, Any] = {
         "sequence_len": run.seq_len, "micro_batch_size": run.micro_batch,
         "gradient_accumulation_steps": run.grad_accum, "sample_packing": str(run.packing) == "documents",
         "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
-        "gradient_checkpointing": run.grad_checkpointing, "optimizer": OPTIMIZERS[str(run.optimizer)],
+        "gradient_checkpointing": run.grad_checkpointing, "optimizer": OPTIMIZER_NAMES[str(run.optimizer)],
         "activation_offloading": str(run.offload) == "activations",
         "adapter": ("qlora" if str(run.quantize) == "4bit" else "lora") if run.is_lora() else None,
         "load_in_4bit": str(run.quantize) == "4bit", "load_in_8bit": str(run.quantize) == "8bit",

@@ -14,6 +14,9 @@ from typing import Any
 from memfit.interop.common import Reading
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: memfit's optimizer -> transformers' ``TrainingArguments.optim`` name (Axolotl, LLaMA-Factory and TRL write it).
+OPTIMIZER_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
+                   "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}
 
 #: A writer's groups of keys: (keys written together when any of them changes, the source's keys they replace).
 Groups = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]

@@ -21,11 +21,11 @@ from memfit.interop.common import (
     Keys,
     Reading,
     deepspeed,
-    preference,
     flash_attention,
     lora_targets,
     model_name,
     precision,
+    preference,
     trainer_optimizer,
 )
 
@@ -179,6 +179,8 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
 
 def _settings(run) -> dict[str, Any]:
     """LLaMA-Factory's keys for ``run``."""
+    from memfit.interop.emitting import OPTIMIZER_NAMES
+
     method = str(run.method)
     out: dict[str, Any] = {
         "stage": "sft" if method == "sft" else "dpo", "pref_loss": {"orpo": "orpo", "simpo": "simpo"}.get(method),
@@ -187,8 +189,7 @@ def _settings(run) -> dict[str, Any]:
         "gradient_accumulation_steps": run.grad_accum,
         "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
         "disable_gradient_checkpointing": not run.grad_checkpointing,
-        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "optim": OPTIMIZER_NAMES[str(run.optimizer)],
         "packing": str(run.packing) == "concat", "neat_packing": str(run.packing) == "documents",
         "flash_attn": {"auto": "auto", "eager": "disabled", "sdpa": "sdpa",
                        "flash_attention_2": "fa2"}[str(run.attn_implementation)],

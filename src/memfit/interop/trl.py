@@ -285,7 +285,7 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
 
 def _settings(run) -> dict[str, Any]:
     """TRL's keys for ``run`` (SFTConfig or DPOConfig, with ModelConfig's)."""
-    from memfit.interop.emitting import dtype_name
+    from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name
 
     out: dict[str, Any] = {
         "dtype": dtype_name(run.dtype),
@@ -293,8 +293,7 @@ def _settings(run) -> dict[str, Any]:
         "max_length": run.seq_len, "packing": str(run.packing) == "documents",
         "padding_free": False, "bf16": str(run.mixed_precision) == "bf16",
         "fp16": str(run.mixed_precision) == "fp16", "gradient_checkpointing": run.grad_checkpointing,
-        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "optim": OPTIMIZER_NAMES[str(run.optimizer)],
         "use_peft": run.is_lora(), "activation_offloading": str(run.offload) == "activations",
         "precompute_ref_log_probs": run.precompute_reference if str(run.method) == "dpo" else None,
         "loss_type": "simpo" if str(run.method) == "simpo" else None,
