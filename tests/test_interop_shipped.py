@@ -232,3 +232,13 @@ def test_torchtune_dpo_recipe_without_preference_loss_is_refused(tmp_path):
                     "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n")
     with pytest.raises(UserError, match="loss: torch.nn.CrossEntropyLoss is no preference loss"):
         read(path)
+
+
+@pytest.mark.parametrize("tool", ["axolotl", "trl"])
+def test_an_sft_run_written_for_another_tool_reads_back_as_sft(tmp_path, tool):
+    """No key the plan leaves unset is written (a null preference key made a TRL file read as DPO)."""
+    reading = read(DATA / "llamafactory_full_sft.yaml")
+    out = tmp_path / f"{tool}.yaml"
+    emit(tool, out, reading.model, reading.run.replace(loss="standard"), reading)
+    assert None not in yaml.safe_load(out.read_text()).values()
+    assert str(read(out).run.method) == "sft"

@@ -93,7 +93,7 @@ def merged(source: Reading | None, tool: str, model_key: str, model: str, run, s
     model id. ``model_key``: where ``tool`` names the base model."""
     plan = settings(run)
     if source is None or source.tool != tool:
-        return {model_key: model_id(model, source), **plan}
+        return {model_key: model_id(model, source), **{k: v for k, v in plan.items() if v is not None}}
     out = changed_only(source, plan, settings(source.run), groups)
     if model != source.model:
         out[model_key] = model_id(model, None)

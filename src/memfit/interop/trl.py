@@ -111,7 +111,7 @@ def trainer(path: str, data: dict) -> tuple[str, str]:
     for name in ("orpo", "kto", "cpo", "dpo"):
         if name in named:
             return name, f"its name ({Path(path).parent.name}/{Path(path).name})"
-    marked = sorted(set(data) & PREFERENCE_KEYS)
+    marked = sorted(k for k in set(data) & PREFERENCE_KEYS if data[k] is not None)
     if marked:
         return "dpo", marked[0]
     return ("sft", "") if set(data) & SFT_KEYS else ("trainer", "")
