@@ -157,12 +157,14 @@ def test_a_refusal_names_the_files_keys_not_memfit_flags():
 def test_a_preference_file_is_priced_as_memfits_own_preference_run():
     """``estimate --from`` an Axolotl DPO file gives the number ``estimate`` gives for the same run typed as
     memfit's own flags (--method dpo ...), whichever recipe computes it."""
-    reading = read(DATA / "axolotl_dpo_full_qwen.yaml")
-    flat = reading.run.to_flat()
-    typed = ["qwen2.5-0.5b", "--method", "dpo", "--seq-len", flat["seq_len"], "--micro-batch", flat["micro_batch"],
-             "--grad-accum", flat["grad_accum"], "--dtype", flat["dtype"], "--mixed-precision",
-             flat["mixed_precision"], "--optimizer", flat["optimizer"], "--grad-checkpointing",
-             "--attn-implementation", flat["attn_implementation"], "--json"]
+    from memfit.settings.config import RunConfig
+
+    flat, default = read(DATA / "axolotl_dpo_full_qwen.yaml").run.to_flat(), RunConfig().to_flat()
+    typed = ["qwen2.5-0.5b", "--json"]
+    for key in (k for k in flat if flat[k] != default[k]):  # the file's run as memfit's own flags
+        flag = "--" + key.replace("_", "-")
+        typed += [flag] if flat[key] is True else [flag, flat[key]]
+    assert "--method" in typed
     own = json.loads(_run("estimate", *typed).output)
     from_file = json.loads(_run("estimate", "--from", DATA / "axolotl_dpo_full_qwen.yaml", "--json").output)
     assert from_file["config"]["method"] == "dpo"
