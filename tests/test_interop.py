@@ -108,6 +108,7 @@ def test_bad_input_is_one_sentence_naming_file_and_key(tmp_path, text, pattern):
     ("axolotl", "axolotl_lora_1b.yml", "24GiB"), ("llamafactory", "llamafactory_lora_sft.yaml", "24GiB"),
     ("torchtune", "torchtune_1B_lora_single_device.yaml", "24GiB"), ("trl", "trl_sft_lora.yaml", "24GiB"),
     ("torchtune", "axolotl_qlora_1b.yml", "24GiB"), ("trl", "llamafactory_full_sft.yaml", "80GiB"),
+    ("llamafactory", "llamafactory_lora_dpo.yaml", "24GiB"), ("torchtune", "torchtune_3B_full.yaml", "24GiB"),
 ])
 def test_plan_emit_round_trips_to_the_same_prediction(tmp_path, tool, source, budget):
     out = tmp_path / f"emitted-{tool}.yaml"

@@ -52,3 +52,45 @@ def test_a_run_that_cannot_fit_stops_before_the_first_step_with_a_plan(tmp_path,
         trainer.train()
     assert trainer.state.global_step == 0
     assert str(err.value).count(". ") == 0  # one sentence
+
+
+def test_zero_argument_callback_on_a_plain_trainer_reads_the_length_from_the_first_batch(tmp_path, tiny_llama_config):
+    """``Trainer(..., callbacks=[MemfitCallback()])``: TrainingArguments has no sequence length, so the callback
+    reads it from the first batch (64 tokens) and logs its figures into the run's history."""
+    from memfit.interop.callback import MemfitCallback
+
+    trainer = _trainer(tmp_path, tiny_llama_config, "full")
+    callback = MemfitCallback()
+    trainer.add_callback(callback)
+    trainer.train()
+    assert callback.run.seq_len == 64 and trainer.state.global_step == 3
+    assert any("memfit/predicted_peak_bytes" in e for e in trainer.state.log_history)
+
+
+def test_a_run_the_callback_cannot_price_trains_on_with_one_warning(tmp_path, tiny_llama_config, caplog):
+    """Rows of no known length (an iterable dataset, no max_length): one logged warning, the run is not broken."""
+    import logging
+
+    import torch
+    from torch.utils.data import IterableDataset
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    from memfit.interop.callback import MemfitCallback
+
+    class Rows(IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(24):
+                row = torch.randint(3, tiny_llama_config.vocab_size, (32,), generator=generator).tolist()
+                yield {"input_ids": row, "labels": row, "attention_mask": [1] * 32}
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[],
+                             save_strategy="no", use_cpu=True)
+    trainer = Trainer(model=LlamaForCausalLM(tiny_llama_config), args=args, train_dataset=Rows(),
+                      callbacks=[MemfitCallback()])
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    warnings = [r for r in caplog.records if r.name == "memfit"]
+    assert len(warnings) == 1 and "not priced" in warnings[0].getMessage()
+    assert not any("memfit/predicted_peak_bytes" in e for e in trainer.state.log_history)

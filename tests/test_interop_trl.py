@@ -100,3 +100,29 @@ def test_a_plan_of_trls_loss_names_no_memfit_train_command_that_would_be_refused
     assert "memfit train" not in result.output
     assert "Launch: with TRL's SFTTrainer" in result.output
     assert out.is_file()
+
+
+def test_zero_argument_callback_on_a_dpo_trainer_prices_memfits_dpo(tmp_path, tiny_llama_config):
+    """``DPOTrainer(..., callbacks=[MemfitCallback()])``: the pairs' length from the first batch, priced as memfit's
+    --method dpo (a full fine-tune: a frozen reference copy), and the run trains."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+
+    from memfit.data.dataset import byte_tokenizer
+    from memfit.interop.callback import MemfitCallback
+
+    torch.manual_seed(0)
+    rows = [{"prompt": "ab" * 8, "chosen": "cd" * (4 + i % 3), "rejected": "ef" * 6} for i in range(8)]
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                         save_strategy="no", use_cpu=True, bf16=False, gradient_checkpointing=False, max_length=64)
+    callback = MemfitCallback()
+    model = LlamaForCausalLM(tiny_llama_config)
+    reference = LlamaForCausalLM(tiny_llama_config)  # a model built here has no Hub id for TRL to load it from
+    reference.load_state_dict(model.state_dict())
+    trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=byte_tokenizer(), callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert str(callback.run.method) == "dpo" and str(callback.run.loss) == "standard"
+    assert 16 < callback.run.seq_len < 64  # the first batch's padded pairs, not max_length

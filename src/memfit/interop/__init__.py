@@ -2,7 +2,8 @@
 (``plan --emit``), and a callback for transformers' Trainer (``memfit.interop.callback``).
 
 One module per tool, each with ``NAME``, ``DEEPSPEED`` (the shardings it runs through DeepSpeed), ``detect(data)``, ``read(path, data) -> Reading``,
-``emit(model, run, source) -> dict`` and ``realize(run)`` (a planner candidate as that tool would run it,
+``emit(model, run, source) -> dict``, ``launch(run)`` (the launch command that states the process count, the
+recipe or the trainer, written as a comment) and ``realize(run)`` (a planner candidate as that tool would run it,
 or None where it cannot). The tools themselves are never imported: their files are read from their
 documented schemas.
 """
@@ -54,7 +55,9 @@ def engine_of(tool: str):
 
 
 def emit(tool: str, path: str | Path, model: str, run, source: Reading | None = None, header: str = "") -> None:
-    """Write ``run`` as ``tool``'s configuration to ``path`` (YAML; JSON for a .json path), atomically."""
+    """Write ``run`` as ``tool``'s configuration to ``path`` (YAML; JSON for a .json path), atomically; a YAML file
+    starts with the launch command (``launch``: process count, recipe, trainer), which ``read`` reads back. JSON
+    holds no comments: its process count is given to ``estimate`` with ``--num-processes``."""
     import json
 
     import yaml
@@ -66,5 +69,7 @@ def emit(tool: str, path: str | Path, model: str, run, source: Reading | None = 
     if path.suffix == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:
-        text = header + yaml.safe_dump(data, sort_keys=False)
+        command = TOOLS[tool].launch(run)
+        launch = f"# launch: {command.replace('THIS_FILE', path.name)}\n" if command else ""
+        text = header + launch + yaml.safe_dump(data, sort_keys=False)
     write_text_atomic(path, text, what="--emit")

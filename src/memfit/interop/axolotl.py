@@ -23,6 +23,7 @@ from memfit.interop.common import (
     lora_targets,
     model_name,
     precision,
+    preference,
     trainer_optimizer,
 )
 
@@ -50,7 +51,20 @@ NO_MEMORY = frozenset({
     "pad_to_sequence_len", "sequence_len_overflow_handling", "remove_unused_columns", "is_llama_derived_model",
     "is_mistral_derived_model", "is_qwen_derived_model", "hub_strategy", "use_tensorboard", "xformers_attention",
     "save_first_step", "load_best_model_at_end", "dataset_exact_deduplication", "eval_causal_lm_metrics",
+    # preference losses' coefficients and data: no memory of their own
+    "rl_beta", "dpo_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "dpo_loss_type", "dpo_loss_weights",
+    "dpo_label_smoothing", "dpo_use_weighting", "dpo_norm_loss", "max_prompt_len", "kto_desirable_weight",
+    "kto_undesirable_weight", "rpo_alpha",
 })
+
+#: Axolotl's ``rl`` values memfit prices, as memfit's ``--method`` (``ipo`` is DPO with another loss: the same
+#: tensors); the others (``kto``: unpaired; ``grpo``/``gdpo``/``ebft``: generation in the loop) it does not.
+RL_METHODS = {"dpo": "dpo", "ipo": "dpo", "orpo": "orpo", "simpo": "simpo"}
+RL_OTHERS = ("kto", "grpo", "gdpo", "ebft")
+
+#: Axolotl's loss plugins (``plugins:``), matched by a word of their import path.
+CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+LIGER_PLUGIN = "axolotl.integrations.liger.LigerPlugin"
 
 
 def detect(data: dict) -> bool:
@@ -71,13 +85,18 @@ def read(path: str, data: dict) -> Reading:
         "mixed_precision": mixed, "dtype": half,  # Axolotl loads the weights in the training precision
         "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS),
     }
+    keys.origin("sequence_len", "seq_len")
+    keys.origin("micro_batch_size", "micro_batch")
     run.update(_checkpointing(keys))
     run.update(_adapter(keys))
     run.update(_packing(keys))
     run.update(_attention(keys))
+    activations = run.pop("offload", None)
     run.update(_fsdp(keys))
     run.update(deepspeed(keys))
+    _offload(keys, run, activations)
     run["loss"] = _loss(keys)
+    _preference(keys, run)
     if keys.bool("torch_compile", False, extra=("auto",)):
         keys.not_mapped("torch_compile", "memfit prices the eager model; a compiled one may save fewer activations.")
     model = model_name(keys, "base_model")
@@ -88,12 +107,28 @@ def read(path: str, data: dict) -> Reading:
 def _checkpointing(keys: Keys) -> dict[str, Any]:
     value = keys.bool("gradient_checkpointing", False, extra=("offload", "offload_disk"))
     out: dict[str, Any] = {"grad_checkpointing": bool(value)}
-    offload = keys.bool("activation_offloading", False, extra=("legacy", "disk"))
+    offload = keys.bool("activation_offloading", False, extra=("legacy", "disk", "hidden_states"))
     if value in ("offload", "offload_disk") or offload:
         out["offload"] = "activations"
-        keys.price("Activation offloading: the tensors saved for backward go to host memory; priced as memfit's "
-                   "activations offload.")
     return out
+
+
+def _offload(keys: Keys, run: dict[str, Any], activations: str | None) -> None:
+    """Activation offload (``activation_offloading``) beside the parameter/optimizer offload of the FSDP or
+    DeepSpeed settings: memfit prices one offload per run, so the states' (the larger) is priced and the
+    activations' is said to be left out, never claimed while the states' overwrote it."""
+    if activations is None:
+        return
+    states = run.get("offload")
+    if states is None:
+        run["offload"] = activations
+        keys.origin("activation_offloading", "offload")
+        keys.price("activation_offloading: the tensors saved for backward go to host memory; priced as memfit's "
+                   "activations offload.")
+        return
+    keys.not_mapped("activation_offloading", f"memfit prices one offload per run: the {states} offload of the "
+                    "FSDP/DeepSpeed settings is priced, and the activations are priced on the GPU (an "
+                    "over-estimate by the tensors saved for backward).")
 
 
 def _adapter(keys: Keys) -> dict[str, Any]:
@@ -106,6 +141,8 @@ def _adapter(keys: Keys) -> dict[str, Any]:
         return {}
     if adapter == "qlora" and not four:
         raise keys.error("adapter", "qlora needs load_in_4bit: true.")
+    keys.origin("adapter", "lora_r")
+    keys.origin("load_in_4bit" if four else "load_in_8bit", "quantize")
     out: dict[str, Any] = {"lora_r": keys.int("lora_r", 8), "lora_alpha": keys.float("lora_alpha", 16.0),
                            "lora_dropout": keys.float("lora_dropout", 0.0)}
     linear = keys.bool("lora_target_linear", False)
@@ -160,19 +197,31 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
     reshard = config.get("reshard_after_forward", config.get("fsdp_reshard_after_forward", True))
     out: dict[str, Any] = {"sharding": "zero2" if "shard_grad_op" in words + strategy or reshard is False
                            else "fsdp"}
-    if config.get("offload_params") or config.get("fsdp_offload_params") or "offload" in words:
+    keys.origin("fsdp_config" if config else "fsdp", "sharding")
+    offload = next((k for k in ("offload_params", "fsdp_offload_params") if config.get(k)), None)
+    if offload or "offload" in words:
         out["offload"] = "params"
+        keys.origin(f"fsdp_config.{offload}" if offload else "fsdp", "offload")
     return out
 
 
 def _loss(keys: Keys) -> str:
+    """The loss: Cut Cross-Entropy (its plugin listed: ``cut_cross_entropy`` defaults to true there), Liger's
+    fused linear cross-entropy (its plugin, with ``liger_fused_linear_cross_entropy: true``), Axolotl's chunked
+    loss, else transformers' own."""
+    plugins = keys.get("plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise keys.error("plugins", f"{plugins!r} is not a list of plugin import paths.")
+    cce_plugin = any("cut_cross_entropy" in p for p in plugins)
     for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm"):
         if keys.bool(key, False):
             keys.not_mapped(key, "Liger's layer kernel saves fewer activations than the module it replaces; "
                             "priced without it (a slight over-estimate).")
-    if keys.bool("cut_cross_entropy", False):
+    if keys.bool("cut_cross_entropy", cce_plugin):
+        keys.origin("plugins" if cce_plugin else "cut_cross_entropy", "loss")
         return "cce"
     if keys.bool("liger_fused_linear_cross_entropy", False):
+        keys.origin("liger_fused_linear_cross_entropy", "loss")
         return "liger"
     if keys.bool("chunked_cross_entropy", False):
         keys.price("chunked_cross_entropy: Axolotl's chunked loss never holds the full fp32 logits; priced as "
@@ -182,23 +231,64 @@ def _loss(keys: Keys) -> str:
     return "standard"
 
 
+def _preference(keys: Keys, run: dict[str, Any]) -> None:
+    """``rl:``: DPO (and IPO), ORPO, SimPO as memfit's preference methods; the other RL trainers refused."""
+    value = keys.get("rl")
+    if value is None or value is False:
+        return
+    name = str(value).lower()
+    if name in RL_OTHERS:
+        raise keys.error("rl", f"{value} is not a preference method memfit prices (rl: dpo, ipo, orpo and simpo "
+                         "are); memfit cannot estimate this run.")
+    if name not in RL_METHODS:
+        raise keys.error("rl", f"{value!r} is not one of {', '.join([*RL_METHODS, *RL_OTHERS])}.")
+    precompute = keys.bool("precompute_ref_log_probs", False)
+    if keys.bool("dpo_use_liger_kernel", False):
+        keys.not_mapped("dpo_use_liger_kernel", "Liger's fused DPO loss never builds the full logits; priced with "
+                        "them (an over-estimate by the logits and their gradient).")
+    if keys.bool("dpo_padding_free", False):
+        keys.not_mapped("dpo_padding_free", "priced with padded pairs (an upper bound).")
+    preference(keys, run, RL_METHODS[name], "rl", precompute=precompute and RL_METHODS[name] == "dpo")
+
+
+#: Axolotl keys written together, and the source's keys they replace (``emitting.changed_only``).
+GROUPS = (
+    (("fsdp_version", "fsdp_config", "deepspeed"), ("fsdp",)),
+    (("flash_attention", "sdp_attention"), ("attn_implementation", "eager_attention", "xformers_attention")),
+    (("cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy", "plugins"), ()),
+    (("adapter", "load_in_4bit", "load_in_8bit", "lora_target_linear", "lora_target_modules"), ()),
+    (("rl", "precompute_ref_log_probs"), ()),
+)
+
+
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
-    """``run`` as an Axolotl YAML (the source's datasets and schedule kept when it is an Axolotl file)."""
+    """``run`` as an Axolotl YAML: a source Axolotl file with only what the plan changed (``emitting``)."""
     from memfit.interop.emitting import merged
 
+    kept = [p for p in (source.data.get("plugins") or []) if isinstance(p, str) and "cut_cross_entropy" not in p
+            and "liger" not in p] if source is not None and source.tool == NAME else []
+    return merged(source, NAME, "base_model", model, run, lambda r: _settings(r, kept), GROUPS)
+
+
+def _settings(run, plugins: list[str]) -> dict[str, Any]:
+    """Axolotl's keys for ``run`` (``plugins``: the source's plugins other than the loss's)."""
+    from memfit.interop.emitting import OPTIMIZER_NAMES
+
+    loss_plugin = {"cce": [CCE_PLUGIN], "liger": [LIGER_PLUGIN]}.get(str(run.loss), [])
     out: dict[str, Any] = {
-        "base_model": model, "sequence_len": run.seq_len, "micro_batch_size": run.micro_batch,
+        "sequence_len": run.seq_len, "micro_batch_size": run.micro_batch,
         "gradient_accumulation_steps": run.grad_accum, "sample_packing": str(run.packing) == "documents",
         "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
-        "gradient_checkpointing": run.grad_checkpointing,
-        "optimizer": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-                      "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "gradient_checkpointing": run.grad_checkpointing, "optimizer": OPTIMIZER_NAMES[str(run.optimizer)],
         "activation_offloading": str(run.offload) == "activations",
         "adapter": ("qlora" if str(run.quantize) == "4bit" else "lora") if run.is_lora() else None,
         "load_in_4bit": str(run.quantize) == "4bit", "load_in_8bit": str(run.quantize) == "8bit",
         "flash_attention": str(run.attn_implementation) == "flash_attention_2",
         "sdp_attention": str(run.attn_implementation) == "sdpa",
         "chunked_cross_entropy": str(run.loss) == "chunked", "cut_cross_entropy": str(run.loss) == "cce",
+        "liger_fused_linear_cross_entropy": str(run.loss) == "liger", "plugins": (plugins + loss_plugin) or None,
+        "rl": None if str(run.method) == "sft" else str(run.method),
+        "precompute_ref_log_probs": run.precompute_reference or None,
     }
     if run.is_lora():
         linear = run.lora.targets == ("all-linear",)
@@ -210,9 +300,14 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
                               "offload_params": str(run.offload) == "params"}
     elif str(run.sharding) == "zero3":
         out["deepspeed"] = "deepspeed_configs/zero3_bf16.json"
-    drop = ("fsdp", "fsdp_config", "deepspeed", "gradient_checkpointing_kwargs", "lora_modules_to_save",
-            "liger_fused_linear_cross_entropy", "eager_attention", "attn_implementation", "xformers_attention")
-    return merged(source, NAME, out, drop)
+    return out
+
+
+def launch(run) -> str | None:
+    """The launch command that states the run's process count (read back by ``common.stated_processes``)."""
+    if run.num_processes > 1:
+        return f"accelerate launch --num_processes {run.num_processes} -m axolotl.cli.train THIS_FILE"
+    return None
 
 
 def realize(run):

@@ -13,11 +13,16 @@ memfit's tensor counter on real tensors on the CPU (``memfit.memory.measure.coun
 the measured step begins, plus every storage an operator creates, minus each one freed) over one steady-state
 step (the third, or the last of a shorter run). Logged through ``trainer.log`` (its trackers) when attached
 to the trainer, else into ``state.log_history``.
+
+The callback never breaks the run it watches: what it cannot price (a model or setting memfit has no term for,
+rows whose length it cannot find) is one logged warning, and the run goes on unwatched. Only a prediction that
+does not fit the device stops it (``DoesNotFit``), before the first step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from transformers import TrainerCallback
@@ -26,6 +31,12 @@ from memfit.errors import UserError
 
 #: The step measured on the CPU: the first creates the optimizer state, so the third is a steady-state step.
 MEASURED_STEP = 3
+
+LOG = logging.getLogger("memfit")
+
+#: TRL's preference trainers and configs (by class name) -> memfit's method (``--method``).
+PREFERENCE_CLASSES = {"DPOTrainer": "dpo", "DPOConfig": "dpo", "ORPOTrainer": "orpo", "ORPOConfig": "orpo",
+                      "CPOTrainer": "cpo", "CPOConfig": "cpo"}
 
 
 class DoesNotFit(UserError):
@@ -36,7 +47,8 @@ class MemfitCallback(TrainerCallback):
     """Predict before the first step, refuse what cannot fit, log measured vs predicted at the end.
 
     Args:
-        seq_len: tokens per row of the training batches; default: ``args.max_length`` (TRL), which pads to it.
+        seq_len: tokens per row of the training batches; default: the first batch's (the dataset's first rows as
+            the trainer's collator batches them), else ``args.max_length`` (TRL).
         budget: memory to fit in (bytes or ``"24GiB"``); default: the GPU's memory (no check on the CPU).
         trainer: the trainer whose ``log`` reports the figures (``attach`` sets it).
         full_rows: the rows hold no padding (fixed-length or packed rows), so transformers builds no padding mask
@@ -57,11 +69,24 @@ class MemfitCallback(TrainerCallback):
 
     # -- before the first step --------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        try:
+            self._predict(args, state, model, optimizer, kwargs.get("train_dataloader"))
+        except DoesNotFit:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever memfit cannot price must not stop the user's run
+            self.prediction = None
+            LOG.warning("memfit: this run is not priced (%s); training goes on without memfit's prediction.",
+                        str(err).rstrip(".") or type(err).__name__)
+
+    def _predict(self, args, state, model, optimizer, dataloader) -> None:
         from memfit.memory.estimate import estimate
         from memfit.memory.measure import reset_peak
 
-        self.spec, self.run, engine = run_of(args, model, self.seq_len, sft=_is_sft(self.trainer, args),
-                                             full_rows=self.full_rows)
+        trainer_class = type(self.trainer).__mro__ if self.trainer is not None else ()
+        names = {c.__name__ for c in trainer_class} | {type(args).__name__}
+        length = self.seq_len or first_batch_length(dataloader)
+        self.spec, self.run, engine = run_of(args, model, length, sft=_is_sft(self.trainer, args),
+                                             full_rows=self.full_rows, method=_method(names, args))
         device = "cuda" if args.device.type == "cuda" else "cpu"
         self.prediction = estimate(self.spec, self.run, device=device, engine=engine)
         self._device, self._optimizer, self._model = device, optimizer, model
@@ -84,7 +109,7 @@ class MemfitCallback(TrainerCallback):
 
     # -- the measured step (CPU) ------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._device != "cpu" or state.global_step + 1 != self._target:
+        if self.prediction is None or self._device != "cpu" or state.global_step + 1 != self._target:
             return
         from memfit.memory.measure import counted, resident_tensors
 
@@ -92,7 +117,7 @@ class MemfitCallback(TrainerCallback):
         self._counter = self._stack.enter_context(counted(resident_tensors(self._model, self._optimizer)))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._stack is not None:
+        if self._stack is not None and self._counter is not None:
             self._stack.close()
             self._stack = None
             self._measured = self._counter.peak
@@ -131,16 +156,48 @@ def attach(trainer, **options) -> MemfitCallback:
     return callback
 
 
+def first_batch_length(dataloader) -> int | None:
+    """Tokens per row of the first batch: the dataset's first rows batched by the dataloader's own collator (no
+    sampler is drawn from and the trainer's iterator is untouched, so the run's shuffling is not changed); None
+    where the dataset cannot be indexed or the batch holds no ``input_ids``. A padding collator pads to the
+    longest of these rows, so a later batch with longer rows needs more than this predicts."""
+    dataset = getattr(dataloader, "dataset", None)
+    collate = getattr(dataloader, "collate_fn", None)
+    size = getattr(dataloader, "total_batch_size", None) or getattr(dataloader, "batch_size", None) or 1
+    if dataset is None or collate is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return None
+    rows = [dataset[i] for i in range(min(int(size), len(dataset)))]
+    if not rows:
+        return None
+    batch = collate(rows)
+    ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    if ids is None and hasattr(batch, "get") and batch.get("prompt_input_ids") is not None:  # TRL < 1.0's pairs
+        sides = [batch.get(k) for k in ("chosen_input_ids", "rejected_input_ids") if batch.get(k) is not None]
+        return int(batch["prompt_input_ids"].shape[-1]) + max((int(t.shape[-1]) for t in sides), default=0)
+    return int(ids.shape[-1]) if ids is not None and hasattr(ids, "shape") else None
+
+
+def _method(names: set[str], args) -> str:
+    """memfit's method of the trainer (its class, or its arguments' class): sft, or TRL's dpo/orpo/cpo (SimPO
+    with ``loss_type: simpo``)."""
+    found = next((PREFERENCE_CLASSES[n] for n in names if n in PREFERENCE_CLASSES), "sft")
+    if found == "cpo":
+        return "simpo" if str(getattr(args, "loss_type", "")).lower() == "simpo" else "dpo"
+    return found
+
+
 def _is_sft(trainer, args) -> bool:
     if trainer is not None:
         return any(cls.__name__ == "SFTTrainer" for cls in type(trainer).__mro__)
     return hasattr(args, "max_length") and hasattr(args, "packing")
 
 
-def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_rows: bool = True):
+def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_rows: bool = True,
+           method: str = "sft"):
     """(ModelSpec, RunConfig, engine) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over
     it, on the launch's processes (``args.world_size``); the engine is ``deepspeed`` where ``args.deepspeed``
-    shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``."""
+    shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``. ``method``: a TRL preference trainer's
+    (``dpo``/``orpo``/``simpo``), priced as memfit prices its own preference runs."""
     from memfit.interop import trl
     from memfit.spec.model import spec_from_config
 
@@ -157,10 +214,14 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_r
         args.gradient_checkpointing or getattr(base, "is_gradient_checkpointing", False))}
     length = seq_len or getattr(args, "max_length", None)
     if not length:
-        raise UserError("MemfitCallback needs the rows' length: pass seq_len=... (TrainingArguments has none).")
+        raise UserError("MemfitCallback found no rows' length (the first batch holds no input_ids and the "
+                        "arguments have no max_length); pass seq_len=...")
     changes["seq_len"] = int(length)
     changes.update(_adapters(model))
-    if str(run.packing) == "none" and full_rows:
+    if method != "sft":  # pairs: one (2B, T) forward, the loss on the full logits (memory.preference_terms)
+        changes.update(method=method, loss="standard", packing="none",
+                       precompute_reference=method == "dpo" and bool(getattr(args, "precompute_ref_log_probs", False)))
+    elif str(run.packing) == "none" and full_rows:
         changes["packing"] = "concat"  # all-ones attention mask: transformers runs plain causal attention
     attention = getattr(base.config, "_attn_implementation", None)
     if attention in ("sdpa", "eager", "flash_attention_2"):

@@ -43,21 +43,40 @@ class Reading:
     launches DeepSpeed, else FSDP2's layout (``fsdp`` settings, or none)."""
     processes_stated: bool = False
     """Whether the file states its process count (a launch command in its comments); else ``--num-processes``."""
+    origins: dict = field(default_factory=dict, compare=False, repr=False)
+    """memfit setting -> the file's key that set it, so a refusal names what the user wrote (``origin``)."""
 
     def with_flags(self, typed: dict[str, Any]) -> RunConfig:
-        """The run with the memory flags typed on the command line written over it."""
-        return RunConfig.from_flat({**self.run.to_flat(), **typed})
+        """The run with the memory flags typed on the command line written over it; a combination memfit
+        cannot price is one sentence naming the file's keys (not memfit flags the user never typed)."""
+        run = RunConfig.from_flat({**self.run.to_flat(), **typed})
+        from memfit.integrations.quant_support import shards_packed_weights
+
+        if str(run.quantize) != "none" and str(run.offload) == "params" and not shards_packed_weights(run):
+            raise UserError(f"{self.path}: {self.origin('offload')} offloads the parameters of a "
+                            f"{self.origin('quantize')} base, which only FSDP sharding over 2 or more processes can "
+                            f"do ({self.origin('sharding')}); the file does not say how many processes, so give "
+                            "--num-processes N.")
+        return run
+
+    def origin(self, setting: str) -> str:
+        """The file's key that set ``setting`` (memfit's flag where the file set none)."""
+        return self.origins.get(setting) or "--" + setting.replace("_", "-")
 
     def spec(self, trust_remote_code: bool = False):
         """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
         return check_model(self, trust_remote_code)
 
     def plan_pins(self) -> dict[str, Any]:
-        """What ``plan --from`` keeps of the file: the method (full fine-tune or LoRA, with its rank, alpha,
-        dropout and targets), how documents fill rows, and the attention; the planner chooses the rest
-        (precision, checkpointing, optimizer, micro-batch, loss, ...) among what the tool runs."""
+        """What ``plan --from`` keeps of the file: the method (full fine-tune, LoRA or QLoRA, with its rank, alpha,
+        dropout and targets; the objective, sft or a preference method, and DPO's reference), how documents fill
+        rows, and the attention; the planner chooses the rest (precision, checkpointing, optimizer, micro-batch,
+        loss, sharding, ...) among what the tool runs."""
         run = self.run
-        pins = {"lora_r": run.lora.r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation)}
+        pins = {"lora_r": run.lora.r, "packing": str(run.packing), "attn_implementation": str(run.attn_implementation),
+                "quantize": str(run.quantize), "method": str(run.method)}
+        if str(run.method) == "dpo":
+            pins["precompute_reference"] = run.precompute_reference
         if run.is_lora():
             pins.update(lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout, lora_targets=run.lora.targets)
         return pins
@@ -103,6 +122,7 @@ class Keys:
         self.unmapped: list[str] = []
         self.priced: list[str] = []
         self.engine = "fsdp2"
+        self.origins: dict[str, str] = {}
         self.stated_processes = stated_processes(self.path)
         if self.stated_processes is not None:
             self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
@@ -159,6 +179,11 @@ class Keys:
             raise self.error(key, f"{value!r} is not one of {', '.join(sorted(table))}.")
         return found
 
+    def origin(self, key: str, *settings: str) -> None:
+        """Record that the file's ``key`` set memfit's ``settings`` (named in refusals instead of memfit's flags)."""
+        for setting in settings:
+            self.origins.setdefault(setting, key)
+
     def not_mapped(self, key: str, sentence: str) -> None:
         """Record that ``key`` (given in the file) is not mapped; ``sentence`` says what that means."""
         self.read.add(key)
@@ -188,9 +213,13 @@ class Keys:
         try:
             config = RunConfig.of(**run)
         except UserError as err:
-            raise UserError(f"{self.path}: {err}") from None
+            import re
+
+            said = re.sub(r"--([a-z0-9-]+)", lambda m: self.origins.get(m.group(1).replace("-", "_"), m.group(0)),
+                          str(err))
+            raise UserError(f"{self.path}: {said}") from None
         return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),
-                       self.data, self.engine, self.stated_processes is not None)
+                       self.data, self.engine, self.stated_processes is not None, dict(self.origins))
 
 
 def model_name(keys: Keys, key: str) -> str | None:
@@ -219,11 +248,11 @@ def model_name(keys: Keys, key: str) -> str | None:
 
 def _base_name(repo_id: str) -> str:
     """A Hub repository's model name without the variant suffix that keeps the architecture (an instruct or chat
-    tune, ``-hf`` conversions): ``meta-llama/Meta-Llama-3-8B-Instruct`` -> ``meta-llama-3-8b``."""
+    tune, ``-hf`` conversions) and Meta's prefix: ``meta-llama/Meta-Llama-3-8B-Instruct`` -> ``llama-3-8b``."""
     name = repo_id.rstrip("/").split("/")[-1].lower()
     for suffix in ("-instruct", "-chat", "-it", "-hf"):
         name = name.removesuffix(suffix)
-    return name
+    return name.removeprefix("meta-")  # NousResearch/Meta-Llama-3.1-8B is meta-llama/Llama-3.1-8B
 
 
 def check_model(reading: Reading, trust_remote_code: bool = False):
@@ -311,7 +340,7 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
 
 #: A launch command in a config's comments (torchtune's examples start with ``tune run --nproc_per_node 8 ...``;
 #: ``accelerate launch --num_processes 8``, ``torchrun --nproc-per-node 8``).
-_LAUNCH = r"^\s*#.*(?:--nproc[_-]per[_-]node|--num[_-]processes)[ =]+([0-9]+)"
+_LAUNCH = r"^\s*#.*(?:--nproc[_-]per[_-]node|--num[_-]processes|NPROC_PER_NODE)[ =]+([0-9]+)"
 
 
 def stated_processes(path: str) -> int | None:
@@ -324,6 +353,51 @@ def stated_processes(path: str) -> int | None:
         return None
     counts = {int(n) for n in re.findall(_LAUNCH, text, flags=re.MULTILINE)}
     return counts.pop() if len(counts) == 1 and min(counts) >= 1 else None
+
+
+def comment_words(path: str) -> set[str]:
+    """The words of the file's comments (a launch command there names the recipe or trainer it runs:
+    ``tune run full_dpo_distributed``, ``trl dpo``), lower case."""
+    import re
+
+    try:
+        text = user_path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return set()
+    comments = " ".join(line.split("#", 1)[1] for line in text.splitlines() if line.lstrip().startswith("#"))
+    return set(re.findall(r"[a-z0-9_.]+", comments.lower()))
+
+
+#: memfit's preference methods (``--method``) and what each needs of the reference policy.
+PREFERENCE = ("dpo", "orpo", "simpo")
+
+
+def preference(keys: Keys, run: dict[str, Any], method: str, key: str, precompute: bool = False) -> None:
+    """Make ``run`` (a reader's settings) memfit's ``method`` run, as memfit prices its own preference runs
+    (``memory.preference_terms``): B pairs per micro-batch in one (2B, T) forward, the loss read from the full
+    logits, and for DPO a reference policy (a frozen copy of a full fine-tune's base, the LoRA base with the
+    adapter off, or log-probabilities precomputed before training). ``key``: the file's key that says so."""
+    run["method"] = method
+    keys.origin(key, "method")
+    loss = run.get("loss", "standard")
+    if loss != "standard":
+        keys.price(f"{key}: {method} reads each sequence's log-probabilities from the full logits, so the {loss} "
+                   "loss the file sets for next-token training is not what runs; priced with the standard loss.")
+    run["loss"] = "standard"
+    if run.get("packing", "none") != "none":
+        keys.price(f"{key}: {method} pairs are padded to the longest sequence, not packed; priced unpacked at the "
+                   "full length (the upper bound).")
+    run["packing"] = "none"
+    lora = bool(run.get("lora_r"))
+    if method == "dpo":
+        run["precompute_reference"] = bool(precompute)
+        policy = ("log-probabilities precomputed before training" if precompute else
+                  "the base with the LoRA adapter switched off" if lora else "a frozen copy of the base model")
+        keys.price(f"{key}: {method}, B pairs per micro-batch in one forward of 2B sequences; reference policy: "
+                   f"{policy}; priced as memfit's --method dpo.")
+    else:
+        keys.price(f"{key}: {method}, B pairs per micro-batch in one forward of 2B sequences, no reference model; "
+                   f"priced as memfit's --method {method}.")
 
 
 def processes_sentence(run: RunConfig, engine: str) -> str:

@@ -25,6 +25,7 @@ from memfit.interop.common import (
     lora_targets,
     model_name,
     precision,
+    preference,
     trainer_optimizer,
 )
 
@@ -34,7 +35,7 @@ DEEPSPEED = frozenset({"zero2", "zero3"})
 MARKERS = frozenset({"finetuning_type", "stage", "cutoff_len", "template", "lora_target", "quantization_bit"})
 
 NO_MEMORY = frozenset({
-    "trust_remote_code", "stage", "do_train", "do_eval", "dataset", "eval_dataset", "dataset_dir", "template",
+    "trust_remote_code", "do_train", "do_eval", "dataset", "eval_dataset", "dataset_dir", "template",
     "max_samples", "overwrite_cache", "preprocessing_num_workers", "dataloader_num_workers", "output_dir",
     "logging_steps", "save_steps", "plot_loss", "overwrite_output_dir", "save_only_model", "report_to",
     "learning_rate", "num_train_epochs", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "ddp_timeout",
@@ -42,11 +43,18 @@ NO_MEMORY = frozenset({
     "weight_decay", "max_grad_norm", "max_steps", "seed", "adapter_name_or_path", "export_dir", "export_size",
     "export_device", "export_legacy_format", "run_name", "save_strategy", "save_total_limit", "streaming",
     "buffer_size", "mix_strategy", "tokenized_path", "train_on_prompt", "mask_history", "lora_rank_pattern",
-    "create_new_adapter", "use_rslora", "pref_beta", "pref_loss", "pref_ftx", "media_dir", "image_max_pixels",
+    "create_new_adapter", "use_rslora", "pref_beta", "pref_ftx", "simpo_gamma", "dpo_label_smoothing", "pref_bco_weight", "media_dir", "image_max_pixels",
     "video_max_pixels", "freeze_vision_tower", "freeze_multi_modal_projector", "default_system", "enable_thinking",
     "quantization_method", "quantization_type", "double_quantization", "ddp_find_unused_parameters",
     "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "use_reentrant_gc", "disable_shuffling",
 })
+
+
+#: ``stage`` -> memfit's method (``pt`` and ``sft``: next-token training); ``stage: dpo`` runs the loss ``pref_loss``
+#: names: ``orpo`` and ``simpo`` with no reference model, the others (sigmoid, hinge, ipo, kto_pair, ...) DPO's.
+STAGES = {"pt": "sft", "sft": "sft", "dpo": "dpo"}
+REFUSED_STAGES = ("kto", "rm", "ppo")
+NO_REFERENCE = {"orpo": "orpo", "simpo": "simpo"}
 
 
 def detect(data: dict) -> bool:
@@ -81,10 +89,13 @@ def read(path: str, data: dict) -> Reading:
     run.update(_packing(keys))
     run.update(_attention(keys))
     run.update(deepspeed(keys))
+    keys.origin("deepspeed", "sharding")
+    keys.origin("quantization_bit", "quantize")
     if keys.bool("enable_liger_kernel", False):
         run["loss"] = "liger"
         keys.price("enable_liger_kernel: Liger's fused linear cross-entropy is patched in; priced as memfit's "
                    "liger loss (its layer kernels are not priced: a slight over-estimate).")
+    _stage(keys, run)
     for key in ("use_galore", "use_apollo", "use_badam", "use_unsloth", "use_unsloth_gc", "upcast_layernorm",
                 "upcast_lmhead_output", "use_dora", "pissa_init"):
         if keys.bool(key, False):
@@ -92,6 +103,26 @@ def read(path: str, data: dict) -> Reading:
     model = model_name(keys, "model_name_or_path")
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model_name_or_path", run)
+
+
+def _stage(keys: Keys, run: dict[str, Any]) -> None:
+    """``stage``: next-token training, or ``dpo`` with ``pref_loss`` as memfit's preference method; reward
+    modelling, PPO and KTO refused (memfit prices none of them)."""
+    stage = str(keys.get("stage", "sft")).lower()
+    if stage in REFUSED_STAGES:
+        raise keys.error("stage", f"{stage} is not a training memfit prices (stage: pt, sft and dpo with pref_loss "
+                         "sigmoid, ipo, hinge, orpo or simpo are).")
+    if stage not in STAGES:
+        raise keys.error("stage", f"{stage!r} is not one of {', '.join([*STAGES, *REFUSED_STAGES])}.")
+    loss = str(keys.get("pref_loss", "sigmoid")).lower()
+    if STAGES[stage] == "sft":
+        return
+    if loss == "kto_pair":
+        keys.price("pref_loss: kto_pair is DPO's pair loss with another formula; priced as DPO (the same tensors).")
+    if keys.get("ref_model") is not None:
+        keys.not_mapped("ref_model", "a separate reference model is priced as memfit's reference policy (the base "
+                        "with the adapter off for LoRA, a copy of the base otherwise).")
+    preference(keys, run, NO_REFERENCE.get(loss, "dpo"), "stage")
 
 
 def _lora(keys: Keys, method: str) -> dict[str, Any]:
@@ -130,36 +161,57 @@ def _attention(keys: Keys) -> dict[str, Any]:
     return {"attn_implementation": value}
 
 
+#: LLaMA-Factory keys written together, and the source's keys they replace (``emitting.changed_only``).
+GROUPS = (
+    (("finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "quantization_bit", "pure_bf16"),
+     ("freeze_trainable_layers", "freeze_trainable_modules", "additional_target")),
+    (("packing", "neat_packing"), ()),
+    (("stage", "pref_loss"), ()),
+)
+
+
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
-    """``run`` as a LLaMA-Factory training YAML (the source's dataset and schedule kept when it is one)."""
+    """``run`` as a LLaMA-Factory training YAML: a source LLaMA-Factory file with only what the plan changed."""
     from memfit.interop.emitting import merged
 
+    return merged(source, NAME, "model_name_or_path", model, run, _settings, GROUPS)
+
+
+def _settings(run) -> dict[str, Any]:
+    """LLaMA-Factory's keys for ``run``."""
+    from memfit.interop.emitting import OPTIMIZER_NAMES
+
+    method = str(run.method)
     out: dict[str, Any] = {
-        "model_name_or_path": model, "stage": "sft", "do_train": True,
-        "finetuning_type": "lora" if run.is_lora() else "full",
+        "stage": "sft" if method == "sft" else "dpo", "pref_loss": {"orpo": "orpo", "simpo": "simpo"}.get(method),
+        "do_train": True, "finetuning_type": "lora" if run.is_lora() else "full",
         "cutoff_len": run.seq_len, "per_device_train_batch_size": run.micro_batch,
         "gradient_accumulation_steps": run.grad_accum,
         "bf16": str(run.mixed_precision) == "bf16", "fp16": str(run.mixed_precision) == "fp16",
         "disable_gradient_checkpointing": not run.grad_checkpointing,
-        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "optim": OPTIMIZER_NAMES[str(run.optimizer)],
         "packing": str(run.packing) == "concat", "neat_packing": str(run.packing) == "documents",
         "flash_attn": {"auto": "auto", "eager": "disabled", "sdpa": "sdpa",
                        "flash_attention_2": "fa2"}[str(run.attn_implementation)],
         "enable_liger_kernel": str(run.loss) == "liger",
+        "deepspeed": f"examples/deepspeed/ds_z{str(run.sharding)[-1]}_config.json"
+        if str(run.sharding) in ("zero2", "zero3") else None,
     }
     if run.is_lora():
         out.update(lora_rank=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
-                   lora_target="all" if run.lora.targets == ("all-linear",) else ",".join(run.lora.targets))
-        if str(run.quantize) != "none":
-            out["quantization_bit"] = int(str(run.quantize)[0])
+                   lora_target="all" if run.lora.targets == ("all-linear",) else ",".join(run.lora.targets),
+                   quantization_bit=int(str(run.quantize)[0]) if str(run.quantize) != "none" else None)
     elif str(run.dtype) == "bf16":
         out["pure_bf16"] = True
-    if str(run.sharding) in ("zero2", "zero3"):
-        out["deepspeed"] = {"zero_optimization": {"stage": int(str(run.sharding)[-1])}}
-    drop = ("quantization_bit", "pure_bf16", "deepspeed", "lora_rank", "lora_alpha", "lora_dropout", "lora_target",
-            "freeze_trainable_layers", "freeze_trainable_modules", "additional_target")
-    return merged(source, NAME, out, drop)
+    return out
+
+
+def launch(run) -> str | None:
+    """LLaMA-Factory's launch with the run's process count (``NPROC_PER_NODE``, read back by
+    ``common.stated_processes``)."""
+    if run.num_processes > 1:
+        return f"FORCE_TORCHRUN=1 NPROC_PER_NODE={run.num_processes} llamafactory-cli train THIS_FILE"
+    return None
 
 
 def realize(run):
@@ -167,6 +219,8 @@ def realize(run):
     (full: fp32 under autocast, or pure bf16 with bf16 autocast; LoRA: the base in the compute dtype), the loss
     is transformers' (or Liger's), the optimizer steps after backward, nothing offloaded outside DeepSpeed."""
     if run.optimizer_in_backward or str(run.offload) != "none" or str(run.loss) in ("chunked", "cce"):
+        return None
+    if run.precompute_reference:  # LLaMA-Factory computes the reference during training only
         return None
     if str(run.sharding) == "fsdp":
         return None

@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from memfit.files import user_path
-from memfit.interop.common import Keys, Reading
+from memfit.interop.common import Keys, Reading, comment_words, preference
 
 NAME = "torchtune"
 #: No sharding of this tool runs through DeepSpeed (its distributed recipes are FSDP2).
@@ -36,13 +36,24 @@ BUILDERS = {
 MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 
+#: torchtune's recipes memfit prices (``recipes/*.py``); a config names its recipe in the launch command of its
+#: comments (``tune run --nproc_per_node 4 full_finetune_distributed --config ...``).
+RECIPES = frozenset({f"{kind}_{job}_{where}" for kind in ("full", "lora") for job in ("finetune", "dpo")
+                     for where in ("single_device", "distributed")})
+REFUSED_RECIPES = ("ppo_full_finetune_single_device", "knowledge_distillation_single_device",
+                   "knowledge_distillation_distributed", "qat_distributed", "qat_lora_finetune_distributed",
+                   "qat_single_device")
+#: torchtune's preference losses (``torchtune.rlhf.loss``) -> memfit's method: DPO's and RSO's (a hinge on the
+#: same log-ratios) with a reference policy.
+PREFERENCE_LOSSES = {"DPOLoss": "dpo", "RSOLoss": "dpo", "IPOLoss": "dpo", "SimPOLoss": "simpo"}
+
 NO_MEMORY = frozenset({
     "output_dir", "tokenizer", "checkpointer", "resume_from_checkpoint", "save_adapter_weights_only", "dataset",
     "seed", "shuffle", "lr_scheduler", "epochs", "max_steps_per_epoch", "clip_grad_norm", "device", "metric_logger",
     "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "run_val_every_n_steps",
     "dataset_val", "batch_size_val", "custom_sharded_layers", "fsdp_reshard_after_forward", "cudnn_deterministic_mode",
     "ac_mode", "ac_option", "tensor_parallel_dim", "tensor_parallel_plan", "data_parallel_shard_dim",
-    "data_parallel_replicate_dim", "context_parallel_dim", "gradient_accumulation_steps",
+    "data_parallel_replicate_dim", "context_parallel_dim", "gradient_accumulation_steps", "ref_checkpointer",
 })
 
 
@@ -78,13 +89,58 @@ def read(path: str, data: dict) -> Reading:
     run["loss"] = _loss(keys)
     if keys.bool("compile", False):
         keys.not_mapped("compile", "memfit prices the eager model; torch.compile may save fewer activations.")
-    if any(k.startswith("fsdp") for k in data) or "fsdp_cpu_offload" in data:
+    recipe = _recipe(keys, builder)
+    if recipe.endswith("_distributed"):
         run["sharding"] = "fsdp"
+        keys.origin(recipe, "sharding")
         if keys.bool("fsdp_cpu_offload", False):
             run["offload"] = "params"
-        keys.price("A distributed recipe (FSDP2, full shard): per rank, on --num-processes ranks (1 unless given).")
+            keys.origin("fsdp_cpu_offload", "offload")
+        on = (f"{keys.stated_processes} processes, as its launch command says" if keys.stated_processes else
+              "--num-processes ranks (1 unless given: the file's comments give no --nproc_per_node)")
+        keys.price(f"{recipe}: torchtune's distributed recipes always shard with FSDP2 (full shard); per rank, "
+                   f"on {on}.")
+    _dpo(keys, run, recipe)
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model._component_", run)
+
+
+def _recipe(keys: Keys, builder: str) -> str:
+    """The recipe that runs the config: the one its launch command names, else (a config without one) a
+    distributed recipe where FSDP keys are set, else the single-device one; LoRA or full from the builder,
+    fine-tuning or DPO from the loss."""
+    named = [w for w in comment_words(keys.path) if w in RECIPES or w in REFUSED_RECIPES]
+    if len(set(named)) == 1:
+        if named[0] in REFUSED_RECIPES:
+            raise keys.error("model", f"the launch command in the file's comments runs {named[0]}, a recipe memfit "
+                             "does not price (it prices full/lora finetune and dpo, single_device or distributed).")
+        return named[0]
+    kind = "lora" if re.search(r"\.q?lora_", builder) else "full"
+    loss = str((keys.data.get("loss") or {}).get("_component_", "")).rsplit(".", 1)[-1]
+    job = "dpo" if loss in PREFERENCE_LOSSES else "finetune"
+    where = "distributed" if any(k.startswith("fsdp") for k in keys.data) else "single_device"
+    return f"{kind}_{job}_{where}"
+
+
+def _dpo(keys: Keys, run: dict[str, Any], recipe: str) -> None:
+    """A DPO recipe (its loss ``torchtune.rlhf.loss.DPOLoss``) as memfit's preference run: LoRA recipes take the
+    reference from the base with the adapters off, full ones load ``ref_checkpointer``'s weights as a frozen
+    copy; torchtune computes the full logits of both sides."""
+    component = str((keys.data.get("loss") or {}).get("_component_", ""))
+    method = PREFERENCE_LOSSES.get(component.rsplit(".", 1)[-1])
+    if method is None:
+        if "_dpo_" in recipe:
+            raise keys.error("loss", f"{component or 'none'} is no preference loss, but {recipe} trains one "
+                             f"({', '.join(PREFERENCE_LOSSES)}).")
+        return
+    if run.get("lora_r") is None and keys.data.get("ref_checkpointer") is None:
+        keys.not_mapped("ref_checkpointer", "a full DPO recipe loads its reference from ref_checkpointer, which the "
+                        "file does not set; priced with the frozen copy it would load.")
+    if recipe.endswith("_distributed") and run.get("lora_r") is None:
+        keys.not_mapped("ref_checkpointer", "full_dpo_distributed shards the reference model with FSDP2 too; "
+                        "memfit prices a whole frozen copy per rank (an over-estimate by its unsharded part).")
+    run["loss"] = "standard"  # the recipe's loss is on log-probabilities it reads from the full logits
+    preference(keys, run, method, "loss")
 
 
 def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
@@ -153,6 +209,8 @@ def _optimizer(keys: Keys) -> str:
 def _loss(keys: Keys) -> str:
     component, args = _component(keys, "loss")
     name = component.rsplit(".", 1)[-1]
+    if name in PREFERENCE_LOSSES:  # a DPO recipe's: read by _dpo
+        return "standard"
     if name in ("LinearCrossEntropyLoss", "CEWithChunkedOutputLoss"):
         keys.price(f"loss {name}: never the full fp32 logits; priced as memfit's chunked loss (chunk sizes differ).")
         return "chunked"
@@ -162,8 +220,26 @@ def _loss(keys: Keys) -> str:
     return "standard"
 
 
+#: torchtune keys written together, and the source's keys they replace (``emitting.changed_only``).
+GROUPS = ((("model",), ()), (("loss",), ()))
+
+
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
-    """``run`` as a torchtune single-device (or distributed, when sharded) recipe config."""
+    """``run`` as a torchtune recipe config: a source torchtune file with only what the plan changed
+    (``emitting.changed_only``); the recipe it runs (distributed when sharded) is in ``launch``."""
+    from memfit.interop.emitting import changed_only
+
+    same = source is not None and source.tool == NAME
+    old = source.data.get("optimizer") if same else None
+    settings = _settings(model, run, source, old)
+    if not same:
+        return _nested(settings)
+    out = changed_only(source, settings, _settings(source.model, source.run, source, old), GROUPS)
+    return out
+
+
+def _settings(model: str, run, source: Reading | None, old_optimizer) -> dict[str, Any]:
+    """torchtune's keys for ``run`` (dotted keys inside a component)."""
     module, preset = _builder(model, source)
     model_cfg: dict[str, Any] = {"_component_": f"{module}.{preset}"}
     if run.is_lora():
@@ -174,22 +250,38 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
         model_cfg.update(lora_attn_modules=[inverse[t] for t in targets if t in inverse],
                          apply_lora_to_mlp=all(m in targets for m in MLP), apply_lora_to_output=False,
                          lora_rank=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout)
-    out: dict[str, Any] = dict(source.data) if source is not None and source.tool == NAME else {}
-    tokenizer = dict(out.get("tokenizer") or {})
-    tokenizer["max_seq_len"] = run.seq_len
-    dataset = dict(out.get("dataset") or {})
-    dataset["packed"] = str(run.packing) == "documents"
-    out.update({
-        "model": model_cfg, "tokenizer": tokenizer, "dataset": dataset, "batch_size": run.micro_batch,
-        "gradient_accumulation_steps": run.grad_accum, "dtype": str(run.dtype),
+    losses = {"dpo": "torchtune.rlhf.loss.DPOLoss", "simpo": "torchtune.rlhf.loss.SimPOLoss"}
+    loss = losses.get(str(run.method)) or ("torchtune.modules.loss.LinearCrossEntropyLoss"
+                                           if str(run.loss) == "chunked" else "torch.nn.CrossEntropyLoss")
+    return {
+        "model": model_cfg, "tokenizer.max_seq_len": run.seq_len, "dataset.packed": str(run.packing) == "documents",
+        "batch_size": run.micro_batch, "gradient_accumulation_steps": run.grad_accum, "dtype": str(run.dtype),
         "enable_activation_checkpointing": run.grad_checkpointing,
         "enable_activation_offloading": str(run.offload) == "activations",
-        "optimizer_in_bwd": run.optimizer_in_backward,
-        "optimizer": _optimizer_cfg(run, out.get("optimizer")),
-        "loss": {"_component_": "torchtune.modules.loss.LinearCrossEntropyLoss" if str(run.loss) == "chunked"
-                 else "torch.nn.CrossEntropyLoss"},
-    })
+        "optimizer_in_bwd": run.optimizer_in_backward, "optimizer": _optimizer_cfg(run, old_optimizer),
+        "loss": {"_component_": loss}, "fsdp_cpu_offload": True if str(run.offload) == "params" else None,
+    }
+
+
+def _nested(settings: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            out.setdefault(head, {})[rest] = value
+        elif value is not None:
+            out[key] = value
     return out
+
+
+def launch(run) -> str:
+    """``tune run``: the recipe of ``run`` (LoRA or full, fine-tuning or DPO, distributed when sharded) and its
+    process count (read back by ``_recipe`` and ``common.stated_processes``)."""
+    kind = "lora" if run.is_lora() else "full"
+    job = "finetune" if str(run.method) == "sft" else "dpo"
+    if str(run.sharding) == "ddp" and run.num_processes == 1:
+        return f"tune run {kind}_{job}_single_device --config THIS_FILE"
+    return f"tune run --nproc_per_node {run.num_processes} {kind}_{job}_distributed --config THIS_FILE"
 
 
 def _builder(model: str, source: Reading | None) -> tuple[str, str]:
@@ -227,9 +319,13 @@ def _optimizer_cfg(run, old) -> dict[str, Any]:
 def realize(run):
     """A planner candidate as torchtune runs it (None: it cannot): no autocast (the weights' dtype is the
     compute dtype), no 8-bit base, no optimizer-state offload on one device, the loss chunked or torch's."""
-    if str(run.quantize) == "8bit" or str(run.offload) in ("optimizer", "params") or str(run.loss) in ("liger", "cce"):
+    if str(run.quantize) == "8bit" or str(run.offload) == "optimizer" or str(run.loss) in ("liger", "cce"):
         return None
-    if str(run.sharding) in ("zero2", "zero3"):
+    if str(run.sharding) in ("zero2", "zero3") or run.precompute_reference or str(run.method) == "orpo":
+        return None
+    if run.num_processes > 1 and str(run.sharding) == "ddp":  # the distributed recipes always shard (FSDP2)
+        return None
+    if str(run.offload) == "params" and str(run.sharding) != "fsdp":  # fsdp_cpu_offload: distributed recipes only
         return None
     half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
     return run.replace(mixed_precision="no", dtype=half or str(run.dtype), attn_implementation="sdpa")

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.errors import UserError
 from memfit.interop.common import (
     Keys,
     Reading,
+    comment_words,
     deepspeed,
     flash_attention,
     fsdp,
     lora_targets,
     model_name,
     precision,
+    preference,
     trainer_optimizer,
 )
 
@@ -43,6 +46,20 @@ SFT_KEYS = frozenset({
     "load_in_4bit", "load_in_8bit", "model_init_kwargs", "dataset_name", "activation_offloading", "loss_type",
     "dataset_num_proc", "eos_token", "chat_template_path", "dataset_kwargs", "truncation_mode",
 })
+#: Keys only TRL's preference configs have (DPOConfig; ORPOConfig and CPOConfig, in ``trl.experimental`` since
+#: TRL 1.0, share most of them): a file with one of them is a preference run.
+PREFERENCE_KEYS = frozenset({
+    "beta", "precompute_ref_log_probs", "precompute_ref_batch_size", "ref_model_init_kwargs", "max_prompt_length",
+    "max_completion_length", "rpo_alpha", "reference_free", "force_use_ref_model", "sync_ref_model", "use_weighting",
+    "label_smoothing", "ld_alpha", "f_divergence_type", "discopop_tau", "ref_adapter_name", "model_adapter_name",
+    "simpo_gamma", "cpo_alpha", "generate_during_eval", "use_liger_loss",
+})
+#: TRL's trainers (its CLI commands, alignment-handbook's scripts and recipe folders) -> memfit's method; a
+#: CPO run is SimPO with ``loss_type: simpo`` (else DPO's tensors), and the others are refused.
+TRAINERS = {"sft": "sft", "dpo": "dpo", "orpo": "orpo", "cpo": "dpo", "simpo": "simpo"}
+REFUSED_TRAINERS = ("kto", "grpo", "rloo", "ppo", "online_dpo", "xpo", "nash_md", "gkd", "prm", "reward")
+#: TRL 1.x DPOConfig defaults where they differ from SFTConfig's.
+PREFERENCE_DEFAULT_LENGTH = 1024
 #: TrainingArguments keys that mark a Trainer file.
 TRAINER_KEYS = frozenset({"per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "optim",
                           "num_train_epochs", "learning_rate", "lr_scheduler_type"})
@@ -61,16 +78,53 @@ NO_MEMORY = frozenset({
     "trust_remote_code", "lora_task_type", "tf32", "group_by_length", "resume_from_checkpoint", "log_level",
     "eval_on_start", "include_num_input_tokens_seen", "average_tokens_across_devices", "ddp_find_unused_parameters",
     "lora_modules_to_save", "loss_type", "pad_to_multiple_of", "gradient_checkpointing_kwargs", "optim_args",
+    # preference losses' coefficients and prompt/completion split: no memory of their own (max_length is the pair's
+    # longest sequence, prompt included)
+    "beta", "max_prompt_length", "max_completion_length", "rpo_alpha", "label_smoothing", "loss_weights",
+    "use_weighting", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "sync_ref_model",
+    "ref_model_mixup_alpha", "ref_model_sync_steps", "disable_dropout", "generate_during_eval", "reference_free",
+    "precompute_ref_batch_size", "simpo_gamma", "cpo_alpha", "model_adapter_name", "ref_adapter_name",
+    # alignment-handbook's script arguments
+    "chat_template", "dataset_mixture", "hub_private_repo",
 })
 
 
 def detect(data: dict) -> bool:
-    return bool(set(data) & (SFT_KEYS | TRAINER_KEYS))
+    return bool(set(data) & (SFT_KEYS | TRAINER_KEYS | PREFERENCE_KEYS))
+
+
+def trainer(path: str, data: dict) -> tuple[str, str]:
+    """(TRL's trainer, what says so) of a file: the ``trl CMD`` launch command in its comments, a CPO
+    ``loss_type: simpo``, the recipe's name or folder (alignment-handbook's ``recipes/MODEL/orpo/``), a key only
+    the preference configs have, a key only SFTConfig has; else ``trainer`` (plain ``TrainingArguments``)."""
+    import re
+    from pathlib import Path
+
+    words = comment_words(path)
+    if "trl" in words:
+        for name in (*TRAINERS, *REFUSED_TRAINERS):
+            if name in words:
+                return name, f"the launch command trl {name} in its comments"
+    if str(data.get("loss_type", "")).lower() == "simpo":
+        return "simpo", "loss_type"
+    named = set(re.split(r"[^a-z0-9]+", f"{Path(path).parent.name} {Path(path).stem}".lower()))
+    for name in ("orpo", "kto", "cpo", "dpo"):
+        if name in named:
+            return name, f"its name ({Path(path).parent.name}/{Path(path).name})"
+    marked = sorted(k for k in set(data) & PREFERENCE_KEYS if data[k] is not None)
+    if marked:
+        return "dpo", marked[0]
+    return ("sft", "") if set(data) & SFT_KEYS else ("trainer", "")
 
 
 def read(path: str, data: dict) -> Reading:
     keys = Keys(path, NAME, data)
-    sft = bool(set(data) & SFT_KEYS)
+    kind, said_by = trainer(path, data)
+    if kind in REFUSED_TRAINERS:
+        raise UserError(f"{path}: {said_by} names TRL's {kind} trainer, which memfit does not price (TRL's sft, dpo, "
+                        "orpo and cpo/simpo it does).")
+    method = TRAINERS.get(kind, "sft")
+    sft = kind != "trainer"  # TRL's configs (SFT and preference) default to bf16 and gradient checkpointing
     run: dict[str, Any] = {
         "micro_batch": keys.int("per_device_train_batch_size", 8),
         "grad_accum": keys.int("gradient_accumulation_steps", 1),
@@ -83,9 +137,12 @@ def read(path: str, data: dict) -> Reading:
     run.update(_model(keys, sft))
     run.update(fsdp(keys))
     run.update(deepspeed(keys))
+    keys.origin("fsdp" if keys.has("fsdp") else "deepspeed", "sharding")
     if keys.bool("activation_offloading", False):
         run["offload"] = "activations"
-    run["loss"] = _loss(keys, sft)
+    run["loss"] = _loss(keys, kind == "sft", method)
+    if method != "sft":
+        _preference(keys, run, method, said_by)
     if keys.bool("torch_compile", False):
         keys.not_mapped("torch_compile", "memfit prices the eager model; a compiled one may save fewer activations.")
     model = model_name(keys, "model_name_or_path")
@@ -105,7 +162,7 @@ def _sequence(keys: Keys, sft: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     length = keys.int("max_length", None) or keys.int("max_seq_length", None)
     if length is None and sft:
-        length = 1024  # SFTConfig's default
+        length = PREFERENCE_DEFAULT_LENGTH  # SFTConfig's and DPOConfig's default (1024)
     if length is not None:
         out["seq_len"] = length
     else:
@@ -129,7 +186,7 @@ def _model(keys: Keys, sft: bool) -> dict[str, Any]:
     init = keys.get("model_init_kwargs") or {}
     if not isinstance(init, dict):
         raise keys.error("model_init_kwargs", f"{init!r} is not a mapping of from_pretrained arguments.")
-    dtype = keys.get("dtype") or init.get("dtype") or init.get("torch_dtype")
+    dtype = keys.get("dtype") or keys.get("torch_dtype") or init.get("dtype") or init.get("torch_dtype")
     table = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
              "fp16": "fp16"}
     if dtype is not None and str(dtype).lower() != "auto":
@@ -153,10 +210,13 @@ def _model(keys: Keys, sft: bool) -> dict[str, Any]:
         out.update(lora_r=keys.int("lora_r", 16), lora_alpha=keys.float("lora_alpha", 32.0),
                    lora_dropout=keys.float("lora_dropout", 0.05),
                    lora_targets=lora_targets(keys, "lora_target_modules"))
+        keys.origin("use_peft", "lora_r")
         if keys.bool("load_in_4bit", False):
             out["quantize"] = "4bit"
+            keys.origin("load_in_4bit", "quantize")
         elif keys.bool("load_in_8bit", False):
             out["quantize"] = "8bit"
+            keys.origin("load_in_8bit", "quantize")
         if keys.bool("use_bnb_nested_quant", False):
             keys.not_mapped("use_bnb_nested_quant", "double quantization saves ~0.4 bit per base weight; priced "
                             "without it (a slight over-estimate).")
@@ -172,8 +232,23 @@ def _model(keys: Keys, sft: bool) -> dict[str, Any]:
     return out
 
 
-def _loss(keys: Keys, sft: bool) -> str:
-    liger = keys.bool("use_liger_kernel", False)
+def _preference(keys: Keys, run: dict[str, Any], method: str, said_by: str) -> None:
+    """A DPO/ORPO/CPO config as memfit's preference method (``common.preference``)."""
+    precompute = keys.bool("precompute_ref_log_probs", False)
+    if keys.bool("force_use_ref_model", False) and run.get("lora_r"):
+        keys.not_mapped("force_use_ref_model", "a separate reference model beside the LoRA model is priced as the "
+                        "base with the adapter off (low by one copy of the base weights).")
+    keys.get("ref_model_init_kwargs")
+    preference(keys, run, method, said_by or "the file's trainer", precompute=precompute and method == "dpo")
+
+
+def _loss(keys: Keys, sft: bool, method: str = "sft") -> str:
+    liger = keys.bool("use_liger_kernel", False) or keys.bool("use_liger_loss", False)
+    if method != "sft":
+        if liger:
+            keys.not_mapped("use_liger_kernel", "Liger's fused preference loss never builds the full logits; "
+                            "priced with them (an over-estimate by the logits and their gradient).")
+        return "standard"
     if sft:
         keys.price("SFTTrainer's loss: TRL's fused LM head (log-probabilities, entropy and top-1 per token, in "
                    "tiles of up to 4,096 tokens x 32,768 vocabulary columns, never the full logits); priced as "
@@ -189,33 +264,63 @@ def _loss(keys: Keys, sft: bool) -> str:
     return "standard"
 
 
+#: TRL keys written together, and the source's keys they replace (``emitting.changed_only``).
+GROUPS = (
+    (("fsdp", "deepspeed"), ()),
+    (("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit"), ()),
+    (("dtype",), ("torch_dtype",)),
+    (("max_length",), ("max_seq_length",)),
+    (("packing", "padding_free"), ()),
+    (("precompute_ref_log_probs", "loss_type"), ()),
+    (("use_liger_kernel",), ("use_liger_loss",)),
+)
+
+
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
-    """``run`` as an SFTConfig + ModelConfig file for ``trl sft --config``."""
-    from memfit.interop.emitting import dtype_name, merged
+    """``run`` as a TRL config (``trl sft|dpo|orpo --config``): a source TRL file with only what the plan changed."""
+    from memfit.interop.emitting import merged
+
+    return merged(source, NAME, "model_name_or_path", model, run, _settings, GROUPS)
+
+
+def _settings(run) -> dict[str, Any]:
+    """TRL's keys for ``run`` (SFTConfig or DPOConfig, with ModelConfig's)."""
+    from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name
 
     out: dict[str, Any] = {
-        "model_name_or_path": model, "dtype": dtype_name(run.dtype),
+        "dtype": dtype_name(run.dtype),
         "per_device_train_batch_size": run.micro_batch, "gradient_accumulation_steps": run.grad_accum,
         "max_length": run.seq_len, "packing": str(run.packing) == "documents",
         "padding_free": False, "bf16": str(run.mixed_precision) == "bf16",
         "fp16": str(run.mixed_precision) == "fp16", "gradient_checkpointing": run.grad_checkpointing,
-        "optim": {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
-                  "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}[str(run.optimizer)],
+        "optim": OPTIMIZER_NAMES[str(run.optimizer)],
         "use_peft": run.is_lora(), "activation_offloading": str(run.offload) == "activations",
+        "precompute_ref_log_probs": run.precompute_reference if str(run.method) == "dpo" else None,
+        "loss_type": "simpo" if str(run.method) == "simpo" else None,
+        "use_liger_kernel": True if str(run.loss) == "liger" else None,
+        "attn_implementation": None if str(run.attn_implementation) == "auto" else str(run.attn_implementation),
+        "fsdp": None, "deepspeed": None,
     }
     if run.is_lora():
         out.update(lora_r=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
                    lora_target_modules=list(run.lora.targets),
                    load_in_4bit=str(run.quantize) == "4bit", load_in_8bit=str(run.quantize) == "8bit")
-    if str(run.attn_implementation) != "auto":
-        out["attn_implementation"] = str(run.attn_implementation)
     if str(run.sharding) in ("fsdp", "zero2"):
         words = ["full_shard" if str(run.sharding) == "fsdp" else "shard_grad_op", "auto_wrap"]
         out["fsdp"] = " ".join(words + (["offload"] if str(run.offload) == "params" else []))
     elif str(run.sharding) == "zero3":
         out["deepspeed"] = {"zero_optimization": {"stage": 3}}
-    drop = ("fsdp", "deepspeed", "use_liger_kernel", "model_init_kwargs", "max_seq_length")
-    return merged(source, NAME, out, drop)
+    return out
+
+
+def launch(run) -> str | None:
+    """TRL's launch command, naming its trainer and the process count (read back by ``trainer`` and
+    ``common.stated_processes``)."""
+    command = {"sft": "sft", "dpo": "dpo", "orpo": "orpo", "simpo": "cpo"}[str(run.method)]
+    if command == "sft" and run.num_processes == 1:
+        return None
+    processes = f" --num_processes {run.num_processes}" if run.num_processes > 1 else ""
+    return f"trl {command}{processes} --config THIS_FILE"
 
 
 def realize(run):
@@ -225,4 +330,4 @@ def realize(run):
         return None
     if str(run.offload) == "params" and str(run.sharding) not in ("fsdp", "zero2"):
         return None
-    return run.replace(loss="trl")
+    return run.replace(loss="trl") if str(run.method) == "sft" else run

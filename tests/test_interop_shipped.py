@@ -1,0 +1,246 @@
+"""Every configuration the four tools ship (tests/data/interop, README.md there names each source) reads as the
+run that tool starts: preference runs as memfit's preference methods, distributed recipes sharded on their
+process count, or a one-sentence refusal naming the file's own keys; ``plan --emit`` changes only what the plan
+chose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from _train_helpers import assert_one_sentence
+from memfit.cli import cli
+from memfit.errors import UserError
+from memfit.interop import emit, read
+
+DATA = Path(__file__).parent / "data" / "interop"
+
+#: What decides the memory of each shipped run: its objective (memfit's --method, DPO's reference), its sharding
+#: and process count, and the method of training (LoRA rank, quantized base). Read from each file by hand.
+SHIPPED = {
+    # Axolotl: rl: dpo with an 8-bit LoRA base; rl: dpo full (a frozen reference copy); ORPO on a 4-bit base
+    "axolotl_dpo_lora_8b.yml": dict(method="dpo", lora_r=32, quantize="8bit", sharding="ddp", num_processes=1),
+    "axolotl_dpo_lora_1b.yml": dict(method="dpo", lora_r=32, quantize="8bit", sharding="ddp", num_processes=1),
+    "axolotl_dpo_full_qwen.yaml": dict(method="dpo", lora_r=0, quantize="none", sharding="ddp", num_processes=1),
+    "axolotl_dpo_qlora_mistral.yml": dict(method="dpo", lora_r=8, quantize="4bit", sharding="ddp", num_processes=1),
+    "axolotl_orpo_qlora_mistral.yml": dict(method="orpo", lora_r=32, quantize="4bit", sharding="ddp",
+                                           num_processes=1),
+    "axolotl_lora_1b.yml": dict(method="sft", lora_r=16, quantize="none", sharding="ddp", num_processes=1),
+    "axolotl_qlora_1b.yml": dict(method="sft", lora_r=32, quantize="4bit", sharding="ddp", num_processes=1),
+    "axolotl_fft_8b.yml": dict(method="sft", lora_r=0, quantize="none", sharding="ddp", num_processes=1),
+    "axolotl_fft_8b_liger_fsdp.yaml": dict(method="sft", lora_r=0, sharding="fsdp", offload="params", loss="liger"),
+    "axolotl_qlora_fsdp_llama2.yml": dict(method="sft", lora_r=32, quantize="4bit", sharding="fsdp"),
+    "axolotl_qlora_fsdp_70b.yaml": dict(method="sft", lora_r=8, quantize="4bit", sharding="fsdp"),
+    # LLaMA-Factory: stage dpo + pref_loss sigmoid (DPO, LoRA: the adapter-off reference); DeepSpeed ZeRO-3
+    "llamafactory_lora_dpo.yaml": dict(method="dpo", lora_r=8, quantize="none", precompute_reference=False),
+    "llamafactory_lora_sft.yaml": dict(method="sft", lora_r=8, quantize="none", sharding="ddp"),
+    "llamafactory_lora_sft_ds3.yaml": dict(method="sft", lora_r=8, sharding="zero3"),
+    "llamafactory_lora_pretrain.yaml": dict(method="sft", lora_r=8, packing="concat"),
+    "llamafactory_qlora_otfq.yaml": dict(method="sft", lora_r=8, quantize="4bit"),
+    "llamafactory_fsdp_qlora.yaml": dict(method="sft", lora_r=8, quantize="4bit"),
+    "llamafactory_full_sft.yaml": dict(method="sft", lora_r=0, sharding="zero3"),
+    # torchtune: the launch command in the comments names the recipe and its --nproc_per_node
+    "torchtune_3B_full.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=4),
+    "torchtune_llama3_8B_full.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=4),
+    "torchtune_qwen0.5B_full.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=2),
+    "torchtune_8B_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2),
+    "torchtune_8B_full_dpo.yaml": dict(method="dpo", lora_r=0, sharding="fsdp", num_processes=4, seq_len=1024),
+    "torchtune_8B_lora_dpo.yaml": dict(method="dpo", lora_r=8, sharding="fsdp", num_processes=2),
+    "torchtune_8B_lora_dpo_single_device.yaml": dict(method="dpo", lora_r=8, sharding="ddp", num_processes=1),
+    "torchtune_1B_lora_single_device.yaml": dict(method="sft", lora_r=64, sharding="ddp", num_processes=1),
+    "torchtune_1B_qlora_single_device.yaml": dict(method="sft", quantize="4bit", sharding="ddp"),
+    "torchtune_1B_full_single_device.yaml": dict(method="sft", lora_r=0, sharding="ddp", optimizer_in_backward=True),
+    # TRL / alignment-handbook: torch_dtype read; DPO recipes by their DPOConfig keys, ORPO by its recipe folder
+    "handbook_zephyr_dpo_full.yaml": dict(method="dpo", lora_r=0, loss="standard", seq_len=1024),
+    "handbook_zephyr_dpo_qlora.yaml": dict(method="dpo", lora_r=128, quantize="4bit", dtype="bf16"),
+    "handbook_smollm2_dpo.yaml": dict(method="dpo", lora_r=0, dtype="bf16", micro_batch=2, grad_accum=8),
+    "handbook_orpo_full.yaml": dict(method="orpo", lora_r=0, dtype="bf16", optimizer="adamw-8bit", seq_len=2048),
+    "handbook_zephyr_sft_full.yaml": dict(method="sft", lora_r=0, dtype="bf16", loss="trl"),
+    "handbook_zephyr_sft_qlora.yaml": dict(method="sft", lora_r=16, quantize="4bit", dtype="bf16"),
+    "handbook_smollm2_sft.yaml": dict(method="sft", lora_r=0, dtype="bf16", seq_len=8192),
+    "trl_sft_lora.yaml": dict(method="sft", lora_r=32),
+    "trl_sft_full_packing.yaml": dict(method="sft", lora_r=0, packing="documents"),
+    "trainer_args.json": dict(method="sft", loss="standard"),
+}
+
+#: Shipped runs memfit does not price: the sentence names the file's key and value.
+REFUSED = {
+    "axolotl_kto_qlora_1b.yaml": "rl: kto is not a preference method memfit prices",
+    "llamafactory_lora_kto.yaml": "stage: kto is not a training memfit prices",
+    "llamafactory_lora_reward.yaml": "stage: rm is not a training memfit prices",
+}
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_the_collection_holds_at_least_30_shipped_configs_of_every_kind():
+    files = sorted(p.name for p in DATA.iterdir() if p.suffix in (".yml", ".yaml", ".json"))
+    assert sorted([*SHIPPED, *REFUSED]) == files
+    runs = {name: read(DATA / name).run for name in SHIPPED}
+    assert len(files) >= 30
+    assert sum(str(r.method) != "sft" for r in runs.values()) >= 8  # preference
+    assert sum(str(r.quantize) == "4bit" for r in runs.values()) >= 5  # QLoRA
+    assert sum(not r.is_lora() for r in runs.values()) >= 8  # full fine-tunes
+    assert sum(r.num_processes > 1 for r in runs.values()) >= 5  # multi-process launches the files state
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_each_shipped_config_reads_as_the_run_its_tool_starts(name):
+    reading = read(DATA / name)
+    flat = reading.run.to_flat()
+    assert {k: flat[k] for k in SHIPPED[name]} == SHIPPED[name]
+    if flat["method"] != "sft":  # B pairs: one forward of 2B sequences, the loss on the full logits
+        assert reading.run.forward_sequences() == 2 * reading.run.micro_batch and flat["loss"] == "standard"
+        assert any(flat["method"] in line and "pairs" in line for line in reading.priced)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_shipped_run_memfit_cannot_price_is_one_sentence_naming_the_files_key(name):
+    assert_one_sentence(_run("estimate", "--from", DATA / name), REFUSED[name])
+
+
+def test_dpo_reference_follows_the_tool():
+    """Full DPO keeps a frozen copy of the base, LoRA DPO switches the adapter off, precomputed log-probabilities
+    need neither (memory.preference_terms.reference_policy reads these fields)."""
+    from memfit.memory.preference_terms import reference_policy
+
+    assert reference_policy(read(DATA / "torchtune_8B_full_dpo.yaml").run) == "copy"
+    assert reference_policy(read(DATA / "llamafactory_lora_dpo.yaml").run) == "adapter-off"
+    assert reference_policy(read(DATA / "handbook_orpo_full.yaml").run) is None
+
+
+def _axolotl(tmp_path, text: str, name: str = "run.yml") -> Path:
+    path = tmp_path / name
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nmicro_batch_size: 1\nsequence_len: 512\n" + text)
+    return path
+
+
+@pytest.mark.parametrize("text, loss", [
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n", "cce"),
+    ("plugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\ncut_cross_entropy: false\n",
+     "standard"),
+    ("plugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_fused_linear_cross_entropy: true\n", "liger"),
+    ("precompute_ref_log_probs: true\nrl: dpo\nadapter: lora\nlora_r: 8\n", "standard"),
+])
+def test_axolotl_plugins_set_the_loss(tmp_path, text, loss):
+    run = read(_axolotl(tmp_path, text)).run
+    assert str(run.loss) == loss
+    assert run.precompute_reference == ("precompute_ref_log_probs" in text)
+
+
+def test_axolotl_activation_offload_is_not_claimed_when_deepspeed_offloads_the_parameters(tmp_path):
+    ds = tmp_path / "zero3_offload.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    reading = read(_axolotl(tmp_path, f"activation_offloading: true\ndeepspeed: {ds}\n"))
+    assert str(reading.run.offload) == "params" and str(reading.run.sharding) == "zero3"
+    assert not any("activations offload" in line for line in reading.priced)
+    assert any(line.startswith("activation_offloading:") for line in reading.unmapped)
+    alone = read(_axolotl(tmp_path, "activation_offloading: true\n", "alone.yml"))
+    assert str(alone.run.offload) == "activations"
+
+
+def test_a_refusal_names_the_files_keys_not_memfit_flags():
+    """Axolotl's QLoRA-FSDP example offloads the 4-bit base's parameters, which needs FSDP over 2+ processes; the
+    file states no process count: the sentence names its keys, not --offload/--quantize."""
+    result = _run("estimate", "--from", DATA / "axolotl_qlora_fsdp_llama2.yml")
+    assert_one_sentence(result, "fsdp_config.fsdp_offload_params offloads the parameters of a load_in_4bit base")
+    assert "--offload" not in result.output and "--quantize" not in result.output
+
+
+@pytest.mark.slow  # two analytic estimates of Qwen2.5 0.5B
+def test_a_preference_file_is_priced_as_memfits_own_preference_run():
+    """``estimate --from`` an Axolotl DPO file gives the number ``estimate`` gives for the same run typed as
+    memfit's own flags (--method dpo ...), whichever recipe computes it."""
+    from memfit.settings.config import RunConfig
+
+    flat, default = read(DATA / "axolotl_dpo_full_qwen.yaml").run.to_flat(), RunConfig().to_flat()
+    typed = ["qwen2.5-0.5b", "--json"]
+    for key in (k for k in flat if flat[k] != default[k]):  # the file's run as memfit's own flags
+        flag = "--" + key.replace("_", "-")
+        typed += [flag] if flat[key] is True else [flag, flat[key]]
+    assert "--method" in typed
+    own = json.loads(_run("estimate", *typed).output)
+    from_file = json.loads(_run("estimate", "--from", DATA / "axolotl_dpo_full_qwen.yaml", "--json").output)
+    assert from_file["config"]["method"] == "dpo"
+    assert from_file["peak_bytes"] == own["peak_bytes"]
+
+
+# -- emit: only what the plan chose ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, kept", [
+    ("llamafactory_lora_dpo.yaml", {"model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct", "stage": "dpo",
+                                    "pref_loss": "sigmoid"}),
+    ("axolotl_dpo_lora_8b.yml", {"base_model": "meta-llama/Meta-Llama-3-8B-Instruct", "rl": "dpo",
+                                 "attn_implementation": "flash_attention_2", "load_in_8bit": True}),
+    ("torchtune_3B_full.yaml", {"tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
+                                              "path": "/tmp/Llama-3.2-3B-Instruct/original/tokenizer.model",
+                                              "max_seq_len": None}}),
+    ("handbook_orpo_full.yaml", {"model_name_or_path": "mistralai/Mistral-7B-v0.1", "torch_dtype": "bfloat16",
+                                 "attn_implementation": "flash_attention_2", "max_prompt_length": 1792}),
+])
+def test_emit_changes_only_what_the_plan_chose(tmp_path, name, kept):
+    """A plan that changes the micro-batch and accumulation (the same tokens per step) rewrites those two keys
+    and nothing else the file says: model id, stage, attention, a null sequence length stay as written, no
+    quantization is added, and the file reads back as the plan."""
+    reading = read(DATA / name)
+    plan = reading.run.replace(micro_batch=reading.run.micro_batch * 2 if reading.run.grad_accum % 2 else 1,
+                               grad_accum=reading.run.grad_accum // 2 or 1)
+    out = tmp_path / f"emitted{Path(name).suffix}"
+    emit(reading.tool, out, reading.model, plan, reading)
+    written = yaml.safe_load(out.read_text())
+    assert {k: written.get(k) for k in kept} == kept
+    assert "quantization_bit" not in written or "quantization_bit" in reading.data
+    changed = {k for k in written if written[k] != reading.data.get(k)} | (set(reading.data) - set(written))
+    assert changed <= {"batch_size", "micro_batch_size", "per_device_train_batch_size", "gradient_accumulation_steps"}
+    assert read(out).run == plan
+
+
+@pytest.mark.parametrize("name, sharding", [
+    ("axolotl_lora_1b.yml", "fsdp"), ("llamafactory_lora_sft.yaml", "zero3"),
+    ("torchtune_1B_lora_single_device.yaml", "fsdp"), ("trl_sft_lora.yaml", "fsdp"),
+    ("llamafactory_lora_dpo.yaml", "zero3"), ("handbook_orpo_full.yaml", "zero3"),
+])
+def test_emit_writes_the_plans_processes_and_sharding_in_the_tools_own_terms(tmp_path, name, sharding):
+    """A plan over 4 processes, sharded, reads back on 4 processes with the same sharding (the launch command in
+    the emitted file's comments says the count; torchtune's names the distributed recipe), so ``estimate --from``
+    the emitted file prices the plan; the method (ORPO, DPO) survives the trip too."""
+    reading = read(DATA / name)
+    plan = reading.run.replace(num_processes=4, sharding=sharding)
+    out = tmp_path / "emitted.yaml"
+    emit(reading.tool, out, reading.model, plan, reading)
+    back = read(out)
+    assert back.processes_stated and back.run == plan
+
+
+def test_emit_to_another_tool_names_the_hub_model_not_a_memfit_preset(tmp_path):
+    reading = read(DATA / "torchtune_8B_lora_dpo.yaml")
+    for tool in ("axolotl", "llamafactory", "trl"):
+        out = tmp_path / f"{tool}.yaml"
+        emit(tool, out, reading.model, reading.run, reading)
+        written = yaml.safe_load(out.read_text())
+        assert written.get("base_model", written.get("model_name_or_path")) == "meta-llama/Meta-Llama-3-8B"
+        back = read(out)
+        assert (back.model, str(back.run.method), back.run.num_processes) == ("llama-3-8b", "dpo", 2)
+
+
+def test_torchtune_dpo_recipe_without_preference_loss_is_refused(tmp_path):
+    path = tmp_path / "dpo.yaml"
+    path.write_text("# tune run lora_dpo_single_device --config dpo\nmodel:\n  _component_: "
+                    "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n")
+    with pytest.raises(UserError, match="loss: torch.nn.CrossEntropyLoss is no preference loss"):
+        read(path)
+
+
+@pytest.mark.parametrize("tool", ["axolotl", "trl"])
+def test_an_sft_run_written_for_another_tool_reads_back_as_sft(tmp_path, tool):
+    """No key the plan leaves unset is written (a null preference key made a TRL file read as DPO)."""
+    reading = read(DATA / "llamafactory_full_sft.yaml")
+    out = tmp_path / f"{tool}.yaml"
+    emit(tool, out, reading.model, reading.run.replace(loss="standard"), reading)
+    assert None not in yaml.safe_load(out.read_text()).values()
+    assert str(read(out).run.method) == "sft"
