@@ -72,7 +72,7 @@ from memfit.settings.config import (
 )
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 5
 
 COMPONENTS = ("gradients", "activations", "logits", "temporary")
 MOMENTS = ("forward", "backward_start", "backward_layer", "backward_end")
@@ -122,6 +122,10 @@ class DerivedRecipe:
     returned: list[list[list[int]]] = field(default_factory=list)
     """Per kind, per point: bytes of each of ``COMPONENTS`` its traced layer only returned (``Timeline.returned``):
     alive at its forward's end, gone when the next layer's output replaces them, so not one layer's bytes."""
+    forward_only: list[list[list[int]]] = field(default_factory=list)
+    """Per kind, per point: bytes of each of ``COMPONENTS`` its traced layer left alive through the forward only
+    (``Timeline.forward_only``: autocast's cached weight copies of a checkpointed layer): held by each further
+    layer in forward, not in backward."""
     from_cache: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,17 +138,21 @@ class DerivedRecipe:
         self._coef = coef.reshape((a.shape[1],) + y.shape[1:])
         self._phases = np.array([p for p, n in self.phase_runs for _ in range(n)])  # once: ~1 ms per estimate
         grads = COMPONENTS.index("gradients")
-        self._layer_coef, self._grad_coef = {}, {}
+        self._layer_coef, self._grad_coef, self._forward_only_coef = {}, {}, {}
+
+        def fitted(per_point) -> np.ndarray:  # (points, components) bytes -> (basis, components) coefficients
+            return np.linalg.solve(a / scale, np.array(per_point, dtype=float)) / scale[:, None]
+
         for k, kind in enumerate(self.layer_kinds):
             first, last = self.layer_spans[k]
             layer = self._coef[:, last] - self._coef[:, first]  # (basis, components)
             if self.returned:  # attention weights a layer returns, kept by no layer: one alive at a time
-                back = np.array(self.returned[k], dtype=float)  # (points, components)
-                layer = layer - np.linalg.solve(a / scale, back) / scale[:, None]
+                layer = layer - fitted(self.returned[k])
             top, bottom = self.grad_spans[k]
             grad = np.zeros_like(layer)
             grad[:, grads] = self._coef[:, bottom, grads] - self._coef[:, top, grads]
             self._layer_coef[kind], self._grad_coef[kind] = layer, grad
+            self._forward_only_coef[kind] = fitted(self.forward_only[k]) if self.forward_only else np.zeros_like(layer)
 
     @property
     def label(self) -> str:
@@ -178,7 +186,9 @@ class DerivedRecipe:
         zero = np.zeros(len(COMPONENTS))
         held = sum((n * (basis @ self._layer_coef[k]) for k, n in extra.items()), zero)
         grads = sum((n * (basis @ self._grad_coef[k]) for k, n in extra.items()), zero)
+        forward_only = sum((n * (basis @ self._forward_only_coef[k]) for k, n in extra.items()), zero)
         more = np.repeat(held[None, :], len(pred), axis=0)
+        more[self._phases[:len(pred)] != "forward"] -= forward_only  # freed when the forward ended (autocast's cache)
         more[self.split + 1:] = grads
         pred = pred + more
         pred[:, COMPONENTS.index("logits")] *= logits_share
@@ -206,14 +216,16 @@ class DerivedRecipe:
         return {"version": RECIPE_VERSION, "model_type": self.model_type, "key": self.key,
                 "points": self.points, "timelines": self.timelines, "phase_runs": self.phase_runs,
                 "kinds": self.kinds, "layer_spans": self.layer_spans, "grad_spans": self.grad_spans,
-                "split": self.split, "derive_seconds": self.derive_seconds, "returned": self.returned}
+                "split": self.split, "derive_seconds": self.derive_seconds, "returned": self.returned,
+                "forward_only": self.forward_only}
 
     @classmethod
     def from_json(cls, data: dict) -> DerivedRecipe:
         return cls(data["model_type"], data["key"], [tuple(p) for p in data["points"]], data["timelines"],
                    [tuple(r) for r in data["phase_runs"]], list(data["kinds"]),
                    [tuple(x) for x in data["layer_spans"]], [tuple(x) for x in data["grad_spans"]],
-                   int(data["split"]), float(data["derive_seconds"]), data["returned"], from_cache=True)
+                   int(data["split"]), float(data["derive_seconds"]), data["returned"], data["forward_only"],
+                   from_cache=True)
 
 
 def pick_moments(pred, phases, accumulating: bool = False) -> dict[str, int]:
@@ -523,11 +535,13 @@ def derive(spec, run: RunConfig, key: str | None = None, device: str = "cpu") ->
     phases, per_kind, split = _align(lines, spec.model_type, kinds)
     end = phases.count("forward") + phases.count("backward")  # the optimizer step is analytic
     timelines = [[[int(s[c]) for c in COMPONENTS] for s in line.samples[:end]] for line in lines]
+    forward_only = [[[line.forward_only.get(at, {}).get(c, 0) for c in COMPONENTS] for line in lines]
+                    for _span, _grads, at in per_kind.values()]
     returned = [[[line.returned.get(at, {}).get(c, 0) for c in COMPONENTS] for line in lines]
                 for _span, _grads, at in per_kind.values()]
     return DerivedRecipe(spec.model_type, key or recipe_key(spec, run, device), points, timelines, _runs(phases[:end]),
                          list(kinds), [v[0] for v in per_kind.values()], [v[1] for v in per_kind.values()], split,
-                         round(time.perf_counter() - started, 2), returned)
+                         round(time.perf_counter() - started, 2), returned, forward_only)
 
 
 def _traced_model(spec):

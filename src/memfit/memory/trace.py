@@ -95,9 +95,14 @@ class Timeline:
     layer's forward hooks (not at a checkpoint's recompute), "grad" when backward reaches the layer's
     output (the start of that layer's backward); ``memory/derive.py`` reads one layer's bytes off them."""
     returned: dict[int, dict[str, int]] = field(default_factory=dict)
-    """Per decoder layer, bytes by category of the tensors it returned beside its hidden states (attention
-    weights) that died before backward: held only until the next layer's output replaced them, not kept
-    by the layer (``Recorder.watch_returned``); ``memory/derive.py`` excludes them from a layer's bytes."""
+    """Per decoder layer, bytes by category of what its forward left alive that died before the head ran:
+    held only until the next layer's output replaced them, not kept by the layer (attention weights a layer
+    returns, hidden states saved on the host under ``--offload activations``; ``Recorder.watch_layer``);
+    ``memory/derive.py`` excludes them from a layer's bytes."""
+    forward_only: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Per decoder layer, bytes by category of what its forward left alive that died after the head ran and
+    before backward: alive through the rest of the forward, gone in backward (autocast's cached weight copies
+    of a checkpointed layer, freed when autocast exits); ``memory/derive.py`` holds them in forward only."""
     allocations: list[tuple] = field(default_factory=list)
     """The allocation stream of both steps, weights first, as ``memory/alloc_stream.py`` records it (a CUDA
     trace of two steps; empty otherwise): what ``memory.allocator.replay`` takes."""
@@ -327,7 +332,9 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             self.recording = False
             self.state_bytes = 0
             self.timeline = Timeline()
-            self.watched: list[weakref.ref] = []  # ``watch_returned``'s references (their callbacks need them)
+            self.watched: list[weakref.ref] = []  # ``watch_layer``'s references (their callbacks need them)
+            self._before: dict[int, set[int]] = {}  # per layer: ids of the storages alive at its forward's start
+            self.head_ran = False  # the recorded step's (grad-enabled) forward has made logits
             for st in storages_of(head_weight):
                 self.head.add(st, None)
 
@@ -358,6 +365,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                         # B*T == H: it is a weight copy (temporary), not logits.
                         if st not in self.casts:
                             self.logits.add(st, winfo)
+                            self.head_ran = self.head_ran or (self.recording and torch.is_grad_enabled())
 
         def sample(self) -> dict[str, int]:
             snap = next(iter(tracker._curr_mem_snap.values()), {})
@@ -375,31 +383,35 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                 + snap.get(ref.OTH, 0) - relabelled[ref.OTH] + sum(casts.get(r, 0) for r in relabelled),
             }
 
-        def watch_returned(self, layer: int, output) -> None:
-            """Watch what decoder layer ``layer`` returned beside its hidden states (the first tensor): a
-            storage that dies in forward was only returned (bloom's, mpt's, eager falcon's attention weights
-            under checkpointing: the decoder drops them when the next layer returns), not saved by the layer."""
-            if not (self.recording and self.phase == "forward"):
-                return
-            leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-            seen = {id(st) for st in (storages_of(leaves[0]) if leaves else ())}
-            for t in leaves[1:]:
-                for st, winfo in self._winfos(t):
-                    if id(st) in seen:
-                        continue
-                    seen.add(id(st))
-                    category = "activations" if winfo.reftype is ref.ACT else "temporary"
-                    self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
-                                                    self._freed(*args)))
+        def watch_layer(self, layer: int) -> None:
+            """At decoder layer ``layer``'s forward end: watch every storage its forward created that is still
+            alive. One that dies in forward was not kept for backward by the layer: before the head runs, it
+            was only returned (bloom's, mpt's, eager falcon's attention weights under checkpointing, which the
+            decoder drops when the next layer returns; under ``--offload activations`` the hidden states
+            themselves, whose device copy dies when the next layer's output replaces it: ``returned``); after
+            the head ran, it lived through the forward only (autocast's cached weight copies of a checkpointed
+            layer, freed when autocast exits: ``forward_only``). What the layers keep never dies in forward."""
+            before = self._before.pop(layer, None)
+            if not (self.recording and self.phase == "forward") or before is None or not torch.is_grad_enabled():
+                return  # (a DPO reference forward runs under no_grad: it leaves nothing for backward anyway)
+            for st, (winfo, _) in list(tracker._WINFO.items()):
+                if id(st) in before:
+                    continue
+                category = "temporary" if st in self.casts or winfo.reftype is not ref.ACT else "activations"
+                self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
+                                                self._freed(*args)))
 
         def _freed(self, layer: int, category: str, size: int) -> None:
             if self.recording and self.phase == "forward":
-                bytes_ = self.timeline.returned.setdefault(layer, {})
+                where = self.timeline.forward_only if self.head_ran else self.timeline.returned
+                bytes_ = where.setdefault(layer, {})
                 bytes_[category] = bytes_.get(category, 0) + size
 
         def mark(self, layer: int, when: str) -> None:
             if self.recording and self.phase == ("backward" if when == "grad" else "forward"):
                 self.timeline.layer_marks.append((layer, when, len(self.timeline.samples)))
+            if when == "pre" and self.recording and self.phase == "forward" and torch.is_grad_enabled():
+                self._before[layer] = {id(st) for st in list(tracker._WINFO.keys())}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -619,7 +631,7 @@ def _mark_layers(model, recorder) -> None:
 
     def after_forward(i: int, output) -> None:
         recorder.mark(i, "post")
-        recorder.watch_returned(i, output)
+        recorder.watch_layer(i)
         first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
         if recorder.recording and first is not None and first.requires_grad:
             first.register_hook(lambda _grad, i=i: recorder.mark(i, "grad"))
