@@ -118,6 +118,10 @@ def test_none_reads_the_shipped_corpus():
             r"none\.jsonl line 2 has neither a text field nor prompt",
         ),
         ("half.jsonl", '{"prompt": "p"}\n', r"half\.jsonl line 1 needs both prompt and completion"),
+        # issue 34: a preference file given without --method was "needs both prompt and completion"
+        ("pairs.jsonl", '{"prompt": "p", "chosen": "a", "rejected": "b"}\n',
+         r"pairs\.jsonl line 1 is a preference pair \(chosen and rejected\): train it with --method dpo, orpo or "
+         r"simpo\."),
         ("list.jsonl", '["text"]\n', r"list\.jsonl line 1 is a JSON list"),
         ("blank.jsonl", '{"text": ""}\n', r"blank\.jsonl line 1 has a text that is not a non-empty string"),
         ("data.xlsx", "a,b\n", r"data\.xlsx is a \.xlsx file"),

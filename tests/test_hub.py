@@ -139,6 +139,54 @@ def test_a_hub_id_not_in_the_offline_cache_is_one_sentence_and_leaves_no_run_fol
     assert_one_sentence(estimate, "does not hold it while HF_HUB_OFFLINE is set")
 
 
+def test_online_a_fully_cached_model_is_taken_from_the_cache_without_asking_the_hub(hub_cache, monkeypatch):
+    """Issue 34: online but unable to reach the Hub, a cached model cost 80 s of "Retrying in 1s" before training.
+    The calls to huggingface_hub are counted (``local_files_only`` or not):
+    a complete snapshot is used at once and says so; MEMFIT_HUB_REFRESH=1 asks the Hub anyway."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from memfit.integrations import hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    asked = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: (asked.append(k.get("local_files_only", False)), real(*a, **k))[1])
+    model = hub.fetch("org/tiny", files="model")
+    assert model.cached and model.commit == COMMIT and asked == [True]
+    assert "(the cached snapshot, the Hub not asked; MEMFIT_HUB_REFRESH=1" in model.describe()
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request fails at once
+    monkeypatch.setenv("MEMFIT_HUB_REFRESH", "1")
+    refreshed = hub.fetch("org/tiny", files="model")  # asked (and, unanswered, huggingface_hub falls back on the cache)
+    assert asked[-1] is False and not refreshed.cached
+
+
+def test_a_cached_config_alone_is_not_the_weights_train_needs(hub_cache, tmp_path, monkeypatch):
+    """The cache-first lookup checks completeness: a snapshot holding only config.json (what ``estimate`` fetches)
+    serves ``config`` but not ``model``, for which the Hub is asked (here: offline, so the one sentence)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from memfit.integrations import hub
+
+    snapshot = next((hub_cache / "models--org--tiny" / "snapshots").iterdir())
+    for path in snapshot.iterdir():
+        if path.name != "config.json":
+            path.unlink()
+    shutil.rmtree(hub_cache / "models--org--tiny" / "blobs", ignore_errors=True)
+    (hub_cache / "models--org--tiny" / "blobs").mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert hub.cached_snapshot("org/tiny", None, "config", ["config.json"]) is None  # its blob is gone too: a dangling link
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert hub.cached_snapshot("org/tiny", None, "config", ["config.json"]) == snapshot
+    assert hub.cached_snapshot("org/tiny", None, "model", list(hub.PATTERNS["model"])) is None
+
+
 def test_an_unknown_revision_is_one_sentence(hub_cache, tmp_path):
     result = CliRunner().invoke(cli, ["train", "--model", "org/tiny", "--revision", "v9", "--data", write_qa(tmp_path),
                                       *FAST, "--output", str(tmp_path / "run")])

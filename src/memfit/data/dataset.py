@@ -223,6 +223,9 @@ def record_to_example(record: object, where: str, fmt: str | None = None, fields
     if fmt == "prompt-completion":
         prompt, completion = record.get(fields.prompt), record.get(fields.completion)
         if not isinstance(prompt, str) or not isinstance(completion, str):
+            if "chosen" in record and "rejected" in record:  # a preference pair read as SFT: say what it is
+                raise UserError(f"{where} is a preference pair (chosen and rejected): train it with --method "
+                                "dpo, orpo or simpo.")
             raise UserError(f"{where} needs both {fields.prompt} and {fields.completion} as strings.")
         if not completion:
             raise UserError(f"{where} has an empty completion, so it carries no loss.")

@@ -10,6 +10,8 @@ sentence. estimate, plan, data preview and train all come here, so a Hub id mean
 from __future__ import annotations
 
 import errno
+import json
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,11 +49,15 @@ class HubModel:
     """The commit it resolved to (the snapshot folder's name)."""
     path: Path
     """The snapshot folder in the Hugging Face cache: what transformers loads, like any local folder."""
+    cached: bool = False
+    """Taken from the cache without asking the Hub (``fetch``: the cache held every file the command needs)."""
 
     def describe(self) -> str:
         """The preamble's line: which commit of which repository, and where its files are."""
         asked = f"revision {self.revision} = " if self.revision and self.revision != self.commit else ""
-        return f"{self.repo_id} from the Hugging Face Hub, {asked}commit {self.commit[:12]}, in {self.path}"
+        how = (" (the cached snapshot, the Hub not asked; MEMFIT_HUB_REFRESH=1 asks it for a newer commit)"
+               if self.cached and not offline() else "")
+        return f"{self.repo_id} from the Hugging Face Hub, {asked}commit {self.commit[:12]}, in {self.path}{how}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.repo_id, "revision": self.revision, "commit": self.commit, "path": str(self.path)}
@@ -96,16 +102,51 @@ def fetch(repo_id: str, revision: str | None = None, *, files: str = "model", al
         patterns += PICKLE_WEIGHTS
     if trust_remote_code:
         patterns += CODE
-    with _quiet_unless_tty(), _one_sentence(repo_id, revision):
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
-                                      ignore_patterns=list(SUBFOLDERS)))
-    model = HubModel(repo_id, revision, path.name, path)
+    refresh = offline() or os.environ.get("MEMFIT_HUB_REFRESH") == "1"  # offline: huggingface_hub reads the cache
+    path = None if refresh else cached_snapshot(repo_id, revision, files, patterns)
+    cached = path is not None
+    if path is None:
+        with _quiet_unless_tty(), _one_sentence(repo_id, revision):
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                          ignore_patterns=list(SUBFOLDERS)))
+    model = HubModel(repo_id, revision, path.name, path, cached)
     if not (path / "config.json").is_file():
         raise UserError(f"{_name(model)} has no config.json in {_where()}, so it is not a transformers model"
                         + (" (or only part of it is cached and HF_HUB_OFFLINE is set)." if offline() else "."))
     if files == "model":
         _check_weights(model, allow_pickle)
     return model
+
+
+def cached_snapshot(repo_id: str, revision: str | None, files: str, patterns: list[str]) -> Path | None:
+    """The cached snapshot of ``repo_id`` at ``revision`` when it holds every file ``files`` needs, else None.
+
+    Online, ``snapshot_download`` first asks the Hub which commit the revision is; with no network it retries
+    for over a minute ("Retrying in 1s", 33 lines seen) before falling back to the cache. A model already in
+    the cache needs no answer: its config, tokenizer or (for ``model``) every weight shard its index lists are
+    there. huggingface_hub's own ``local_files_only`` lookup finds the snapshot; memfit checks completeness,
+    which that lookup does not (a config fetched by ``estimate`` is not the weights ``train`` needs).
+    """
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                      ignore_patterns=list(SUBFOLDERS), local_files_only=True))
+    except Exception:  # noqa: BLE001 - nothing usable cached (LocalEntryNotFoundError and the like): ask the Hub
+        return None
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    tokenizer = any(name in names for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if "config.json" not in names and files != "tokenizer" or files != "config" and not tokenizer:
+        return None
+    if files == "model":
+        index = path / "model.safetensors.index.json"
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+        if not (_matching(names, SAFE_WEIGHTS) or _matching(names, PICKLE_WEIGHTS)) or not shards <= set(names):
+            return None
+    return path
 
 
 def local_folder(model: str, revision: str | None = None, *, files: str, trust_remote_code: bool = False) -> str:

@@ -118,7 +118,8 @@ def summary_table(summary: Any) -> Table:
     table.add_column("value")
     if summary.get("hub"):
         table.add_row("model", f"{summary['hub']['id']} (Hugging Face Hub, commit {summary['hub']['commit'][:12]})")
-    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} sequences")
+    unit = "pairs" if summary.get("preference") else "sequences"  # a preference step's rows are pairs
+    table.add_row("steps", f"{summary['steps']} optimizer steps, {summary['sequences']:,} {unit}")
     if summary.get("plan"):
         table.add_row("plan", f"{summary['plan']['description']} (for {summary['plan']['budget']})")
     table.add_row("held-out loss", f"{_loss(summary['final_eval_loss'])} (best "

@@ -36,9 +36,11 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     ``hub_model``: the snapshot a Hub ``--model`` was fetched to (``setup.fetch_hub_model``), whose
     tokenizer is the one training uses.
     """
-    if (resumed or _given(config, "seq_len") or is_demo(config.source.model, config.data)
-            or str(config.run.method) != "sft"):
-        return config, None  # a preference method keeps --seq-len: its pairs are cut to it, never packed
+    if resumed or _given(config, "seq_len") or is_demo(config.source.model, config.data):
+        return config, None
+    if str(config.run.method) != "sft":  # a preference method keeps --seq-len: its pairs are cut to it, never packed
+        return config, (f"default seq-len {config.run.seq_len} (each {config.run.method} pair's prompt and answers "
+                        "are cut to it, not sized from the data; --seq-len to choose)")
     from memfit.data.prep import record_lengths, run_tokenizer
     from memfit.spec.model import source_config
 
