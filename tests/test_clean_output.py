@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from _accuracy_models import accuracy_config
 from _train_helpers import TINY_LLAMA, foreign_lines, write_qa
 from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training.loop import train
@@ -130,7 +131,17 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
     common = ["--tokenizer", "byte", "--data", write_qa(tmp, n=40), "--seq-len", "48", "--micro-batch", "2",
               "--max-steps", "2", "--eval-every", "2", "--eval-fraction", "0.1", "--samples", "1",
               "--save-every", "1", "--warmup-steps", "0"]
+    # issue 34: a family with no hand-written recipe (Qwen 3) on an empty recipe cache: the first estimate, plan
+    # and train derive its recipes (torch's ModTracker warned five times per derivation), offline
+    qwen3 = tmp / "qwen3"
+    accuracy_config("qwen3").save_pretrained(qwen3)
+    shape = ["--seq-len", "48", "--micro-batch", "2"]
     cases = {
+        "derived-estimate": ["estimate", str(qwen3 / "config.json"), *shape, "--device", "cpu"],
+        "derived-plan": ["plan", str(qwen3 / "config.json"), "--budget", "2GiB", "--seq-len", "48", "--batch", "4"],
+        "derived-train": ["train", "--model", str(qwen3 / "config.json"), *common],
+        "derived-qlora": ["train", "--model", str(qwen3 / "config.json"), "--quantize", "4bit", "--lora-r", "4",
+                          *common],
         "normal": ["train", "--model", str(model / "config.json"), *common],
         "tied": ["train", "--model", str(tied / "config.json"), *common],
         "lora-merge": ["train", "--model", str(model / "config.json"), "--lora-r", "4", "--merge", *common],
@@ -139,8 +150,9 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
         "bad-json": ["train", "--model", str(model / "config.json"), *common[:2], "--data", str(bad)],
     }
     if _qlora_refusal():
-        del cases["qlora-merge"]
-    return {name: [*args, "--output", str(tmp / f"out-{name}")] for name, args in cases.items()}
+        del cases["qlora-merge"], cases["derived-qlora"]
+    return {name: [*args, "--output", str(tmp / f"out-{name}")] if args[0] == "train" else args
+            for name, args in cases.items()}
 
 
 def _sections(text: str) -> dict[str, tuple[int, str]]:
@@ -155,7 +167,8 @@ def cli_output(tmp_path_factory):
     cases = _cases(tmp)
     (tmp / "cases.tsv").write_text("".join("\t".join([name, *args]) + "\n" for name, args in cases.items()))
     (tmp / "driver.py").write_text(DRIVER)
-    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "MEMFIT_CACHE_DIR": str(tmp / "empty-recipe-cache")}
     proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.tsv")], env=env,
                           capture_output=True, text=True, timeout=600, cwd=tmp)
     out, err = _sections(proc.stdout), _sections(proc.stderr)
@@ -167,15 +180,19 @@ _foreign = foreign_lines
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("case", ["normal", "tied", "lora-merge", "qlora-merge", "bad-json"])
+@pytest.mark.parametrize("case", ["derived-estimate", "derived-plan", "derived-train", "derived-qlora", "normal", "tied",
+                                  "lora-merge", "qlora-merge", "bad-json"])
 def test_the_cli_prints_nothing_foreign(cli_output, case):
-    """Each case's stdout and stderr hold memfit's lines only (the run writes checkpoints, evaluates, samples)."""
-    if case == "qlora-merge" and _qlora_refusal():
+    """Each case's stdout and stderr hold memfit's lines only (the run writes checkpoints, evaluates, samples),
+    with ``HF_HUB_OFFLINE=1`` and, for the derived family's first commands, an empty recipe cache."""
+    if case in ("qlora-merge", "derived-qlora") and _qlora_refusal():
         pytest.skip(_qlora_refusal())
     code, out, err = cli_output[case]
     assert _foreign(out + err) == [], err[-3000:]
     if case == "bad-json":  # memfit's one sentence, and nothing before it
         assert code == 1 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    elif case in ("derived-estimate", "derived-plan"):
+        assert code == 0 and "memfit: deriving a memory recipe for qwen3" in err, err[-3000:]
     else:
         assert code == 0 and "memfit train: summary" in out, err[-3000:]
 
