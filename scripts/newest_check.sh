@@ -47,8 +47,8 @@ for name in ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes
         have = metadata.version(name)
     except metadata.PackageNotFoundError:
         have = "-"
-    was = pinned.get(canon(name), "(not pinned)")
-    print(f"  {name:<16} {have:<22} {'' if have == was else 'moved from ' + was}")
+    was = pinned.get(canon(name))
+    print(f"  {name:<16} {have:<22} {'(not pinned: yours is kept)' if was is None else '' if have == was else 'moved from ' + was}")
 EOF
 
 status=0

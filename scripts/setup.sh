@@ -45,7 +45,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$EXTRAS $CONSTRAINTS" ] || [ pyp
    || { [ "$CONSTRAINTS" != none ] && [ "$CONSTRAINTS" -nt "$STAMP" ]; }; then
   # (this machine's pip config names local wheel folders that may be missing: its warnings say nothing)
   "${PIP[@]}" "${PINS[@]}" -e ".[$EXTRAS]" 2> >(grep -v "is ignored: it is neither" >&2)
-  "$VENV/bin/python" -c "import memfit, accelerate, peft" && echo "$EXTRAS $CONSTRAINTS" > "$STAMP"
+  # installed and importable (find_spec: importing PEFT imports bitsandbytes, whose CPU backend logs)
+  "$VENV/bin/python" -c "import importlib.util as u, memfit; assert u.find_spec('accelerate') and u.find_spec('peft')" \
+    && echo "$EXTRAS $CONSTRAINTS" > "$STAMP"
 fi
-"$VENV/bin/python" -c "import torch, transformers; print(f'memfit setup: torch {torch.__version__}, '
-  f'transformers {transformers.__version__}, cuda={torch.cuda.is_available()}')" >&2
+# (the versions from package metadata: importing transformers imports bitsandbytes, whose CPU backend logs)
+"$VENV/bin/python" -c "from importlib.metadata import version; import torch; print(f'memfit setup: torch '
+  f'{torch.__version__}, transformers {version(\"transformers\")}, cuda={torch.cuda.is_available()}')" >&2
