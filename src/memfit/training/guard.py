@@ -83,6 +83,15 @@ class RunGuard:
             self.folder = RunFolder(Path(config.folder.output))
             self.folder.lock_existing(config, is_main=is_main)
 
+    def claim_default(self, model: str) -> Path:
+        """A fresh ``runs/<model>-<time>`` for a run without ``--output``, made now (``RunFolder.claim_fresh``), so
+        a run started in the same second cannot take it; removed again if the run fails before its first step."""
+        from memfit.training.checkpoint import default_output
+        from memfit.training.runfolder import RunFolder
+
+        self.folder = RunFolder.claim_fresh(default_output(model))
+        return self.folder.output
+
     def open_folder(self, config, accelerator=None, *, is_main: bool, run_id: str | None = None,
                     data: dict | None = None):
         """Check, create and lock ``config.folder.output`` (``runfolder.RunFolder.open``); the staging tag is the main

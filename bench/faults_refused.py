@@ -1,0 +1,126 @@
+"""Fault census, third pass (issue 40): a refused run changes nothing, two commands on one folder, every number a
+user can type, folders a failed run made, a damaged newest checkpoint.
+
+Used by ``bench/faults.py`` (category ``refused``); the same classification (``sentence``, ``ok``, ``traceback``,
+``accepted``/wrong, ``lost``). ``lost`` here: anything under the folder changed by a run that was refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from faults import base_run, copy_run, digest, fast
+
+NUMBERS = {"max_steps": ["'²'", "'--5'", "'٣'", "'+-1'", "'1e3'", "'Ⅻ'"],
+           "lr": ["7" * 400, "-" + "9" * 350, "'1e400'"],
+           "seed": ["1" * 45, "'½'"], "lora_alpha": ["9" * 400], "eval_fraction": ["1" * 320],
+           "warmup_steps": ["'１０'"], "keep_last": ["'0x10'"]}
+"""YAML values of typed numbers: other digit systems, doubled signs, integers beyond a float, hex, full-width digits."""
+
+
+def _planted(run: Path) -> None:
+    """A dead run's staging: a half checkpoint and a half export, named for a pid that is gone."""
+    for folder in (run / "checkpoints" / ".tmp-step-9-4242-deadbeef", run / ".tmp-export-4242-deadbeef"):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+
+
+def refused_cases(c, tmp: Path, model: str, data: str) -> None:
+    base = base_run(c, tmp, model, data, "rx-base")
+    for name, args in {"second run, no flag": fast(model, data, "{run}"),
+                       "resume with a changed --seq-len": ["train", "--output", "{run}", "--resume", "--seq-len", "48"],
+                       "resume of a finished run, no --extend-schedule": ["train", "--output", "{run}", "--resume",
+                                                                          "--max-steps", "6"],
+                       "plan -o onto the run's run.json": ["plan", "tiny", "--budget", "8GiB", "-o", "{run}/run.json"]
+                       }.items():
+        run = copy_run(base, tmp / f"rx-{len(c.rows)}")
+        _planted(run)
+        before = digest(run)
+        result = c.invoke([a.replace("{run}", str(run)) for a in args])
+        c.record("refused", f"refused ({name}) beside a dead run's staging", result, expect="refuse",
+                 lost=digest(run) != before or not (run / ".tmp-export-4242-deadbeef").is_dir())
+    for key, values in NUMBERS.items():
+        for value in values:
+            path = tmp / f"n-{len(c.rows)}.yaml"
+            path.write_text(f"{key}: {value}\n", encoding="utf-8")
+            out = tmp / f"n-{len(c.rows)}"
+            result = c.invoke(fast(model, data, str(out), "--config", str(path)))
+            c.record("refused", f"yaml {key}: {value[:12]}", result, expect="refuse", wrong=out.exists())
+    _export_names(c, tmp, model, data, base)
+    _made_folders(c, tmp, model, data)
+    _damaged(c, tmp, base)
+    _concurrent(c, tmp, base)
+
+
+def _export_names(c, tmp: Path, model: str, data: str, base: Path) -> None:
+    for name, plant in {"folder named config.json": lambda p: (p / "config.json").mkdir(),
+                        "file named merged": lambda p: (p / "merged").write_text("mine"),
+                        "foreign README.md": lambda p: (p / "README.md").write_text("mine")}.items():
+        out = tmp / f"ex-{len(c.rows)}"
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        plant(out)
+        before = digest(out)
+        result = c.invoke(fast(model, data, str(out), "--overwrite", "--lora-r", "2", "--merge"))
+        c.record("refused", f"--overwrite over a {name}", result, expect="refuse", lost=digest(out) != before)
+    deep = tmp / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text(json.dumps({**json.loads(Path(model).read_text()), "num_hidden_layers": 100_000}))
+    for command in (["estimate", str(deep)], ["plan", str(deep), "--budget", "8GiB"]):
+        c.record("refused", f"{command[0]}: 100,000 layers", c.invoke(command), expect="refuse")
+
+
+def _made_folders(c, tmp: Path, model: str, data: str) -> None:
+    """A run refused after its folder was made (bad data found while building: an empty JSONL)."""
+    empty = tmp / "empty.jsonl"
+    empty.write_text("\n")
+    kept = tmp / "kept"
+    kept.mkdir()
+    result = c.invoke(fast(model, str(empty), str(kept / "a" / "b" / "run")))
+    c.record("refused", "failed run into a new nested --output", result, expect="refuse", wrong=any(kept.iterdir()))
+    old = os.getcwd()
+    os.chdir(kept)
+    try:
+        args = [a for a in fast(model, str(empty), "x") if a not in ("--output", "x")]
+        result = c.invoke(args)
+    finally:
+        os.chdir(old)
+    c.record("refused", "failed run without --output", result, expect="refuse", wrong=any(kept.iterdir()))
+
+
+def _damaged(c, tmp: Path, base: Path) -> None:
+    run = copy_run(base, tmp / f"dm-{len(c.rows)}")
+    (run / "checkpoints" / "step-4" / "manifest.json").unlink()
+    result = c.invoke(["train", "--output", str(run), "--resume", "--max-steps", "4"])
+    c.record("refused", "newest manifest.json deleted", result, expect="ok",
+             wrong="step-4 lacks manifest.json" not in result.output)
+    (run / "checkpoints" / "step-2" / "manifest.json").unlink()
+    (run / "checkpoints" / "step-4" / "manifest.json").unlink()
+    result = c.invoke(["train", "--output", str(run), "--resume"])
+    c.record("refused", "every manifest.json deleted", result, expect="refuse",
+             wrong="lacks manifest.json" not in result.output)
+
+
+def _concurrent(c, tmp: Path, base: Path) -> None:
+    """Two real resumes of one run at once (two processes): one goes on, the other is refused."""
+    run = copy_run(base, tmp / f"cc-{len(c.rows)}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [sys.executable, "-m", "memfit", "train", "--output", str(run), "--resume", "--max-steps", "6",
+            "--extend-schedule", "--save-every", "2"]
+    both = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(2)]
+    codes = sorted(p.wait(timeout=900) for p in both)
+    from memfit.training import manifest
+
+    intact = all(manifest.problem(run / "checkpoints" / s) is None for s in ("step-4", "step-6"))
+
+    class Both:  # the census classifies one result: the pair, as one
+        exit_code = 1 if codes == [0, 1] else (codes[-1] or 2)
+        exception = None
+        output = "error: one resume went on, the other was refused\n" if codes == [0, 1] else f"exits {codes}\n"
+
+    c.record("refused", "two --resume of one run at once", Both(), expect="refuse", lost=not intact)
