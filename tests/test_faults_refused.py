@@ -219,3 +219,26 @@ def test_deleted_manifest_is_named_and_a_fallback_says_so(run):
     shutil.rmtree(run / "checkpoints" / "step-4")
     line = _one_sentence(_run(["train", "--output", str(run), "--resume"]), "found no intact checkpoint")
     assert "lacks manifest.json" in line and "learning rate" not in line
+
+
+def test_ctrl_c_during_the_guards_clean_up_lets_it_finish():
+    from memfit.errors import UserError
+    from memfit.training.guard import RunGuard
+
+    class Folder:  # a run folder whose clean-up is hit by a Ctrl-C half way
+        started, done = False, []
+
+        def remove_partial_writes(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            self.done.append("staging")
+
+        def close(self, *, failed):
+            self.done.append(f"closed, failed={failed}")
+
+    folder = Folder()
+    with pytest.raises(UserError, match="refused"):
+        with RunGuard() as guard:
+            guard.folder = folder
+            raise UserError("refused")
+    assert folder.done == ["staging", "closed, failed=True"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
