@@ -60,39 +60,75 @@ def refused_cases(c, tmp: Path, model: str, data: str) -> None:
 
 
 def _export_names(c, tmp: Path, model: str, data: str, base: Path) -> None:
-    for name, plant in {"folder named config.json": lambda p: (p / "config.json").mkdir(),
-                        "file named merged": lambda p: (p / "merged").write_text("mine"),
-                        "foreign README.md": lambda p: (p / "README.md").write_text("mine")}.items():
+    lora = ["--lora-r", "2", "--merge"]  # PEFT's export writes a README.md; --merge a merged/ folder
+    for name, (planted, extra) in {"folder named config.json": ("config.json/notes.txt", []),
+                                   "file named merged": ("merged", lora), "foreign README.md": ("README.md", lora)
+                                   }.items():
         out = tmp / f"ex-{len(c.rows)}"
-        out.mkdir()
-        (out / "notes.txt").write_text("mine")
-        plant(out)
+        (out / planted).parent.mkdir(parents=True)
+        (out / planted).write_text("mine")
         before = digest(out)
-        result = c.invoke(fast(model, data, str(out), "--overwrite", "--lora-r", "2", "--merge"))
-        c.record("refused", f"--overwrite over a {name}", result, expect="refuse", lost=digest(out) != before)
+        result = c.invoke(fast(model, data, str(out), "--overwrite", *extra))
+        c.record("refused", f"--overwrite over a {name}", result, expect="refuse",
+                 lost=not before.items() <= digest(out).items())
+    run = copy_run(base, tmp / f"ex-{len(c.rows)}")
+    (run / "config.json").unlink()
+    (run / "config.json").mkdir()
+    before = digest(run)
+    result = c.invoke(fast(model, data, str(run), "--overwrite"))
+    c.record("refused", "--overwrite of a run whose config.json is now a folder", result, expect="refuse",
+             lost=digest(run) != before)
     deep = tmp / "deep"
     deep.mkdir()
     (deep / "config.json").write_text(json.dumps({**json.loads(Path(model).read_text()), "num_hidden_layers": 100_000}))
     for command in (["estimate", str(deep)], ["plan", str(deep), "--budget", "8GiB"]):
-        c.record("refused", f"{command[0]}: 100,000 layers", c.invoke(command), expect="refuse")
+        c.record("refused", f"{command[0]}: 100,000 layers", _within(command, 120), expect="refuse")
+
+
+class _Result:
+    """What the census reads of a command run in a subprocess (``exit_code``, ``exception``, ``output``)."""
+
+    def __init__(self, exit_code: int, output: str) -> None:
+        self.exit_code, self.exception, self.output = exit_code, None, output
+
+
+def _within(command: list[str], seconds: float) -> _Result:
+    """``memfit COMMAND`` in a subprocess, killed after ``seconds`` (a hang is recorded as ``other``, exit 124)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "memfit", *command], env=env, capture_output=True, text=True,
+                              timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return _Result(124, f"still running after {seconds:.0f} s\n")
+    return _Result(done.returncode, done.stdout + done.stderr)
 
 
 def _made_folders(c, tmp: Path, model: str, data: str) -> None:
-    """A run refused after its folder was made (bad data found while building: an empty JSONL)."""
-    empty = tmp / "empty.jsonl"
-    empty.write_text("\n")
+    """Runs refused after their folder was claimed or made: weights that do not fit their config.json (found when
+    the model is built, after the folder is made), a model too large for this machine (found after a run without
+    ``--output`` claimed its folder)."""
+    from faults import model_folder
+
+    mismatched = model_folder(tmp / "mismatched")
+    cfg = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
     kept = tmp / "kept"
     kept.mkdir()
-    result = c.invoke(fast(model, str(empty), str(kept / "a" / "b" / "run")))
-    c.record("refused", "failed run into a new nested --output", result, expect="refuse", wrong=any(kept.iterdir()))
+    result = c.invoke(fast(str(mismatched), data, str(kept / "a" / "b" / "run")))
+    c.record("refused", "weights unlike config.json, new nested --output", result, expect="refuse",
+             wrong=any(kept.iterdir()))
+    huge = tmp / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**cfg, "vocab_size": 10**12}))
     old = os.getcwd()
     os.chdir(kept)
     try:
-        args = [a for a in fast(model, str(empty), "x") if a not in ("--output", "x")]
+        args = [a for a in fast(str(huge), data, "x", "--init", "random") if a not in ("--output", "x")]
         result = c.invoke(args)
     finally:
         os.chdir(old)
-    c.record("refused", "failed run without --output", result, expect="refuse", wrong=any(kept.iterdir()))
+    c.record("refused", "model too large, no --output (runs/ claimed)", result, expect="refuse",
+             wrong=any(kept.iterdir()))
 
 
 def _damaged(c, tmp: Path, base: Path) -> None:
@@ -122,9 +158,6 @@ def _concurrent(c, name: str, run: Path, extra: list[str]) -> None:
     intact = all(manifest.problem(p) is None for p in (run / "checkpoints").glob("step-*"))
     refused = [o for o in outputs if o.strip().splitlines()[-1:] and o.strip().splitlines()[-1].startswith("error: ")]
 
-    class Both:  # the census classifies one result: the pair, as one
-        exit_code = 1 if codes == [0, 1] and len(refused) == 1 else (codes[-1] or 2)
-        exception = None
-        output = refused[0] if codes == [0, 1] and refused else f"exits {codes}\n"
-
-    c.record("refused", name, Both(), expect="refuse", lost=not intact)
+    one_won = codes == [0, 1] and len(refused) == 1  # the census classifies the pair as one result
+    pair = _Result(1, refused[0]) if one_won else _Result(codes[-1] or 2, f"exits {codes}\n")
+    c.record("refused", name, pair, expect="refuse", lost=not intact)
