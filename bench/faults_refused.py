@@ -22,6 +22,14 @@ NUMBERS = {"max_steps": ["'²'", "'--5'", "'٣'", "'+-1'", "'1e3'", "'Ⅻ'"],
 """YAML values of typed numbers: other digit systems, doubled signs, integers beyond a float, hex, full-width digits."""
 
 
+def _record(c, name: str, result, *, expect: str, wrong: bool) -> None:
+    """``c.record`` that also counts a refusal as not clean when it was wrong (the census' ``wrong`` marks only a
+    success): a refused run that left a folder behind, or a sentence that does not name the cause."""
+    if wrong and result.exit_code != 0:
+        result = _Result(2, f"refused, but wrong: {' '.join(result.output.split())[:120]}\n")
+    c.record("refused", name, result, expect=expect, wrong=wrong)
+
+
 def _planted(run: Path) -> None:
     """A dead run's staging: a half checkpoint and a half export, named for a pid that is gone."""
     for folder in (run / "checkpoints" / ".tmp-step-9-4242-deadbeef", run / ".tmp-export-4242-deadbeef"):
@@ -49,7 +57,7 @@ def refused_cases(c, tmp: Path, model: str, data: str) -> None:
             path.write_text(f"{key}: {value}\n", encoding="utf-8")
             out = tmp / f"n-{len(c.rows)}"
             result = c.invoke(fast(model, data, str(out), "--config", str(path)))
-            c.record("refused", f"yaml {key}: {value[:12]}", result, expect="refuse", wrong=out.exists())
+            _record(c, f"yaml {key}: {value[:12]}", result, expect="refuse", wrong=out.exists())
     _export_names(c, tmp, model, data, base)
     _made_folders(c, tmp, model, data)
     _damaged(c, tmp, base)
@@ -135,7 +143,7 @@ def _made_folders(c, tmp: Path, model: str, data: str) -> None:
                 result = c.invoke(args)
         finally:
             os.chdir(old)
-        c.record("refused", name, result, expect="refuse", wrong=any(kept.iterdir()))
+        _record(c, name, result, expect="refuse", wrong=any(kept.iterdir()))
 
 
 def _damaged(c, tmp: Path, base: Path) -> None:
@@ -147,8 +155,7 @@ def _damaged(c, tmp: Path, base: Path) -> None:
     for step in ("step-2", "step-4"):  # step-4 saved again by the resume, or not (an older memfit exports only)
         (run / "checkpoints" / step / "manifest.json").unlink(missing_ok=True)
     result = c.invoke(["train", "--output", str(run), "--resume"])
-    c.record("refused", "every manifest.json deleted", result, expect="refuse",
-             wrong="lacks manifest.json" not in result.output)
+    _record(c, "every manifest.json deleted", result, expect="refuse", wrong="lacks manifest.json" not in result.output)
 
 
 def _concurrent(c, name: str, run: Path, extra: list[str]) -> None:
