@@ -435,6 +435,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated categories")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    import faults_refused  # issue 40's cases
     import faults_runfolder  # issue 27's cases (beside this file)
     import memfit.cli.train as train_cli
 
@@ -459,6 +460,7 @@ def main() -> None:
             ("input", lambda: inputs.input_cases(c, tmp, model, data, fast)),
             ("config", lambda: inputs.config_cases(c, tmp, data, fast, TINY)),
             ("flags2", lambda: inputs.flag_cases(c, tmp, model, data, fast)),
+            ("refused", lambda: faults_refused.refused_cases(c, tmp, model, data)),
             ("kill", lambda: kill_trials(c, tmp, model, data, args.kills))]
     for name, fn in plan:
         if only is None or name in only:

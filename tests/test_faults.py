@@ -196,8 +196,18 @@ CORRUPTIONS = {
     "unsafe pickle": (lambda s: _unsafe_pickle(s / "optimizer.bin"), "has optimizer.bin of 48 bytes"),
     "same size, other bytes": (lambda s: _flip_byte(s / "scheduler.bin"), "scheduler.bin changed since it was saved"),
     "a file, not a folder": (lambda s: (shutil.rmtree(s), s.write_text("x")), "is a file"),
-    "no manifest (save cut short)": (lambda s: (s / "manifest.json").unlink(), None),
+    "manifest deleted": (lambda s: (s / "manifest.json").unlink(), "lacks manifest.json"),
+    "an older memfit's (no manifest, no run id)": (lambda s: _as_older_memfits(s), None),
 }
+
+
+def _as_older_memfits(step: Path) -> None:
+    """A checkpoint as a memfit from before manifests wrote it: no manifest.json, no run id in its state."""
+    (step / "manifest.json").unlink()
+    state = json.loads((step / "trainer_state.json").read_text())
+    for key in ("run_id", "data_fingerprint"):
+        state.pop(key, None)
+    (step / "trainer_state.json").write_text(json.dumps(state))
 
 
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
@@ -207,7 +217,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path, 
     damage, reason = CORRUPTIONS[name]
     damage(run / "checkpoints" / "step-4")
     before = (run / "checkpoints" / "step-2" / "manifest.json").read_text()
-    if reason is None:  # without a manifest a checkpoint is checked by structure: this one is still whole
+    if reason is None:  # an older memfit's checkpoint is checked by structure: this one is still whole
         # step-4 ended the 4-step run: training on to 5 takes --extend-schedule (test_train_logs.py)
         result = _run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"])
         assert result.exit_code == 0, result.output
@@ -237,7 +247,7 @@ def test_no_intact_checkpoint_is_one_sentence(tmp_path, base_run):
 def test_refused_unsafe_pickle_does_not_advise_disabling_the_check(tmp_path, base_run):
     run = shutil.copytree(base_run[0], tmp_path / "run")
     for step in ("step-2", "step-4"):  # a checkpoint from before manifests: nothing to compare against
-        (run / "checkpoints" / step / "manifest.json").unlink()
+        _as_older_memfits(run / "checkpoints" / step)
     _unsafe_pickle(run / "checkpoints" / "step-4" / "optimizer.bin")
     line = _one_sentence(_run(["train", "--output", str(run), "--resume", "--max-steps", "5", "--extend-schedule"]),
                          "does not run such files")

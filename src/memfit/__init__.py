@@ -19,7 +19,9 @@ Run: the breakdown, the plan, the training.
   ``check_equivalence(config)``: whether micro-batch x accumulation trains the same weights as one big batch
   (``training.equivalence``); ``default_precision()``: the autocast train uses when none is given
   (``training.setup``); ``check_inputs(model, data, revision)``: a missing or mistyped model or data path
-  refused from the file system alone, before torch loads (``training.inputs``).
+  refused from the file system alone, before torch loads (``training.inputs``); ``check_not_a_run_file(path,
+  flag_name=...)``: refuse another command's output file at a name a training run writes in its folder
+  (``training.runfolder``; ``memfit plan --output``).
 - ``preview_record(config, index)``: one training record as the model sees it, loss mask marked
   (``data.prep``; ``memfit data preview``).
 
@@ -74,6 +76,7 @@ _PUBLIC = {
     "check_equivalence": ("memfit.training.equivalence", "check_equivalence"),
     "default_precision": ("memfit.training.setup", "default_precision"),
     "check_inputs": ("memfit.training.inputs", "check_inputs"),
+    "check_not_a_run_file": ("memfit.training.runfolder", "check_not_a_run_file"),
     "preview_record": ("memfit.data.prep", "preview_record"),
     "load_spec": ("memfit.spec.model", "load_spec"),
     "check_seq_len": ("memfit.spec.model", "check_seq_len"),

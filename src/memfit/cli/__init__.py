@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import signal
 import sys
 
 import click
@@ -32,6 +33,17 @@ class UserFacingError(click.ClickException):
 
     def show(self, file=None) -> None:  # noqa: ARG002 - click's signature
         click.echo(f"error: {printable(self.message)}", err=True)  # values in it are the user's: escaped
+
+
+INTERRUPTED = 130
+"""The shell's exit status for a command stopped by SIGINT (128 + 2)."""
+
+
+def _exiting_on_ctrl_c() -> None:
+    """The command is stopping because of a Ctrl-C: one more while it exits (a second press, often while
+    torch shuts down) would kill the process by SIGINT (status -2 to its parent) instead of exit 130 with
+    the sentence that says where the run stands, so from here on SIGINT is ignored (a CLI process only)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class LazyGroup(click.Group):
@@ -61,6 +73,13 @@ class LazyGroup(click.Group):
         except UserError as err:
             facing = UserFacingError(str(err))
             facing.exit_code = err.exit_code  # 130 for a Ctrl-C stop, 1 otherwise
+            if err.exit_code == INTERRUPTED:
+                _exiting_on_ctrl_c()
+            raise facing from None
+        except KeyboardInterrupt:  # a Ctrl-C outside a run's guard (or in its clean-up): click would exit 1
+            _exiting_on_ctrl_c()
+            facing = UserFacingError("Interrupted by Ctrl-C.")
+            facing.exit_code = INTERRUPTED
             raise facing from None
         except click.ClickException as err:  # click's own "Invalid value for '--lr': ..." echoes the value
             err.message = printable(err.message)
@@ -85,6 +104,7 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="memfit")
-    except KeyboardInterrupt:  # pragma: no cover - interactive
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt:  # pragma: no cover - interactive (before a subcommand runs)
+        _exiting_on_ctrl_c()
+        click.echo("error: Interrupted by Ctrl-C.", err=True)
+        sys.exit(INTERRUPTED)

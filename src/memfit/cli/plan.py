@@ -169,6 +169,9 @@ def _checked_inputs(top: int, margin, output, emit, pins: dict):
         from memfit.settings.validate import check_writable_target
 
         check_writable_target(Path(output), flag_name="--output", is_dir=False)
+        import memfit
+
+        memfit.check_not_a_run_file(Path(output), flag_name="--output")
     pins["allow_quantize"] = not pins.pop("no_quantize")
     pins["allow_offload"] = not pins.pop("no_offload")
     if pins.get("host_memory") is not None:

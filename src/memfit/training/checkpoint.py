@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from memfit.errors import UserError
 from memfit.files import check_no_links, user_path
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training import manifest
@@ -171,12 +172,24 @@ def _move_into_place(staging: Path, output: Path) -> list[str]:
     files = [src for src in sorted(staging.rglob("*")) if src.is_file()]
     for src in files:
         check_no_links(output, output / src.relative_to(staging))
+        _check_kind(output, src.relative_to(staging))
     for src in files:
         dst = output / src.relative_to(staging)
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
     shutil.rmtree(staging, ignore_errors=True)
     return list(dict.fromkeys(src.relative_to(staging).parts[0] for src in files))
+
+
+def _check_kind(output: Path, name: Path) -> None:
+    """Refuse a folder where the export writes a file (or a file where it writes a folder), before anything is
+    moved. ``runfolder`` refuses the names it knows before the first step; this catches one put there since."""
+    top = output / name.parts[0]
+    clash = top.is_dir() if len(name.parts) == 1 else top.exists() and not top.is_dir()
+    if clash and not top.is_symlink():
+        raise UserError(f"{top} is a {'folder' if top.is_dir() else 'file'}, where the export writes a "
+                        f"{'file' if top.is_dir() else 'folder'}, so the trained model was not exported (the newest "
+                        "checkpoint under checkpoints/ holds it); move it away and choose another --output.")
 
 
 @contextmanager

@@ -54,12 +54,16 @@ class RunGuard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
-        if self.folder is not None:
-            if exc is not None:
-                self.folder.remove_partial_writes()  # only while holding the lock: a refused run removes nothing
-            self.folder.close(failed=exc is not None)
+        if self._previous_handler is not None:  # a Ctrl-C during the clean-up is counted, not raised inside it
+            signal.signal(signal.SIGINT, self._count_only)
+        try:
+            if self.folder is not None:
+                if exc is not None:
+                    self.folder.remove_partial_writes()  # only once the run owns the folder: a refused run removes nothing
+                self.folder.close(failed=exc is not None)
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGINT, self._previous_handler)
         if isinstance(exc, KeyboardInterrupt) and self._interrupts and not self._started():
             raise Interrupted("Interrupted by Ctrl-C before the first step; nothing was trained or saved, and "
                               "nothing this run created is left.") from None
@@ -82,6 +86,15 @@ class RunGuard:
         if config.folder.output:
             self.folder = RunFolder(Path(config.folder.output))
             self.folder.lock_existing(config, is_main=is_main)
+
+    def claim_default(self, model: str) -> Path:
+        """A fresh ``runs/<model>-<time>`` for a run without ``--output``, made now (``RunFolder.claim_fresh``), so
+        a run started in the same second cannot take it; removed again if the run fails before its first step."""
+        from memfit.training.checkpoint import default_output
+        from memfit.training.runfolder import RunFolder
+
+        self.folder = RunFolder.claim_fresh(default_output(model))
+        return self.folder.output
 
     def open_folder(self, config, accelerator=None, *, is_main: bool, run_id: str | None = None,
                     data: dict | None = None):
@@ -117,6 +130,9 @@ class RunGuard:
 
     def _started(self) -> bool:
         return self.folder is not None and bool(getattr(self.folder, "started", False))
+
+    def _count_only(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._interrupts += 1
 
     def _on_sigint(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._interrupts += 1

@@ -33,6 +33,13 @@ from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_fo
 LEDGER = ".memfit-files.json"
 #: The names a run writes at the top of its folder whatever it trains (the export adds its own).
 RUN_FILES = ("metrics.jsonl", "run.json", "loss.png", "samples.jsonl")
+#: What the export (``checkpoint.export``: ``save_pretrained`` of the model, the adapter and the tokenizer) writes at
+#: the top of the folder, as files ...
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+#: ... and as folders (a preset's random base beside its adapter; ``--merge``'s merged model).
+EXPORT_FOLDERS = ("base", "merged")
 _FP_KEYS = {"kind": str, "bytes": int, "sha256": str}
 
 
@@ -132,8 +139,9 @@ def legacy_files(output: Path) -> list[str]:
     found = [f"checkpoints/{p.name}" for _, p in step_folders(output) if (p / STATE_FILE).is_file()]
     found += [f"checkpoints/{p.name}" for p in checkpoints_dir(output).glob(".tmp-step-*")]
     found += [name for name in ("metrics.jsonl", "loss.png", "samples.jsonl") if (output / name).is_file()]
-    if _is_memfit_run_json(output / "run.json"):
+    if _is_memfit_run_json(output / "run.json"):  # then the export beside it is an older memfit's too
         found.append("run.json")
+        found += [name for name in (*EXPORT_FILES, *EXPORT_FOLDERS) if (output / name).exists()]
     return found
 
 

@@ -81,7 +81,19 @@ def problem(folder: Path) -> str | None:
         return "is a file, not a checkpoint folder"
     if has_manifest(folder):
         return _manifest_problem(folder)
+    if _written_with_manifest(folder):
+        return f"lacks {MANIFEST} (deleted, or its save never finished)"
     return _structure_problem(folder)
+
+
+def _written_with_manifest(folder: Path) -> bool:
+    """Whether the checkpoint was saved by a memfit that writes a manifest: its state records the run id
+    (``ledger``), which came with manifests; an older memfit's checkpoint has neither and is checked by form."""
+    try:
+        state = json.loads((folder / STATE_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "run_id" in state
 
 
 def _manifest_problem(folder: Path) -> str | None:

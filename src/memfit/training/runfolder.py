@@ -14,10 +14,18 @@ Rules (issue 14):
   read, created or removed (``lock_existing``, the first thing a run does), so a refused run touches
   nothing, and a resume reads its checkpoint only while it holds the lock.
 - Staging folders (``checkpoints/.tmp-step-N-<pid>-<random>``, ``.tmp-export-<pid>-<random>``) are named
-  for the run that made them; leftovers are removed only by the process that holds the lock.
+  for the run that made them; leftovers are removed only by the process that holds the lock, and only once
+  it owns the folder (``open`` passed every check): a run refused after taking the lock (a folder that
+  already holds a run, a resume that does not match) changes nothing, not even a dead run's leftovers.
+- The names a run or its export writes (``ledger.RUN_FILES``, ``EXPORT_FILES``, ``EXPORT_FOLDERS``) are checked
+  by ``open`` before the first step: one that is someone else's, or of another kind than memfit writes there
+  (a folder named ``config.json``), is refused then, not after training.
+- A run that fails before its first optimizer step removes the folder again if it created it, and the parent
+  folders it created for it (``--output a/b/c`` with no ``a``), never one it did not create.
+- Without ``--output`` the run claims a fresh ``runs/<model>-<time>`` with an exclusive ``mkdir``
+  (``claim_fresh``), so two runs started in the same second get two folders.
 - Nothing in the folder is written through a symlink (``memfit.files``): a link at a file's name is
   replaced, a link on the way (``checkpoints -> elsewhere``) or as the lock file is refused.
-- A run that fails before its first optimizer step removes the folder again if it created it.
 """
 
 from __future__ import annotations
@@ -81,6 +89,31 @@ class RunFolder:
         self.ledger: dict | None = None
         """The run's own manifest (``ledger``), kept by the main process."""
         self._made_marker = False
+        self.made_parents: list[Path] = []
+        """Folders above ``output`` this run created for it (deepest first): removed with it after an early failure."""
+        self.claimed = False
+        """Made by ``claim_fresh`` (before ``open``): this run's from the start, locked or not."""
+        self.owned = False
+        """Set once ``open`` passed every check: from then on the run may clean up the folder's staging leftovers."""
+
+    @classmethod
+    def claim_fresh(cls, base: Path) -> RunFolder:
+        """A new, empty folder at ``base``, else ``base-2``, ``base-3``, ...: each made with an exclusive
+        ``mkdir``, so two runs that chose the same name in the same second never share it."""
+        parents = _missing_folders(base.parent)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while True:
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                n += 1
+                continue
+            folder = cls(candidate)
+            folder.created = folder.claimed = True
+            folder.made_parents = parents
+            return folder
 
     @property
     def holds_lock(self) -> bool:
@@ -108,6 +141,9 @@ class RunFolder:
             self._lock()  # held already when ``lock_existing`` ran: then a no-op
             self.ledger = ledger.read(output) or {"version": 1, "run_id": run_id or ledger.new_run_id(),
                                                   "files": ledger.legacy_files(output)}
+            self._check_replaceable(self.ledger["files"], "this run")
+            self.owned = True
+            self.remove_partial_writes()  # a killed earlier part's staging: nobody else's while the lock is held
             self.ledger["data"] = data
             self.ledger["files"] = list(dict.fromkeys([*self.ledger["files"], *ledger.RUN_FILES]))
             ledger.write(output, self.ledger)
@@ -121,11 +157,17 @@ class RunFolder:
             raise UserError(f"{output} already holds a training run; pass --overwrite to replace it, "
                             "--resume to continue it, or choose another --output.")
         if not exists:
-            output.mkdir(parents=True, exist_ok=True)
-            self.created = True
+            self.made_parents = _missing_folders(output.parent)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                output.mkdir()
+                self.created = True
+            except FileExistsError:  # another run made it a moment ago: the lock decides which of the two goes on
+                pass
         self._lock()
         if config.folder.overwrite:
             self._remove_own()
+        self.owned = True
         self.ledger = {"version": 1, "run_id": run_id or ledger.new_run_id(), "data": data,
                        "files": list(ledger.RUN_FILES)}
         ledger.write(output, self.ledger)
@@ -136,13 +178,10 @@ class RunFolder:
         nothing this run will replace is someone else's."""
         doc = ledger.read(self.output)
         own = doc["files"] if doc else ledger.legacy_files(self.output)
-        for name in ledger.RUN_FILES:
-            path = self.output / name
-            if (path.exists() or path.is_symlink()) and name not in own:
-                raise UserError(f"{path} was not written by memfit, and --overwrite replaces only memfit's own "
-                                "files; move it away, or choose another --output.")
+        self._check_replaceable(own, "memfit, and --overwrite replaces only memfit's own files")
         for name in own:
             check_no_links(self.output, self.output / name)
+        self.owned = True  # every check passed: from here on this run changes the folder
         for name in own:
             remove_entry(self.output / name)
         self.remove_partial_writes()
@@ -150,14 +189,31 @@ class RunFolder:
         if checkpoints.is_dir() and not checkpoints.is_symlink() and not any(checkpoints.iterdir()):
             checkpoints.rmdir()
 
+    def _check_replaceable(self, own: list[str], writer: str) -> None:
+        """Refuse, before anything is removed or trained, a name this run would write (its own files, the
+        export's) that is held by something ``own`` does not list, or by a file where memfit writes a folder
+        or the reverse (a folder named ``config.json``: the export could only fail there, after training).
+        ``writer``: who may have written it, as the sentence says."""
+        for name in (*ledger.RUN_FILES, *ledger.EXPORT_FILES, *ledger.EXPORT_FOLDERS):
+            path = self.output / name
+            if not (path.exists() or path.is_symlink()):
+                continue
+            if name not in own:
+                raise UserError(f"{path} was not written by {writer}; move it away, or choose another --output.")
+            folder = name in ledger.EXPORT_FOLDERS
+            if not path.is_symlink() and path.is_dir() != folder:  # a link at the name is replaced, never followed
+                raise UserError(f"{path} is a {'file' if folder else 'folder'}, where memfit writes a "
+                                f"{'folder' if folder else 'file'}; move it away, or choose another --output.")
+
     def record(self, *names: str) -> None:
         """Add ``names`` (relative to the folder) to what memfit wrote here (main process)."""
         if self.holds_lock:
             ledger.add(self.output, self.ledger, *names)
 
     def remove_partial_writes(self) -> None:
-        """Remove staging folders (every run's: only the lock holder calls this, so none is in use)."""
-        if not self.holds_lock or not self.output.is_dir():
+        """Remove staging folders (every run's: only the lock holder that owns the folder does, so none is in use;
+        a run refused after taking the lock removes nothing)."""
+        if not self.holds_lock or not self.owned or not self.output.is_dir():
             return
         checkpoints = self.output / "checkpoints"
         found = list(self.output.glob(STAGING[1]))
@@ -194,7 +250,8 @@ class RunFolder:
         self._lock_fd = fd
 
     def close(self, *, failed: bool) -> None:
-        """Release the lock; after a failure before the first step, remove the folder if this run made it."""
+        """Release the lock; after a failure before the first step, remove the folder if this run made it (and
+        the parent folders it made for it)."""
         held = self.holds_lock
         if failed and held and not self.started and self._made_marker and not self.created:
             (self.output / MARKER).unlink(missing_ok=True)  # a refused run leaves the folder as it found it
@@ -204,8 +261,41 @@ class RunFolder:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
-        if failed and held and self.created and not self.started:
+        if not failed or not self.created or self.started:
+            return
+        if held:
             shutil.rmtree(self.output, ignore_errors=True)
+        elif self.claimed:  # claimed, never locked: still empty, unless someone else writes there now
+            _remove_if_empty([self.output])
+        _remove_if_empty(self.made_parents)  # deepest first; one that holds something now is kept
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_not_a_run_file(path: Path, *, flag_name: str) -> None:
+    """Refuse a file another command would write (``memfit plan --output``) at a name a training run writes in
+    its folder (``runs/x/run.json`` while ``train`` writes ``runs/x``): that file is the run's, not the plan's."""
+    path = user_path(path)
+    own = {MARKER, ledger.LEDGER, *ledger.RUN_FILES, *ledger.EXPORT_FILES}
+    if is_run_folder(path.parent) and path.name in own:
+        raise UserError(f"{flag_name} {path} is a file of the memfit run in {path.parent}; write it elsewhere "
+                        "(beside the run folder, say).")
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and the folders above it that do not exist yet, deepest first."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    return missing
 
 
 def read_holder(path: Path) -> str:

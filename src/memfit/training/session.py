@@ -164,7 +164,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.optim.max_grad_norm)
     resumed = resume_point is not None and isinstance(resume_point.state.get("settings"), dict)
-    config = resolve_output(config)
+    config = resolve_output(config, guard)
     accelerator = build_accelerator(config.run, config)
     with accelerator.main_process_first():  # a Hub --model: one download, the other ranks read the cache
         config, hub_model = fetch_hub_model(config, progress=show and not config.json and accelerator.is_main_process)
@@ -277,11 +277,12 @@ def _launched_as_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def resolve_output(config: TrainConfig) -> TrainConfig:
+def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
     """``config`` with its output folder: ``--output``, or a fresh ``runs/<model>-<timestamp>``.
 
-    The timestamp is taken on the main process and broadcast, so the processes of a data-parallel
-    launch (started a moment apart) agree on one folder.
+    The main process claims the folder (``guard.claim_default``: made now, so two runs started in the same
+    second get two) and broadcasts its name, so the processes of a data-parallel launch (started a moment
+    apart) agree on one folder.
     """
     if config.folder.output:
         return config
@@ -294,7 +295,7 @@ def resolve_output(config: TrainConfig) -> TrainConfig:
     from memfit.training.setup import cuda_available
 
     state = PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
-    chosen = [str(checkpoint.default_output(config.source.model)) if state.is_main_process else None]
+    chosen = [str(guard.claim_default(config.source.model)) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(chosen)
     return config.replace(output=chosen[0])
