@@ -34,7 +34,7 @@ fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "memfit setup: installing $TORCH_SPEC" >&2
-  "${PIP[@]}" "$TORCH_SPEC"
+  "${PIP[@]}" "$TORCH_SPEC" 2> >(grep -v "is ignored: it is neither" >&2)
 fi
 PINS=()
 if [ "$CONSTRAINTS" != none ]; then

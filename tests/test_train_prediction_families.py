@@ -17,6 +17,7 @@ import pytest
 
 from _accuracy_models import accuracy_config
 from _train_helpers import tiny_config
+from memfit.integrations import versions
 
 FAMILIES = [("llama-gqa", {}), ("qwen2", {"lora_r": 8}), ("qwen3", {}), ("olmo2", {"lora_r": 8}),
             ("gpt_neox", {"mixed_precision": "bf16"})]
@@ -36,5 +37,6 @@ def test_train_predicts_its_measured_peak_within_3_percent(family, run, tmp_path
     measured = record["peak_memory"]["peak_bytes"]
     predicted = record["predicted_at_measured_rows"] or record["predicted_peak_bytes"]
     recipe = record["predicted"]["recipe"]
-    assert recipe.startswith("derived" if family in ("qwen3", "olmo2", "gpt_neox") else "hand-written"), recipe
+    derived = family in ("qwen3", "olmo2", "gpt_neox") or bool(versions.unverified())  # (other versions: all derived)
+    assert recipe.startswith("derived" if derived else "hand-written"), recipe
     assert abs(measured - predicted) <= 0.03 * measured, (family, measured, predicted, record["peak_memory"])
