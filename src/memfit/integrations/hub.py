@@ -135,8 +135,9 @@ def cached_snapshot(repo_id: str, revision: str | None, files: str, patterns: li
     except Exception:  # noqa: BLE001 - nothing usable cached (LocalEntryNotFoundError and the like): ask the Hub
         return None
     names = [p.name for p in path.iterdir() if p.is_file()]
+    needs_config, needs_tokenizer = files in ("config", "model"), files in ("tokenizer", "model")
     tokenizer = any(name in names for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    if "config.json" not in names and files != "tokenizer" or files != "config" and not tokenizer:
+    if (needs_config and "config.json" not in names) or (needs_tokenizer and not tokenizer):
         return None
     if files == "model":
         index = path / "model.safetensors.index.json"
