@@ -27,8 +27,9 @@ Known error: exact where the basis spans what the code allocates (held to the ex
 every family of ``tests/test_estimate_accuracy.py``; lfm2's two kinds +1.6% at seq 2048). Refused, in one
 sentence naming the layer kind, where a kind's operators change with the size (jamba's mamba layers loop
 over the positions without the mamba kernels) or first appear beyond 8 layers. Wrong where a sliding window sits between the
-traced lengths and the run's (the traced lengths are put on the run's side of the window). It inherits
-the trace's CPU kernels (docs/exact.md), also for ``device="cuda"``.
+traced lengths and the run's (the traced lengths are put on the run's side of the window). For
+``device="cuda"`` it traces the CUDA substitutions ``--exact`` makes (docs/exact.md), with their known error.
+Held with the hand-written recipes to ``--exact`` by ``tests/test_recipe_paths.py`` (every setting, 1%).
 
 Recipes are cached on disk per (config without its depth, the run settings that change activations,
 torch and transformers versions), in ``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit/recipes``
@@ -54,6 +55,7 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations import versions
 from memfit.memory import layer_plan
 from memfit.memory import preference_terms as pref
 from memfit.memory.breakdown import MemoryBreakdown
@@ -701,13 +703,16 @@ def derivation_note(spec, run: RunConfig, recipe: DerivedRecipe, device: str) ->
         why = f"its sliding window ({spec.sliding_window}) is shorter than the sequence"
     elif run.grad_checkpointing and (run.attn_implementation is Attention.EAGER or spec.family == "gemma2"):
         why = "the hand-written recipe does not model eager attention's peaks inside a checkpointed layer"
+    elif hand_written_family(spec, run, device) is not None:  # it models this run: derived for the versions, or asked
+        why = ("the installed versions are outside those the hand-written recipes are verified on"
+               if versions.unverified() else "asked for: estimate(..., derived=True)")
     else:
         why = "the hand-written recipe does not model this run's CPU attention kernel"
     line = f"recipe: {recipe.label} ({why}; {how})"
     if run.quantize is not Quantize.NONE:
         line += "; QLoRA's activations traced on a bf16 base"
     if device == "cuda":
-        line += "; CPU kernels traced (see docs/exact.md)"
+        line += "; CUDA kernels substituted as --exact does (see docs/exact.md)"
     return line + "."
 
 
