@@ -145,7 +145,8 @@ def cached_snapshot(repo_id: str, revision: str | None, files: str, patterns: li
             shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
         except (OSError, ValueError, KeyError, AttributeError):
             return None
-        if not (_matching(names, SAFE_WEIGHTS) or _matching(names, PICKLE_WEIGHTS)) or not shards <= set(names):
+        weights = tuple(p for p in patterns if p in SAFE_WEIGHTS + PICKLE_WEIGHTS)  # pickles only where allowed
+        if not _matching(names, weights) or not shards <= set(names):
             return None
     return path
 
