@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.integrations.hf_compat import enable_checkpointing
+from memfit.integrations.hf_compat import default_causal_loss, enable_checkpointing
 from memfit.settings.config import RunConfig
 from memfit.spec.lora import wrap_lora
 from memfit.spec.optimizers import row
@@ -50,6 +50,7 @@ def adapt(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, revisi
     decoder layers would skip checkpointing (transformers' ``GradientCheckpointingLayer`` runs it only when
     ``self.training``) and dropout until the first evaluation restored the mode.
     """
+    default_causal_loss(model)  # the loss transformers falls back to, named: no "loss_type=None" log line
     if run.grad_checkpointing:
         enable_checkpointing(model)  # non-reentrant: works with frozen inputs (LoRA), torch's recommended mode
     if run.is_lora():

@@ -44,6 +44,17 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINT_KWARGS))
 
 
+def default_causal_loss(model) -> None:
+    """Name transformers' own fallback loss on a causal LM whose class name maps to none (GPT-2's
+    ``GPT2LMHeadModel``, ...): ``PreTrainedModel.loss_function`` falls back to ``ForCausalLM`` for an unknown
+    ``model.loss_type``, and logs "`loss_type=None` was set in the config but it is unrecognized" the first time
+    (transformers 5.25, ``modeling_utils.py``). Set on the model, not its config: nothing saved changes."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if getattr(model, "loss_type", None) not in LOSS_MAPPING:
+        model.loss_type = "ForCausalLM"
+
+
 def prepare_for_kbit_training(model, checkpointing: bool):
     """PEFT's ``prepare_model_for_kbit_training`` (freeze the base, cast what is not quantized to fp32) with
     memfit's checkpointing kwargs: it re-enables checkpointing when ``checkpointing``, and passes
