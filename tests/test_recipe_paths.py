@@ -56,14 +56,6 @@ SETTINGS = [
 #: (family, derived, setting) -> {what: bound} where a bound wider than ``BOUND`` is known, measured 2026-12-06
 #: (transformers 5.25, torch 2.13); each an over-estimate unless it says:
 EXCEPTIONS = {
-    # the hand-written preference forward moment counts the policy's fp32 logits copy beside the reference
-    # forward's transient: forward +1.7% / +1.4% / +1.3% (not the step's peak: backward within 0.6%)
-    ("llama-gqa", False, "dpo-adapter-off"): {"forward": 0.02},
-    ("llama-gqa", False, "orpo"): {"forward": 0.02},
-    ("llama-gqa", False, "cuda-dpo"): {"forward": 0.02},
-    # activation offload: the hand-written forward moment is 1.4% UNDER (the head's transient beside the
-    # offloaded layers); the step's peak is backward, within 0.1%
-    ("llama-gqa", False, "offload-activations"): {"forward": 0.02},
     # LoRA under AMP on OLMo 2: no layer keeps the previous layer's fp32 hidden states (each projection saves its
     # own bf16 cast), but the traced last layer's are kept by the final norm, so each extrapolated layer counts
     # one hidden state too many: +1.0% of the peak (activations +2.2%)
