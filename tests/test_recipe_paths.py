@@ -55,12 +55,7 @@ SETTINGS = [
 
 #: (family, derived, setting) -> {what: bound} where a bound wider than ``BOUND`` is known, measured 2026-12-06
 #: (transformers 5.25, torch 2.13); each an over-estimate unless it says:
-EXCEPTIONS = {
-    # LoRA under AMP on OLMo 2: no layer keeps the previous layer's fp32 hidden states (each projection saves its
-    # own bf16 cast), but the traced last layer's are kept by the final norm, so each extrapolated layer counts
-    # one hidden state too many: +1.0% of the peak (activations +2.2%)
-    ("olmo2", True, "dpo-adapter-off"): {"peak": 0.015, "forward": 0.015, "backward": 0.015},
-}
+EXCEPTIONS: dict[tuple[str, bool, str], dict[str, float]] = {}  # none today: the last five were fixed (issue 34)
 
 #: The families and the paths each is priced on.
 FAMILIES = {"llama-gqa": (False, True), "olmo2": (True,), "qwen3": (True,)}

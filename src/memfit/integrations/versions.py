@@ -19,7 +19,7 @@ what the package imports (e.g. ``training.finish``, which records it in run.json
 #: Package -> (lowest verified ``major.minor``, first ``major.minor`` not verified): a half-open range.
 VERIFIED: dict[str, tuple[str, str]] = {
     "transformers": ("5.24", "5.26"),
-    "torch": ("2.13", "2.14"),
+    "torch": ("2.13", "2.15"),
 }
 
 

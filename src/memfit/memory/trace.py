@@ -103,6 +103,12 @@ class Timeline:
     """Per decoder layer, bytes by category of what its forward left alive that died after the head ran and
     before backward: alive through the rest of the forward, gone in backward (autocast's cached weight copies
     of a checkpointed layer, freed when autocast exits); ``memory/derive.py`` holds them in forward only."""
+    dropped_outputs: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Per decoder layer, bytes by category of its output when that died before the head ran: the next layer
+    did not keep it (OLMo 2's post-norm layers under LoRA + autocast save only their projections' half casts).
+    The traced last layer's output is kept by the final norm whatever the layers do; ``memory/derive.py``
+    charges it to each further layer only where the layer before it kept its own output.
+    ``Recorder.watch_output``."""
     allocations: list[tuple] = field(default_factory=list)
     """The allocation stream of both steps, weights first, as ``memory/alloc_stream.py`` records it (a CUDA
     trace of two steps; empty otherwise): what ``memory.allocator.replay`` takes."""
@@ -401,6 +407,24 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
                 self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
                                                 self._freed(*args)))
 
+        def watch_output(self, layer: int, output) -> None:
+            """At decoder layer ``layer``'s forward end: watch its output's storage; if it dies before the head
+            runs, the next layer did not keep it (``Timeline.dropped_outputs``)."""
+            if not (self.recording and self.phase == "forward") or not torch.is_grad_enabled():
+                return
+            st = output.untyped_storage()
+            entry = tracker._WINFO.get(st)
+            if entry is None:
+                return
+            winfo = entry[0]
+            category = "temporary" if st in self.casts or winfo.reftype is not ref.ACT else "activations"
+            self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
+                                            self._output_dropped(*args)))
+
+        def _output_dropped(self, layer: int, category: str, size: int) -> None:
+            if self.recording and self.phase == "forward" and not self.head_ran:
+                self.timeline.dropped_outputs.setdefault(layer, {})[category] = size
+
         def _freed(self, layer: int, category: str, size: int) -> None:
             if self.recording and self.phase == "forward":
                 where = self.timeline.forward_only if self.head_ran else self.timeline.returned
@@ -633,6 +657,8 @@ def _mark_layers(model, recorder) -> None:
         recorder.mark(i, "post")
         recorder.watch_layer(i)
         first = next((t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            recorder.watch_output(i, first)
         if recorder.recording and first is not None and first.requires_grad:
             first.register_hook(lambda _grad, i=i: recorder.mark(i, "grad"))
 
