@@ -255,7 +255,7 @@ def test_the_planners_constraints_are_the_searched_settings():
     assert names[:len(searched(RunConfig))] == [s.key for s in searched(RunConfig)]  # lora_r: the flat key
     assert set(names) - {s.key for s in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
                                                                    "host_memory"}
-    assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
+    assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "nodes", "method"}
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 
