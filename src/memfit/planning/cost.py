@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memfit.planning.gpus import GPU
-from memfit.planning.internode import comm_seconds
+from memfit.planning.internode import comm_seconds, gradient_bytes
 from memfit.settings.config import DType, Offload, Precision, Quantize, RunConfig
 from memfit.spec.engines import shard_group_size
 from memfit.spec.losses import loss_impl
@@ -194,7 +194,7 @@ def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, flo
     """``(optimizer, offload, comm)`` seconds paid once per optimizer step and per micro-batch extras."""
     trainable = spec.trainable_params(run) / _shard_divisor(run)
     opt_bytes = trainable * optimizer_bytes(run)
-    grad_b = 4 if run.is_lora() else dtype_bytes(run.dtype)
+    grad_b = gradient_bytes(run)
     offload = 0.0
     if run.offload is Offload.ACTIVATIONS:
         offload = _activation_offload_seconds(spec, run, gpu)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from memfit.planning.gpus import GPU
 from memfit.settings.config import RunConfig, Sharding
-from memfit.units import GB
+from memfit.units import GB, dtype_bytes
 
 #: Fraction of link bandwidth collectives reach (``cost.BANDWIDTH_EFFICIENCY``'s value for streaming kernels).
 COLLECTIVE_EFFICIENCY = 0.8
@@ -48,6 +48,11 @@ class Traffic:
     """Collectives over ranks on several nodes (the slower of the GPU link and the node's network)."""
     cross: float
     """HSDP's all-reduce across nodes, per node (the node's network)."""
+
+
+def gradient_bytes(run: RunConfig) -> int:
+    """Bytes per gradient element: the weights' dtype, fp32 for LoRA adapters (PEFT's default)."""
+    return 4 if run.is_lora() else dtype_bytes(run.dtype)
 
 
 def _ring(n: int) -> float:
@@ -86,12 +91,12 @@ def comm_seconds(spec, run: RunConfig, gpu: GPU, grad_bytes: float) -> float:
     return t.local / link + t.spanning / min(link, node) + t.cross / node
 
 
-def internode_seconds(spec, run: RunConfig, gpu: GPU, grad_bytes: float) -> float:
+def internode_seconds(spec, run: RunConfig, gpu: GPU) -> float:
     """Of ``comm_seconds``, what the traffic between nodes costs beyond the GPU link (0 on one node): the
     spanning collectives' time at the node's network less their time at the link, plus HSDP's cross-node all-reduce."""
     if run.nodes < 2:
         return 0.0
-    t = step_traffic(spec, run, grad_bytes)
+    t = step_traffic(spec, run, gradient_bytes(run))
     link = gpu.bytes_per_s("link") * COLLECTIVE_EFFICIENCY
     node = internode_bytes_per_s(gpu)
     return t.spanning / min(link, node) - t.spanning / link + t.cross / node
