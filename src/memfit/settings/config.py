@@ -369,7 +369,7 @@ class RunConfig:
         if self.precompute_reference and self.method is not Method.DPO:
             raise UserError(f"--precompute-reference is for --method dpo, the method with a reference policy; "
                             f"--method {self.method} has none.")
-        if self.num_processes % self.nodes:
+        if self.num_processes > 1 and self.num_processes % self.nodes:  # 1: train takes the launch's count
             raise UserError(f"--num-processes {self.num_processes} is not a multiple of --nodes {self.nodes}: each "
                             "node runs the same number of processes (--num-processes counts them on all nodes).")
         if self.optimizer_in_backward and self.grad_accum > 1:
@@ -382,8 +382,8 @@ class RunConfig:
         return self.micro_batch * self.grad_accum * self.num_processes
 
     def processes_per_node(self) -> int:
-        """Ranks on each machine (``num_processes / nodes``)."""
-        return self.num_processes // self.nodes
+        """Ranks on each machine (``num_processes / nodes``; 1 while the processes are left to the launch)."""
+        return max(self.num_processes // self.nodes, 1)
 
     def forward_sequences(self) -> int:
         """Sequences in one micro-batch's forward: B, or 2B for a preference method, whose micro-batch of B

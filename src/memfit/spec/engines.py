@@ -42,7 +42,7 @@ def hybrid_refusal(run: RunConfig) -> str | None:
     """Why ``--sharding hybrid`` cannot run this layout (one sentence), or None. One process per node would
     shard nothing: FSDP2's HSDP then is plain replication, which Accelerate's ``ParallelismConfig`` refuses
     (``dp_shard_size`` 1 with ``dp_replicate_size`` > 1)."""
-    if run.sharding is Sharding.HYBRID and run.nodes > 1 and run.processes_per_node() < 2:
+    if run.sharding is Sharding.HYBRID and 1 < run.nodes == run.num_processes:  # (1 process: left to the launch)
         return (f"--sharding hybrid shards within a node, but {run.nodes} nodes of 1 process each leave nothing to "
                 "shard; run 2 or more processes per node, or use --sharding fsdp (or ddp).")
     return None
