@@ -60,7 +60,8 @@ COMMAND_ONLY = {
     # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
     # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
     "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--maximize", "--top", "--output",
-             "--accelerate-config", "--json", "--from", "--from-format", "--emit"},
+             "--accelerate-config", "--json", "--from", "--from-format", "--emit",
+             "--gpus-per-node", "--max-nodes", "--internode-gbs"},  # the cluster (planning.nodes)
     # train: where the settings come from (--config), and the old spelling of --packing none
     "train": {"--config", "--no-packing"},
     # data preview: which record and how to print it; its --data/--model/--revision/--tokenizer are train's

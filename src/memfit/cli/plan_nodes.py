@@ -63,6 +63,6 @@ def print_node_launch(across, model: str, revision: str | None) -> None:
     run = across.result.best.config
     if run.nodes < 2:
         return
-    click.echo(f"Or with torchrun, on each of the {run.nodes} nodes (NODE_RANK 0 on the first, whose address "
-               f"replaces {memfit.MAIN_HOST}):")
+    click.echo(f"Or with torchrun on each of the {run.nodes} nodes, NODE_RANK 0 on the first\n"
+               f"(its address replaces {memfit.MAIN_HOST}):")
     click.echo(shell_lines(memfit.torchrun_command(model, run, "${NODE_RANK}", revision=revision)))

@@ -145,8 +145,8 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
         return deepspeed_engine.accelerator_kwargs(run, cuda=cuda)
     if is_sharded(run):  # hybrid on 2+ nodes: Accelerate's ParallelismConfig builds HSDP's 2-D mesh (multinode)
         hybrid = multinode.hybrid_parallelism(run) if cuda else None
-        return ({"fsdp_plugin": fsdp2_plugin(run, cuda=True), **({"parallelism_config": hybrid} if hybrid else {})}
-                if cuda else {})
+        return {"fsdp_plugin": fsdp2_plugin(run, cuda=True), **({"parallelism_config": hybrid} if hybrid else {})} \
+            if cuda else {}
     from accelerate.utils import DistributedDataParallelKwargs
 
     return {"kwargs_handlers": [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]}
@@ -171,9 +171,8 @@ class _PluginHolder:
     fsdp_plugin: object
     is_main_process: bool
     mixed_precision: str = "no"
-    torch_device_mesh: object = None
+    torch_device_mesh: object = None  # --sharding hybrid: the 2-D mesh and Accelerate's ParallelismConfig naming it
     parallelism_config: object = None
-    """``--sharding hybrid``: Accelerate's ``ParallelismConfig``, whose ``fsdp_dim_names`` pick the mesh's dimensions."""
     device: str = "cpu"
     """Where ``cpu_ram_efficient_loading`` re-registers the non-persistent buffers (rotary ``inv_freq``)."""
 
@@ -467,9 +466,8 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", w
     if several:
         # the prediction models the launch's engine (memory.deepspeed_layout under DeepSpeed): name it
         engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_requested() else ""
-        on = f" on {run.nodes} nodes" if run.nodes > 1 else ""
-        line += f"; {run.sharding}{engine} over {run.num_processes} processes{on}" if is_sharded(run) else \
-            f"; {run.num_processes} processes, unsharded"
+        spread = f"{run.num_processes} processes" + (f" on {run.nodes} nodes" if run.nodes > 1 else "")
+        line += f"; {run.sharding}{engine} over {spread}" if is_sharded(run) else f"; {spread}, unsharded"
     line += ")"
     try:
         outside = outside_step(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
