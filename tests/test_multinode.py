@@ -170,6 +170,18 @@ def test_nodes_come_from_the_launch():
         multinode.with_launched_nodes(RunConfig.of(nodes=4), 4, env)
 
 
+def test_an_accelerate_parallelism_config_must_agree_with_the_sharding():
+    # what `accelerate launch` exports from a config written for --sharding hybrid on 2 nodes of 2
+    env = {"GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    assert multinode.with_launched_nodes(RunConfig.of(sharding="hybrid"), 4, env).nodes == 2
+    with pytest.raises(UserError, match="dp_replicate_size: 2 but --sharding fsdp on 2 node"):
+        multinode.with_launched_nodes(RunConfig.of(sharding="fsdp"), 4, env)
+    config = multinode.hybrid_parallelism(RunConfig.of(sharding="hybrid", num_processes=4, nodes=2), env)
+    assert (config.dp_replicate_size, config.dp_shard_size) == (2, 2)
+    assert multinode.hybrid_parallelism(RunConfig.of(sharding="fsdp"), env) is None
+
+
 # --- two "nodes" on this host (slow: 4 CPU processes, ~40-80 s each launch on 2 shared cores) -------------------
 ARGS = [*TRAIN_ARGS[:TRAIN_ARGS.index("--grad-accum")], "--grad-accum", "1",
         *TRAIN_ARGS[TRAIN_ARGS.index("--grad-accum") + 2:]]  # 4 ranks x 1 x 1: the reference's effective batch 4

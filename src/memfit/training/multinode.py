@@ -40,7 +40,24 @@ def with_launched_nodes(run: RunConfig, num_processes: int, env=None) -> RunConf
     if run.nodes not in (1, nodes):
         raise UserError(f"--nodes is {run.nodes} but the launch started {nodes} node(s); start it with torchrun "
                         f"--nnodes {run.nodes} (or accelerate launch --num_machines {run.nodes}) on each node.")
+    check_parallelism_env(run, nodes, env)
     return run.replace(num_processes=num_processes, nodes=nodes)
+
+
+def check_parallelism_env(run: RunConfig, nodes: int, env=None) -> None:
+    """An Accelerate config's ``parallelism_config`` (``accelerate launch`` exports it as
+    ``PARALLELISM_CONFIG_*``; the Accelerator then builds it whenever memfit passes none) must agree with
+    ``--sharding``: replicas = nodes under ``hybrid``, 1 otherwise, or the run would be laid out unlike its
+    flags and its prediction."""
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return
+    replicas = int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+    want = nodes if run.sharding is Sharding.HYBRID else 1
+    if replicas != want:
+        raise UserError(f"The Accelerate config sets parallelism_config_dp_replicate_size: {replicas} but --sharding "
+                        f"{run.sharding} on {nodes} node(s) means {want}; make them agree (--sharding hybrid replicates "
+                        "once per node, the others not at all).")
 
 
 def hybrid_parallelism(run: RunConfig, env=None):
