@@ -158,6 +158,13 @@ def test_estimate_prints_per_rank_memory_of_full_and_hybrid_sharding_across_node
         assert row in out.output
 
 
+def test_no_tool_config_is_written_for_hybrid_sharding():
+    from memfit.interop import realize
+
+    run = _run(num_processes=16, nodes=2, sharding="hybrid", lora_r=16)
+    assert realize("trl")(run) is None and realize("trl")(run.replace(sharding="fsdp")) is not None
+
+
 # --- the launch's nodes ----------------------------------------------------------------------------------------
 def test_nodes_come_from_the_launch():
     env = {"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}

@@ -143,9 +143,13 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
             console.print(f"  [dim]- {line}[/]")
         if run.nodes > 1 and run.num_processes > run.nodes:  # several nodes: each sharding's per-rank terms
             from memfit import rank_layouts
+            from memfit.report.fit import dropped_note
             from memfit.report.node_tables import rank_layout_table
 
-            console.print(rank_layout_table(rank_layouts(spec, run), run, console.width)[0])
+            table, dropped = rank_layout_table(rank_layouts(spec, run), run, console.width)
+            console.print(table)
+            if dropped:
+                console.print(f"[dim]{dropped_note(dropped)}[/]")
     if reading is not None:
         show_reading(console, reading, run)
     if plot_path:

@@ -18,7 +18,7 @@ def rank_layout_table(terms: list, run, width: int = 200) -> tuple[Table, list[s
             Col(f"weights {unit}", "right"), Col(f"grads {unit}", "right"), Col(f"optim {unit}", "right"),
             Col(f"layer {unit}", "right", 2), Col(f"gathered {unit}", "right", 2), Col(f"comm {unit}", "right", 2),
             Col(f"peak {unit}", "right")]
-    rows = [[t.sharding, f"{t.shard_group} ranks", str(t.replicas)]
+    rows = [[t.sharding, f"{t.shard_group} rank{'s' if t.shard_group > 1 else ''}", str(t.replicas)]
             + [f"{getattr(t, k) / size:.2f}" for k in ("weights", "gradients", "optimizer", "gathered_unit",
                                                         "gathered_peak", "comm_buffers", "peak_bytes")]
             for t in terms]
