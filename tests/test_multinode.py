@@ -134,6 +134,8 @@ def test_plan_cli_prints_the_node_count_and_each_nodes_launch(tmp_path):
     assert all(p["accelerate_config"]["num_machines"] == nodes for p in per_node)
     assert f"--nnodes {nodes} --nproc_per_node 8 --node_rank 1 " in per_node[1]["torchrun"]
     assert "--rdzv-endpoint MAIN_NODE_IP:29500" in per_node[1]["torchrun"]
+    # accelerate launch: the same line on every node, each reading its own file
+    assert payload["launch"].startswith(f'accelerate launch --config_file "{tmp_path}/acc.node${{NODE_RANK}}.yaml" -m ')
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == [f"acc.node{r}.yaml" for r in range(nodes)]
 
@@ -244,8 +246,10 @@ def test_full_shard_on_two_nodes_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding_name", ["hybrid", "fsdp"])
+@pytest.mark.parametrize("sharding_name", ["hybrid", "fsdp", "zero2", "ddp"])
 def test_per_rank_tensor_peak_on_two_nodes_is_within_3_percent(sharding_name):
+    # hybrid shards over a node's 2 ranks; fsdp and zero2 over all 4 (ZeRO-2: every layer kept gathered);
+    # ddp shards nothing and keeps its gradient buckets. Measured 2026-12-06: hybrid -0.6%, fsdp -1.3%.
     bench = Path(__file__).resolve().parents[1] / "bench" / "sharding_memory.py"
     procs = node_launch(str(bench), "--model", "tiny", "--seq-len", "32", "--steps", "3", "--sharding", sharding_name,
                         nodes=2, nproc_per_node=2)

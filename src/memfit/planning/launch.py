@@ -75,7 +75,7 @@ def launch_command(model: str, run: RunConfig, config_file: str = DEFAULT_CONFIG
         return f"memfit train {train} --data DATA"
     if run.nodes > 1:  # one config per machine (write_accelerate_config): the same command on each, its own file
         config_file = str(node_config_file(Path(config_file), 0, run.nodes)).replace(".node0", ".node${NODE_RANK}")
-        return f"accelerate launch --config_file {config_file} -m memfit train {train} --data DATA"
+        return f'accelerate launch --config_file "{config_file}" -m memfit train {train} --data DATA'  # "": $ expands
     return f"accelerate launch --config_file {shlex.quote(config_file)} -m memfit train {train} --data DATA"
 
 

@@ -49,7 +49,7 @@ def describe(run: RunConfig) -> str:
 def _quoted(word: str) -> str:
     """``shlex.quote``, except that a word naming a shell variable (a multi-node launch's ``$NODE_RANK``) is
     double-quoted, so that the shell of each node expands it."""
-    if "$" in word and re.fullmatch(r"[\w./${}:=-]+", word):
+    if "$" in word and re.fullmatch(r"[\w./${}:= -]+", word):
         return f'"{word}"'
     return shlex.quote(word)
 
