@@ -34,7 +34,8 @@ from memfit.planning.gpus import GPU
 from memfit.settings.config import RunConfig, Sharding
 from memfit.units import GB, dtype_bytes
 
-#: Fraction of link bandwidth collectives reach (``cost.BANDWIDTH_EFFICIENCY``'s value for streaming kernels).
+#: Fraction of a link's datasheet bandwidth that large ring collectives reach (NCCL's bus bandwidth in nccl-tests
+#: is typically 75-90% of it for messages of hundreds of MB: the layers' all-gathers and reduce-scatters here).
 COLLECTIVE_EFFICIENCY = 0.8
 
 
