@@ -79,6 +79,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
     from memfit.training import sharding
+    from memfit.training.multinode import with_launched_nodes
     from memfit.training.setup import (
         ResolvedModel,
         build_accelerator,
@@ -92,7 +93,7 @@ def build(model_name: str, sharding_flag: str, offload: str, seq_len: int, micro
                     packing="concat")  # what train_steps feeds: whole rows, unpadded: no attention mask
     config = TrainConfig.of(model=model_name, run=run, max_grad_norm=0.0, lr=1e-3)  # the lr does not move memory
     accelerator = build_accelerator(run, config)
-    run = run.replace(num_processes=accelerator.num_processes)
+    run = with_launched_nodes(run, accelerator.num_processes)  # torchrun --nnodes N: hybrid shards within a node
     hf_config = modelspec.resolve_config(model_name)
     hf_config.use_cache = False
     resolved = resolve(modelspec.load_spec(model_name), run)  # what build_model builds (attention, optimizer row)
@@ -188,7 +189,8 @@ def main() -> None:
         worst = max(abs(tensors_peak - m) / m for m in all_measured) if all(all_measured) else None
         print(json.dumps({
             "date": time.strftime("%Y-%m-%d"), "model": model_name, "params": bundle.params,
-            "processes": accelerator.num_processes, "sharding": str(run.sharding), "offload": str(run.offload),
+            "processes": accelerator.num_processes, "nodes": run.nodes, "sharding": str(run.sharding),
+            "offload": str(run.offload),
             "lora_r": run.lora.r, "quantize": str(run.quantize),
             "seq_len": run.seq_len, "micro_batch": run.micro_batch, "steps": args.steps,
             "device": device, "predicted_peak_bytes": tensors_peak, "predicted_phase": predicted.phase,

@@ -43,6 +43,35 @@ def gloo_launch(*target: str, nproc: int = 2, timeout: int = 400, env: dict | No
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def node_launch(*target: str, nodes: int = 2, nproc_per_node: int = 2, timeout: int = 600,
+                env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``target`` as ``nodes`` "nodes" on this host: one torchrun launcher per node (``--nnodes``,
+    ``--node_rank``, static rendezvous at ``--rdzv-endpoint 127.0.0.1:PORT``), ``nproc_per_node`` CPU (gloo)
+    workers each, as ``memfit plan`` prints the launch for a cluster. Every launcher's output, node 0 first."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for rank in range(nodes):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node",
+                  str(nproc_per_node), "--node_rank", str(rank), "--rdzv-backend", "static", "--rdzv-endpoint",
+                  endpoint, *target]
+        proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        RUNNING.add(proc)
+        procs.append(proc)
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _stop(proc)
+            RUNNING.discard(proc)
+    return done
+
+
 #: Launches under way (background ones included: ``conftest.gloo_runs``).
 RUNNING: set[subprocess.Popen] = set()
 

@@ -60,7 +60,8 @@ COMMAND_ONLY = {
     # plan: the machine and the search (--full/--no-quantize/--no-offload/--host-memory are Constraints'
     # plan-only fields), and its output (--output is plan.yaml, not train's run folder)
     "plan": {"--gpu", "--margin", "--full", "--no-quantize", "--no-offload", "--host-memory", "--maximize", "--top", "--output",
-             "--accelerate-config", "--json", "--from", "--from-format", "--emit"},
+             "--accelerate-config", "--json", "--from", "--from-format", "--emit",
+             "--gpus-per-node", "--max-nodes", "--internode-gbs"},  # the cluster (planning.nodes)
     # train: where the settings come from (--config), and the old spelling of --packing none
     "train": {"--config", "--no-packing"},
     # data preview: which record and how to print it; its --data/--model/--revision/--tokenizer are train's
@@ -255,7 +256,7 @@ def test_the_planners_constraints_are_the_searched_settings():
     assert names[:len(searched(RunConfig))] == [s.key for s in searched(RunConfig)]  # lora_r: the flat key
     assert set(names) - {s.key for s in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
                                                                    "host_memory"}
-    assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
+    assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "nodes", "method"}
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 

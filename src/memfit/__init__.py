@@ -35,8 +35,13 @@ Inputs: the model and the machine.
   ``quiet_import_notices()``: libraries' import-time notices kept off the output (``integrations.hf_compat``);
   ``derivation_progress(listener)``: a line to ``listener`` before each memory recipe is derived (``memory.derive``).
 
-Launch: ``launch_command(model, run, config_file)``, ``accelerate_config(run)``,
-``write_accelerate_config(run, path)`` and ``ACCELERATE_CONFIG_FILE`` (``planning.launch``).
+Launch: ``launch_command(model, run, config_file)``, ``accelerate_config(run, machine_rank)``,
+``write_accelerate_config(run, path)`` (one file per node on several), ``torchrun_command(model, run, node_rank)``,
+``MAIN_HOST`` and ``ACCELERATE_CONFIG_FILE`` (``planning.launch``).
+
+Across nodes: ``plan_nodes(model, budget, gpus_per_node=...)``: the fastest plan over node counts
+(``planning.nodes``); ``rank_layouts(spec, run)``: what a rank holds under each sharding on ``run.nodes``
+nodes (``memory.hybrid_shard``).
 
 Other tools: ``read_config(path)`` / ``write_config(tool, path, model, run)``: another tool's training
 configuration (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit run, or a run written as one
@@ -90,6 +95,10 @@ _PUBLIC = {
     "accelerate_config": ("memfit.planning.launch", "accelerate_config"),
     "write_accelerate_config": ("memfit.planning.launch", "write_accelerate_config"),
     "ACCELERATE_CONFIG_FILE": ("memfit.planning.launch", "DEFAULT_CONFIG_FILE"),
+    "torchrun_command": ("memfit.planning.launch", "torchrun_command"),
+    "MAIN_HOST": ("memfit.planning.launch", "MAIN_HOST"),
+    "plan_nodes": ("memfit.planning.nodes", "plan_nodes"),
+    "rank_layouts": ("memfit.memory.hybrid_shard", "rank_layouts"),
     "read_config": ("memfit.interop", "read"),
     "write_config": ("memfit.interop", "emit"),
     "config_realizer": ("memfit.interop", "realize"),

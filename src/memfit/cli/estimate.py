@@ -111,6 +111,10 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
                                   for name, b in rows]
         else:
             payload.update(rows[0][1].to_dict())
+        if run.nodes > 1 and run.num_processes > run.nodes:
+            from memfit import rank_layouts
+
+            payload["across_nodes"] = [t.to_dict() for t in rank_layouts(spec, run)]
         click.echo(json.dumps(payload, indent=2))
         return
     from rich.console import Console
@@ -137,6 +141,15 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
         console.print(f"[dim]{legend(b)}[/]")
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
+        if run.nodes > 1 and run.num_processes > run.nodes:  # several nodes: each sharding's per-rank terms
+            from memfit import rank_layouts
+            from memfit.report.fit import dropped_note
+            from memfit.report.node_tables import rank_layout_table
+
+            table, dropped = rank_layout_table(rank_layouts(spec, run), run, console.width)
+            console.print(table)
+            if dropped:
+                console.print(f"[dim]{dropped_note(dropped)}[/]")
     if reading is not None:
         show_reading(console, reading, run)
     if plot_path:

@@ -10,6 +10,7 @@ import click
 
 from memfit.cli.interop import from_options, read_from
 from memfit.cli.options import explicit, flags, memory_options, with_options
+from memfit.cli.plan_nodes import cluster_shape, node_payload, print_node_launch, print_nodes
 from memfit.errors import UserError, printable
 from memfit.files import write_text_atomic
 from memfit.settings.config import Loss, Offload, TrainConfig
@@ -25,6 +26,7 @@ Examples:
   memfit plan llama-3-8b --gpu h100-sxm --num-processes 8 --full --accelerate-config fsdp.yaml
   memfit plan llama-2-70b --gpu a100-40gb --num-processes 2 --seq-len 2048 --batch 8 --host-memory 128GiB
   memfit plan llama-3.1-8b --budget 24GiB --maximize seq-len
+  memfit plan llama-3.1-70b --budget 80GiB --gpus-per-node 8 --full --batch 64 --internode-gbs 50
 \b
 Settings not given are chosen by the planner; the effective batch (--batch sequences per optimizer
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
@@ -48,6 +50,14 @@ _MACHINE = [
                       "that fits, with its tokens/s."),
     click.option("--host-memory", help="Host RAM of the machine, e.g. 128GiB: drop plans whose offloaded state and "
                                        "rollback snapshot need more (default: not checked)."),
+    click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+                 help="GPUs per node: plan 1, 2, 4, ... up to --max-nodes nodes of them (or exactly --nodes) and "
+                      "say how many the fastest plan needs (--num-processes unused)."),
+    click.option("--max-nodes", type=click.IntRange(min=1), default=None,
+                 help="With --gpus-per-node: the most nodes to consider [default: 8]."),
+    click.option("--internode-gbs", type=float, default=None,
+                 help="A node's network bandwidth to the others, GB/s per direction, all its NICs together "
+                      "[default: 50, i.e. 400 Gb/s]: what traffic between nodes is charged at."),
 ]
 _OUTPUT = [
     click.option("--top", type=int, default=10, show_default=True, help="Plans to show (0: all)."),
@@ -71,7 +81,8 @@ _OUTPUT = [
 @with_options(_OUTPUT)
 @from_options
 def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin, top, output, as_json,
-            accelerate_config, maximize, emit, from_path, from_format, **pins):
+            accelerate_config, maximize, emit, from_path, from_format, gpus_per_node, max_nodes, internode_gbs,
+            **pins):
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
     import memfit
 
@@ -86,6 +97,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         tool = emit[0] if emit else reading.tool
         adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
+    cluster = cluster_shape(pins.pop("nodes"), num_processes, gpus_per_node, max_nodes, internode_gbs, maximize)
     constraints = memfit.Constraints.from_flat(pins)
     device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
@@ -95,21 +107,24 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
                      gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method,
-                     engine_of=engine_of))
+                     engine_of=engine_of), cluster)
+    across = result if cluster else None  # a NodesResult: the node counts tried, and the chosen one's plans
+    result = across.result if across else result
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
     if emit:
         _write_emitted(emit, result, model or reading.model, reading)
     config_file = accelerate_config or memfit.ACCELERATE_CONFIG_FILE
-    if accelerate_config:
-        memfit.write_accelerate_config(result.best.config, Path(accelerate_config))
+    written = memfit.write_accelerate_config(result.best.config, Path(accelerate_config)) if accelerate_config else []
     command_line = memfit.launch_command(model or reading.model, result.best.config, config_file, revision=revision)
     if result.best.config.loss is Loss.TRL:  # priced for TRL's SFTTrainer; memfit train does not run TRL's loss
         command_line = None
     if as_json:
         click.echo(json.dumps({**result.to_dict(top=top or None), "launch": command_line,
-                               "accelerate_config": memfit.accelerate_config(result.best.config)}, indent=2))
+                               "accelerate_config": memfit.accelerate_config(result.best.config),
+                               **(node_payload(across, model or reading.model, revision) if across else {})},
+                              indent=2))
         return
     _print(result, top or None, elapsed, output, maximize)
     if reading is not None:
@@ -120,10 +135,15 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
-    _print_launch(command_line, accelerate_config, config_file)
+    if across:
+        print_nodes(across)
+    _print_launch(command_line, accelerate_config, config_file, written)
+    if across and command_line is not None:
+        print_node_launch(across, model or reading.model, revision)
 
 
-def _print_launch(command_line: str | None, accelerate_config: str | None, config_file: str) -> None:
+def _print_launch(command_line: str | None, accelerate_config: str | None, config_file: str,
+                  written: list | None = None) -> None:
     """How to run the chosen plan (None: TRL's loss, which memfit prices but does not train with)."""
     if command_line is None:
         click.echo("Launch: with TRL's SFTTrainer (memfit prices its loss, --loss trl, but does not train with it; "
@@ -133,12 +153,13 @@ def _print_launch(command_line: str | None, accelerate_config: str | None, confi
 
     click.echo("Launch:\n" + shell_lines(command_line))
     if accelerate_config:
-        click.echo(f"Wrote {printable(accelerate_config)} (Accelerate config).")
+        names = ", ".join(printable(str(p)) for p in written or [accelerate_config])
+        click.echo(f"Wrote {names} (Accelerate config{', one per node' if len(written or []) > 1 else ''}).")
     elif "accelerate launch" in command_line:
         click.echo(f"(add --accelerate-config {printable(config_file)} to write the file it names.)")
 
 
-def _search(spec, budget, maximize: str | None, shape: dict):
+def _search(spec, budget, maximize: str | None, shape: dict, cluster: dict | None = None):
     """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
     (largest micro-batch) that fits per technique (``memfit.maximize``: no preference method, no --emit)."""
     import memfit
@@ -148,6 +169,9 @@ def _search(spec, budget, maximize: str | None, shape: dict):
     if maximize:
         return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items()
                                                            if k not in ("batch", "adapt", "method", "engine_of")})
+    if cluster:  # several nodes, or a node count to find: every count planned, the fastest chosen
+        shape.pop("num_processes")
+        return memfit.plan_nodes(spec, budget, **cluster, **shape)
     return memfit.plan(spec, budget, **shape)
 
 

@@ -42,8 +42,10 @@ def read(path: str | Path, fmt: str | None = None) -> Reading:
 
 
 def realize(tool: str):
-    """The tool's ``realize``: a planner candidate as it runs it."""
-    return TOOLS[tool].realize
+    """The tool's ``realize``: a planner candidate as it runs it; ``--sharding hybrid`` (FSDP2's HSDP across nodes)
+    is no candidate of a tool's config, which none of the writers here can express."""
+    tool_realize = TOOLS[tool].realize
+    return lambda run: None if str(run.sharding) == "hybrid" else tool_realize(run)
 
 
 def engine_of(tool: str):

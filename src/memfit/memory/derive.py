@@ -73,6 +73,7 @@ from memfit.settings.config import (
     RunConfig,
     Sharding,
 )
+from memfit.spec.engines import shard_group_size
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 6
@@ -358,7 +359,9 @@ def _recipe_key(spec, run: RunConfig, device: str) -> str:
     import transformers
 
     config = {k: v for k, v in spec.hf_config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
-    payload = {"config": config, "settings": recipe_settings(spec, run).to_flat(),
+    # ``nodes`` never reaches a trace (recipe_settings leaves it at 1): left out, so recipes cached before it existed serve
+    settings = {k: v for k, v in recipe_settings(spec, run).to_flat().items() if k != "nodes"}
+    payload = {"config": config, "settings": settings,
                "beyond_window": _beyond_window(spec, run), "version": RECIPE_VERSION, "device": device,
                "traced": layer_plan.plan(spec).kinds,
                "torch": torch.__version__, "transformers": transformers.__version__}
@@ -624,7 +627,7 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
         elif moment == "backward_layer" and sharded:
             # the traced layers above hold full gradients; FSDP2 reduce-scatters each unit's after its
             # backward, so they hold shards (``estimate._layers_below_top``'s rule for the hand-written recipes)
-            got["gradients"] = got["gradients"] // run.num_processes
+            got["gradients"] = got["gradients"] // shard_group_size(run)
         if states.buckets:
             got["gradients"] = states.buckets  # DDP: every gradient is a view into its resident buckets
         elif states.backward_gradients and moment in ("backward_start", "backward_layer"):

@@ -55,8 +55,9 @@ from memfit.memory.states import (
     model_states,
     optimizer_state_bytes,
 )
-from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.config import Offload, Precision, Quantize, RunConfig
 from memfit.settings.defaults import LORA_RANK
+from memfit.spec.engines import shard_group_size
 from memfit.spec.model import ModelSpec, load_spec
 from memfit.spec.optimizers import row
 from memfit.spec.resolved import resolve
@@ -339,7 +340,7 @@ def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = Tr
     trainable = spec.trainable_params(run)
     grad_bytes = 4 if run.is_lora() else _weight_bytes(run)
     total = trainable * grad_bytes + (optimizer_state_bytes(spec, run, trainable, grad_bytes) if state else 0)
-    shards = run.num_processes if run.num_processes > 1 and run.sharding is not Sharding.DDP else 1
+    shards = shard_group_size(run) if run.num_processes > 1 else 1
     return int(total // shards)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.device_terms import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
 from memfit.memory.states import model_states
-from memfit.settings.config import Precision, RunConfig, Sharding
+from memfit.settings.config import Precision, RunConfig
+from memfit.spec.engines import shard_group_size
 from memfit.spec.model import ModelSpec
 from memfit.spec.optimizers import row
 from memfit.units import MiB, fmt_gb, fmt_gib
@@ -24,7 +25,7 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
     if not run.is_lora() and run.dtype.value == "fp32" and n:
         # The full states, not their composition at the peak: at a backward peak the grads are partial.
         states = model_states(spec, run)
-        shards = max(run.num_processes if run.sharding is not Sharding.DDP else 1, 1)
+        shards = shard_group_size(run)
         per = (states.weights + states.gradients + states.buckets + states.optimizer) * shards / n
         opt = row(run.optimizer)
         state = opt.state_bytes_per_param(4)
@@ -48,7 +49,8 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB + cuBLAS workspace + "
                      f"{ALLOCATOR_RESERVE_FRACTION:.0%} allocator reserve (varies by GPU/driver).")
     if run.num_processes > 1:
-        lines.append(f"per-rank numbers for {run.num_processes} processes with {run.sharding.value}; activations "
+        on = f" on {run.nodes} nodes" if run.nodes > 1 else ""
+        lines.append(f"per-rank numbers for {run.num_processes} processes{on} with {run.sharding.value}; activations "
                      "are never sharded.")
     if run.compile:
         lines.append("--compile: this analytic estimate prices eager autograd's saved tensors (inductor's min-cut "

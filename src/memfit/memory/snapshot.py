@@ -52,7 +52,7 @@ def rollback_copy(spec, run: RunConfig, engine: str = "fsdp2") -> tuple[str, int
 
 
 def host_bytes(spec, run: RunConfig) -> int:
-    """Host RAM a GPU run keeps per machine (all ``num_processes`` ranks on one node), beside the device.
+    """Host RAM a GPU run keeps per machine (its ``processes_per_node`` ranks), beside the device.
 
     Per rank: what ``--offload`` moves there (``params``: the rank's shard of weights, gradients and optimizer
     state, all on the host under FSDP2's ``CPUOffloadPolicy``; a 4-bit base's quantization state stays on the
@@ -71,7 +71,7 @@ def host_bytes(spec, run: RunConfig) -> int:
     elif run.offload is Offload.OPTIMIZER:
         per_rank += on_device.optimizer
     per_rank += rollback_copy(spec, run)[1]
-    return int(per_rank * max(run.num_processes, 1))
+    return int(per_rank * max(run.processes_per_node(), 1))
 
 
 def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None, derived: bool | None = None):

@@ -17,6 +17,7 @@ from memfit.integrations import quant_support
 from memfit.memory import quantized
 from memfit.memory.deepspeed_layout import zero_states
 from memfit.settings.config import Offload, Quantize, RunConfig, Sharding
+from memfit.spec.engines import shard_group_size
 from memfit.spec.model import ModelSpec
 from memfit.spec.optimizers import row
 
@@ -96,7 +97,8 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     on the fly, it never changes ``param.dtype``), optimizer state from ``optimizer_state_bytes``.
     LoRA: frozen base at its dtype (or quantized), adapters in fp32 (PEFT's ``autocast_adapter_dtype=True``
     upcasts bf16/fp16 adapters to fp32), grads and optimizer state for adapters only.
-    Sharding (``num_processes`` > 1): FSDP/ZeRO-3/ZeRO-2 (all FSDP2) divide all three by N and gather
+    Sharding (``num_processes`` > 1): FSDP/ZeRO-3/ZeRO-2 (all FSDP2) divide all three by N (hybrid: by the
+    processes of one node, ``engines.shard_group_size``; ``memory.hybrid_shard`` writes the terms out) and gather
     parameters while computing (``fsdp2_gathered``); DDP divides nothing and keeps gradient buckets
     (``ddp_bucket_bytes``). Offload moves optimizer state (and with ``params`` the weights) to CPU.
     ``device`` picks the optimizer implementation torch runs there (its step temporaries).
@@ -126,11 +128,12 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     if n > 1 and run.sharding is not Sharding.DDP:
         gathered = fsdp2_gathered(spec, run)
         gathered_end = gathered.end
+        shards = shard_group_size(run)  # every rank; under --sharding hybrid the ranks of one node (HSDP)
         replicated = _quant_state_bytes(spec, run)  # module attributes, not parameters: whole on every rank
-        weights = (weights - replicated) // n + replicated
-        gradients //= n
-        optimizer //= n
-        step_temp //= n
+        weights = (weights - replicated) // shards + replicated
+        gradients //= shards
+        optimizer //= shards
+        step_temp //= shards
     if run.offload in (Offload.OPTIMIZER, Offload.PARAMS):
         optimizer, step_temp = 0, 0  # the step runs on the CPU (DeepSpeed CPU Adam / FSDP offload)
     computing = gathered.computing
@@ -276,7 +279,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
     # yet; untied: during the embedding's reduce-scatter, whose output shard already does (a 6-layer Llama
     # and Qwen3 with a 16,384 x 512 untied embedding on 2 ranks: -2.7% without; FSDPMemTracker there:
     # 33.5 MB each of UNSHARDED_GRAD and REDUCE_SCATTER, 50.3 MB of TEMP, the embedding already resharded).
-    not_yet_sharded = last // run.num_processes if spec.tie_word_embeddings else 0
+    not_yet_sharded = last // shard_group_size(run) if spec.tie_word_embeddings else 0
     gathered_end = last * u + (copies * last - not_yet_sharded) * grad_bytes + in_flight
     # Late in backward, any layer's: its full parameters and the next layer's all-gathered ahead, its
     # full-size gradients and the previous layer's reduce-scatter input in flight, while the last 2 layers'
@@ -284,7 +287,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
     # of UNSHARDED_PARAM, ALL_GATHER, TEMP, REDUCE_SCATTER; the peak there, -8.9% without). Below the tied
     # tail's end (smollm2-135m) it changes nothing.
     layer = _layer_params(spec)
-    late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // run.num_processes) * grad_bytes
+    late_layer = 2 * layer_bytes + (2 * layer - 2 * layer // shard_group_size(run)) * grad_bytes
     # While a layer computes its backward, the layer above's reduce-scatter input (its full-size gradients)
     # is still held: FSDP2 waits on a unit's reduce-scatter only when the next one is issued
     # (``FSDPParamGroup.post_backward``: ``comm_ctx.reduce_scatter_state``). Seen where a layer's own backward

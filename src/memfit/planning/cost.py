@@ -40,11 +40,12 @@ Once per optimizer step:
    one. With offload the step runs on the CPU at ``CPU_BANDWIDTH`` and gradients go down and
    weights come up over PCIe (ZeRO-Offload, Ren et al. 2021); offloading the parameters also streams
    the half-precision weights up over PCIe on every pass of every micro-batch.
-6. **Collectives** with ``num_processes > 1`` (ring algorithms move ``(n-1)/n`` of the data per
-   rank per direction, at the GPU-to-GPU link bandwidth): DDP all-reduces gradients once per step
-   (Accelerate's ``accumulate`` skips the sync in between); ZeRO-2 reduce-scatters gradients per
-   micro-batch and all-gathers weights after the step; FSDP / ZeRO-3 also all-gather the weights for
-   forward and again for backward on every micro-batch.
+6. **Collectives** with ``num_processes > 1`` (``planning.internode``: ring volumes per sharding, at the
+   GPU-to-GPU link within a node and at the slower of it and the node's network across ``--nodes``):
+   DDP all-reduces gradients once per step (Accelerate's ``accumulate`` skips the sync in between);
+   ZeRO-2 reduce-scatters gradients per micro-batch and all-gathers weights after the step; FSDP /
+   ZeRO-3 also all-gather the weights for forward and again for backward on every micro-batch; hybrid
+   does FSDP's within a node and all-reduces the gradient shards across nodes.
 
 Ignored (absorbed in ``MATMUL_EFFICIENCY``): norms, activations, softmax and other elementwise
 kernels, the data loader, the Python overhead beyond launches. Expected accuracy: the absolute
@@ -56,7 +57,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memfit.planning.gpus import GPU
-from memfit.settings.config import DType, Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.planning.internode import comm_seconds, gradient_bytes
+from memfit.settings.config import DType, Offload, Precision, Quantize, RunConfig
+from memfit.spec.engines import shard_group_size
 from memfit.spec.losses import loss_impl
 from memfit.spec.optimizers import row
 from memfit.units import GB, dtype_bytes
@@ -184,14 +187,14 @@ def optimizer_bytes(run: RunConfig) -> float:
 
 
 def _shard_divisor(run: RunConfig) -> int:
-    return run.num_processes if run.sharding is not Sharding.DDP else 1
+    return shard_group_size(run)
 
 
 def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, float]:
     """``(optimizer, offload, comm)`` seconds paid once per optimizer step and per micro-batch extras."""
     trainable = spec.trainable_params(run) / _shard_divisor(run)
     opt_bytes = trainable * optimizer_bytes(run)
-    grad_b = 4 if run.is_lora() else dtype_bytes(run.dtype)
+    grad_b = gradient_bytes(run)
     offload = 0.0
     if run.offload is Offload.ACTIVATIONS:
         offload = _activation_offload_seconds(spec, run, gpu)
@@ -206,7 +209,7 @@ def step_seconds_once(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, flo
         offload += streamed / (gpu.bytes_per_s("host") * BANDWIDTH_EFFICIENCY)
     if run.optimizer_in_backward:  # the same bytes, stepped one tensor at a time
         optimizer += _trainable_tensors(spec, run) * KERNELS_PER_PARAM_STEP * LAUNCH_S
-    return optimizer, offload, _comm_seconds(spec, run, gpu, grad_b)
+    return optimizer, offload, comm_seconds(spec, run, gpu, grad_b)
 
 
 def _trainable_tensors(spec, run: RunConfig) -> int:
@@ -223,23 +226,6 @@ def _activation_offload_seconds(spec, run: RunConfig, gpu: GPU) -> float:
 
     saved = layer_activations(spec, run, Precisions.of(run), "cuda").all_layers
     return run.grad_accum * 2 * saved / (gpu.bytes_per_s("host") * BANDWIDTH_EFFICIENCY)
-
-
-def _comm_seconds(spec, run: RunConfig, gpu: GPU, grad_b: float) -> float:
-    """Collective time per optimizer step (item 6); 0 for one process."""
-    n = run.num_processes
-    if n == 1:
-        return 0.0
-    ring = (n - 1) / n
-    grads = spec.trainable_params(run) * grad_b
-    weights = spec.params * (2 if run.compute_dtype() in ("bf16", "fp16") else 4)
-    if run.sharding is Sharding.DDP:
-        moved = 2 * ring * grads  # all-reduce = reduce-scatter + all-gather
-    elif run.sharding is Sharding.ZERO2:
-        moved = run.grad_accum * ring * grads + ring * weights
-    else:  # FSDP / ZeRO-3: gather for forward and backward, reduce-scatter gradients, every micro-batch
-        moved = run.grad_accum * ring * (2 * weights + grads)
-    return moved / (gpu.bytes_per_s("link") * BANDWIDTH_EFFICIENCY)
 
 
 def step_time(spec, run: RunConfig, gpu: GPU) -> StepTime:

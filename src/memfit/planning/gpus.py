@@ -20,6 +20,9 @@ from memfit.units import GB, parse_size
 
 #: The device whose speed ``plan`` reports when only ``--budget`` is given (a common reference in papers).
 REFERENCE_GPU = "a100-80gb"
+#: A node's inter-node bandwidth per direction, all its network interfaces together, GB/s, when none is given:
+#: 400 Gb/s, e.g. AWS p4d (8 x A100, 400 Gb/s EFA per node) or one NDR InfiniBand port per node.
+DEFAULT_INTERNODE_GBS = 50.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class GPU:
     """GPU-to-GPU bandwidth per direction, GB/s: used by DDP/FSDP collectives."""
     bf16: bool = True
     """Whether bf16 compute is supported (else AMP uses fp16)."""
+    internode_gbs: float = DEFAULT_INTERNODE_GBS
+    """A node's bandwidth to the other nodes per direction, all its network interfaces together, GB/s: a property
+    of the cluster, not of the GPU (``plan --internode-gbs``; ``planning.internode`` uses it)."""
     listed: bool = True
     """False for a detected device missing from the table (speeds then come from the reference GPU)."""
 

@@ -183,7 +183,7 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
          safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None,
-         method="sft", engine_of=None) -> PlanResult:
+         method="sft", engine_of=None, nodes: int = 1) -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -192,6 +192,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         seq_len: tokens per sequence.
         batch: effective batch in sequences per optimizer step, over all processes (kept exact).
         num_processes: data-parallel ranks (memory is per rank; sharding is tried when > 1).
+        nodes: the machines they run on (``planning.nodes`` searches node counts; hybrid sharding is tried on 2+).
         gpu: the device whose speed ranks the plans (default: ``REFERENCE_GPU``; fp16 AMP instead of
             bf16 on devices without bf16).
         constraints: settings the user pinned.
@@ -212,7 +213,8 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     if not 0.0 <= safety_margin < 1.0:
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
     spec, device, budget = _resolve(model, gpu, budget_bytes)
-    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method, cpu=cpu)
+    runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method, cpu=cpu,
+                      nodes=nodes)
     if adapt is not None:
         runs = list(dict.fromkeys(r for r in map(adapt, runs) if r is not None))
         if not runs:

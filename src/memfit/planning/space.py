@@ -192,18 +192,28 @@ def _in_backward_possible(accum: int, num_processes: int, offload: Offload, regi
             and regime.mixed_precision is not Precision.FP16 and not regime.lora)  # LoRA: its gradients are tiny
 
 
+def _shardings(num_processes: int, nodes: int) -> tuple[Sharding, ...]:
+    """The shardings worth trying: none for one process; hybrid only where it differs from fsdp and shards
+    something (2+ nodes of 2+ processes: ``engines.hybrid_refusal``)."""
+    if num_processes == 1:
+        return (Sharding.DDP,)
+    hybrid = nodes > 1 and num_processes // nodes > 1
+    return tuple(s for s in Sharding if s is not Sharding.HYBRID or hybrid)
+
+
 def _choices(pinned, default: tuple) -> tuple:
     return (pinned,) if pinned is not None else default
 
 
 def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Constraints | None = None,
-               bf16_ok: bool = True, method: Method = Method.SFT, cpu: bool = False) -> list[RunConfig]:
+               bf16_ok: bool = True, method: Method = Method.SFT, cpu: bool = False, nodes: int = 1) -> list[RunConfig]:
     """Every configuration the planner tries, in a fixed order (the ranking's last tie-break).
 
     ``method``: the objective (given, not searched); for DPO each candidate is tried with its reference
     computed during training (a frozen copy, or the LoRA adapter switched off) and, after it, precomputed
     (``--precompute-reference``): at equal speed the earlier wins, so precomputing is chosen when only it fits.
-    ``cpu``: the plans are for a CPU (``regimes``: fp32 LoRA is one more regime there)."""
+    ``cpu``: the plans are for a CPU (``regimes``: fp32 LoRA is one more regime there). ``nodes``: the machines the
+    processes run on (``hybrid`` sharding is tried only on 2 or more, of 2 or more processes each)."""
     c = constraints or Constraints()
     method = _enum(Method, method, "--method")
     precompute = _choices(c.precompute_reference, (False, True) if method is Method.DPO else (False,))
@@ -212,7 +222,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                                                    ("targets", c.lora_targets)) if value is not None}
     lora_common = LoraSettings(r=c.lora_r or LORA_RANK, **pinned_lora)  # the rest: LoraSettings' defaults
     no_lora = LoraSettings()
-    shardings = _choices(c.sharding, tuple(Sharding) if num_processes > 1 else (Sharding.DDP,))
+    shardings = _choices(c.sharding, _shardings(num_processes, nodes))
     out = []
     for regime in (r for r in regimes(bf16_ok, cpu) if _regime_allowed(r, c)):
         # LoRA's optimizer state is small: only its frozen base is worth offloading (FSDP2's parameter offload,
@@ -234,7 +244,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                 continue  # bitsandbytes' weights stay on the GPU unless FSDP2 shards a 4-bit base
             lora = lora_common if regime.lora else no_lora
             out += [RunConfig(
-                seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes,
+                seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes, nodes=nodes,
                 mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
                 quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
                 attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,

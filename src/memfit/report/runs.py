@@ -4,6 +4,7 @@ for a terminal. Render only: the planner's messages, the plan table and ``memfit
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from memfit.memory.preference_terms import reference_policy
@@ -45,6 +46,14 @@ def describe(run: RunConfig) -> str:
     return ", ".join(parts)
 
 
+def _quoted(word: str) -> str:
+    """``shlex.quote``, except that a word naming a shell variable (a multi-node launch's ``$NODE_RANK``) is
+    double-quoted, so that the shell of each node expands it."""
+    if "$" in word and re.fullmatch(r"[\w./${}:= -]+", word):
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
 def shell_lines(command: str, width: int = 80) -> str:
     """``command`` folded at flag boundaries into shell lines of at most ``width`` columns joined by
     ``\\`` (a flag stays with its value), so it fits the terminal and still pastes as one command."""
@@ -52,9 +61,9 @@ def shell_lines(command: str, width: int = 80) -> str:
     groups: list[str] = []
     for word in words:
         if groups and not word.startswith("-") and groups[-1].startswith("--") and " " not in groups[-1]:
-            groups[-1] += " " + shlex.quote(word)  # a flag's value stays on its line
+            groups[-1] += " " + _quoted(word)  # a flag's value stays on its line
         else:
-            groups.append(shlex.quote(word))
+            groups.append(_quoted(word))
     lines, line = [], "  "
     for group in groups:
         if line.strip() and len(line) + 1 + len(group) + 2 > width:

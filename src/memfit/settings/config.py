@@ -109,6 +109,7 @@ class Sharding(StrEnum):
     FSDP = "fsdp"  # FULL_SHARD: params, grads and optimizer state sharded
     ZERO2 = "zero2"  # grads and optimizer state sharded
     ZERO3 = "zero3"  # like FSDP full shard
+    HYBRID = "hybrid"  # FSDP2 HSDP: full shard within a node, replicated across --nodes (a 2-D device mesh)
 
 
 class Offload(StrEnum):
@@ -279,6 +280,12 @@ class RunConfig:
     num_processes: int = setting(1, plan="given", resume="never-restored", check="int>=1", commands=_ALL,
                                  help="Data-parallel ranks (memory is per rank).")
     """Data-parallel ranks; memory numbers are per rank. Not restored by ``--resume``: the launcher decides it."""
+    nodes: int = setting(1, plan="given", resume="never-restored", check="int>=1", commands=_ALL,
+                         help="Machines the --num-processes ranks are spread over, the same number on each "
+                         "(--sharding hybrid shards within a node and replicates across nodes).")
+    """Machines (nodes) the ``num_processes`` ranks run on, ``num_processes / nodes`` each. It changes what a rank
+    holds only under ``--sharding hybrid`` (``memfit.spec.engines.shard_group_size``); the planner charges the
+    traffic between nodes (``memfit.planning.internode``). Not restored by ``--resume``: the launcher decides it."""
     mixed_precision: Precision = setting(Precision.NO, plan="searched", resume="restored", commands=_ALL,
                                          help="Accelerate's autocast precision (weights stay in --dtype).")
     """Accelerate's autocast precision."""
@@ -362,6 +369,9 @@ class RunConfig:
         if self.precompute_reference and self.method is not Method.DPO:
             raise UserError(f"--precompute-reference is for --method dpo, the method with a reference policy; "
                             f"--method {self.method} has none.")
+        if self.num_processes > 1 and self.num_processes % self.nodes:  # 1: train takes the launch's count
+            raise UserError(f"--num-processes {self.num_processes} is not a multiple of --nodes {self.nodes}: each "
+                            "node runs the same number of processes (--num-processes counts them on all nodes).")
         if self.optimizer_in_backward and self.grad_accum > 1:
             raise UserError("--optimizer-in-backward steps each parameter during backward, so it cannot accumulate "
                             "gradients over micro-batches; use --grad-accum 1 (a larger --micro-batch).")
@@ -370,6 +380,10 @@ class RunConfig:
     def effective_batch(self) -> int:
         """Sequences per optimizer step across all processes."""
         return self.micro_batch * self.grad_accum * self.num_processes
+
+    def processes_per_node(self) -> int:
+        """Ranks on each machine (``num_processes / nodes``; 1 while the processes are left to the launch)."""
+        return max(self.num_processes // self.nodes, 1)
 
     def forward_sequences(self) -> int:
         """Sequences in one micro-batch's forward: B, or 2B for a preference method, whose micro-batch of B

@@ -23,6 +23,31 @@ def is_sharded(run: RunConfig) -> bool:
     return run.sharding is not Sharding.DDP
 
 
+def shard_group_size(run: RunConfig) -> int:
+    """Ranks each parameter, gradient and optimizer state is sharded over: every rank for ``fsdp``/``zero2``/
+    ``zero3`` (across all nodes), the ranks of one node for ``hybrid`` (FSDP2's HSDP: a 2-D device mesh of
+    ``nodes`` replicas x ``processes_per_node`` shards, ``training.multinode``), 1 for ``ddp`` (replicated)."""
+    if run.sharding is Sharding.DDP:
+        return 1
+    return run.processes_per_node() if run.sharding is Sharding.HYBRID else run.num_processes
+
+
+def replica_count(run: RunConfig) -> int:
+    """How many full copies of the sharded states the ranks hold together: ``num_processes / shard_group_size``
+    (``hybrid``: one per node; ``ddp``: one per rank; the others: one)."""
+    return run.num_processes // shard_group_size(run)
+
+
+def hybrid_refusal(run: RunConfig) -> str | None:
+    """Why ``--sharding hybrid`` cannot run this layout (one sentence), or None. One process per node would
+    shard nothing: FSDP2's HSDP then is plain replication, which Accelerate's ``ParallelismConfig`` refuses
+    (``dp_shard_size`` 1 with ``dp_replicate_size`` > 1)."""
+    if run.sharding is Sharding.HYBRID and 1 < run.nodes == run.num_processes:  # (1 process: left to the launch)
+        return (f"--sharding hybrid shards within a node, but {run.nodes} nodes of 1 process each leave nothing to "
+                "shard; run 2 or more processes per node, or use --sharding fsdp (or ddp).")
+    return None
+
+
 def reshard_after_forward(run: RunConfig) -> bool:
     """ZeRO-3/FSDP free the gathered parameters after each layer's forward; ZeRO-2 keeps them."""
     return run.sharding is not Sharding.ZERO2
@@ -51,6 +76,8 @@ def refusal(run: RunConfig, *, cuda: bool) -> str | None:
     preflight and by the planner, which proposes only what train runs."""
     if deepspeed_requested():  # DeepSpeed: what memfit runs under it (deepspeed_refusal)
         return deepspeed_refusal(run, cuda=cuda)
+    if hybrid_refusal(run):
+        return hybrid_refusal(run)
     if run.offload is Offload.ACTIVATIONS:
         return None  # saved tensors to host memory: any engine, CUDA only (training.setup.preflight)
     if run.offload is not Offload.NONE and not is_sharded(run):

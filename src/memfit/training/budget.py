@@ -89,7 +89,7 @@ def _plan_once(config: TrainConfig, run: RunConfig, flat: dict[str, Any], gpu) -
     spec = source_spec(config.source)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
                   num_processes=run.num_processes, gpu=gpu, constraints=Constraints.from_flat(flat),
-                  cpu=gpu is None, method=run.method)  # no CUDA: the budget is this CPU's memory
+                  cpu=gpu is None, method=run.method, nodes=run.nodes)  # no CUDA: the budget is this CPU's memory
     refusal = None
     for index, candidate in enumerate(result.plans):
         if not candidate.fits:
@@ -101,7 +101,7 @@ def _plan_once(config: TrainConfig, run: RunConfig, flat: dict[str, Any], gpu) -
             refusal = refusal or str(err).rstrip(".")
             continue
         result.chosen = index
-        return candidate.config.replace(num_processes=run.num_processes), result
+        return candidate.config.replace(num_processes=run.num_processes, nodes=run.nodes), result
     # The fastest fitting plan's refusal, which was "the fitting ones need CUDA-only features" whatever it was
     # (a 124 M GPT-2 in 1 GiB fits only with --optimizer-in-backward, which cannot clip at the default norm)
     raise NoTrainablePlan(f"No plan that fits {config.budget} can be trained on this machine (the fastest is "

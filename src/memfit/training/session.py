@@ -26,6 +26,7 @@ from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
+from memfit.training.multinode import with_launched_nodes
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
 from memfit.training.sampler import StepSchedule
@@ -307,7 +308,7 @@ def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any
     if run.num_processes not in (1, num_processes):
         raise UserError(f"--num-processes is {run.num_processes} but {num_processes} process(es) were launched; "
                         f"start it with `accelerate launch --num_processes {run.num_processes} -m memfit train ...`.")
-    run = run.replace(num_processes=num_processes)
+    run = with_launched_nodes(run, num_processes)  # the launch's processes and nodes (--nodes checked)
     if config.batch:
         per_step = run.micro_batch * num_processes
         if config.batch % per_step:

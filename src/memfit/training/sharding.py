@@ -46,7 +46,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.settings.config import Offload, Quantize, RunConfig
 from memfit.spec.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
-from memfit.training import deepspeed_engine
+from memfit.training import deepspeed_engine, multinode
 
 DCP_DIR = "dcp"
 SHARDED_MARKER = "sharded.json"
@@ -143,8 +143,10 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     """
     if deepspeed_requested():
         return deepspeed_engine.accelerator_kwargs(run, cuda=cuda)
-    if is_sharded(run):
-        return {"fsdp_plugin": fsdp2_plugin(run, cuda=True)} if cuda else {}
+    if is_sharded(run):  # hybrid on 2+ nodes: Accelerate's ParallelismConfig builds HSDP's 2-D mesh (multinode)
+        hybrid = multinode.hybrid_parallelism(run) if cuda else None
+        return {"fsdp_plugin": fsdp2_plugin(run, cuda=True), **({"parallelism_config": hybrid} if hybrid else {})} \
+            if cuda else {}
     from accelerate.utils import DistributedDataParallelKwargs
 
     return {"kwargs_handlers": [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]}
@@ -169,7 +171,8 @@ class _PluginHolder:
     fsdp_plugin: object
     is_main_process: bool
     mixed_precision: str = "no"
-    torch_device_mesh: object = None
+    torch_device_mesh: object = None  # --sharding hybrid: the 2-D mesh and Accelerate's ParallelismConfig naming it
+    parallelism_config: object = None
     device: str = "cpu"
     """Where ``cpu_ram_efficient_loading`` re-registers the non-persistent buffers (rotary ``inv_freq``)."""
 
@@ -224,8 +227,11 @@ def shard_model(model, run: RunConfig, accelerator):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     _layer_types(model)  # a model without decoder-layer classes: one sentence, not Accelerate's ValueError
-    holder = _PluginHolder(fsdp2_plugin(run, cuda=False, ram_efficient=True), accelerator.is_main_process)
-    return fsdp2_prepare_model(holder, model)
+    parallelism, mesh = multinode.hybrid_mesh(run, "cpu")  # None, None unless hybrid on 2+ nodes
+    holder = _PluginHolder(fsdp2_plugin(run, cuda=False, ram_efficient=True), accelerator.is_main_process,
+                           torch_device_mesh=mesh, parallelism_config=parallelism)
+    with multinode.quiet_mesh_slicing():
+        return fsdp2_prepare_model(holder, model)
 
 
 def _layer_types(model) -> tuple[type, ...]:
@@ -460,8 +466,8 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", w
     if several:
         # the prediction models the launch's engine (memory.deepspeed_layout under DeepSpeed): name it
         engine = " (DeepSpeed)" if is_sharded(run) and deepspeed_requested() else ""
-        line += f"; {run.sharding}{engine} over {run.num_processes} processes" if is_sharded(run) else \
-            f"; {run.num_processes} processes, unsharded"
+        spread = f"{run.num_processes} processes" + (f" on {run.nodes} nodes" if run.nodes > 1 else "")
+        line += f"; {run.sharding}{engine} over {spread}" if is_sharded(run) else f"; {spread}, unsharded"
     line += ")"
     try:
         outside = outside_step(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
