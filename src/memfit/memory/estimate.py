@@ -26,6 +26,7 @@ from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
 from memfit.memory import preference_terms as pref
 from memfit.memory import quantized
+from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
     LayerActivations,
     LogitsTerms,
@@ -56,6 +57,7 @@ from memfit.memory.states import (
     optimizer_state_bytes,
 )
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.stack import Stack
 from memfit.settings.defaults import LORA_RANK
 from memfit.spec.model import ModelSpec, load_spec
 from memfit.spec.optimizers import row
@@ -63,7 +65,8 @@ from memfit.spec.resolved import resolve
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
-             derived: bool | None = None, engine: str = "fsdp2", rank: int | None = None) -> MemoryBreakdown:
+             derived: bool | None = None, engine: str = "fsdp2", rank: int | None = None,
+             stack: Stack | None = None) -> MemoryBreakdown:
     """Analytic memory breakdown of one steady-state training step, per rank.
 
     Args:
@@ -78,6 +81,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         engine: which engine shards ``--sharding zero2|zero3``: ``"fsdp2"`` (memfit's default) or
             ``"deepspeed"`` (a DeepSpeed launch: ``memory.deepspeed_layout``). DDP and FSDP are FSDP2's.
         rank: DeepSpeed ZeRO-2 only, whose ranks differ: this rank's peak; None: the largest (the last rank's).
+        stack: the trainer and versions that run the step (``memfit.settings.stack``; ``memory.stack_terms``);
+            None: memfit's own. Another stack is priced with the hand-written recipes, whose terms it changes.
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
@@ -93,14 +98,18 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     family = hand_written_family(spec, run, device)
     if derived is None and versions.unverified():
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
-    if derived or (family is None and derived is None):
+    stack = stack or Stack()
+    if stack.is_memfit() and (derived or (family is None and derived is None)):
         return _described(derived_estimate(spec, run, device, engine, rank), resolved)
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
-    prec = Precisions.of(run)
-    states = model_states(spec, run, device, engine, rank)
+    prec = stacks.precisions(Precisions.of(run), run, stack)
+    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    head = stacks.quantized_head(spec, run, prec, stack)
+    states = dataclasses.replace(states, weights=states.weights + head.weights)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
     states = dataclasses.replace(states, weights=states.weights + ref_copy)
-    terms = step_terms(spec, run, prec, states, device)
+    terms = dataclasses.replace(step_terms(spec, run, prec, states, device, stack), head_dequant=head.transient)
+    terms = dataclasses.replace(terms, activations=terms.activations + head.held, at_end=terms.at_end + head.held)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
     resident = states.weights + states.optimizer  # the same at every moment
@@ -119,6 +128,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         out.other = cuda_other(out.peak_bytes)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
+    if not stack.is_memfit():
+        out.notes += [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
     return _described(out, resolved)
 
 
@@ -176,11 +187,14 @@ class StepTerms:
     """Gradients accumulated from earlier micro-batches (``grad_accum`` > 1), alive in forward."""
     reference: int = 0
     """DPO's reference forward (no_grad, before the policy's): its transient (``memory.preference_terms``)."""
+    head_dequant: int = 0
+    """A quantized head dequantized while it runs forward and its backward (``memory.stack_terms.quantized_head``)."""
 
 
-def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str) -> StepTerms:
+def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
+               stack: Stack | None = None) -> StepTerms:
     """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied."""
-    acts = layer_activations(spec, run, prec, device)
+    acts = layer_activations(spec, run, prec, device, stack)
     outside = outside_layer_activations(spec, run, prec, device)
     saved_copies = autocast_copies_saved(spec, run, prec)
     copies = AutocastCopies(autocast_weight_copies(spec, run, prec), saved_copies,
@@ -211,13 +225,13 @@ def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms
     if str(run.loss) == "standard":
         # forward's end: everything saved, logits + loss alive; the autocast cache holds the half weight copies
         head = Moment("forward", "head", grads, terms.activations + terms.in_loss, logit.forward,
-                      copies.forward + states.forward_gathered)
+                      copies.forward + states.forward_gathered + terms.head_dequant)
     else:
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
         # end holds the cache, the loss only the copies saved for backward (the head's included)
         held = max(copies.forward, copies.saved + logit.forward)
         head = Moment("forward", "head", grads, terms.activations, logit.forward,
-                      held - logit.forward + states.forward_gathered)
+                      held - logit.forward + states.forward_gathered + terms.head_dequant)
     moments = [head]
     if terms.reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
         moments.append(Moment("forward", "reference", grads, logits=terms.reference))
@@ -242,7 +256,7 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
     # backward start: the logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
-                   copies.saved + states.gathered)
+                   copies.saved + states.gathered + terms.head_dequant)
     # one layer in: the head's/embedding's gradients exist, plus one layer's recompute and input gradients
     # (DDP: the gradients live in its buckets; DeepSpeed ZeRO-2: its bucket reduces the head's gradient into
     # the flat partition, whole from the start)
@@ -287,7 +301,7 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
     acts, logit, copies = terms.acts, terms.logit, terms.copies
     in_backward = states.buckets + states.from_backward_start
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
-                   copies.saved + states.gathered)
+                   copies.saved + states.gathered + terms.head_dequant)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
     freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     step_one = in_backward_step_bytes(spec, run, prec, device)

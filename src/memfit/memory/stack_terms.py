@@ -1,0 +1,90 @@
+"""What another trainer's stack holds beside what memfit's own recipe prices (``memfit.settings.stack``).
+
+``estimate`` prices memfit's stack (Accelerate + transformers + PEFT on the installed versions). A run of
+another trainer differs where that trainer's source says so; each difference is one function here, with
+its source, read by ``memory.estimate`` once the stack is resolved:
+
+- ``precisions``: LoRA adapters in the model's dtype (litgpt, torchtune, fsdp_qlora's bf16 cast), not PEFT's fp32;
+- ``adapter_states``: their weights, gradients and AdamW moments in that dtype too;
+- ``quantized_head``: litgpt's 4-bit base quantizes the head, dequantized at every call;
+- the layers' kept 4-bit inputs (bitsandbytes < 0.43.2) are priced by ``memory.activations`` through
+  ``memory.quantized.int8_input_groups``, the same ``ctx.tensors`` mechanism as an 8-bit base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memfit.memory.activations import Precisions
+from memfit.memory.quantized import nf4_bytes
+from memfit.memory.states import ModelStates
+from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
+from memfit.settings.stack import Stack
+from memfit.spec.model import ModelSpec
+
+FP32 = 4
+
+
+def precisions(prec: Precisions, run: RunConfig, stack: Stack) -> Precisions:
+    """``prec`` with the adapters' dtype of ``stack``: the compute dtype where the trainer builds its LoRA modules
+    in the model's dtype (litgpt's ``lora.py`` L125: ``nn.Parameter(torch.empty(...))`` under Fabric's
+    ``bf16-true``; torchtune's ``set_default_dtype``), else PEFT's fp32 (``autocast_adapter_dtype=True``)."""
+    if run.is_lora() and stack.traits.adapters_in_compute_dtype:
+        return dataclasses.replace(prec, adapter=prec.c)
+    return prec
+
+
+def adapter_states(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates,
+                   stack: Stack) -> ModelStates:
+    """``states`` with the adapters' weights, gradients and optimizer state at ``prec.adapter`` bytes, not fp32.
+
+    memfit's states hold PEFT's fp32 adapters (4 B weight, 4 B gradient, AdamW's two 4 B moments: torch keeps
+    a moment in its parameter's dtype). With adapters in a 2-byte dtype each term halves. An 8-bit
+    optimizer's state does not depend on the parameter's dtype and is kept. Ignores: DeepSpeed's fp32 master
+    partition (a DeepSpeed run's states are left as they are).
+    """
+    if not run.is_lora() or prec.adapter == FP32 or states.engine == "deepspeed":
+        return states
+    shards = run.num_processes if run.num_processes > 1 and run.sharding is not Sharding.DDP else 1
+    saved_weights = spec.lora_params(run) * (FP32 - prec.adapter) // shards
+    scale = prec.adapter / FP32
+    keep_optimizer = run.optimizer is Optimizer.ADAMW_8BIT
+    return dataclasses.replace(
+        states, weights=states.weights - saved_weights, gradients=int(states.gradients * scale),
+        optimizer=states.optimizer if keep_optimizer else int(states.optimizer * scale),
+        step_temporary=int(states.step_temporary * scale), buckets=int(states.buckets * scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTerms:
+    """A quantized head's bytes against the unquantized head memfit prices (``quantized_head``)."""
+
+    weights: int = 0
+    """Change of the resident weights (negative: NF4 instead of the stored dtype)."""
+    held: int = 0
+    """The head's input kept by ``MatMul4Bit`` (bitsandbytes < 0.43.2) until the graph is freed."""
+    transient: int = 0
+    """The dequantized head, alive while the head runs forward and while its backward starts."""
+
+
+def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> HeadTerms:
+    """litgpt's 4-bit head: Fabric's ``BitsandbytesPrecision`` swaps every ``nn.Linear`` for a 4-bit one, the
+    output head (``lm_head``, untied: ``litgpt/model.py`` L25) included.
+
+    - weights: the head in NF4 (``memory.quantized.nf4_bytes``) instead of ``--dtype``;
+    - every call (litgpt's ``lm_head_chunk_size=128`` calls it once per chunk) dequantizes the whole head:
+      ``MatMul4Bit.forward`` runs ``F.dequantize_4bit(B, quant_state).to(A.dtype)``, a half copy from the
+      quantization dtype and one in the input's: 2 x 2 bytes per head weight (issue 35: 1.9 GiB on Llama 3
+      8B), alive while the head runs forward and again in its backward (``MatMul4Bit.backward``);
+    - bitsandbytes < 0.43.2 keeps each chunk's input (views of the final norm's output: ``w * H`` per token)
+      in ``ctx.tensors`` until the graph is freed.
+
+    Ignores: the chunks run one after another, so one dequantized copy exists at a time (charged once).
+    Source: bitsandbytes 0.42.0 ``autograd/_functions.py`` L494-540, Lightning Fabric's bitsandbytes plugin.
+    """
+    if run.quantize is not Quantize.Q4 or not stack.traits.quantizes_head:
+        return HeadTerms()
+    numel = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    weights = nf4_bytes(numel) - numel * prec.w if spec.lm_head_params else nf4_bytes(numel)
+    held = prec.w * spec.hidden_size * run.micro_batch * run.seq_len if stack.keeps_4bit_input() else 0
+    return HeadTerms(weights=weights, held=held, transient=numel * (2 + 2))
