@@ -79,7 +79,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     elif exact:
         rows = [("exact", _exact(model, spec, run, device, timeline_path))]
     else:
-        rows = [("analytic", estimate(spec, run, device=device, engine=engine))]
+        rows = [("analytic", estimate(spec, run, device=device, engine=engine, stack=reading and reading.stack))]
     if plot_path:
         from memfit.report.plots import plot_breakdowns
 

@@ -57,8 +57,8 @@ from memfit.memory.states import (
     optimizer_state_bytes,
 )
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
-from memfit.settings.stack import Stack
 from memfit.settings.defaults import LORA_RANK
+from memfit.settings.stack import Stack
 from memfit.spec.model import ModelSpec, load_spec
 from memfit.spec.optimizers import row
 from memfit.spec.resolved import resolve
@@ -103,13 +103,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         return _described(derived_estimate(spec, run, device, engine, rank), resolved)
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
-    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
-    head = stacks.quantized_head(spec, run, prec, stack)
-    states = dataclasses.replace(states, weights=states.weights + head.weights)
-    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
-    states = dataclasses.replace(states, weights=states.weights + ref_copy)
-    terms = dataclasses.replace(step_terms(spec, run, prec, states, device, stack), head_dequant=head.transient)
-    terms = dataclasses.replace(terms, activations=terms.activations + head.held, at_end=terms.at_end + head.held)
+    states, head = _states(spec, run, prec, device, engine, rank, stack)
+    terms = step_terms(spec, run, prec, states, device, stack, head)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
     resident = states.weights + states.optimizer  # the same at every moment
@@ -127,10 +122,17 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
     out.recipe = f"hand-written recipe: {family or spec.family}"
-    out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    if not stack.is_memfit():
-        out.notes += [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
+    out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."] + stacks.notes(stack)
     return _described(out, resolved)
+
+
+def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
+            stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
+    """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
+    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    head = stacks.quantized_head(spec, run, prec, stack)
+    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
+    return dataclasses.replace(states, weights=states.weights + head.weights + ref_copy), head
 
 
 def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
@@ -192,8 +194,9 @@ class StepTerms:
 
 
 def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
-               stack: Stack | None = None) -> StepTerms:
-    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied."""
+               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms()) -> StepTerms:
+    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied, and
+    what ``stack``'s head holds (``memory.stack_terms.quantized_head``)."""
     acts = layer_activations(spec, run, prec, device, stack)
     outside = outside_layer_activations(spec, run, prec, device)
     saved_copies = autocast_copies_saved(spec, run, prec)
@@ -211,7 +214,8 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
         acts = dataclasses.replace(acts, backward_transient=acts.backward_transient
                                    + quantized.dequantized_transient(spec, run, "backward"))
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
-    return StepTerms(acts=acts, outside=outside, activations=activations, at_end=outside + acts.held_all_layers,
+    return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
+                     at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
                      logit=logits_terms(spec, run, prec, device), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,

@@ -88,3 +88,10 @@ def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Sta
     weights = nf4_bytes(numel) - numel * prec.w if spec.lm_head_params else nf4_bytes(numel)
     held = prec.w * spec.hidden_size * run.micro_batch * run.seq_len if stack.keeps_4bit_input() else 0
     return HeadTerms(weights=weights, held=held, transient=numel * (2 + 2))
+
+
+def notes(stack: Stack) -> list[str]:
+    """What an estimate says about its stack: which one it priced, and what of it memfit does not price."""
+    if stack.is_memfit():
+        return []
+    return [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
