@@ -95,3 +95,36 @@ def test_from_sets_the_stack_from_the_file():
     axolotl = read(DATA / "axolotl_qlora_fsdp_llama2.yml").stack
     assert axolotl.trainer == "axolotl" and axolotl.fsdp == 1
     assert any("FSDP (1)" in s for s in axolotl.unpriced())
+
+
+def test_litgpts_nf4_keeps_fp32_absmax():
+    """``quantize: bnb.nf4`` is Fabric's ``_NF4Linear`` (``compress_statistics=False``): one fp32 absmax per 64
+    weights and the NF4 code (64 B), against one uint8 absmax per 64, an fp32 one per 256 of those and 1,092 B of
+    tables: 3 b - 4 ceil(b / 256) - 1,028 B more per weight of b blocks. q, o (b 1,024): 2,028; k, v (512): 500;
+    gate, up, down (3,072): 8,140; per layer 29,476, 8 layers 235,808; the 4-bit head (1,536): 3,556. 239,364 B."""
+    run = _run(quantize="4bit")
+    single = estimate("tiny", run, device="cuda", stack=Stack(trainer="litgpt", double_quant=False))
+    double = estimate("tiny", run, device="cuda", stack=Stack(trainer="litgpt"))
+    assert single.weights - double.weights == 239_364
+
+
+def test_the_planner_prices_a_tools_candidates_on_its_stack():
+    """``plan --from`` a torchtune file prices its candidates as torchtune runs them, the number ``estimate --from``
+    reads back from the emitted file."""
+    import memfit
+    from memfit.planning.gpus import load_gpus
+    from memfit.planning.search import evaluate
+
+    run, stack = _run(), Stack(trainer="torchtune")
+    gpu = next(iter(load_gpus().values()))
+    plan = evaluate(memfit.load_spec("tiny"), run, gpu, 2**34, stack=stack)
+    assert plan.breakdown.peak_bytes == estimate("tiny", run, device="cuda", stack=stack).peak_bytes
+    assert plan.breakdown.peak_bytes != estimate("tiny", run, device="cuda").peak_bytes
+    assert memfit.config_stack("torchtune", read(DATA / "torchtune_1B_lora_single_device.yaml")) == stack
+    assert memfit.config_stack("axolotl") == Stack(trainer="axolotl")
+
+
+def test_a_derived_recipe_says_it_prices_memfits_stack():
+    """A family priced by a derived recipe (traced on memfit's own stack) says that a stack's terms are not in it."""
+    breakdown = estimate("tiny", _run(), device="cuda", derived=True, stack=Stack(trainer="litgpt"))
+    assert any("priced on hand-written recipes only" in n for n in breakdown.notes)

@@ -81,10 +81,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         seq_len, batch, num_processes, pins = _shape_from(reading, seq_len, batch, num_processes, pins)
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-    adapt = engine_of = None
+    adapt = engine_of = stack = None
     if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
         tool = emit[0] if emit else reading.tool
         adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
+        stack = memfit.config_stack(tool, reading)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     constraints = memfit.Constraints.from_flat(pins)
     device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
@@ -95,7 +96,7 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
                      gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method,
-                     engine_of=engine_of))
+                     engine_of=engine_of, stack=stack))
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
@@ -146,8 +147,8 @@ def _search(spec, budget, maximize: str | None, shape: dict):
     if shape["safety_margin"] is None:
         shape["safety_margin"] = memfit.SAFETY_MARGIN
     if maximize:
-        return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items()
-                                                           if k not in ("batch", "adapt", "method", "engine_of")})
+        left_out = ("batch", "adapt", "method", "engine_of", "stack")
+        return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items() if k not in left_out})
     return memfit.plan(spec, budget, **shape)
 
 

@@ -99,8 +99,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if derived is None and versions.unverified():
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     stack = stack or Stack()
-    if stack.is_memfit() and (derived or (family is None and derived is None)):
-        return _described(derived_estimate(spec, run, device, engine, rank), resolved)
+    if derived or (family is None and derived is None):  # traced on memfit's stack: said if another's differs
+        return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
     states, head = _states(spec, run, prec, device, engine, rank, stack)
@@ -122,8 +122,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     if device == "cuda":
         out.other = cuda_other(out.peak_bytes)
     out.recipe = f"hand-written recipe: {family or spec.family}"
-    out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."] + stacks.notes(stack)
-    return _described(out, resolved)
+    out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
+    return _described(out, resolved, stacks.notes(stack))
 
 
 def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
@@ -132,15 +132,16 @@ def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engi
     states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
-    return dataclasses.replace(states, weights=states.weights + head.weights + ref_copy), head
+    weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy
+    return dataclasses.replace(states, weights=weights), head
 
 
-def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
-    """Name what is built (attention, LoRA targets) and the versions caveat on an estimate."""
+def _described(out: MemoryBreakdown, resolved, stack_notes: list[str] = ()) -> MemoryBreakdown:
+    """Name what is built (attention, LoRA targets), the versions caveat and ``stack_notes`` on an estimate."""
     out.attn_implementation = resolved.attention
     out.experts_implementation = resolved.experts
     out.lora_targets = resolved.lora.names if resolved.lora else ()
-    out.notes = resolved.describe() + out.notes + versions.notes()
+    out.notes = resolved.describe() + out.notes + list(stack_notes) + versions.notes()
     return out
 
 

@@ -27,12 +27,16 @@ NESTED_BLOCK = 256
 NF4_FIXED_BYTES = 16 * 4 + 256 * 4 + 4
 
 
-def nf4_bytes(numel: int) -> int:
+def nf4_bytes(numel: int, double_quant: bool = True) -> int:
     """Bytes of one NF4 weight of ``numel`` elements with double quantization: the packed uint8 payload
     (2 weights per byte, ``Params4bit`` of shape ``(ceil(numel / 2), 1)``), one uint8 absmax per 64 weights,
     one fp32 second-level absmax per 256 of those, and the fixed tables (``NF4_FIXED_BYTES``).
-    About 0.5 + 1/64 + 4/16,384 = 0.516 bytes per weight (Dettmers et al. 2023, "Double Quantization")."""
+    About 0.5 + 1/64 + 4/16,384 = 0.516 bytes per weight (Dettmers et al. 2023, "Double Quantization").
+    ``double_quant=False`` (``compress_statistics=False``: litgpt's ``bnb.nf4``): one fp32 absmax per 64
+    weights and the NF4 code alone (16 fp32): 0.5 + 4/64 = 0.5625 bytes per weight."""
     blocks = math.ceil(numel / NF4_BLOCK)
+    if not double_quant:
+        return math.ceil(numel / 2) + 4 * blocks + 16 * 4
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + NF4_FIXED_BYTES
 
 

@@ -85,13 +85,28 @@ def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Sta
     if run.quantize is not Quantize.Q4 or not stack.traits.quantizes_head:
         return HeadTerms()
     numel = spec.lm_head_params or spec.vocab_size * spec.hidden_size
-    weights = nf4_bytes(numel) - numel * prec.w if spec.lm_head_params else nf4_bytes(numel)
+    nf4 = nf4_bytes(numel, stack.double_quant)
+    weights = nf4 - numel * prec.w if spec.lm_head_params else nf4
     held = prec.w * spec.hidden_size * run.micro_batch * run.seq_len if stack.keeps_4bit_input() else 0
     return HeadTerms(weights=weights, held=held, transient=numel * (2 + 2))
 
 
-def notes(stack: Stack) -> list[str]:
-    """What an estimate says about its stack: which one it priced, and what of it memfit does not price."""
+def notes(stack: Stack, derived: bool = False) -> list[str]:
+    """What an estimate says about its stack: which one it priced, and what of it memfit does not price
+    (``derived``: a recipe traced on memfit's own stack, which prices none of this module's terms)."""
     if stack.is_memfit():
         return []
+    if derived and stack.changes_terms():
+        return [f"stack: {stack.describe()}: its terms (memory/stack_terms.py) are priced on hand-written recipes "
+                "only; this derived recipe prices memfit's own stack."] + list(stack.unpriced())
     return [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
+
+
+def single_quant_bytes(spec: ModelSpec, run: RunConfig, stack: Stack) -> int:
+    """How many more bytes a 4-bit base holds without double quantization (``stack.double_quant`` False: fp32
+    absmax per 64 weights, ``memory.quantized.nf4_bytes``) than memfit's double-quantized one, on every rank (the
+    quantization state is an attribute of the module, never sharded: ``memory.quantized.storage_bytes``)."""
+    if run.quantize is not Quantize.Q4 or stack.double_quant:
+        return 0
+    return sum(lin.count * (nf4_bytes(lin.in_features * lin.out_features, False)
+                            - nf4_bytes(lin.in_features * lin.out_features)) for lin in spec.linears)

@@ -71,6 +71,9 @@ class Stack:
     bitsandbytes: str | None = None
     """The bitsandbytes version the run uses (a release, as pip spells it); None: the installed one (memfit's
     own runs; ``constraints.txt`` pins 0.50.2)."""
+    double_quant: bool = True
+    """Whether a 4-bit base quantizes its absmax statistics again (bitsandbytes' ``compress_statistics``, memfit's
+    setting); litgpt's ``quantize: bnb.nf4`` does not (``bnb.nf4-dq`` does)."""
     fsdp: int = 2
     """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, what memfit models) or 1
     (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``)."""
@@ -94,6 +97,11 @@ class Stack:
     def is_memfit(self) -> bool:
         return self == Stack()
 
+    def changes_terms(self) -> bool:
+        """Whether this stack holds other tensors than memfit's own (a trait, or bitsandbytes' kept inputs)."""
+        return (self.traits != Trainer(unpriced=self.traits.unpriced) or self.keeps_4bit_input()
+                or not self.double_quant)
+
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
         out = list(self.traits.unpriced)
@@ -107,6 +115,8 @@ class Stack:
         parts = [self.trainer]
         if self.bitsandbytes:
             parts.append(f"bitsandbytes {self.bitsandbytes}")
+        if not self.double_quant:
+            parts.append("NF4 without double quantization")
         if self.fsdp == 1:
             parts.append("FSDP (1)")
         return ", ".join(parts)
@@ -116,12 +126,12 @@ class Stack:
         """From a mapping (``{trainer: litgpt, bitsandbytes: 0.42.0}``); None or empty: memfit's own."""
         if not data:
             return cls()
-        unknown = sorted(set(data) - {"trainer", "bitsandbytes", "fsdp"})
+        unknown = sorted(set(data) - {"trainer", "bitsandbytes", "double_quant", "fsdp"})
         if unknown:
-            raise UserError(f"A stack names trainer, bitsandbytes and fsdp; not {', '.join(unknown)}.")
+            raise UserError(f"A stack names trainer, bitsandbytes, double_quant and fsdp; not {', '.join(unknown)}.")
         version = data.get("bitsandbytes")
         return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
-                   fsdp=int(data.get("fsdp", 2)))
+                   double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)))
 
 
 def _release(version: str) -> tuple[int, ...]:
