@@ -56,9 +56,11 @@ def test_adapters_in_the_compute_dtype_halve_their_states():
 def test_litgpt_drops_the_fused_qkv_input_once():
     """LoRA with dropout on q, k and v: torchtune drops the input once per projection, litgpt once for its fused
     qkv (``lora.py`` L426). Each dropout keeps a bf16 dropped copy (2 H) and a bool mask (H): 768 B per token;
-    two fewer per layer: 8 x 128 x 1,536 = 1,572,864 B less at forward's end (both keep bf16 adapters)."""
+    two fewer per layer: 8 x 128 x 1,536 = 1,572,864 B less at forward's end (both keep bf16 adapters). litgpt's
+    loss holds 8 N there against transformers' 10 N (``test_litgpts_lora_loss_holds_fp32_chunks``: N = 49,152):
+    98,304 B less too. 1,671,168 B in all."""
     run = _run(lora_targets="q_proj,k_proj,v_proj", lora_dropout=0.1)
-    assert _forward(run, Stack(trainer="torchtune")) - _forward(run, Stack(trainer="litgpt")) == 1_572_864
+    assert _forward(run, Stack(trainer="torchtune")) - _forward(run, Stack(trainer="litgpt")) == 1_572_864 + 98_304
 
 
 def test_litgpts_4bit_base_quantizes_the_head():
@@ -128,3 +130,24 @@ def test_a_derived_recipe_says_it_prices_memfits_stack():
     """A family priced by a derived recipe (traced on memfit's own stack) says that a stack's terms are not in it."""
     breakdown = estimate("tiny", _run(), device="cuda", derived=True, stack=Stack(trainer="litgpt"))
     assert any("priced on hand-written recipes only" in n for n in breakdown.notes)
+
+
+def test_litgpts_lora_loss_holds_fp32_chunks():
+    """litgpt's LoRA loop runs the head in 128-token chunks, Fabric hands them back in fp32, and the loss is
+    ``F.cross_entropy`` per chunk: N = 2 x 64 x 384 = 49,152 logits (one chunk here: T is 64 < 128). Forward's
+    end: fp32 logits + fp32 log_softmax output = 8 N = 393,216 B; backward's start: + one chunk's two fp32
+    gradients and its bf16 cast (10 N) = 884,736 B; the loop's ``logits`` still holds 4 N = 196,608 B after."""
+    from memfit.memory.activations import LogitsTerms
+    from memfit.memory.stack_terms import logits
+    from memfit.spec.model import load_spec
+
+    spec = load_spec("tiny")
+    assert logits(spec, _run(), Stack(trainer="litgpt")) == LogitsTerms(393_216, 884_736, 196_608)
+    assert logits(spec, _run(lora_r=0), Stack(trainer="litgpt")) is None  # finetune/full.py: the whole head
+    assert logits(spec, _run(), Stack(trainer="torchtune")) is None
+
+
+def test_a_trainer_that_runs_as_memfit_adds_no_note():
+    """Axolotl runs transformers' Trainer with PEFT: its estimate says nothing about a stack; litgpt's names it."""
+    assert not any("stack:" in n for n in estimate("tiny", _run(), stack=Stack(trainer="axolotl")).notes)
+    assert any("stack: litgpt" in n for n in estimate("tiny", _run(), stack=Stack(trainer="litgpt")).notes)

@@ -217,7 +217,8 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
     return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
                      at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
-                     logit=logits_terms(spec, run, prec, device), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
+                     logit=stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device),
+                     copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
                      reference=pref.reference_transient(spec, run, prec))

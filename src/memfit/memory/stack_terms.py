@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.memory.activations import Precisions
+from memfit.memory.activations import LogitsTerms, Precisions
 from memfit.memory.quantized import nf4_bytes
 from memfit.memory.states import ModelStates
 from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
@@ -94,8 +94,8 @@ def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Sta
 def notes(stack: Stack, derived: bool = False) -> list[str]:
     """What an estimate says about its stack: which one it priced, and what of it memfit does not price
     (``derived``: a recipe traced on memfit's own stack, which prices none of this module's terms)."""
-    if stack.is_memfit():
-        return []
+    if not stack.changes_terms() and not stack.unpriced():
+        return []  # a trainer that holds what memfit's own does (transformers' Trainer with PEFT)
     if derived and stack.changes_terms():
         return [f"stack: {stack.describe()}: its terms (memory/stack_terms.py) are priced on hand-written recipes "
                 "only; this derived recipe prices memfit's own stack."] + list(stack.unpriced())
@@ -110,3 +110,28 @@ def single_quant_bytes(spec: ModelSpec, run: RunConfig, stack: Stack) -> int:
         return 0
     return sum(lin.count * (nf4_bytes(lin.in_features * lin.out_features, False)
                             - nf4_bytes(lin.in_features * lin.out_features)) for lin in spec.linears)
+
+
+def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
+    """The head and loss of a trainer that runs its head in chunks handed back in fp32 (``head_chunk_tokens``:
+    litgpt's LoRA fine-tune); None: memfit's own (``memory.activations.logits_terms``). ``N = B * T * V`` logits, ``n`` of a chunk.
+
+    - forward's end: the fp32 logits (Fabric's ``convert_output`` copies each bf16 chunk to fp32 and the bf16
+      one dies with it) and ``log_softmax``'s saved fp32 output: 8 N bytes;
+    - backward's start: the same, and one chunk's gradients (the engine runs the chunks' branches one after the
+      other): of ``log_softmax``'s output and of the logits (fp32), and the logits' gradient cast back to the
+      head's bf16: 10 n;
+    - after the loss' backward the caller still holds the fp32 logits (``logits`` in litgpt's loop): 4 N.
+
+    Ignores: the last chunk's copy made by ``logits[-1][..., :-1, :]`` then ``reshape`` (4 n); a half-precision
+    copy of a chunk alive while it is converted (2 n). Source: litgpt 00af8b0 ``lora.py`` L550-552,
+    ``finetune/lora.py`` L303-308, ``utils.py`` L293-322; Lightning Fabric ``HalfPrecision.convert_output``.
+    """
+    chunk = stack.traits.head_chunk_tokens
+    # litgpt's full fine-tune (finetune/full.py L255) runs the whole head and slices its fp32 output: priced as
+    # transformers' loss
+    if not chunk or not run.is_lora() or str(run.method) != "sft" or str(run.loss) != "standard":
+        return None
+    n = run.micro_batch * run.seq_len * spec.vocab_size
+    n_chunk = run.micro_batch * min(chunk, run.seq_len) * spec.vocab_size
+    return LogitsTerms(forward=8 * n, backward=8 * n + 10 * n_chunk, retained=4 * n)

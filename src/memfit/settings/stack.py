@@ -37,6 +37,11 @@ class Trainer:
     quantizes_head: bool = False
     """A 4-bit base quantizes the output head too (Lightning Fabric's ``BitsandbytesPrecision`` replaces every
     ``nn.Linear``), dequantized at each call."""
+    head_chunk_tokens: int = 0
+    """The head runs in chunks of this many tokens, each chunk's logits handed back to the loss in fp32 (litgpt's LoRA:
+    ``model(input_ids, lm_head_chunk_size=128)``, ``finetune/lora.py`` L304, and Fabric's ``convert_output`` to the
+    default dtype, fp32), and the loss is ``F.cross_entropy`` per chunk (``utils.chunked_cross_entropy``);
+    0: transformers' head and ``ForCausalLMLoss``, as memfit runs them."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -52,7 +57,8 @@ TRAINERS: dict[str, Trainer] = {
     # torchtune builds the whole model, LoRA modules included, under the recipe's dtype (training.set_default_dtype)
     "torchtune": Trainer(adapters_in_compute_dtype=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
-    "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True),
+    "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
+                      head_chunk_tokens=128),
     # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
     # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True)
     "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True),
