@@ -126,10 +126,11 @@ def test_the_planner_prices_a_tools_candidates_on_its_stack():
     assert memfit.config_stack("axolotl") == Stack(trainer="axolotl")
 
 
+@pytest.mark.slow  # traces the model on fake tensors
 def test_a_derived_recipe_says_it_prices_memfits_stack():
     """A family priced by a derived recipe (traced on memfit's own stack) says that a stack's terms are not in it."""
     breakdown = estimate("tiny", _run(), device="cuda", derived=True, stack=Stack(trainer="litgpt"))
-    assert any("priced on hand-written recipes only" in n for n in breakdown.notes)
+    assert any("hand-written recipes only" in n for n in breakdown.notes)
 
 
 def test_litgpts_lora_loss_holds_fp32_chunks():
@@ -151,3 +152,14 @@ def test_a_trainer_that_runs_as_memfit_adds_no_note():
     """Axolotl runs transformers' Trainer with PEFT: its estimate says nothing about a stack; litgpt's names it."""
     assert not any("stack:" in n for n in estimate("tiny", _run(), stack=Stack(trainer="axolotl")).notes)
     assert any("stack: litgpt" in n for n in estimate("tiny", _run(), stack=Stack(trainer="litgpt")).notes)
+
+
+@pytest.mark.slow  # traces the model on fake tensors
+def test_the_exact_trace_says_it_runs_memfits_stack():
+    """``estimate --from FILE --exact`` traces memfit's own stack (transformers, PEFT); a file run by litgpt says so."""
+    from memfit.memory.trace import trace
+
+    run = _run(seq_len=16, micro_batch=1)
+    traced = trace("tiny", run, device="cpu", stack=Stack(trainer="litgpt"))
+    assert any("the exact trace runs memfit's own stack" in n for n in traced.notes)
+    assert not any("stack:" in n for n in trace("tiny", run, device="cpu", stack=Stack(trainer="trl")).notes)

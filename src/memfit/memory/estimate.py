@@ -473,7 +473,8 @@ def classic_regimes(run: RunConfig) -> list[tuple[str, RunConfig]]:
 
 
 def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
-            engine: str = "fsdp2") -> list[tuple[str, MemoryBreakdown]]:
-    """``estimate`` for each of ``classic_regimes(run)`` (``engine``: as ``estimate``'s)."""
+            engine: str = "fsdp2", stack: Stack | None = None) -> list[tuple[str, MemoryBreakdown]]:
+    """``estimate`` for each of ``classic_regimes(run)`` (``engine``, ``stack``: as ``estimate``'s)."""
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
-    return [(name, estimate(spec, cfg, device=device, engine=engine)) for name, cfg in classic_regimes(run)]
+    return [(name, estimate(spec, cfg, device=device, engine=engine, stack=stack))
+            for name, cfg in classic_regimes(run)]

@@ -91,14 +91,16 @@ def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Sta
     return HeadTerms(weights=weights, held=held, transient=numel * (2 + 2))
 
 
-def notes(stack: Stack, derived: bool = False) -> list[str]:
+def notes(stack: Stack, derived: bool = False, traced: bool = False) -> list[str]:
     """What an estimate says about its stack: which one it priced, and what of it memfit does not price
-    (``derived``: a recipe traced on memfit's own stack, which prices none of this module's terms)."""
+    (``derived``: a recipe traced on memfit's own stack, which prices none of this module's terms; ``traced``:
+    the exact trace itself, which runs memfit's own stack)."""
     if not stack.changes_terms() and not stack.unpriced():
         return []  # a trainer that holds what memfit's own does (transformers' Trainer with PEFT)
     if derived and stack.changes_terms():
-        return [f"stack: {stack.describe()}: its terms (memory/stack_terms.py) are priced on hand-written recipes "
-                "only; this derived recipe prices memfit's own stack."] + list(stack.unpriced())
+        what = "the exact trace runs" if traced else "this derived recipe prices"
+        return [f"stack: {stack.describe()}: its terms (memory/stack_terms.py) are priced by the analytic "
+                f"estimate's hand-written recipes only; {what} memfit's own stack."] + list(stack.unpriced())
     return [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
 
 
