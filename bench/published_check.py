@@ -14,10 +14,13 @@ What is compared with what (the terms memfit has, ``memory/device_terms.py``):
 - ``nvidia-smi`` and ``fits`` (the longest context that fit a card, whose peak is taken to be the card's
   memory): the whole estimate, CUDA context included.
 
-Settings of the other stacks that memfit has no flag for (torch.compile, lean QLoRA preparation, paged
-optimizers, LoRA on the head...) are listed per run under ``missing`` and left out of the prediction;
-the error is then what a user of memfit would be told for that run, and the note says why it is off.
-The estimator is never tuned to these figures.
+Each run names the stack that ran it (``stack``: trainer and versions, ``memfit.settings.stack.Stack``), which
+the estimate prices as ``estimate --from`` does (adapters' dtype, bitsandbytes' kept inputs, litgpt's 4-bit
+head). What memfit still has no setting for (torch.compile, LoRA on the head, FSDP1's flat parameters...)
+is listed per run under ``missing`` and left out of the prediction; the error is then what a user of memfit
+would be told for that run, and each run's ``note`` says in a sentence why it is off (printed under the
+row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
+are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.
 
     python bench/published_check.py                  # the table, then the summary
     python bench/published_check.py --markdown       # the table as bench/README.md shows it
@@ -55,12 +58,18 @@ class Row:
     error: float
     missing: list[str]
     note: str
+    stack: str = "memfit"
 
 
 def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The file's ``models`` (inline architectures) and ``runs``."""
     data = yaml.safe_load(Path(path).read_text())
     return data.get("models") or {}, data["runs"]
+
+
+def dropped(path: Path = RUNS_FILE) -> list[dict[str, Any]]:
+    """The published rows left out of the set, each with its ``reason``."""
+    return yaml.safe_load(Path(path).read_text()).get("dropped") or []
 
 
 def spec_for(name: str, models: dict[str, Any]):
@@ -107,14 +116,17 @@ def run_config(run: dict[str, Any]):
 def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     """memfit's analytic estimate of one published run."""
     from memfit.memory.estimate import estimate
+    from memfit.settings.stack import Stack
 
     if run["measured"] not in MEASURED:
         raise ValueError(f"{run['id']}: measured must be one of {', '.join(MEASURED)}, got {run['measured']!r}")
-    breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda")
+    stack = Stack.of(run.get("stack"))
+    breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda", stack=stack)
     published = int(round(float(run["published"]) * UNITS[run["unit"]]))
     predicted = predicted_bytes(breakdown, run["measured"])
     return Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
-               (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "")
+               (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
+               stack.describe())
 
 
 def check(path: Path = RUNS_FILE) -> list[Row]:
@@ -136,16 +148,20 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def render(rows: list[Row], stats: dict[str, Any], markdown: bool) -> str:
-    head = ["run", "GPU", "measured", "published", "memfit", "error", "memfit lacks"]
+def render(rows: list[Row], stats: dict[str, Any], markdown: bool, left_out: list[dict[str, Any]] = ()) -> str:
+    head = ["run", "GPU", "stack", "measured", "published", "memfit", "error", "memfit lacks"]
     lines = []
     if markdown:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r.id, r.gpu, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}",
+        cells = [r.id, r.gpu, r.stack, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}",
                  "; ".join(m.split(" (")[0] for m in r.missing) or "-"]
         lines.append("| " + " | ".join(cells) + " |" if markdown else "  ".join(cells))
+        if not markdown and r.note:
+            lines.append(f"    note: {r.note}")
     lines.append("")
+    for d in left_out:
+        lines.append(f"dropped {d['id']}: {d['reason']}")
     lines.append(f"{stats['runs']} runs from {stats['projects']} projects: median |error| "
                  f"{stats['median_abs_error']:.1%}, worst {stats['worst_abs_error']:.1%} ({stats['worst_run']}), "
                  f"memfit under-estimates {stats['under_share']:.0%} of the runs")
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(payload)
             return 0
         Path(args.out).write_text(payload + "\n")
-    print(render(rows, stats, args.markdown))
+    print(render(rows, stats, args.markdown, dropped(args.runs)))
     return 0
 
 

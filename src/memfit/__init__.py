@@ -46,7 +46,8 @@ nodes (``memory.hybrid_shard``).
 Other tools: ``read_config(path)`` / ``write_config(tool, path, model, run)``: another tool's training
 configuration (TRL/Trainer, Axolotl, LLaMA-Factory, torchtune) read as a memfit run, or a run written as one
 (``interop``); ``config_realizer(tool)``: a planner candidate as that tool runs it; ``config_engine(tool)``:
-the engine (FSDP2 or DeepSpeed) it runs that candidate's sharding on.
+the engine (FSDP2 or DeepSpeed) it runs that candidate's sharding on; ``config_stack(tool, reading)``: the stack
+(trainer, versions: ``settings.stack``) whose memory the candidate is priced with.
 
 Page: ``serve(host, port, open_browser)``: the estimate and the plan as a local web page over these same names
 (``web.app``; the ``web`` extra; ``memfit serve``).
@@ -103,6 +104,7 @@ _PUBLIC = {
     "write_config": ("memfit.interop", "emit"),
     "config_realizer": ("memfit.interop", "realize"),
     "config_engine": ("memfit.interop", "engine_of"),
+    "config_stack": ("memfit.interop", "stack_of"),
     "serve": ("memfit.web.app", "serve"),
 }
 

@@ -74,12 +74,13 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     engine = reading.engine if reading is not None else "fsdp2"  # a DeepSpeed launch: its own layout
+    stack = reading.stack if reading is not None else None  # the trainer and versions that run the file
     if compare:
-        rows = compare_regimes(spec, run, device=device, engine=engine)
+        rows = compare_regimes(spec, run, device=device, engine=engine, stack=stack)
     elif exact:
-        rows = [("exact", _exact(model, spec, run, device, timeline_path))]
+        rows = [("exact", _exact(model, spec, run, device, timeline_path, stack))]
     else:
-        rows = [("analytic", estimate(spec, run, device=device, engine=engine))]
+        rows = [("analytic", estimate(spec, run, device=device, engine=engine, stack=stack))]
     if plot_path:
         from memfit.report.plots import plot_breakdowns
 
@@ -87,18 +88,18 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     _render(spec, run, rows, compare, as_json, plot_path, reading)
 
 
-def _exact(model, spec, run, device, timeline_path):
+def _exact(model, spec, run, device, timeline_path, stack=None):
     try:
         from memfit import trace
     except ImportError:
         raise UserError("--exact needs memfit.memory.trace, which this install lacks.") from None
     if not timeline_path:
-        return trace(spec, run, device=device)
+        return trace(spec, run, device=device, stack=stack)
     try:
         from memfit.report.timeline import plot_timeline
     except ImportError:
         raise UserError("--timeline needs memfit.report.timeline, which this install lacks.") from None
-    breakdown, line = trace(spec, run, device=device, timeline=True)
+    breakdown, line = trace(spec, run, device=device, timeline=True, stack=stack)
     plot_timeline(line, timeline_path)
     return breakdown
 

@@ -92,10 +92,11 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         seq_len, batch, num_processes, pins = _shape_from(reading, seq_len, batch, num_processes, pins)
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-    adapt = engine_of = None
+    adapt = engine_of = stack = None
     if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
         tool = emit[0] if emit else reading.tool
         adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
+        stack = memfit.config_stack(tool, reading)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     cluster = cluster_shape(pins.pop("nodes"), num_processes, gpus_per_node, max_nodes, internode_gbs, maximize)
     constraints = memfit.Constraints.from_flat(pins)
@@ -107,9 +108,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
                      gpu=device, constraints=constraints, safety_margin=margin, adapt=adapt, method=method,
-                     engine_of=engine_of), cluster)
-    across = result if cluster else None  # a NodesResult: the node counts tried, and the chosen one's plans
-    result = across.result if across else result
+                     engine_of=engine_of, stack=stack), cluster)
+    across, result = (result, result.result) if cluster else (None, result)  # a NodesResult: every count tried
     elapsed = time.perf_counter() - started
     if output:
         write_plan_yaml(result, Path(output), revision)
@@ -167,8 +167,8 @@ def _search(spec, budget, maximize: str | None, shape: dict, cluster: dict | Non
     if shape["safety_margin"] is None:
         shape["safety_margin"] = memfit.SAFETY_MARGIN
     if maximize:
-        return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items()
-                                                           if k not in ("batch", "adapt", "method", "engine_of")})
+        left_out = ("batch", "adapt", "method", "engine_of", "stack")
+        return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items() if k not in left_out})
     if cluster:  # several nodes, or a node count to find: every count planned, the fastest chosen
         shape.pop("num_processes")
         return memfit.plan_nodes(spec, budget, **cluster, **shape)

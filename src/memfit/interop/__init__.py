@@ -15,13 +15,14 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.interop import axolotl, llamafactory, torchtune, trl
 from memfit.interop.common import Reading, check_model, load_file
+from memfit.settings.stack import Stack
 
 #: In the order formats are detected: the most specific markers first (LLaMA-Factory files also hold Trainer
 #: keys; TRL's are the plainest).
 TOOLS = {m.NAME: m for m in (torchtune, axolotl, llamafactory, trl)}
 FORMATS = tuple(TOOLS)
 
-__all__ = ["FORMATS", "TOOLS", "Reading", "check_model", "detect", "emit", "engine_of", "read", "realize"]
+__all__ = ["FORMATS", "TOOLS", "Reading", "check_model", "detect", "emit", "engine_of", "read", "realize", "stack_of"]
 
 
 def detect(path: str | Path, data: dict) -> str:
@@ -46,6 +47,13 @@ def realize(tool: str):
     is no candidate of a tool's config, which none of the writers here can express."""
     tool_realize = TOOLS[tool].realize
     return lambda run: None if str(run.sharding) == "hybrid" else tool_realize(run)
+
+
+def stack_of(tool: str, reading: Reading | None = None) -> Stack:
+    """The stack that runs ``tool``'s candidates (``memfit.settings.stack``): the file's where it is that tool's
+    (its FSDP version), else the tool itself on the installed versions; so that a plan priced for a tool reads
+    back from the file it writes to the same number."""
+    return reading.stack if reading is not None and reading.tool == tool else Stack(trainer=tool)
 
 
 def engine_of(tool: str):

@@ -189,9 +189,11 @@ def _attention(keys: Keys) -> dict[str, Any]:
 def _fsdp(keys: Keys) -> dict[str, Any]:
     value = keys.get("fsdp")
     config = keys.get("fsdp_config") or {}
-    keys.get("fsdp_version")
+    version = keys.get("fsdp_version") or config.get("fsdp_version")
     if not value and not config:
         return {}
+    if str(version) != "2":  # Axolotl hands FSDP to Accelerate, whose plugin is FSDP (1) unless told 2
+        keys.stack["fsdp"] = 1
     words = " ".join(value if isinstance(value, list) else [str(value or "")]).lower()
     strategy = str(config.get("fsdp_sharding_strategy") or config.get("sharding_strategy") or "").lower()
     reshard = config.get("reshard_after_forward", config.get("fsdp_reshard_after_forward", True))

@@ -17,6 +17,7 @@ from typing import Any
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.settings.config import RunConfig
+from memfit.settings.stack import Stack
 
 _MISSING = object()
 
@@ -45,6 +46,9 @@ class Reading:
     """Whether the file states its process count (a launch command in its comments); else ``--num-processes``."""
     origins: dict = field(default_factory=dict, compare=False, repr=False)
     """memfit setting -> the file's key that set it, so a refusal names what the user wrote (``origin``)."""
+    stack: Stack = field(default_factory=Stack)
+    """The trainer (and FSDP version) that runs the file, which ``estimate`` prices (``memfit.settings.stack``);
+    versions are the installed ones, as none of these files pins them."""
 
     def with_flags(self, typed: dict[str, Any]) -> RunConfig:
         """The run with the memory flags typed on the command line written over it; a combination memfit
@@ -123,6 +127,8 @@ class Keys:
         self.priced: list[str] = []
         self.engine = "fsdp2"
         self.origins: dict[str, str] = {}
+        self.stack: dict[str, Any] = {"trainer": tool}
+        """``Stack.of``'s mapping: the tool runs the file; a reader adds what the file says (``fsdp: 1``)."""
         self.stated_processes = stated_processes(self.path)
         if self.stated_processes is not None:
             self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
@@ -219,7 +225,8 @@ class Keys:
                           str(err))
             raise UserError(f"{self.path}: {said}") from None
         return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),
-                       self.data, self.engine, self.stated_processes is not None, dict(self.origins))
+                       self.data, self.engine, self.stated_processes is not None, dict(self.origins),
+                       Stack.of(self.stack))
 
 
 def model_name(keys: Keys, key: str) -> str | None:

@@ -29,8 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
+from memfit.settings.stack import Stack
 
 FP32 = 4
+QKV = frozenset(("q_proj", "k_proj", "v_proj"))
 
 @dataclass(frozen=True)
 class Precisions:
@@ -82,8 +84,10 @@ class LayerActivations:
 class _Ctx:
     """The numbers a recipe needs, computed once."""
 
-    def __init__(self, spec, run: RunConfig, prec: Precisions, device: str):
+    def __init__(self, spec, run: RunConfig, prec: Precisions, device: str, stack: Stack | None = None):
         self.spec, self.run, self.prec, self.device = spec, run, prec, device
+        self.stack = stack or Stack()
+        """The trainer and versions (``memfit.settings.stack``): which inputs a 4-bit base keeps, LoRA's dropout."""
         self.bt = run.micro_batch * run.seq_len
         self.full = not run.is_lora()
         self.lora = set()
@@ -137,13 +141,17 @@ class _Ctx:
             per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora.r
         else:
             per_input, shared, mid = 0, (0 if already else src * dim), p.adapter * run.lora.r
-        dropout = 0
-        if run.lora.dropout > 0:
-            # nn.Dropout on the adapter input: the dropped copy (saved by lora_A instead) and the mask
-            # (bool on CUDA's fused kernel, input dtype on CPU).
-            mask = 1 if self.device == "cuda" else (p.c if cast else p.adapter)
-            dropout = len(adapted) * mask * dim
-        return len(adapted) * (per_input + mid) + shared + dropout
+        if run.lora.dropout <= 0:
+            return len(adapted) * (per_input + mid) + shared
+        # nn.Dropout on the adapter input: lora_A saves the dropped tensor (a new one per dropout, in the dtype
+        # the input reaches it: the cast copy's, else the input's), and the dropout its mask (bool on CUDA's
+        # fused kernel, the input dtype on CPU). litgpt's fused qkv LoRA drops its input once for q, k and v
+        # (litgpt/lora.py L426); PEFT has one dropout per adapted projection.
+        dropouts = len(adapted)
+        if self.stack.traits.shared_qkv_dropout and set(adapted) <= QKV:
+            dropouts = 1
+        mask = 1 if self.device == "cuda" else (p.c if cast else p.adapter)
+        return len(adapted) * mid + dropouts * ((per_input or src * dim) + mask * dim)
 
     def rms_norm(self, hidden: int, stream: int, gemma: bool = False, xin: bool = True) -> int:
         """Bytes per token an RMSNorm saves.
@@ -309,7 +317,8 @@ def gpt2_layer(ctx: _Ctx) -> int:
 RECIPES = {"llama": llama_layer, "phi3": llama_layer, "gemma2": gemma2_layer, "gpt2": gpt2_layer}
 
 
-def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> LayerActivations:
+def layer_activations(spec, run: RunConfig, prec: Precisions, device: str,
+                      stack: Stack | None = None) -> LayerActivations:
     """Saved bytes of one decoder layer, of all layers, and the transient of one layer's backward.
 
     Gradient checkpointing (non-reentrant, transformers' default): a layer keeps only its input
@@ -324,13 +333,17 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str) -> La
     8-bit base's ``ctx.A`` in ``saved``/``held`` (``int8_held``); within 0.2% of real tensors at
     bench/quant_memory.py's full size, 1.9% at ``--quick`` (tests/test_quant_accuracy.py).
     """
-    ctx = _Ctx(spec, run, prec, device)
+    ctx = _Ctx(spec, run, prec, device, stack)
     recipe = RECIPES.get(spec.family, llama_layer)
     full = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run)
     grads = (2 * prec.w * spec.hidden_size + 2 * ctx.proj * spec.intermediate_size) * ctx.bt
     n = spec.num_layers
     if run.grad_checkpointing:
         held = int8_held(ctx, checkpointed=True)[1] * ctx.bt
+        if ctx.stack.traits.reentrant_checkpointing:
+            # reentrant checkpointing runs the forward under no_grad (no ctx kept) and frees each recomputed
+            # graph after its layer's backward: the kept inputs exist for one layer, during its backward
+            full, held = full + held, 0
         saved = prec.w * spec.hidden_size * ctx.bt + held
         # the recompute's first norm saves the input as is (GPT-2's LayerNorm; an RMSNorm's x.float() of an
         # fp32 stream), the tensor the checkpoint already keeps; an RMSNorm's fp32 copy of a half stream is new
@@ -358,13 +371,13 @@ def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:
 
     Checkpointed: every group, in every layer (checkpointing's hooks dropped everything else the forward
     saved). Without: a group the recipe already saves is the same tensor (SDPA's output for the output
-    projection; without autocast the adapters' ``lora_A``, which saves its input uncast; on CUDA under
+    projection; without autocast and LoRA dropout the adapters' ``lora_A``, which saves its input uncast; on CUDA under
     autocast a half input, which PEFT's bitsandbytes layer passes uncast), so it adds nothing but is
     still kept until the end; q/k/v's input in LoRA's first layer needs no gradient, so no node holds it.
     """
     from memfit.memory.quantized import int8_input_groups
 
-    groups = int8_input_groups(ctx.spec, ctx.run, ctx.prec, ctx.device)
+    groups = int8_input_groups(ctx.spec, ctx.run, ctx.prec, ctx.device, ctx.stack.keeps_4bit_input())
     extra = held = 0
     for role, (width, nbytes, names) in groups.items():
         if role == "attn_in" and not ctx.xin and not checkpointed:
@@ -372,7 +385,9 @@ def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:
         held += width * nbytes
         eager = ctx.run.attn_implementation is Attention.EAGER
         uncast = not ctx.prec.amp or (ctx.bnb_keeps_half_input and nbytes == ctx.prec.c)
-        already = (role == "attn_out" and not eager) or (uncast and any(n in ctx.lora for n in names))
+        # an adapter shares the input only without LoRA dropout (with it, lora_A saves the dropped copy)
+        shares = uncast and ctx.run.lora.dropout == 0 and any(n in ctx.lora for n in names)
+        already = (role == "attn_out" and not eager) or shares
         extra += width * nbytes if checkpointed or not already else 0
     return extra, held
 

@@ -26,6 +26,7 @@ from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
 from memfit.memory import preference_terms as pref
 from memfit.memory import quantized
+from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
     LayerActivations,
     LogitsTerms,
@@ -57,6 +58,7 @@ from memfit.memory.states import (
 )
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig
 from memfit.settings.defaults import LORA_RANK
+from memfit.settings.stack import Stack
 from memfit.spec.engines import shard_group_size
 from memfit.spec.model import ModelSpec, load_spec
 from memfit.spec.optimizers import row
@@ -64,7 +66,8 @@ from memfit.spec.resolved import resolve
 
 
 def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
-             derived: bool | None = None, engine: str = "fsdp2", rank: int | None = None) -> MemoryBreakdown:
+             derived: bool | None = None, engine: str = "fsdp2", rank: int | None = None,
+             stack: Stack | None = None) -> MemoryBreakdown:
     """Analytic memory breakdown of one steady-state training step, per rank.
 
     Args:
@@ -79,6 +82,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         engine: which engine shards ``--sharding zero2|zero3``: ``"fsdp2"`` (memfit's default) or
             ``"deepspeed"`` (a DeepSpeed launch: ``memory.deepspeed_layout``). DDP and FSDP are FSDP2's.
         rank: DeepSpeed ZeRO-2 only, whose ranks differ: this rank's peak; None: the largest (the last rank's).
+        stack: the trainer and versions that run the step (``memfit.settings.stack``; ``memory.stack_terms``);
+            None: memfit's own. Another stack is priced with the hand-written recipes, whose terms it changes.
 
     Returns:
         A ``MemoryBreakdown`` with ``method="analytic"``; ``peak_bytes`` is the maximum over phases.
@@ -94,14 +99,13 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     family = hand_written_family(spec, run, device)
     if derived is None and versions.unverified():
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
-    if derived or (family is None and derived is None):
-        return _described(derived_estimate(spec, run, device, engine, rank), resolved)
+    stack = stack or Stack()
+    if derived or (family is None and derived is None):  # traced on memfit's stack: said if another's differs
+        return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
-    prec = Precisions.of(run)
-    states = model_states(spec, run, device, engine, rank)
-    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
-    states = dataclasses.replace(states, weights=states.weights + ref_copy)
-    terms = step_terms(spec, run, prec, states, device)
+    prec = stacks.precisions(Precisions.of(run), run, stack)
+    states, head = _states(spec, run, prec, device, engine, rank, stack)
+    terms = step_terms(spec, run, prec, states, device, stack, head)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
     resident = states.weights + states.optimizer  # the same at every moment
@@ -120,15 +124,25 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         out.other = cuda_other(out.peak_bytes)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    return _described(out, resolved)
+    return _described(out, resolved, stacks.notes(stack))
 
 
-def _described(out: MemoryBreakdown, resolved) -> MemoryBreakdown:
-    """Name what is built (attention, LoRA targets) and the versions caveat on an estimate."""
+def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
+            stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
+    """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
+    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    head = stacks.quantized_head(spec, run, prec, stack)
+    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
+    weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy
+    return dataclasses.replace(states, weights=weights), head
+
+
+def _described(out: MemoryBreakdown, resolved, stack_notes: list[str] = ()) -> MemoryBreakdown:
+    """Name what is built (attention, LoRA targets), the versions caveat and ``stack_notes`` on an estimate."""
     out.attn_implementation = resolved.attention
     out.experts_implementation = resolved.experts
     out.lora_targets = resolved.lora.names if resolved.lora else ()
-    out.notes = resolved.describe() + out.notes + versions.notes()
+    out.notes = resolved.describe() + out.notes + list(stack_notes) + versions.notes()
     return out
 
 
@@ -177,11 +191,15 @@ class StepTerms:
     """Gradients accumulated from earlier micro-batches (``grad_accum`` > 1), alive in forward."""
     reference: int = 0
     """DPO's reference forward (no_grad, before the policy's): its transient (``memory.preference_terms``)."""
+    head_dequant: int = 0
+    """A quantized head dequantized while it runs forward and its backward (``memory.stack_terms.quantized_head``)."""
 
 
-def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str) -> StepTerms:
-    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied."""
-    acts = layer_activations(spec, run, prec, device)
+def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
+               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms()) -> StepTerms:
+    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied, and
+    what ``stack``'s head holds (``memory.stack_terms.quantized_head``)."""
+    acts = layer_activations(spec, run, prec, device, stack)
     outside = outside_layer_activations(spec, run, prec, device)
     saved_copies = autocast_copies_saved(spec, run, prec)
     copies = AutocastCopies(autocast_weight_copies(spec, run, prec), saved_copies,
@@ -198,8 +216,10 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
         acts = dataclasses.replace(acts, backward_transient=acts.backward_transient
                                    + quantized.dequantized_transient(spec, run, "backward"))
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
-    return StepTerms(acts=acts, outside=outside, activations=activations, at_end=outside + acts.held_all_layers,
-                     logit=logits_terms(spec, run, prec, device), copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
+    return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
+                     at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
+                     logit=stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device),
+                     copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
                      reference=pref.reference_transient(spec, run, prec))
@@ -212,13 +232,13 @@ def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms
     if str(run.loss) == "standard":
         # forward's end: everything saved, logits + loss alive; the autocast cache holds the half weight copies
         head = Moment("forward", "head", grads, terms.activations + terms.in_loss, logit.forward,
-                      copies.forward + states.forward_gathered)
+                      copies.forward + states.forward_gathered + terms.head_dequant)
     else:
         # the chunked loss runs after model.forward's autocast exited (its weight cache freed): the decoder's
         # end holds the cache, the loss only the copies saved for backward (the head's included)
         held = max(copies.forward, copies.saved + logit.forward)
         head = Moment("forward", "head", grads, terms.activations, logit.forward,
-                      held - logit.forward + states.forward_gathered)
+                      held - logit.forward + states.forward_gathered + terms.head_dequant)
     moments = [head]
     if terms.reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
         moments.append(Moment("forward", "reference", grads, logits=terms.reference))
@@ -243,7 +263,7 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
     # backward start: the logits' gradient chain is the transient; all activations and the weight copies
     # saved for backward still alive (the autocast cache itself is cleared when forward returns).
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
-                   copies.saved + states.gathered)
+                   copies.saved + states.gathered + terms.head_dequant)
     # one layer in: the head's/embedding's gradients exist, plus one layer's recompute and input gradients
     # (DDP: the gradients live in its buckets; DeepSpeed ZeRO-2: its bucket reduces the head's gradient into
     # the flat partition, whole from the start)
@@ -288,7 +308,7 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
     acts, logit, copies = terms.acts, terms.logit, terms.copies
     in_backward = states.buckets + states.from_backward_start
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
-                   copies.saved + states.gathered)
+                   copies.saved + states.gathered + terms.head_dequant)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
     freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     step_one = in_backward_step_bytes(spec, run, prec, device)
@@ -454,7 +474,8 @@ def classic_regimes(run: RunConfig) -> list[tuple[str, RunConfig]]:
 
 
 def compare(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
-            engine: str = "fsdp2") -> list[tuple[str, MemoryBreakdown]]:
-    """``estimate`` for each of ``classic_regimes(run)`` (``engine``: as ``estimate``'s)."""
+            engine: str = "fsdp2", stack: Stack | None = None) -> list[tuple[str, MemoryBreakdown]]:
+    """``estimate`` for each of ``classic_regimes(run)`` (``engine``, ``stack``: as ``estimate``'s)."""
     spec = model if isinstance(model, ModelSpec) else load_spec(str(model))
-    return [(name, estimate(spec, cfg, device=device, engine=engine)) for name, cfg in classic_regimes(run)]
+    return [(name, estimate(spec, cfg, device=device, engine=engine, stack=stack))
+            for name, cfg in classic_regimes(run)]

@@ -27,12 +27,16 @@ NESTED_BLOCK = 256
 NF4_FIXED_BYTES = 16 * 4 + 256 * 4 + 4
 
 
-def nf4_bytes(numel: int) -> int:
+def nf4_bytes(numel: int, double_quant: bool = True) -> int:
     """Bytes of one NF4 weight of ``numel`` elements with double quantization: the packed uint8 payload
     (2 weights per byte, ``Params4bit`` of shape ``(ceil(numel / 2), 1)``), one uint8 absmax per 64 weights,
     one fp32 second-level absmax per 256 of those, and the fixed tables (``NF4_FIXED_BYTES``).
-    About 0.5 + 1/64 + 4/16,384 = 0.516 bytes per weight (Dettmers et al. 2023, "Double Quantization")."""
+    About 0.5 + 1/64 + 4/16,384 = 0.516 bytes per weight (Dettmers et al. 2023, "Double Quantization").
+    ``double_quant=False`` (``compress_statistics=False``: litgpt's ``bnb.nf4``): one fp32 absmax per 64
+    weights and the NF4 code alone (16 fp32): 0.5 + 4/64 = 0.5625 bytes per weight."""
     blocks = math.ceil(numel / NF4_BLOCK)
+    if not double_quant:
+        return math.ceil(numel / 2) + 4 * blocks + 16 * 4
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + NF4_FIXED_BYTES
 
 
@@ -86,9 +90,13 @@ def projection_output_bytes(run, c: int, device: str) -> int:
     return unquantized_bytes(run)
 
 
-def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+def int8_input_groups(spec, run, prec, device: str,
+                      keeps_4bit_input: bool = False) -> dict[str, tuple[int, int, tuple[str, ...]]]:
     """The inputs a decoder layer's 8-bit projections keep alive as ``ctx.A``: role -> (width, bytes per
-    element, the projections reading it); empty for a 4-bit or unquantized base.
+    element, the projections reading it); empty for an unquantized base, and for a 4-bit one unless
+    ``keeps_4bit_input`` (bitsandbytes before 0.43.2, ``memfit.settings.stack.Stack.keeps_4bit_input``: its
+    ``MatMul4Bit.forward`` keeps ``ctx.tensors = (A, B)``, the same kind of attribute, 0.42.0
+    ``autograd/_functions.py`` L523).
 
     ``MatMul8bitFp.forward`` (CPU) stores its input as a Python attribute ``ctx.A = A``, and ``MatMul8bitLt``
     (CUDA) in ``ctx.tensors``, not through ``save_for_backward`` (bitsandbytes 0.50.2
@@ -105,7 +113,7 @@ def int8_input_groups(spec, run, prec, device: str) -> dict[str, tuple[int, int,
     CPU (bench/quant_memory.py --quick, 8-bit, fp32, non-reentrant checkpointing): the forward's peak held
     659,084 bytes beyond the layers' inputs; these groups give 655,360 (2 layers x 128 tokens x 2,560 B).
     """
-    if run.quantize is not Quantize.Q8:
+    if run.quantize is Quantize.NONE or (run.quantize is Quantize.Q4 and not keeps_4bit_input):
         return {}
     from memfit.spec.linears import ATTN_IN
 

@@ -74,8 +74,9 @@ def host_bytes(spec, run: RunConfig) -> int:
     return int(per_rank * max(run.processes_per_node(), 1))
 
 
-def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None, derived: bool | None = None):
-    """``estimate(spec, run, device=device, engine=engine)`` as the device holds it: on CPU, offloaded state
+def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None, derived: bool | None = None,
+                    stack=None):
+    """``estimate(spec, run, device=device, engine=engine, stack=stack)`` as the device holds it: on CPU, offloaded state
     stays in the same memory (the run without offload is estimated) and the rollback snapshot counts.
     ``engine`` None: the launch's (``engines.estimator_engine``). ``--compile``: the exact trace with the
     compiled graph's saved set (``memory/compiled.py``; the analytic recipes price eager autograd). ``derived``:
@@ -92,8 +93,8 @@ def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None
         from memfit.memory.trace import trace
 
         return with_rollback_snapshot(spec, run, trace(spec, held, device=device), device, engine)
-    return with_rollback_snapshot(spec, run, estimate(spec, held, device=device, engine=engine, derived=derived),
-                                  device, engine)
+    breakdown = estimate(spec, held, device=device, engine=engine, derived=derived, stack=stack)
+    return with_rollback_snapshot(spec, run, breakdown, device, engine)
 
 
 def with_rollback_snapshot(spec, run: RunConfig, breakdown, device: str, engine: str = "fsdp2"):

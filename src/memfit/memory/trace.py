@@ -900,7 +900,8 @@ def _preference_loss(t: _Traced, input_ids, labels):
     return loss
 
 
-def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False, steps: int = 2):
+def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = False, steps: int = 2,
+          stack=None):
     """Trace two training steps of ``model`` under ``run`` on fake tensors; report the second.
 
     Args:
@@ -912,6 +913,8 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         steps: 2 (default) reports the steady state; 1 records only the first step's forward and backward,
             which allocate the same as the second's but without optimizer state (``memory/derive.py``
             fits activation recipes from them at under half the cost).
+        stack: the trainer and versions the run is for (``memfit.settings.stack``); the trace runs memfit's own
+            (transformers, PEFT, the installed bitsandbytes) and says so where ``stack`` holds other tensors.
 
     Returns:
         ``MemoryBreakdown`` with ``method="exact"``, or ``(breakdown, timeline)``.
@@ -996,4 +999,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         from memfit.memory.compiled import with_compiled_saved_set
 
         breakdown = with_compiled_saved_set(breakdown, line, _compiled_saved(config, resolved, api))
+    from memfit.memory.stack_terms import notes as stack_notes
+
+    breakdown.notes += stack_notes(stack, derived=True, traced=True) if stack is not None else []
     return (breakdown, line) if timeline else breakdown

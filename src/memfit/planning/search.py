@@ -135,15 +135,15 @@ def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> b
 
 
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN, *,
-             cpu: bool = False, engine: str | None = None, derived: bool | None = None) -> Plan:
+             cpu: bool = False, engine: str | None = None, derived: bool | None = None, stack=None) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``); ``derived``: ``estimate``'s
-    choice of recipe (False: a proxy, ``Plan.proxy``)."""
+    choice of recipe (False: a proxy, ``Plan.proxy``); ``stack``: the trainer that runs it (``settings.stack``)."""
     from memfit.memory.moe import routing_margin
     from memfit.memory.outside import outside_step
     from memfit.memory.snapshot import device_estimate
 
-    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine, derived)
+    breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine, derived, stack)
     t = step_time(spec, run, gpu)
     # Evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
     # step with the routing that costs most (the estimate assumes the balanced one).
@@ -183,7 +183,7 @@ def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]
 def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num_processes: int = 1,
          gpu: GPU | str | None = None, constraints: Constraints | None = None,
          safety_margin: float = SAFETY_MARGIN, cpu: bool = False, adapt=None,
-         method="sft", engine_of=None, nodes: int = 1) -> PlanResult:
+         method="sft", engine_of=None, nodes: int = 1, stack=None) -> PlanResult:
     """Rank every candidate configuration for ``model`` by speed among those that fit ``budget_bytes``.
 
     Args:
@@ -198,11 +198,13 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
         constraints: settings the user pinned.
         safety_margin: fits iff ``peak * (1 + safety_margin) <= budget``.
         cpu: the budget is a CPU's memory (``memfit train --budget`` without CUDA; see ``evaluate``).
-        adapt: each candidate as another tool would run it, or None where it cannot (``memfit.interop``'s
-            ``realize``: ``plan --emit axolotl`` plans only what Axolotl runs, priced as it runs it).
+        adapt: each candidate as another tool would run it, or None where it cannot (``memfit.interop``'s ``realize``:
+            ``plan --emit axolotl`` plans only what Axolotl runs, priced as it runs it).
         engine_of: each candidate's sharding engine (``memory.deepspeed_layout.ENGINES``), or None for the
             launch's (``engines.estimator_engine``): ``memfit.interop``'s ``engine_of`` for a tool that runs
             some shardings through DeepSpeed.
+        stack: the trainer and versions that run the candidates (``memfit.settings.stack``: ``plan --from`` a file
+            prices them as the file's tool runs them, as ``estimate --from`` reads them back); None: memfit's own.
         method: the objective (``--method``): a preference method doubles the forward's sequences and,
             for DPO, the planner chooses the reference policy (``space.candidates``).
 
@@ -224,25 +226,31 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     # instead of every candidate being skipped for it.
     spec.check_lora_targets(next((r for r in runs if r.is_lora()), runs[0]))
     attention(spec, runs[0].attn_implementation)
-    host = (constraints.host_memory if constraints else None) if not cpu else None
-    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu, host_memory=host,
-                                engine_of=engine_of))
+    host = None if cpu or not constraints else constraints.host_memory
+    ranked = rank(_evaluate_all(spec, runs, device, budget, safety_margin, cpu=cpu, host_memory=host, engine_of=engine_of,
+                                stack=stack))
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
     from memfit.planning.moe import moe_plan_lines
 
     result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
-    proxies = sum(p.proxy for p in ranked)
-    if proxies:
-        result.notes.append(f"~: {proxies} of {len(ranked)} candidates priced with the hand-written Llama recipe as a "
-                            f"proxy, not the recipe derived from {spec.model_type}'s code: each is slower than the "
-                            "chosen plan or far over the budget, so deriving theirs could not change the choice.")
+    result.notes += _proxy_note(ranked, spec)
     return result
 
 
+def _proxy_note(ranked: list[Plan], spec) -> list[str]:
+    """The table's ``~`` rows explained, when there are any."""
+    proxies = sum(p.proxy for p in ranked)
+    if not proxies:
+        return []
+    return [f"~: {proxies} of {len(ranked)} candidates priced with the hand-written Llama recipe as a proxy, not the "
+            f"recipe derived from {spec.model_type}'s code: each is slower than the chosen plan or far over the "
+            "budget, so deriving theirs could not change the choice."]
+
+
 def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: float, cpu: bool = False,
-                  host_memory: int | None = None, engine_of=None) -> list[Plan]:
+                  host_memory: int | None = None, engine_of=None, stack=None) -> list[Plan]:
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
     host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
@@ -269,7 +277,7 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
         try:
             with derive.cached_only():  # a recipe still to be traced: later, only if the run can win
                 plans.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
-                                      engine=engine_of(run) if engine_of else None))
+                                      engine=engine_of(run) if engine_of else None, stack=stack))
         except derive.RecipeNotCached:
             deferred.append(run)
             continue
@@ -278,7 +286,7 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
             continue
         if run == plain:
             plain_plans[run] = plans[-1]
-    plans += _evaluate_deferred(spec, deferred, plans, gpu, budget, margin, cpu, engine_of, refused)
+    plans += _evaluate_deferred(spec, deferred, plans, gpu, budget, margin, cpu, engine_of, refused, stack)
     if not plans:
         raise refused[0]
     return plans
@@ -299,7 +307,7 @@ def _far_over(proxy: Plan, budget: int, margin: float) -> bool:
 
 
 def _evaluate_deferred(spec, runs: list[RunConfig], found: list[Plan], gpu: GPU, budget: int, margin: float,
-                       cpu: bool, engine_of, refused: list) -> list[Plan]:
+                       cpu: bool, engine_of, refused: list, stack=None) -> list[Plan]:
     """Price the candidates whose recipe must be derived (``memory/derive.py``: seconds per recipe, once, then
     cached), fastest first, deriving only while one can still beat every plan found to fit.
 
@@ -314,7 +322,7 @@ def _evaluate_deferred(spec, runs: list[RunConfig], found: list[Plan], gpu: GPU,
     for run in runs:
         try:
             proxies.append(evaluate(spec, run, gpu, budget, margin, cpu=cpu,
-                                    engine=engine_of(run) if engine_of else None, derived=False))
+                                    engine=engine_of(run) if engine_of else None, derived=False, stack=stack))
         except UserError as err:
             refused.append(err)
     out = []
@@ -324,7 +332,7 @@ def _evaluate_deferred(spec, runs: list[RunConfig], found: list[Plan], gpu: GPU,
             continue
         try:
             plan = evaluate(spec, proxy.config, gpu, budget, margin, cpu=cpu,
-                            engine=engine_of(proxy.config) if engine_of else None)
+                            engine=engine_of(proxy.config) if engine_of else None, stack=stack)
         except UserError as err:
             refused.append(err)
             continue

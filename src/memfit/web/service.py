@@ -180,7 +180,8 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
     with resolved(source) as model:
         run = run_of(model, typed)
         check_seq_len(run.seq_len, model.spec.max_position_embeddings)  # what train refuses is not estimated
-        breakdown = analytic_estimate(model.spec, run, device="cuda", engine=engine(model))
+        stack = model.reading.stack if model.reading is not None else None  # the file's trainer, as --from
+        breakdown = analytic_estimate(model.spec, run, device="cuda", engine=engine(model), stack=stack)
         reading = model.reading.to_dict(run) if model.reading is not None else None
         baseline = model.reading.run.to_flat() if model.reading is not None else None
     return {"model": model.spec.name, "config": run.to_flat(), **breakdown.to_dict(),
@@ -224,10 +225,12 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         realized = tool or (model.reading.tool if model.reading is not None else None)
         adapt = interop.realize(realized) if realized else None
         engine_of = interop.engine_of(realized) if realized else None
+        stack = interop.stack_of(realized, model.reading) if realized else None
         pins = model.reading.plan_pins() if model.reading is not None else {}
         result = search_plans(model.spec, budget or None, seq_len=run.seq_len, batch=batch,
                               num_processes=run.num_processes, constraints=Constraints.from_flat(pins),
-                              safety_margin=SAFETY_MARGIN, adapt=adapt, method=run.method, engine_of=engine_of)
+                              safety_margin=SAFETY_MARGIN, adapt=adapt, method=run.method, engine_of=engine_of,
+                              stack=stack)
         emitted = _emitted(tool, result, model) if tool else None
     train_model = model.reading.model if model.reading is not None else (
         "MODEL_DIR" if source.kind == "config" else source.value)

@@ -1,0 +1,139 @@
+"""What another trainer's stack holds beside what memfit's own recipe prices (``memfit.settings.stack``).
+
+``estimate`` prices memfit's stack (Accelerate + transformers + PEFT on the installed versions). A run of
+another trainer differs where that trainer's source says so; each difference is one function here, with
+its source, read by ``memory.estimate`` once the stack is resolved:
+
+- ``precisions``: LoRA adapters in the model's dtype (litgpt, torchtune, fsdp_qlora's bf16 cast), not PEFT's fp32;
+- ``adapter_states``: their weights, gradients and AdamW moments in that dtype too;
+- ``quantized_head``: litgpt's 4-bit base quantizes the head, dequantized at every call;
+- the layers' kept 4-bit inputs (bitsandbytes < 0.43.2) are priced by ``memory.activations`` through
+  ``memory.quantized.int8_input_groups``, the same ``ctx.tensors`` mechanism as an 8-bit base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memfit.memory.activations import LogitsTerms, Precisions
+from memfit.memory.quantized import nf4_bytes
+from memfit.memory.states import ModelStates
+from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
+from memfit.settings.stack import Stack
+from memfit.spec.model import ModelSpec
+
+FP32 = 4
+
+
+def precisions(prec: Precisions, run: RunConfig, stack: Stack) -> Precisions:
+    """``prec`` with the adapters' dtype of ``stack``: the compute dtype where the trainer builds its LoRA modules
+    in the model's dtype (litgpt's ``lora.py`` L125: ``nn.Parameter(torch.empty(...))`` under Fabric's
+    ``bf16-true``; torchtune's ``set_default_dtype``), else PEFT's fp32 (``autocast_adapter_dtype=True``)."""
+    if run.is_lora() and stack.traits.adapters_in_compute_dtype:
+        return dataclasses.replace(prec, adapter=prec.c)
+    return prec
+
+
+def adapter_states(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates,
+                   stack: Stack) -> ModelStates:
+    """``states`` with the adapters' weights, gradients and optimizer state at ``prec.adapter`` bytes, not fp32.
+
+    memfit's states hold PEFT's fp32 adapters (4 B weight, 4 B gradient, AdamW's two 4 B moments: torch keeps
+    a moment in its parameter's dtype). With adapters in a 2-byte dtype each term halves. An 8-bit
+    optimizer's state does not depend on the parameter's dtype and is kept. Ignores: DeepSpeed's fp32 master
+    partition (a DeepSpeed run's states are left as they are).
+    """
+    if not run.is_lora() or prec.adapter == FP32 or states.engine == "deepspeed":
+        return states
+    shards = run.num_processes if run.num_processes > 1 and run.sharding is not Sharding.DDP else 1
+    saved_weights = spec.lora_params(run) * (FP32 - prec.adapter) // shards
+    scale = prec.adapter / FP32
+    keep_optimizer = run.optimizer is Optimizer.ADAMW_8BIT
+    return dataclasses.replace(
+        states, weights=states.weights - saved_weights, gradients=int(states.gradients * scale),
+        optimizer=states.optimizer if keep_optimizer else int(states.optimizer * scale),
+        step_temporary=int(states.step_temporary * scale), buckets=int(states.buckets * scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTerms:
+    """A quantized head's bytes against the unquantized head memfit prices (``quantized_head``)."""
+
+    weights: int = 0
+    """Change of the resident weights (negative: NF4 instead of the stored dtype)."""
+    held: int = 0
+    """The head's input kept by ``MatMul4Bit`` (bitsandbytes < 0.43.2) until the graph is freed."""
+    transient: int = 0
+    """The dequantized head, alive while the head runs forward and while its backward starts."""
+
+
+def quantized_head(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> HeadTerms:
+    """litgpt's 4-bit head: Fabric's ``BitsandbytesPrecision`` swaps every ``nn.Linear`` for a 4-bit one, the
+    output head (``lm_head``, untied: ``litgpt/model.py`` L25) included.
+
+    - weights: the head in NF4 (``memory.quantized.nf4_bytes``) instead of ``--dtype``;
+    - every call (litgpt's ``lm_head_chunk_size=128`` calls it once per chunk) dequantizes the whole head:
+      ``MatMul4Bit.forward`` runs ``F.dequantize_4bit(B, quant_state).to(A.dtype)``, a half copy from the
+      quantization dtype and one in the input's: 2 x 2 bytes per head weight (issue 35: 1.9 GiB on Llama 3
+      8B), alive while the head runs forward and again in its backward (``MatMul4Bit.backward``);
+    - bitsandbytes < 0.43.2 keeps each chunk's input (views of the final norm's output: ``w * H`` per token)
+      in ``ctx.tensors`` until the graph is freed.
+
+    Ignores: the chunks run one after another, so one dequantized copy exists at a time (charged once).
+    Source: bitsandbytes 0.42.0 ``autograd/_functions.py`` L494-540, Lightning Fabric's bitsandbytes plugin.
+    """
+    if run.quantize is not Quantize.Q4 or not stack.traits.quantizes_head:
+        return HeadTerms()
+    numel = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    nf4 = nf4_bytes(numel, stack.double_quant)
+    weights = nf4 - numel * prec.w if spec.lm_head_params else nf4
+    held = prec.w * spec.hidden_size * run.micro_batch * run.seq_len if stack.keeps_4bit_input() else 0
+    return HeadTerms(weights=weights, held=held, transient=numel * (2 + 2))
+
+
+def notes(stack: Stack, derived: bool = False, traced: bool = False) -> list[str]:
+    """What an estimate says about its stack: which one it priced, and what of it memfit does not price
+    (``derived``: a recipe traced on memfit's own stack, which prices none of this module's terms; ``traced``:
+    the exact trace itself, which runs memfit's own stack)."""
+    if not stack.changes_terms() and not stack.unpriced():
+        return []  # a trainer that holds what memfit's own does (transformers' Trainer with PEFT)
+    if derived and stack.changes_terms():
+        what = "the exact trace runs" if traced else "this derived recipe prices"
+        return [f"stack: {stack.describe()}: its terms (memory/stack_terms.py) are priced by the analytic "
+                f"estimate's hand-written recipes only; {what} memfit's own stack."] + list(stack.unpriced())
+    return [f"stack: {stack.describe()} (memory/stack_terms.py)."] + list(stack.unpriced())
+
+
+def single_quant_bytes(spec: ModelSpec, run: RunConfig, stack: Stack) -> int:
+    """How many more bytes a 4-bit base holds without double quantization (``stack.double_quant`` False: fp32
+    absmax per 64 weights, ``memory.quantized.nf4_bytes``) than memfit's double-quantized one, on every rank (the
+    quantization state is an attribute of the module, never sharded: ``memory.quantized.storage_bytes``)."""
+    if run.quantize is not Quantize.Q4 or stack.double_quant:
+        return 0
+    return sum(lin.count * (nf4_bytes(lin.in_features * lin.out_features, False)
+                            - nf4_bytes(lin.in_features * lin.out_features)) for lin in spec.linears)
+
+
+def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
+    """The head and loss of a trainer that runs its head in chunks handed back in fp32 (``head_chunk_tokens``:
+    litgpt's LoRA fine-tune); None: memfit's own (``memory.activations.logits_terms``). ``N = B * T * V`` logits, ``n`` of a chunk.
+
+    - forward's end: the fp32 logits (Fabric's ``convert_output`` copies each bf16 chunk to fp32 and the bf16
+      one dies with it) and ``log_softmax``'s saved fp32 output: 8 N bytes;
+    - backward's start: the same, and one chunk's gradients (the engine runs the chunks' branches one after the
+      other): of ``log_softmax``'s output and of the logits (fp32), and the logits' gradient cast back to the
+      head's bf16: 10 n;
+    - after the loss' backward the caller still holds the fp32 logits (``logits`` in litgpt's loop): 4 N.
+
+    Ignores: the last chunk's copy made by ``logits[-1][..., :-1, :]`` then ``reshape`` (4 n); a half-precision
+    copy of a chunk alive while it is converted (2 n). Source: litgpt 00af8b0 ``lora.py`` L550-552,
+    ``finetune/lora.py`` L303-308, ``utils.py`` L293-322; Lightning Fabric ``HalfPrecision.convert_output``.
+    """
+    chunk = stack.traits.head_chunk_tokens
+    # litgpt's full fine-tune (finetune/full.py L255) runs the whole head and slices its fp32 output: priced as
+    # transformers' loss
+    if not chunk or not run.is_lora() or str(run.method) != "sft" or str(run.loss) != "standard":
+        return None
+    n = run.micro_batch * run.seq_len * spec.vocab_size
+    n_chunk = run.micro_batch * min(chunk, run.seq_len) * spec.vocab_size
+    return LogitsTerms(forward=8 * n, backward=8 * n + 10 * n_chunk, retained=4 * n)

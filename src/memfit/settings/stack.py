@@ -1,0 +1,155 @@
+"""The stack a prediction is for: the trainer that runs the step and the versions it runs with.
+
+What a training step holds depends on who runs it, not only on what it trains: the same LoRA run keeps
+fp32 adapters under PEFT and bf16 ones under litgpt; bitsandbytes before 0.43.2 keeps every 4-bit layer's
+input for backward. ``Stack`` names that setting once; ``estimate`` reads it (``memory.stack_terms``) and
+``estimate --from`` sets it from the file it reads (``memfit.interop``). memfit's own runs are ``Stack()``:
+memfit's trainer on the installed versions, which the estimator's recipes were read off.
+
+Each trait is a fact of one trainer's source, cited where it is declared (``TRAINERS``). What a stack does
+that memfit cannot price yet is said in a sentence (``Stack.unpriced``), never priced as something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+
+#: The first bitsandbytes release whose ``MatMul4Bit`` keeps only the packed weight for backward
+#: (bitsandbytes commit 9e75374, "fix QLoRA mem bug: delete useless buffered activation"); earlier ones
+#: keep ``ctx.tensors = (A, B)``, the layer's input with it (0.42.0 ``autograd/_functions.py`` L523).
+BNB_DROPS_4BIT_INPUT = "0.43.2"
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What one trainer's own code does that changes memory (each from its source)."""
+
+    adapters_in_compute_dtype: bool = False
+    """LoRA adapters created in the model's dtype (litgpt, torchtune), not PEFT's fp32 (``autocast_adapter_dtype``)."""
+    shared_qkv_dropout: bool = False
+    """One fused q/k/v projection, so one LoRA dropout of its input serves q, k and v (litgpt's ``LoRAQKVLinear``:
+    ``lora.py`` L426 ``F.linear(self.lora_dropout(x), self.lora_A)``), not one per projection as PEFT's."""
+    reentrant_checkpointing: bool = False
+    """Activation checkpointing through ``torch.utils.checkpoint(use_reentrant=True)`` (fsdp_qlora's
+    ``--reentrant_checkpointing``), whose recompute graph lives for one layer's backward; memfit's is non-reentrant."""
+    quantizes_head: bool = False
+    """A 4-bit base quantizes the output head too (Lightning Fabric's ``BitsandbytesPrecision`` replaces every
+    ``nn.Linear``), dequantized at each call."""
+    head_chunk_tokens: int = 0
+    """The head runs in chunks of this many tokens, each chunk's logits handed back to the loss in fp32 (litgpt's LoRA:
+    ``model(input_ids, lm_head_chunk_size=128)``, ``finetune/lora.py`` L304, and Fabric's ``convert_output`` to the
+    default dtype, fp32), and the loss is ``F.cross_entropy`` per chunk (``utils.chunked_cross_entropy``);
+    0: transformers' head and ``ForCausalLMLoss``, as memfit runs them."""
+    unpriced: tuple[str, ...] = ()
+    """What this trainer does that memfit does not price (sentences)."""
+
+
+#: The trainers memfit knows by name. ``memfit``: its own loop (Accelerate + transformers + PEFT), which the
+#: recipes model; ``hf``/``trl``/``axolotl``/``llamafactory``: transformers' Trainer with PEFT, as memfit.
+TRAINERS: dict[str, Trainer] = {
+    "memfit": Trainer(),
+    "hf": Trainer(),
+    "trl": Trainer(),
+    "axolotl": Trainer(),
+    "llamafactory": Trainer(),
+    # torchtune builds the whole model, LoRA modules included, under the recipe's dtype (training.set_default_dtype)
+    "torchtune": Trainer(adapters_in_compute_dtype=True),
+    # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
+    "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
+                      head_chunk_tokens=128),
+    # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
+    # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True)
+    "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True),
+    # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
+    # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op")
+    "torchtitan": Trainer(unpriced=(
+        "torchtitan's per-op selective activation checkpointing keeps the matmuls' outputs; memfit prices "
+        "whole-layer checkpointing, which keeps less.",
+        "FSDP2's MixedPrecisionPolicy gathers bf16 parameters; memfit prices autocast's bf16 copies of fp32 ones.")),
+    "unsloth": Trainer(unpriced=(
+        "Unsloth's fused Triton kernels (RoPE, RMSNorm, SwiGLU, the LoRA MLP) save fewer tensors than the "
+        "transformers layers memfit prices, so its figure is an upper bound for an Unsloth run.",)),
+}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The trainer and versions that run a step (``memfit.settings.stack``); ``Stack()`` is memfit's own."""
+
+    trainer: str = "memfit"
+    """A name of ``TRAINERS``."""
+    bitsandbytes: str | None = None
+    """The bitsandbytes version the run uses (a release, as pip spells it); None: the installed one (memfit's
+    own runs; ``constraints.txt`` pins 0.50.2)."""
+    double_quant: bool = True
+    """Whether a 4-bit base quantizes its absmax statistics again (bitsandbytes' ``compress_statistics``, memfit's
+    setting); litgpt's ``quantize: bnb.nf4`` does not (``bnb.nf4-dq`` does)."""
+    fsdp: int = 2
+    """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, what memfit models) or 1
+    (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``)."""
+
+    def __post_init__(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise UserError(f"Unknown trainer {self.trainer!r}; memfit knows: {', '.join(TRAINERS)}.")
+        if self.fsdp not in (1, 2):
+            raise UserError(f"FSDP version must be 1 or 2, got {self.fsdp!r}.")
+        if self.bitsandbytes is not None:
+            _release(self.bitsandbytes)  # refused here, in one sentence, not at the first estimate
+
+    @property
+    def traits(self) -> Trainer:
+        return TRAINERS[self.trainer]
+
+    def keeps_4bit_input(self) -> bool:
+        """Whether a 4-bit layer keeps its input until the graph is freed (bitsandbytes < 0.43.2)."""
+        return self.bitsandbytes is not None and _release(self.bitsandbytes) < _release(BNB_DROPS_4BIT_INPUT)
+
+    def is_memfit(self) -> bool:
+        return self == Stack()
+
+    def changes_terms(self) -> bool:
+        """Whether this stack holds other tensors than memfit's own (a trait, or bitsandbytes' kept inputs)."""
+        return (self.traits != Trainer(unpriced=self.traits.unpriced) or self.keeps_4bit_input()
+                or not self.double_quant)
+
+    def unpriced(self) -> tuple[str, ...]:
+        """What this stack holds that memfit does not price, in sentences."""
+        out = list(self.traits.unpriced)
+        if self.fsdp == 1:
+            out.append("FSDP (1) all-gathers each unit's flat parameter (and reduce-scatters a flat gradient) where "
+                       "memfit prices FSDP2's per-parameter shards: the unit's padding and flat buffers are not priced.")
+        return tuple(out)
+
+    def describe(self) -> str:
+        """One line: ``litgpt, bitsandbytes 0.42.0``."""
+        parts = [self.trainer]
+        if self.bitsandbytes:
+            parts.append(f"bitsandbytes {self.bitsandbytes}")
+        if not self.double_quant:
+            parts.append("NF4 without double quantization")
+        if self.fsdp == 1:
+            parts.append("FSDP (1)")
+        return ", ".join(parts)
+
+    @classmethod
+    def of(cls, data: dict | None) -> Stack:
+        """From a mapping (``{trainer: litgpt, bitsandbytes: 0.42.0}``); None or empty: memfit's own."""
+        if not data:
+            return cls()
+        unknown = sorted(set(data) - {"trainer", "bitsandbytes", "double_quant", "fsdp"})
+        if unknown:
+            raise UserError(f"A stack names trainer, bitsandbytes, double_quant and fsdp; not {', '.join(unknown)}.")
+        version = data.get("bitsandbytes")
+        return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
+                   double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        raise UserError(f"bitsandbytes version {version!r} is not a version (e.g. 0.42.0).") from None
