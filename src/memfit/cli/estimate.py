@@ -50,6 +50,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     from memfit import check_seq_len, estimate, load_spec, progress_bars
     from memfit import compare as compare_regimes
     from memfit.cli.options import explicit
+    from memfit.memory.phases import device_phases
     from memfit.settings.config import check_lora_options
 
     typed = explicit(click.get_current_context(), kwargs)
@@ -84,7 +85,8 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         from memfit.report.plots import plot_breakdowns
 
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    _render(spec, run, rows, compare, as_json, plot_path, reading)
+    phases = None if compare else device_phases(spec, run, rows[0][1], device)  # loading to the last save
+    _render(spec, run, rows, compare, as_json, plot_path, reading, phases)
 
 
 def _exact(model, spec, run, device, timeline_path):
@@ -103,7 +105,7 @@ def _exact(model, spec, run, device, timeline_path):
     return breakdown
 
 
-def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
+def _render(spec, run, rows, compare, as_json, plot_path, reading=None, phases=None) -> None:
     if as_json:
         payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict(run)} if reading else {})}
         if compare:
@@ -111,12 +113,13 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
                                   for name, b in rows]
         else:
             payload.update(rows[0][1].to_dict())
+            payload["phases"] = phases.to_dict()
         click.echo(json.dumps(payload, indent=2))
         return
     from rich.console import Console
 
     from memfit.report.fit import dropped_note
-    from memfit.report.tables import breakdown_table, compare_table, legend
+    from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
     from memfit.units import fmt_count
 
     console = Console()
@@ -137,6 +140,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
         console.print(f"[dim]{legend(b)}[/]")
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
+        console.print(phases_table(phases))
     if reading is not None:
         show_reading(console, reading, run)
     if plot_path:
