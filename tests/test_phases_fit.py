@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,11 +19,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
-def _one_projection(numel_side: int = 4096):
+@dataclass(frozen=True)
+class _Spec:
+    """The ``ModelSpec`` fields loading reads (hashable, as the replay's cache needs)."""
+
+    num_layers: int
+    linears: tuple
+    params: int
+    linear_params: int
+    embedding_params: int = 0
+    lm_head_params: int = 0
+
+
+def _one_projection(side: int = 4096) -> _Spec:
     """A model of one decoder layer holding one 4096 x 4096 projection and nothing else."""
-    n = numel_side * numel_side
-    return SimpleNamespace(num_layers=1, linears=(LinearShape("q_proj", numel_side, numel_side, False, 1),),
-                           params=n, linear_params=n, embedding_params=0, lm_head_params=0)
+    return _Spec(1, (LinearShape("q_proj", side, side, False, 1),), side * side, side * side)
 
 
 def test_loading_a_4bit_projection_is_replayed_by_hand():

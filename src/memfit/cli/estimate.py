@@ -47,10 +47,9 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
       memfit estimate --from axolotl.yml        # also TRL/Trainer, LLaMA-Factory, torchtune files
     """
-    from memfit import check_seq_len, estimate, load_spec, progress_bars
+    from memfit import check_seq_len, device_phases, estimate, load_spec, progress_bars
     from memfit import compare as compare_regimes
     from memfit.cli.options import explicit
-    from memfit.memory.phases import device_phases
     from memfit.settings.config import check_lora_options
 
     typed = explicit(click.get_current_context(), kwargs)

@@ -7,13 +7,13 @@ device). A plain model keeps each tensor as it lands. A 4-bit (QLoRA) base quant
 it lands, one tensor at a time (transformers' bitsandbytes quantizer -> ``Params4bit._quantize`` ->
 ``bitsandbytes.functional.quantize_4bit``, bitsandbytes 0.50.2), which allocates and frees, per projection:
 
-1. the weight in the compute dtype, ``2 n`` bytes (``n`` weights);
+1. the weight in the load dtype (``--dtype``), ``2 n`` bytes for bf16 (``n`` weights);
 2. ``absmax``, one fp32 per 64 weights, then the packed payload, ``n / 2`` bytes (``quantize_4bit``'s
    CUDA op allocates ``absmax`` first);
 3. with double quantization: ``offset = absmax.mean()`` (a scalar), ``absmax - offset`` (fp32, as large as
    ``absmax``), the nested 8-bit code (256 fp32), the uint8 ``absmax`` and its fp32 second-level absmax
    (``quantize_blockwise``); then the temporary and the fp32 ``absmax`` are freed;
-4. the compute-dtype weight is freed when ``Params4bit`` takes the packed payload.
+4. the load-dtype weight is freed when ``Params4bit`` takes the packed payload.
 
 What is kept is a few small tensors after each large freed block: the caching allocator splits the cached
 ``2 n``-byte block for the next projection's smaller tensors (best fit), so reserved memory grows well past
@@ -33,11 +33,12 @@ pattern).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from memfit.memory.alloc_stream import predicted_reserved
-from memfit.memory.allocator_config import AllocatorSettings
+from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
 from memfit.memory.quantized import NESTED_BLOCK, NF4_BLOCK
 from memfit.settings.config import Quantize, RunConfig
 from memfit.units import dtype_bytes
@@ -83,12 +84,16 @@ def _quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
 
 def loading_events(spec, run: RunConfig) -> list[tuple]:
     """The allocation stream of loading ``spec`` for ``run`` onto one device (module docstring)."""
+    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run))
+
+
+def _events(spec, quantize: Quantize, compute: int, rest_bytes: int) -> list[tuple]:
+    """``loading_events`` from what decides it: the quantization, the load dtype's bytes (the weight a 4-bit
+    projection is quantized from) and the bytes per unquantized parameter."""
     import itertools
 
     keys = itertools.count()
-    rest_bytes = _rest_bytes(run)
-    plain = 1 if run.quantize is Quantize.Q8 else rest_bytes  # bytes per projection weight as kept
-    compute = 4 if str(run.dtype) == "fp32" else 2
+    plain = 1 if quantize is Quantize.Q8 else rest_bytes  # bytes per projection weight as kept
 
     def kept(nbytes: int) -> tuple:
         return ("alloc", next(keys), int(nbytes), 0)
@@ -96,7 +101,7 @@ def loading_events(spec, run: RunConfig) -> list[tuple]:
     events = [kept(spec.embedding_params * rest_bytes)]
     for _ in range(spec.num_layers):
         for numel in _layer_projections(spec):
-            events += _quantize_events(numel, keys, compute) if run.quantize is Quantize.Q4 else [kept(numel * plain)]
+            events += _quantize_events(numel, keys, compute) if quantize is Quantize.Q4 else [kept(numel * plain)]
         events.append(kept(_other_elements(spec) * rest_bytes))
     if spec.lm_head_params:
         events.append(kept(spec.lm_head_params * rest_bytes))
@@ -111,8 +116,18 @@ def _rest_bytes(run: RunConfig) -> int:
 
 
 def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None) -> LoadingReplay | None:
-    """``loading_events`` through the caching allocator model (None for a backend memfit does not model)."""
-    result = predicted_reserved(loading_events(spec, run), settings)
+    """``loading_events`` through the caching allocator model (None for a backend memfit does not model).
+
+    Cached per model, load dtype, quantization and allocator settings: the planner asks for it once per
+    candidate, and only those decide the stream."""
+    settings = settings_from_env() if settings is None else settings
+    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int,
+            settings: AllocatorSettings) -> LoadingReplay | None:
+    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes), settings)
     if result is None:
         return None
     s = result.stats

@@ -123,3 +123,16 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool) -> list[Phase]:
     wrapped = loading.tensors + beside if whole else shards + beside
     reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
     return [loading, Phase("wrapping", wrapped, reserved)]
+
+
+def phase_figures(spec, run: RunConfig, breakdown, device: str) -> dict[str, int]:
+    """The flat figures ``memfit train``'s summary keeps beside ``memory.outside``'s (``run.json``'s
+    ``outside_step``): ``phase_<name>`` (each phase's reserved memory; its tensor peak on a CPU),
+    ``device_needed`` (what the fit rule reads) and ``device_context`` (0 on a CPU); empty where the estimator
+    cannot describe the run (a prediction never stops a training run)."""
+    try:
+        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda")
+    except Exception:  # noqa: BLE001
+        return {}
+    return {**{f"phase_{p.name}": int(p.reserved) for p in phases.phases}, "device_needed": int(phases.needed()),
+            "device_context": int(phases.context)}
