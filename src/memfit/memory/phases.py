@@ -8,8 +8,10 @@ samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``m
   afterwards); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
   ``training.sharding.builds_empty``), priced with the fitted overhead (``memory.fragmentation``).
 - **wrapping** (sharded): a 4-bit base is whole on every rank until FSDP2 shards it (``memory.outside``'s
-  ``loading``): the shards are new allocations beside it, reserved on top of what loading kept; an unquantized one
-  receives one full tensor at a time beside its shards (the largest tensor).
+  ``loading``), and stays whole until every layer is sharded (Accelerate 1.15's ``fsdp2_prepare_model`` holds
+  ``original_sd = model.state_dict()`` across ``fully_shard``): the shards are new allocations beside it, reserved
+  on top of what loading kept; an unquantized one receives one full tensor at a time beside its shards (the largest
+  tensor).
 - **step**: the breakdown's reserved memory (the replay of ``--exact``, or the fitted term of the analytic
   estimate) plus what a worst-case expert routing adds (mixture-of-experts).
 - **evaluation**, **checkpoint** (``--state-dict full``'s gather), **export**, **samples**: ``memory.outside``'s

@@ -56,10 +56,13 @@ def margin_note(phases: DevicePhases, budget_bytes: int, margin: float = SAFETY_
     left = budget_bytes - needed
     extras = (f" + CUDA context {fmt_gib(phases.context)}" if phases.context else "") + \
              (f" + NCCL buffers {fmt_gib(phases.nccl)}" if phases.nccl else "")
-    kind = "predicted reserved memory" if phases.context else "predicted peak"
+    head = (f"fit decided on the {'predicted reserved memory' if phases.context else 'predicted peak'} of every "
+            f"phase (worst: {phases.worst.name}, {fmt_gib(phases.worst.reserved)}){extras} = {fmt_gib(needed)}; "
+            f"{fmt_gib(left)} of {fmt_gib(budget_bytes)} left ({left / needed:.1%} of the need; the safety margin is "
+            f"{margin:.0%})")
+    if not phases.context:  # a CPU: no caching allocator to model
+        return head + "."
     low = -fragmentation.SPREAD[0]
     covered = "covers" if left >= low * needed else "does not cover"
-    return (f"fit decided on the {kind} of every phase (worst: {phases.worst.name}, {fmt_gib(phases.worst.reserved)})"
-            f"{extras} = {fmt_gib(needed)}; {fmt_gib(left)} of {fmt_gib(budget_bytes)} left ({left / needed:.1%} of "
-            f"the need; the safety margin is {margin:.0%}): it {covered} the allocator term's worst under-prediction "
-            f"of allocator replays, {low:.1%} (memory/fragmentation.py), before the tensor estimate's own error.")
+    return (f"{head}: it {covered} the allocator term's worst under-prediction of allocator replays, {low:.1%} "
+            "(memory/fragmentation.py), before the tensor estimate's own error.")

@@ -20,7 +20,7 @@ from memfit.memory import derive
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.phases import DevicePhases
 from memfit.planning.cost import StepTime, step_time
-from memfit.planning.fit import SAFETY_MARGIN, decide, fits
+from memfit.planning.fit import SAFETY_MARGIN, decide, fits, margin_note
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
 from memfit.report.runs import describe
@@ -82,6 +82,9 @@ class Plan:
                "phase": self.breakdown.phase}
         if self.time is not None:
             out["step_seconds"] = self.time.seconds
+        if self.phases is not None:  # what the fit rule read (planning.fit)
+            out["needed_bytes"] = int(self.phases.needed())
+            out["worst_phase"] = self.phases.worst.name
         if self.routing_bytes:
             out["routing_margin_bytes"] = int(self.routing_bytes)
         if self.proxy:
@@ -226,6 +229,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     from memfit.planning.moe import moe_plan_lines
 
     result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
+    result.notes.append(margin_note(result.best.phases, budget, safety_margin))  # what the decision read, what is left
     proxies = sum(p.proxy for p in ranked)
     if proxies:
         result.notes.append(f"~: {proxies} of {len(ranked)} candidates priced with the hand-written Llama recipe as a "
