@@ -161,10 +161,10 @@ def test_margin_note_states_what_is_left_and_its_coverage():
 
     phases = DevicePhases((Phase("loading", 3 * GiB, 4 * GiB), Phase("step", 5 * GiB, 6 * GiB)), GiB // 2, 0)
     note = margin_note(phases, 8 * GiB)
-    # needed 6.5 GiB; 1.5 GiB left = 23.1% of it, more than the term's 12.4% worst under-prediction
+    # needed 6.5 GiB; 1.5 GiB left = 23.1% of it, more than the term's 12.5% worst under-prediction
     assert "worst: step, 6.00 GiB" in note and "1.50 GiB of 8.00 GiB left (23.1% of the need" in note
     assert "it covers" in note
-    assert "does not cover" in margin_note(phases, 7 * GiB)  # 0.5 GiB = 7.7% < 12.4%
+    assert "does not cover" in margin_note(phases, 7 * GiB)  # 0.5 GiB = 7.7% < 12.5%
 
 
 def test_estimate_cli_prints_every_phase():
