@@ -183,3 +183,34 @@ def test_estimate_cli_prints_every_phase():
     assert phases["needed_bytes"] == max(p["reserved_bytes"] for p in phases["phases"].values()) + CUDA_CONTEXT_BYTES
     text = CliRunner().invoke(cli.command, ["tiny", "--seq-len", "64", "--micro-batch", "2"]).output
     assert "phases of the run, per rank" in text and "device total (nvidia-smi)" in text
+
+
+def test_train_summary_keeps_every_phase_and_renders_them():
+    """``phase_figures``: what run.json's ``outside_step`` gains (one key per phase, the need, the context), and the
+    summary row that shows them; a spec the estimator cannot describe gives nothing, never an error."""
+    from rich.console import Console
+
+    from memfit.memory.estimate import estimate
+    from memfit.memory.phases import device_phases, phase_figures
+    from memfit.report.summary import summary_table
+    from memfit.spec.model import load_spec
+
+    spec, run = load_spec("tiny"), RunConfig.of(seq_len=64, micro_batch=2)
+    breakdown = estimate(spec, run, device="cuda")
+    figures = phase_figures(spec, run, breakdown, "cuda")
+    phases = device_phases(spec, run, breakdown)
+    assert figures == {**{f"phase_{p.name}": p.reserved for p in phases.phases},
+                       "device_needed": phases.needed(), "device_context": CUDA_CONTEXT_BYTES}
+    assert phase_figures(object(), run, breakdown, "cuda") == {}
+    console = Console(width=200, record=True)
+    summary = {"steps": 1, "sequences": 2, "final_eval_loss": None, "best_eval_loss": None, "unigram_loss": 3.0,
+               "final_train_loss": 2.0, "tokens_per_s": 1.0, "wall_s": 1.0, "train_s": 1.0, "skipped_steps": 0,
+               "fallbacks": [], "output": "out", "predicted_peak_bytes": breakdown.peak_bytes,
+               "peak_memory": {"device": "cuda", "peak_bytes": GiB, "cuda_max_allocated": GiB,
+                               "cuda_max_reserved": 2 * GiB}, "measured": None,
+               "outside_step": {"evaluation": 1, "checkpoint_full": 1, "export": 1, "generation": 1, "save_host": 0,
+                                "loading": 0, **figures}}
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "reserved by phase (predicted)" in text and "at the worst + CUDA context" in text
+    assert "CUDA max reserved" in text  # the measured figure the predicted one is read against
