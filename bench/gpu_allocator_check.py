@@ -13,7 +13,10 @@ with nothing cached), and reads
 and compares them with ``memfit estimate --exact`` run on CPU in a process with the same
 ``PYTORCH_ALLOC_CONF``: ``allocator.reserved_bytes`` (predicted ``max_memory_reserved``),
 ``allocator.allocated_bytes`` (``max_memory_allocated`` of the replay) and reserved + the CUDA context
-constant (``memory.device_terms.CUDA_CONTEXT_BYTES``) for nvidia-smi. Error = (predicted - measured) / measured.
+constant (``memory.device_terms.CUDA_CONTEXT_BYTES``) for nvidia-smi; and with what ``plan``'s fit rule reads, the
+analytic estimate's phases (``memory.phases``: the worst phase's reserved memory, the fitted allocator term of
+``memory/fragmentation.py`` and loading's replay; + context for nvidia-smi). Error = (predicted - measured) /
+measured.
 
 Known gaps, by design of the comparison: the trace's ``max_memory_allocated`` counts the reported step after a
 peak reset, and the real one the whole run (both include the first step's optimizer-state creation);
@@ -101,8 +104,20 @@ def measure(point: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def predict(point: dict[str, Any]) -> dict[str, Any]:
-    """Worker: ``memfit estimate --exact`` of ``point`` (the allocator replay under this process' settings)."""
-    return dev.predict_exact(point["model"], RunConfig.from_flat(point["run"]))
+    """Worker: ``memfit estimate --exact`` of ``point`` (the allocator replay under this process' settings), and the
+    analytic estimate's phases (``memory.phases``: the fitted allocator term, loading's replay), as plan reads them."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.phases import device_phases
+    from memfit.spec.model import load_spec
+
+    run = RunConfig.from_flat(point["run"])
+    out = dev.predict_exact(point["model"], run)
+    try:
+        spec = load_spec(point["model"])
+        out["analytic_phases"] = device_phases(spec, run, estimate(spec, run, device="cuda")).to_dict()
+    except Exception as err:  # noqa: BLE001 - the exact prediction still counts
+        out["analytic_phases"] = dev.failure(err)
+    return out
 
 
 def worker(kind: str, point: dict[str, Any], steps: int, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
@@ -130,16 +145,21 @@ def compare(row: dict[str, Any]) -> None:
         return (predicted - actual) / actual if predicted and actual else None
 
     reserved = allocator.get("reserved_bytes")
+    phases = row["predicted"].get("analytic_phases") or {}
+    worst = (phases.get("phases") or {}).get(phases.get("worst"), {}).get("reserved_bytes")
     row["errors"] = {
         "reserved": err(reserved, measured.get("max_reserved_bytes")),
         "allocated": err(allocator.get("allocated_bytes"), measured.get("max_allocated_bytes")),
         "nvidia_smi": err(reserved + CUDA_CONTEXT_BYTES if reserved else None, measured.get("nvidia_smi_bytes")),
+        # what plan's fit rule reads: the analytic estimate's worst phase (memory/phases.py), and + context
+        "reserved_analytic": err(worst, measured.get("max_reserved_bytes")),
+        "nvidia_smi_analytic": err(phases.get("needed_bytes"), measured.get("nvidia_smi_bytes")),
     }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'model':<16}{'config':<18}{'PYTORCH_ALLOC_CONF':<28}{'reserved GiB pred/meas':>24}{'err':>8}"
-          f"{'smi err':>9}")
+          f"{'smi err':>9}{'analytic':>10}{'smi':>8}")
     for row in rows:
         alloc = row["predicted"].get("allocator") or {}
         meas = row["measured"]
@@ -147,7 +167,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         pct = {k: "-" if v is None else f"{v:+.1%}" for k, v in errors.items()}
         pair = f"{(alloc.get('reserved_bytes') or 0) / 2**30:.2f} / {(meas.get('max_reserved_bytes') or 0) / 2**30:.2f}"
         print(f"{Path(row['model']).name[:15]:<16}{row['config']:<18}{row['alloc_conf'] or '(unset)':<28}{pair:>24}"
-              f"{pct.get('reserved', '-'):>8}{pct.get('nvidia_smi', '-'):>9}")
+              f"{pct.get('reserved', '-'):>8}{pct.get('nvidia_smi', '-'):>9}{pct.get('reserved_analytic', '-'):>10}"
+              f"{pct.get('nvidia_smi_analytic', '-'):>8}")
 
 
 def parse_args(argv: list[str] | None):

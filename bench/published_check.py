@@ -22,6 +22,10 @@ would be told for that run, and each run's ``note`` says in a sentence why it is
 row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
 are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.
 
+For the rows that count reserved memory or nvidia-smi a second column compares what memfit's fit decision reads
+(``memory.phases``): the predicted reserved memory of the run's worst phase, loading to the last save (for
+nvidia-smi + the CUDA context and NCCL's buffers), with its own summary line.
+
     python bench/published_check.py                  # the table, then the summary
     python bench/published_check.py --markdown       # the table as bench/README.md shows it
     python bench/published_check.py --out -          # JSON rows and summary to stdout
@@ -41,6 +45,7 @@ import yaml
 
 RUNS_FILE = Path(__file__).resolve().parent / "published_runs.yaml"
 MEASURED = ("allocated", "reserved", "nvidia-smi", "unstated", "fits")
+RESERVED_KINDS = ("reserved", "nvidia-smi")  # figures the caching allocator's reserved memory is compared with
 UNITS = {"GB": 10**9, "GiB": 2**30}
 _SPECS: dict[str, Any] = {}  # the file's own models, built once per process (a meta-device model each)
 
@@ -59,6 +64,14 @@ class Row:
     missing: list[str]
     note: str
     stack: str = "memfit"
+    reserved_predicted: int = 0
+    """For a figure that counts reserved memory or nvidia-smi: the predicted reserved memory of the run's worst
+    phase (``memory.phases``: loading to the last save; + CUDA context and NCCL for nvidia-smi), else 0."""
+    reserved_phase: str = ""
+
+    @property
+    def reserved_error(self) -> float:
+        return (self.reserved_predicted - self.published) / self.published if self.reserved_predicted else 0.0
 
 
 def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -124,9 +137,16 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda", stack=stack)
     published = int(round(float(run["published"]) * UNITS[run["unit"]]))
     predicted = predicted_bytes(breakdown, run["measured"])
-    return Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
-               (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
-               stack.describe())
+    row = Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
+              (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
+              stack.describe())
+    if run["measured"] in RESERVED_KINDS:
+        from memfit.memory.phases import device_phases
+
+        phases = device_phases(spec_for(run["model"], models), run_config(run), breakdown)
+        row.reserved_phase = phases.worst.name
+        row.reserved_predicted = phases.needed() if run["measured"] == "nvidia-smi" else phases.worst.reserved
+    return row
 
 
 def check(path: Path = RUNS_FILE) -> list[Row]:
@@ -144,17 +164,32 @@ def summary(rows: list[Row]) -> dict[str, Any]:
             "worst_run": worst.id, "under_share": sum(r.error < 0 for r in rows) / len(rows)}
 
 
+def reserved_summary(rows: list[Row]) -> dict[str, Any] | None:
+    """``summary`` of the predicted reserved memory (every phase) against the rows that count reserved memory or
+    nvidia-smi; None when there are none."""
+    picked = [r for r in rows if r.reserved_predicted]
+    if not picked:
+        return None
+    worst = max(picked, key=lambda r: abs(r.reserved_error))
+    return {"runs": len(picked), "median_abs_error": statistics.median(abs(r.reserved_error) for r in picked),
+            "worst_abs_error": abs(worst.reserved_error), "worst_run": worst.id,
+            "under_share": sum(r.reserved_error < 0 for r in picked) / len(picked)}
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
 def render(rows: list[Row], stats: dict[str, Any], markdown: bool, left_out: list[dict[str, Any]] = ()) -> str:
-    head = ["run", "GPU", "stack", "measured", "published", "memfit", "error", "memfit lacks"]
+    head = ["run", "GPU", "stack", "measured", "published", "memfit", "error", "reserved (phase), error",
+            "memfit lacks"]
     lines = []
     if markdown:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r.id, r.gpu, r.stack, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}",
+        reserved = (f"{_gib(r.reserved_predicted)} ({r.reserved_phase}), {r.reserved_error:+.1%}"
+                    if r.reserved_predicted else "-")
+        cells = [r.id, r.gpu, r.stack, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}", reserved,
                  "; ".join(m.split(" (")[0] for m in r.missing) or "-"]
         lines.append("| " + " | ".join(cells) + " |" if markdown else "  ".join(cells))
         if not markdown and r.note:
@@ -165,6 +200,12 @@ def render(rows: list[Row], stats: dict[str, Any], markdown: bool, left_out: lis
     lines.append(f"{stats['runs']} runs from {stats['projects']} projects: median |error| "
                  f"{stats['median_abs_error']:.1%}, worst {stats['worst_abs_error']:.1%} ({stats['worst_run']}), "
                  f"memfit under-estimates {stats['under_share']:.0%} of the runs")
+    reserved = stats.get("reserved")
+    if reserved:
+        lines.append(f"reserved memory of every phase, on the {reserved['runs']} runs that count reserved memory or "
+                     f"nvidia-smi: median |error| {reserved['median_abs_error']:.1%}, worst "
+                     f"{reserved['worst_abs_error']:.1%} ({reserved['worst_run']}), memfit under-estimates "
+                     f"{reserved['under_share']:.0%} of them")
     return "\n".join(lines)
 
 
@@ -176,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = check(args.runs)
     stats = summary(rows)
+    stats["reserved"] = reserved_summary(rows)
     if args.out:
         payload = json.dumps({"rows": [asdict(r) for r in rows], "summary": stats}, indent=2)
         if args.out == "-":

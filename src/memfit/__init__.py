@@ -14,6 +14,9 @@ Run: the breakdown, the plan, the training.
 - ``maximize(model, budget, "seq-len"|"micro-batch", ...)``: the longest sequence (largest micro-batch) that
   fits, per technique (``planning.maximize``; ``memfit plan --maximize``); ``largest_note(result, target)``:
   the sentence saying what one step more would need.
+- ``device_phases(spec, run, breakdown, device)``: every phase of a run on one rank (loading, wrapping, the
+  step, evaluation, saves, samples) with its predicted reserved memory, the CUDA context and NCCL's buffers
+  (``memory.phases``; ``memfit estimate``'s phases table, and what the fit rule reads).
 - ``host_bytes(spec, run)``: host RAM of a run's offloaded state and rollback snapshot (``memory.snapshot``).
 - ``train(config)``: train on Accelerate and return the run summary's JSON form (``training.loop``);
   ``check_equivalence(config)``: whether micro-batch x accumulation trains the same weights as one big batch
@@ -73,6 +76,7 @@ _PUBLIC = {
     "classic_regimes": ("memfit.memory.estimate", "classic_regimes"),
     "trace": ("memfit.memory.trace", "trace"),
     "host_bytes": ("memfit.memory.snapshot", "host_bytes"),
+    "device_phases": ("memfit.memory.phases", "device_phases"),
     "plan": ("memfit.planning.search", "plan"),
     "SAFETY_MARGIN": ("memfit.planning.search", "SAFETY_MARGIN"),
     "Constraints": ("memfit.planning.space", "Constraints"),

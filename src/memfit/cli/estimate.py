@@ -47,7 +47,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
       memfit estimate --from axolotl.yml        # also TRL/Trainer, LLaMA-Factory, torchtune files
     """
-    from memfit import check_seq_len, estimate, load_spec, progress_bars
+    from memfit import check_seq_len, device_phases, estimate, load_spec, progress_bars
     from memfit import compare as compare_regimes
     from memfit.cli.options import explicit
     from memfit.settings.config import check_lora_options
@@ -85,7 +85,8 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         from memfit.report.plots import plot_breakdowns
 
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    _render(spec, run, rows, compare, as_json, plot_path, reading)
+    phases = None if compare else device_phases(spec, run, rows[0][1], device)  # loading to the last save
+    _render(spec, run, rows, compare, as_json, plot_path, reading, phases)
 
 
 def _exact(model, spec, run, device, timeline_path, stack=None):
@@ -104,7 +105,7 @@ def _exact(model, spec, run, device, timeline_path, stack=None):
     return breakdown
 
 
-def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
+def _render(spec, run, rows, compare, as_json, plot_path, reading=None, phases=None) -> None:
     if as_json:
         payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict(run)} if reading else {})}
         if compare:
@@ -112,6 +113,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
                                   for name, b in rows]
         else:
             payload.update(rows[0][1].to_dict())
+            payload["phases"] = phases.to_dict()
         if run.nodes > 1 and run.num_processes > run.nodes:
             from memfit import rank_layouts
 
@@ -121,7 +123,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
     from rich.console import Console
 
     from memfit.report.fit import dropped_note
-    from memfit.report.tables import breakdown_table, compare_table, legend
+    from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
     from memfit.units import fmt_count
 
     console = Console()
@@ -142,9 +144,9 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
         console.print(f"[dim]{legend(b)}[/]")
         for line in b.notes:
             console.print(f"  [dim]- {line}[/]")
+        console.print(phases_table(phases))
         if run.nodes > 1 and run.num_processes > run.nodes:  # several nodes: each sharding's per-rank terms
             from memfit import rank_layouts
-            from memfit.report.fit import dropped_note
             from memfit.report.node_tables import rank_layout_table
 
             table, dropped = rank_layout_table(rank_layouts(spec, run), run, console.width)

@@ -60,7 +60,7 @@ from memfit.integrations import versions
 from memfit.memory import layer_plan
 from memfit.memory import preference_terms as pref
 from memfit.memory.breakdown import MemoryBreakdown
-from memfit.memory.device_terms import cuda_other
+from memfit.memory.device_terms import with_fitted_reserved
 from memfit.memory.notes import notes
 from memfit.memory.states import model_states
 from memfit.settings.config import (
@@ -673,7 +673,7 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     out.activations_per_layer = recipe.per_layer("activations", run.micro_batch, run.seq_len, most)
     out.recipe = recipe.label
     if device == "cuda":
-        out.other = cuda_other(out.peak_bytes)
+        with_fitted_reserved(out)
     out.notes = notes(spec, run, out)
     if spec.num_experts:
         from memfit.memory.moe import compute_bytes_of, moe_notes

@@ -1,10 +1,11 @@
 """Bytes a CUDA device holds that no tensor does: the CUDA context, cuBLAS's workspace and the caching
-allocator's reserve (``cuda_other``). The analytic estimate and the exact trace both add these same
+allocator's overhead (``cuda_other``; ``memory/fragmentation.py``). The analytic estimate and the exact trace both add these same
 documented constants, so that the two differ only in tensor bytes.
 """
 
 from __future__ import annotations
 
+from memfit.memory import fragmentation
 from memfit.units import MiB
 
 #: CUDA context + kernels loaded by torch on first use. Measured ~300-600 MiB across A100/H100/L4 with
@@ -18,16 +19,30 @@ CUDA_CONTEXT_BYTES = 500 * MiB
 #: allocator, so it shows in ``memory_reserved`` but not as a tensor.
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
-#: Fraction of allocated bytes the caching allocator holds on top (fragmentation and rounding to
-#: 2 MiB segments / 512-byte blocks). 5% is a typical ``memory_reserved / max_memory_allocated - 1``
-#: for a steady training loop; it ranges 2-15% (more with variable sequence lengths; set
-#: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` to shrink it).
-ALLOCATOR_RESERVE_FRACTION = 0.05
 
 
 def cuda_other(allocated_peak: int) -> int:
-    """CUDA context + cuBLAS workspace + the caching allocator's reserve over what tensors hold."""
-    return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + ALLOCATOR_RESERVE_FRACTION * allocated_peak)
+    """CUDA context + cuBLAS workspace + the caching allocator's overhead over what tensors hold
+    (``memory.fragmentation.overhead``, fitted to allocator replays)."""
+    return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(allocated_peak))
+
+
+def reserved_from_tensors(tensor_peak: int) -> int:
+    """Predicted ``max_memory_reserved`` of a phase whose tensors peak at ``tensor_peak`` (no replay): the tensors,
+    cuBLAS's workspace and the allocator's fitted overhead (``memory.fragmentation``)."""
+    return int(tensor_peak + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak))
+
+
+def with_fitted_reserved(breakdown) -> None:
+    """Give an analytic CUDA ``breakdown`` its ``other`` term and its predicted reserved memory from the fitted
+    allocator overhead (``breakdown.other`` must still be 0: its peak is the tensor peak)."""
+    from memfit.memory.allocator_config import settings_from_env
+
+    tensors = breakdown.peak_bytes
+    breakdown.other = cuda_other(tensors)
+    breakdown.reserved = reserved_from_tensors(tensors)
+    breakdown.reserved_allocated = tensors + CUBLAS_WORKSPACE_BYTES
+    breakdown.allocator_settings = f"{settings_from_env().describe()}; fitted term under torch's defaults"
 
 
 def device_bytes(breakdown) -> int:
@@ -37,9 +52,8 @@ def device_bytes(breakdown) -> int:
     context + the predicted reserved peak (``max_memory_reserved``: tensors, block rounding, cached blocks,
     cuBLAS's workspace), or the breakdown's peak where that is larger (a run may OOM on either). Without it
     (the analytic estimate): the breakdown's peak, whose ``other`` is ``cuda_other`` (context + workspace +
-    ``ALLOCATOR_RESERVE_FRACTION`` of the tensors). Known error: replays of llama-2-7b LoRA (seq 512) and
-    qwen2.5-0.5b AMP bf16 left 2-13% of the reserved peak unused (more than the 5% fraction for the
-    latter without ``expandable_segments``); not yet checked on a GPU (``bench/gpu_allocator_check.py``).
+    the fitted allocator overhead, ``memory/fragmentation.py``, with its spread). Not yet checked on a GPU
+    (``bench/gpu_allocator_check.py``).
     """
     if breakdown.reserved:
         return int(max(breakdown.peak_bytes, CUDA_CONTEXT_BYTES + breakdown.reserved))

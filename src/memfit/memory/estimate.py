@@ -47,7 +47,7 @@ from memfit.memory.autocast import (
 )
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.deepspeed_layout import ENGINES
-from memfit.memory.device_terms import cuda_other
+from memfit.memory.device_terms import with_fitted_reserved
 from memfit.memory.notes import notes
 from memfit.memory.states import (
     ModelStates,
@@ -121,7 +121,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     out.phase_peaks = dict(phases)
     out.activations_per_layer = terms.acts.saved
     if device == "cuda":
-        out.other = cuda_other(out.peak_bytes)
+        with_fitted_reserved(out)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
     return _described(out, resolved, stacks.notes(stack))

@@ -5,8 +5,9 @@ Read by ``memory.estimate`` and ``memory.derive`` (the same notes for a hand-wri
 
 from __future__ import annotations
 
+from memfit.memory import fragmentation
 from memfit.memory.breakdown import MemoryBreakdown
-from memfit.memory.device_terms import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
+from memfit.memory.device_terms import CUDA_CONTEXT_BYTES
 from memfit.memory.states import model_states
 from memfit.settings.config import Precision, RunConfig
 from memfit.spec.engines import shard_group_size
@@ -46,8 +47,8 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         lines.append(f"the logits ({spec.vocab_size:,} vocab x {run.micro_batch * run.seq_len:,} tokens, fp32 for "
                      "the loss, plus their gradient) are the largest term at the peak.")
     if out.other:
-        lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB + cuBLAS workspace + "
-                     f"{ALLOCATOR_RESERVE_FRACTION:.0%} allocator reserve (varies by GPU/driver).")
+        lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB (varies by GPU/driver) + cuBLAS "
+                     f"workspace + {fragmentation.describe()}.")
     if run.num_processes > 1:
         on = f" on {run.nodes} nodes" if run.nodes > 1 else ""
         lines.append(f"per-rank numbers for {run.num_processes} processes{on} with {run.sharding.value}; activations "

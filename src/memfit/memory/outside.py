@@ -180,6 +180,13 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     return max(gathered + 2 * spec.hidden_size * tokens * prec.c, layer + layer_compute, 2 * tail + logits)
 
 
+def largest_tensor_bytes(spec, run: RunConfig) -> int:
+    """Bytes of the model's largest parameter tensor in the weights' dtype (one gathered or broadcast at a time)."""
+    from memfit.memory.activations import Precisions
+
+    return _largest_tensor(spec) * Precisions.of(run).w
+
+
 def _largest_tensor(spec) -> int:
     """Elements of the model's largest parameter tensor (a projection, the embedding or the head)."""
     linears = [lin.in_features * lin.out_features for lin in spec.linears]

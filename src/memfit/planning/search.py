@@ -1,9 +1,9 @@
 """``plan()``: the fastest configuration that fits a memory budget, and ``fallbacks()`` for OOM.
 
 Every candidate of ``space.candidates`` is estimated (``memory.estimate``, analytic, ~ms) and timed
-(``cost.step_time``). A candidate *fits* when ``peak_bytes * (1 + safety_margin) <= budget_bytes``:
-the margin (5% by default) covers the estimator's error and allocator fragmentation on top of what
-the estimate already counts (CUDA context, allocator reserve). A mixture-of-experts step is checked
+(``cost.step_time``). Whether a candidate *fits* is ``planning.fit``'s rule (the predicted reserved memory of
+every phase, loading to the last save, plus the CUDA context and NCCL's buffers, with a safety margin, 5% by
+default). A mixture-of-experts step is checked
 with its worst routing (``Plan.routing_bytes``: the estimate assumes balanced routing). Fitting plans are ranked by tokens/s
 (``cost.py``), fastest first, with 8-bit AdamW handicapped by 1% (``PREFERENCE``) so that exact AdamW
 wins near-ties; further ties go to the lower peak, then to the candidate order of ``space``.
@@ -18,17 +18,15 @@ from typing import Any
 from memfit.errors import NothingFitsError, UserError
 from memfit.memory import derive
 from memfit.memory.breakdown import MemoryBreakdown
-from memfit.memory.device_terms import device_bytes
+from memfit.memory.phases import DevicePhases
 from memfit.planning.cost import StepTime, step_time
+from memfit.planning.fit import SAFETY_MARGIN, decide, fits, margin_note
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
 from memfit.planning.space import Constraints, candidates, micro_batches
 from memfit.report.runs import describe
 from memfit.settings.config import Optimizer, RunConfig
 from memfit.spec.resolved import attention
 from memfit.units import fmt_gib, parse_size
-
-#: Fraction of the predicted peak kept free on top of it: fits iff ``peak * (1 + margin) <= budget``.
-SAFETY_MARGIN = 0.05
 
 #: Ranking weight of settings that change the arithmetic for a speed gain too small to matter when an
 #: exact setting is nearly as fast: 8-bit AdamW (quantized moments, bitsandbytes) saves a few bytes per
@@ -54,13 +52,18 @@ class Plan:
     """The largest peak outside the step (loading, evaluation, a save, samples; ``memory.outside``)."""
     routing_bytes: int = field(default=0, compare=False, repr=False)
     """Mixture-of-experts: what the worst routing adds to the step's peak (``memory.moe.routing_margin``)."""
+    phases: DevicePhases | None = field(default=None, compare=False, repr=False)
+    """Every phase's predicted reserved memory (``memory.phases``): what the fit decision read."""
     proxy: bool = field(default=False, compare=False, repr=False)
     """Priced with the hand-written recipe of a nearby family instead of the derived one it would need: a
     candidate no faster than a plan already found to fit, or far over the budget (``_evaluate_deferred``)."""
 
     @property
     def needed_bytes(self) -> int:
-        """What must fit: the step's peak with the worst routing or, where higher, a peak outside it."""
+        """What must fit (``planning.fit``): the worst phase's reserved memory + context + NCCL, where priced;
+        else the step's peak with the worst routing or, where higher, a peak outside it."""
+        if self.phases is not None:
+            return self.phases.needed()
         return max(self.peak_bytes + self.routing_bytes, self.outside_bytes)
 
     @property
@@ -79,6 +82,9 @@ class Plan:
                "phase": self.breakdown.phase}
         if self.time is not None:
             out["step_seconds"] = self.time.seconds
+        if self.phases is not None:  # what the fit rule read (planning.fit)
+            out["needed_bytes"] = int(self.phases.needed())
+            out["worst_phase"] = self.phases.worst.name
         if self.routing_bytes:
             out["routing_margin_bytes"] = int(self.routing_bytes)
         if self.proxy:
@@ -129,30 +135,22 @@ class PlanResult:
         }
 
 
-def fits(peak_bytes: int, budget_bytes: int, margin: float = SAFETY_MARGIN) -> bool:
-    """Whether a predicted peak fits the budget with the safety margin."""
-    return peak_bytes * (1.0 + margin) <= budget_bytes
-
-
 def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = SAFETY_MARGIN, *,
              cpu: bool = False, engine: str | None = None, derived: bool | None = None, stack=None) -> Plan:
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``); ``derived``: ``estimate``'s
     choice of recipe (False: a proxy, ``Plan.proxy``); ``stack``: the trainer that runs it (``settings.stack``)."""
     from memfit.memory.moe import routing_margin
-    from memfit.memory.outside import outside_step
     from memfit.memory.snapshot import device_estimate
 
     breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine, derived, stack)
     t = step_time(spec, run, gpu)
-    # Evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
+    # Loading, evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
     # step with the routing that costs most (the estimate assumes the balanced one).
-    outside = outside_step(spec, run, "cpu" if cpu else "cuda").device_peak() + breakdown.other
     routing = routing_margin(spec, run)
-    step = device_bytes(breakdown)  # the one rule of what a step holds on the device (memory/device_terms.py)
-    return Plan(run, breakdown.peak_bytes, t.tokens_per_s,
-                fits(max(step + routing, outside), budget_bytes, margin), breakdown, t,
-                int(outside), routing, proxy=derived is False)
+    decision = decide(spec, run, breakdown, budget_bytes, margin, cpu=cpu, extra_step=routing)  # the one rule
+    return Plan(run, breakdown.peak_bytes, t.tokens_per_s, decision.fits, breakdown, t,
+                decision.phases.outside_step(), routing, phases=decision.phases, proxy=derived is False)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
@@ -235,6 +233,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     from memfit.planning.moe import moe_plan_lines
 
     result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
+    result.notes.append(margin_note(result.best.phases, budget, safety_margin))  # what the decision read, what is left
     result.notes += _proxy_note(ranked, spec)
     return result
 

@@ -18,8 +18,9 @@ def plan_table(result, top: int = 10, width: int = 200) -> tuple[Table, list[str
     """The first ``top`` ranked plans: the choice marked ``*``, plans that do not fit marked ``x``.
 
     The offload and sharding columns appear only when a shown plan uses them. On a terminal narrower
-    than the table, whole columns go, least important first (headroom = budget - peak, then the
-    optimizer variant); the returned list names them.
+    than the table, whole columns go, least important first (headroom = budget - need, then the
+    optimizer variant); the returned list names them. "need" is what the fit rule reads (``planning.fit``:
+    the worst phase's predicted reserved memory + CUDA context + NCCL; the step's peak where unpriced).
     """
     shown = result.plans[:top]
     multi = any(p.config.num_processes > 1 for p in shown)
@@ -32,12 +33,12 @@ def plan_table(result, top: int = 10, width: int = 200) -> tuple[Table, list[str
             Col("mb x acc", "right", key=True), Col("ckpt", "center", key=True),
             Col(family or "optimizer", priority=2, key=True)]
     cols += [Col("offload", priority=1, key=True)] * offload + [Col("sharding", priority=1, key=True)] * multi
-    unit, size = binary_scale(max((p.peak_bytes for p in shown), default=0))
-    cols += [Col(f"peak {unit}", "right"), Col("headroom", "right", 3), Col("tokens/s", "right")]
+    unit, size = binary_scale(max((p.needed_bytes for p in shown), default=0))
+    cols += [Col(f"need {unit}", "right"), Col("headroom", "right", 3), Col("tokens/s", "right")]
     rows, styles = [], []
     for i, p in enumerate(shown):
         run = p.config
-        headroom = result.budget_bytes - p.peak_bytes
+        headroom = result.budget_bytes - p.needed_bytes
         row = ["*" if i == result.chosen else "" if p.fits else "x", method(run), precision(run),
                f"{run.micro_batch} x {run.grad_accum}", "yes" if run.grad_checkpointing else "no",
                str(run.optimizer).removeprefix(family)]
@@ -46,11 +47,11 @@ def plan_table(result, top: int = 10, width: int = 200) -> tuple[Table, list[str
         if multi:
             row.append(str(run.sharding))
         approx = "~" if p.proxy else ""  # priced by a proxy recipe (planning.search._evaluate_deferred's note)
-        row += [f"{approx}{p.peak_bytes / size:.2f}", f"{headroom / size:+.2f}", f"{p.tokens_per_s:,.0f}"]
+        row += [f"{approx}{p.needed_bytes / size:.2f}", f"{headroom / size:+.2f}", f"{p.tokens_per_s:,.0f}"]
         rows.append(row)
         styles.append("bold green" if i == result.chosen else None if p.fits else "dim")
-    title = (f"{result.model}: budget {fmt_gib(result.budget_bytes)} (fits = peak + {result.safety_margin:.0%} "
-             f"margin), tokens/s on {gpu}")
+    title = (f"{result.model}: budget {fmt_gib(result.budget_bytes)} (fits = need + {result.safety_margin:.0%} "
+             f"margin; need = the worst phase's reserved memory + context), tokens/s on {gpu}")
     return fitted_table(title, cols, rows, width, styles=styles, box=box.SIMPLE_HEAD, show_edge=False,
                         pad_edge=False, collapse_padding=True)
 

@@ -105,6 +105,13 @@ def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("outside the step (predicted)", f"evaluation {fmt_bytes(outside['evaluation'])}, "
                      f"full-state checkpoint {fmt_bytes(outside['checkpoint_full'])}, export "
                      f"{fmt_bytes(outside['export'])}, samples {fmt_bytes(outside['generation'])}{host}"))
+        phases = {k[len("phase_"):]: v for k, v in outside.items() if k.startswith("phase_")}
+        if phases:  # memory.phases: what the fit rule reads
+            cuda = bool(outside.get("device_context"))
+            extra = " + CUDA context" + (" and NCCL" if summary.get("num_processes", 1) > 1 else "") if cuda else ""
+            rows.append(("reserved by phase (predicted)" if cuda else "peak by phase (predicted)",
+                         ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items())
+                         + f"; device {fmt_bytes(outside['device_needed'])} at the worst{extra}"))
     if mem["device"] != "cuda":
         rows.append(("process peak RSS", f"{fmt_bytes(mem['cpu_peak_rss'])} (tensors + Python/torch runtime)"))
     return rows

@@ -87,3 +87,27 @@ def compare_table(rows: list[tuple[str, MemoryBreakdown]], title: str, width: in
                      g(b.temporary), backward, f"[bold]{g(b.peak_bytes)}[/]", b.phase, smallest, *fits])
     return fitted_table(f"{title}, {name}", cols, body, width, box=box.SIMPLE_HEAD, show_edge=False,
                         pad_edge=False)
+
+
+def phases_table(phases) -> Table:
+    """Every phase of the run on one rank (``memory.phases.DevicePhases``): tensor peak and predicted reserved
+    memory, then what the device holds outside torch's allocator and the total the fit decision reads."""
+    cuda = bool(phases.context)
+    table = Table(title="phases of the run, per rank" + (" (caching allocator modelled)" if cuda else ""),
+                  title_justify="left", box=box.SIMPLE)
+    table.add_column("phase")
+    table.add_column("tensor peak", justify="right")
+    table.add_column("reserved" if cuda else "peak", justify="right")
+    worst = phases.worst
+    for p in phases.phases:
+        mark = " (worst)" if p is worst else ""
+        table.add_row(p.name + mark, fmt_scaled(p.tensors, binary_scale(p.tensors)),
+                      fmt_scaled(p.reserved, binary_scale(p.reserved)))
+    if cuda:
+        table.add_section()
+        table.add_row("CUDA context", "", fmt_scaled(phases.context, binary_scale(phases.context)))
+        if phases.nccl:
+            table.add_row("NCCL buffers", "", fmt_scaled(phases.nccl, binary_scale(phases.nccl)))
+        needed = phases.needed()
+        table.add_row("[bold]device total[/] (nvidia-smi)", "", f"[bold]{fmt_scaled(needed, binary_scale(needed))}[/]")
+    return table

@@ -128,7 +128,9 @@ def plan_line(config: TrainConfig, result, cuda: bool) -> str:
     first = ("" if not pins else "; fp32 plans first on a CPU" if all(chosen[k] == v for k, v in pins.items())
              else "; the planner has no fp32 plan that fits")
     speed_on = record["gpu"] if cuda else f"{record['gpu']} (the planner's reference: no CUDA device here{first})"
-    return (f"plan for {config.budget}: {record['description']}; predicted peak "
-            f"{fmt_gib(record['chosen']['peak_bytes'])} of {fmt_gib(record['budget_bytes'])}, "
+    picked = record["chosen"]  # the fit rule's need (every phase's reserved memory + context), where priced
+    need = (f"predicted need {fmt_gib(picked['needed_bytes'])} ({picked['worst_phase']})" if "needed_bytes" in picked
+            else f"predicted peak {fmt_gib(picked['peak_bytes'])}")
+    return (f"plan for {config.budget}: {record['description']}; {need} of {fmt_gib(record['budget_bytes'])}, "
             f"~{fmt_count(record['chosen']['tokens_per_s'])} tokens/s on {speed_on}; "
             f"fastest of {record['fitting']} fitting plans")

@@ -75,7 +75,11 @@ def _outside(s: TrainSession) -> dict | None:
     from memfit.memory.outside import predicted_outside
 
     outside = predicted_outside(s.source.spec, s.run, s.device)
-    return outside.to_dict() if outside else None
+    if outside is None:
+        return None
+    from memfit.memory.phases import phase_figures  # every phase's reserved memory, loading to the last save
+
+    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, s.predicted, s.device) if s.predicted else {})}
 
 
 def samples(s: TrainSession, net) -> list[dict[str, str]]:

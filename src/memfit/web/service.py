@@ -29,6 +29,7 @@ from typing import Any
 from memfit import interop
 from memfit.errors import UserError
 from memfit.memory.estimate import estimate as analytic_estimate
+from memfit.memory.phases import device_phases
 from memfit.planning.gpus import load_gpus
 from memfit.planning.launch import launch_command
 from memfit.planning.search import SAFETY_MARGIN, fits
@@ -167,10 +168,11 @@ def cli_line(command: str, source: Source, typed: dict[str, Any], extra: str = "
     return " ".join(words) + extra
 
 
-def gpu_fits(peak_bytes: int) -> list[dict[str, Any]]:
-    """Every listed GPU, smallest first, and whether the peak fits it with the planner's safety margin."""
+def gpu_fits(needed_bytes: int) -> list[dict[str, Any]]:
+    """Every listed GPU, smallest first, and whether the need (``planning.fit``: every phase's reserved memory +
+    context) fits it with the planner's safety margin."""
     gpus = sorted(load_gpus().values(), key=lambda g: (g.memory_bytes, g.name))
-    return [{"name": g.name, "memory_bytes": g.memory_bytes, "fits": fits(peak_bytes, g.memory_bytes)} for g in gpus]
+    return [{"name": g.name, "memory_bytes": g.memory_bytes, "fits": fits(needed_bytes, g.memory_bytes)} for g in gpus]
 
 
 @one_at_a_time
@@ -182,10 +184,11 @@ def estimate(request: dict[str, Any]) -> dict[str, Any]:
         check_seq_len(run.seq_len, model.spec.max_position_embeddings)  # what train refuses is not estimated
         stack = model.reading.stack if model.reading is not None else None  # the file's trainer, as --from
         breakdown = analytic_estimate(model.spec, run, device="cuda", engine=engine(model), stack=stack)
+        phases = device_phases(model.spec, run, breakdown)  # loading to the last save: what the fit rule reads
         reading = model.reading.to_dict(run) if model.reading is not None else None
         baseline = model.reading.run.to_flat() if model.reading is not None else None
-    return {"model": model.spec.name, "config": run.to_flat(), **breakdown.to_dict(),
-            "page": {"gpus": gpu_fits(breakdown.peak_bytes), "cli": cli_line("estimate", source, typed) + " --json",
+    return {"model": model.spec.name, "config": run.to_flat(), **breakdown.to_dict(), "phases": phases.to_dict(),
+            "page": {"gpus": gpu_fits(phases.needed()), "cli": cli_line("estimate", source, typed) + " --json",
                      "reading": reading, "baseline": baseline, "params": model.spec.params}}
 
 

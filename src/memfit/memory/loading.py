@@ -1,0 +1,134 @@
+"""Loading a checkpoint onto a CUDA device, as the caching allocator sees it: what stays reserved afterwards.
+
+``from_pretrained(..., device_map={"": cuda})`` moves each checkpoint tensor to the device in the load dtype
+(a CPU-to-CUDA copy that changes the dtype converts on the host first: ``copy_kernel_cuda`` in
+``aten/src/ATen/native/cuda/Copy.cu``, so an fp32 checkpoint loaded as bf16 never holds fp32 on the
+device). A plain model keeps each tensor as it lands. A 4-bit (QLoRA) base quantizes each projection where
+it lands, one tensor at a time (transformers' bitsandbytes quantizer -> ``Params4bit._quantize`` ->
+``bitsandbytes.functional.quantize_4bit``, bitsandbytes 0.50.2), which allocates and frees, per projection:
+
+1. the weight in the load dtype (``--dtype``), ``2 n`` bytes for bf16 (``n`` weights);
+2. ``absmax``, one fp32 per 64 weights, then the packed payload, ``n / 2`` bytes (``quantize_4bit``'s
+   CUDA op allocates ``absmax`` first);
+3. with double quantization: ``offset = absmax.mean()`` (a scalar), ``absmax - offset`` (fp32, as large as
+   ``absmax``), the nested 8-bit code (256 fp32), the uint8 ``absmax`` and its fp32 second-level absmax
+   (``quantize_blockwise``); then the temporary and the fp32 ``absmax`` are freed;
+4. the load-dtype weight is freed when ``Params4bit`` takes the packed payload.
+
+What is kept is a few small tensors after each large freed block: the caching allocator splits the cached
+``2 n``-byte block for the next projection's smaller tensors (best fit), so reserved memory grows well past
+what the quantized model holds. ``loading_replay`` runs that stream through ``memory/allocator.py``: the
+reserved peak of loading and what stays reserved afterwards (no ``empty_cache`` follows in transformers or
+memfit). The model is walked in its order: embedding, each decoder layer's projections (``spec.linears``,
+grouped by name) and its other parameters (norms, biases) as one tensor, the final norm, the head.
+
+Known error: the checkpoint's tensor order (safetensors files are read in key order, which sorts layer 10
+before layer 2) and transformers' parallel loading (``HF_ENABLE_PARALLEL_LOADING``, off by default) change
+which freed blocks later tensors land in; bitsandbytes' CPU path and LLM.int8()'s quantization (one int8
+copy, row scales) are not modelled (an 8-bit base is replayed as its stored tensors). Not yet checked on a
+GPU (``bench/gpu_allocator_check.py`` measures the step; torchtune's Llama-2 7B QLoRA tutorial shows 9.13 GB
+reserved after loading torchao's NF4 base, a different quantizer with the same one-projection-at-a-time
+pattern).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from memfit.memory.alloc_stream import predicted_reserved
+from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
+from memfit.memory.quantized import NESTED_BLOCK, NF4_BLOCK
+from memfit.settings.config import Quantize, RunConfig
+from memfit.units import dtype_bytes
+
+#: The nested state's dynamic 8-bit code (``create_dynamic_map``): 256 fp32 values, one tensor per projection.
+NESTED_CODE_BYTES = 256 * 4
+
+
+@dataclass(frozen=True)
+class LoadingReplay:
+    """The replay of loading one rank's model (bytes)."""
+
+    peak_reserved: int
+    """``max_memory_reserved`` while loading."""
+    reserved_after: int
+    """Reserved once loading is done (kept: nothing calls ``empty_cache``)."""
+    allocated_after: int
+    """What the loaded model's tensors hold (blocks as handed out)."""
+
+
+def _layer_projections(spec) -> list[int]:
+    """Elements of each projection weight of one decoder layer, in ``spec.linears``' order."""
+    layers = max(spec.num_layers, 1)
+    return [lin.in_features * lin.out_features for lin in spec.linears for _ in range(lin.count // layers)]
+
+
+def _other_elements(spec) -> int:
+    """Parameters outside the projections, the embedding and the head, per decoder layer (norms, biases)."""
+    rest = spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params
+    return max(rest, 0) // max(spec.num_layers, 1)
+
+
+def _quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
+    """A 4-bit projection's events (module docstring, steps 1-4); keeps the packed payload and its state."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    weight, absmax, packed, offset, shifted, code, qabsmax, absmax2 = (next(keys) for _ in range(8))
+    return [("alloc", weight, numel * compute_bytes, 0), ("alloc", absmax, blocks * 4, 0),
+            ("alloc", packed, math.ceil(numel / 2), 0), ("alloc", offset, 4, 0),
+            ("alloc", shifted, blocks * 4, 0), ("alloc", code, NESTED_CODE_BYTES, 0),
+            ("alloc", qabsmax, blocks, 0), ("alloc", absmax2, 4 * math.ceil(blocks / NESTED_BLOCK), 0),
+            ("free", shifted), ("free", absmax), ("free", weight)]
+
+
+def loading_events(spec, run: RunConfig) -> list[tuple]:
+    """The allocation stream of loading ``spec`` for ``run`` onto one device (module docstring)."""
+    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run))
+
+
+def _events(spec, quantize: Quantize, compute: int, rest_bytes: int) -> list[tuple]:
+    """``loading_events`` from what decides it: the quantization, the load dtype's bytes (the weight a 4-bit
+    projection is quantized from) and the bytes per unquantized parameter."""
+    import itertools
+
+    keys = itertools.count()
+    plain = 1 if quantize is Quantize.Q8 else rest_bytes  # bytes per projection weight as kept
+
+    def kept(nbytes: int) -> tuple:
+        return ("alloc", next(keys), int(nbytes), 0)
+
+    events = [kept(spec.embedding_params * rest_bytes)]
+    for _ in range(spec.num_layers):
+        for numel in _layer_projections(spec):
+            events += _quantize_events(numel, keys, compute) if quantize is Quantize.Q4 else [kept(numel * plain)]
+        events.append(kept(_other_elements(spec) * rest_bytes))
+    if spec.lm_head_params:
+        events.append(kept(spec.lm_head_params * rest_bytes))
+    return events
+
+
+def _rest_bytes(run: RunConfig) -> int:
+    """Bytes per parameter of what is not quantized (``memory.quantized.unquantized_bytes``'s rule)."""
+    from memfit.memory.quantized import unquantized_bytes
+
+    return unquantized_bytes(run) if run.quantize is not Quantize.NONE else int(dtype_bytes(str(run.dtype)))
+
+
+def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None) -> LoadingReplay | None:
+    """``loading_events`` through the caching allocator model (None for a backend memfit does not model).
+
+    Cached per model, load dtype, quantization and allocator settings: the planner asks for it once per
+    candidate, and only those decide the stream."""
+    settings = settings_from_env() if settings is None else settings
+    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int,
+            settings: AllocatorSettings) -> LoadingReplay | None:
+    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes), settings)
+    if result is None:
+        return None
+    s = result.stats
+    return LoadingReplay(s.peak_reserved, s.reserved, s.allocated)

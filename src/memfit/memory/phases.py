@@ -1,0 +1,140 @@
+"""Every phase of a run on one rank's device, as the caching allocator and nvidia-smi see it.
+
+A run holds its most not always in the step: loading (a 4-bit base quantized on the device, one projection at a
+time), wrapping for FSDP/DeepSpeed, evaluation, the full-state gather of a checkpoint or an export, and the
+samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``max_memory_reserved`` by then:
+
+- **loading**: ``memory.loading.loading_replay`` (the load stream through the allocator model: what stays reserved
+  afterwards); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
+  ``training.sharding.builds_empty``), priced with the fitted overhead (``memory.fragmentation``).
+- **wrapping** (sharded): a 4-bit base is whole on every rank until FSDP2 shards it (``memory.outside``'s
+  ``loading``), and stays whole until every layer is sharded (Accelerate 1.15's ``fsdp2_prepare_model`` holds
+  ``original_sd = model.state_dict()`` across ``fully_shard``): the shards are new allocations beside it, reserved
+  on top of what loading kept; an unquantized one receives one full tensor at a time beside its shards (the largest
+  tensor).
+- **step**: the breakdown's reserved memory (the replay of ``--exact``, or the fitted term of the analytic
+  estimate) plus what a worst-case expert routing adds (mixture-of-experts).
+- **evaluation**, **checkpoint** (``--state-dict full``'s gather), **export**, **samples**: ``memory.outside``'s
+  tensor figures with the fitted overhead.
+
+The caching allocator gives nothing back between phases (no ``empty_cache``), so the run's reserved peak is the
+largest phase's, each phase being taken to reuse the blocks earlier ones cached (known error: a later phase whose
+requests fit none of those blocks reserves more). nvidia-smi adds the CUDA context and, with several processes,
+NCCL's buffers, which NCCL allocates itself, outside torch's allocator: ``NCCL_BYTES`` per rank and process group.
+On a CPU there is no allocator to model: each phase's reserved memory is its tensor peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
+from memfit.settings.config import Quantize, RunConfig, Sharding
+from memfit.units import MiB
+
+#: NCCL's own device buffers for one process group after its first all-reduce, per rank: 544 MiB with 2 ranks and
+#: 688 MiB with 3 or 4 (4 x A100 with NVLink, PyTorch; NVIDIA/nccl#964). They scale with NCCL's channels (more on
+#: faster links: H100 NVLink), not with the model: ~1.6 GB were reported for one communicator elsewhere
+#: (NVIDIA/nccl#864), 484 MiB at initialisation on RTX 3090s over PCIe (NVIDIA/nccl#2366). Known error: +-0.5 GiB.
+NCCL_BYTES = {2: 544 * MiB}
+NCCL_BYTES_MORE = 688 * MiB
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    tensors: int
+    """Tensor peak of the phase (``max_memory_allocated``)."""
+    reserved: int
+    """Predicted ``max_memory_reserved`` by the end of the phase (the tensor peak on a CPU)."""
+
+
+@dataclass(frozen=True)
+class DevicePhases:
+    """One rank's phases (module docstring) and what the device holds outside torch's allocator."""
+
+    phases: tuple[Phase, ...]
+    context: int
+    """The CUDA context (0 on a CPU)."""
+    nccl: int
+    """NCCL's buffers (0 with one process or on a CPU)."""
+
+    @property
+    def worst(self) -> Phase:
+        """The phase with the most reserved memory (the earlier on a tie)."""
+        return max(self.phases, key=lambda p: p.reserved)
+
+    def needed(self) -> int:
+        """What the device must hold for the run: the largest phase's reserved memory + context + NCCL."""
+        return self.worst.reserved + self.context + self.nccl
+
+    def outside_step(self) -> int:
+        """The same, over the phases other than the step."""
+        rest = [p.reserved for p in self.phases if p.name != "step"]
+        return max(rest, default=0) + self.context + self.nccl
+
+    def to_dict(self) -> dict:
+        return {"phases": {p.name: {"tensor_bytes": int(p.tensors), "reserved_bytes": int(p.reserved)}
+                           for p in self.phases},
+                "worst": self.worst.name, "context_bytes": int(self.context), "nccl_bytes": int(self.nccl),
+                "needed_bytes": int(self.needed())}
+
+
+def nccl_bytes(run: RunConfig, device: str = "cuda") -> int:
+    """NCCL's buffers per rank (``NCCL_BYTES``): 0 for one process or a CPU run (gloo)."""
+    if device != "cuda" or run.num_processes < 2:
+        return 0
+    return NCCL_BYTES.get(run.num_processes, NCCL_BYTES_MORE)
+
+
+def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_step: int = 0) -> DevicePhases:
+    """Every phase of ``run`` on one rank (module docstring); ``breakdown`` is the step's estimate or trace for
+    ``device``; ``extra_step``: tensor bytes the step may add beyond it (a mixture-of-experts' worst routing)."""
+    from memfit.memory.outside import outside_step
+
+    cuda = device == "cuda"
+    outside = outside_step(spec, run, device)
+    reserve = reserved_from_tensors if cuda else int
+    tensors = breakdown.peak_bytes - breakdown.other + extra_step
+    step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors
+    phases = [*_loading_phases(spec, run, outside, cuda), Phase("step", tensors, step_reserved)]
+    for name, figure in (("evaluation", outside.evaluation), ("checkpoint", max(outside.checkpoint_full)),
+                         ("export", max(outside.export)), ("samples", outside.generation)):
+        phases.append(Phase(name, figure, reserve(figure)))
+    return DevicePhases(tuple(phases), CUDA_CONTEXT_BYTES if cuda else 0, nccl_bytes(run, device))
+
+
+def _loading_phases(spec, run: RunConfig, outside, cuda: bool) -> list[Phase]:
+    """The loading phase, and wrapping's where the run is sharded."""
+    from memfit.memory.loading import loading_replay
+    from memfit.memory.outside import largest_tensor_bytes
+    from memfit.memory.states import model_states
+
+    shards = model_states(spec, run, "cuda" if cuda else "cpu").weights
+    sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
+    whole = not sharded or run.quantize is not Quantize.NONE  # every rank loads the whole (4-bit) base
+    replay = loading_replay(spec, run) if cuda and whole else None
+    if replay is not None:
+        loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
+    else:
+        figure = max(outside.loading, shards) if whole else shards
+        loading = Phase("loading", figure, reserved_from_tensors(figure) if cuda else figure)
+    if not sharded:
+        return [loading]
+    beside = shards if whole else largest_tensor_bytes(spec, run)  # the shards beside the whole base, or a gather
+    wrapped = loading.tensors + beside if whole else shards + beside
+    reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
+    return [loading, Phase("wrapping", wrapped, reserved)]
+
+
+def phase_figures(spec, run: RunConfig, breakdown, device: str) -> dict[str, int]:
+    """The flat figures ``memfit train``'s summary keeps beside ``memory.outside``'s (``run.json``'s
+    ``outside_step``): ``phase_<name>`` (each phase's reserved memory; its tensor peak on a CPU),
+    ``device_needed`` (what the fit rule reads) and ``device_context`` (0 on a CPU); empty where the estimator
+    cannot describe the run (a prediction never stops a training run)."""
+    try:
+        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda")
+    except Exception:  # noqa: BLE001
+        return {}
+    return {**{f"phase_{p.name}": int(p.reserved) for p in phases.phases}, "device_needed": int(phases.needed()),
+            "device_context": int(phases.context)}

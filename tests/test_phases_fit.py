@@ -1,0 +1,216 @@
+"""Reserved memory without a replay (memory/fragmentation.py), loading through the allocator model
+(memory/loading.py), every phase of a run (memory/phases.py) and the one fit rule on them (planning/fit.py)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from memfit.memory import fragmentation
+from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, reserved_from_tensors
+from memfit.settings.config import RunConfig
+from memfit.spec.linears import LinearShape
+from memfit.units import GiB, MiB
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The ``ModelSpec`` fields loading reads (hashable, as the replay's cache needs)."""
+
+    num_layers: int
+    linears: tuple
+    params: int
+    linear_params: int
+    embedding_params: int = 0
+    lm_head_params: int = 0
+
+
+def _one_projection(side: int = 4096) -> _Spec:
+    """A model of one decoder layer holding one 4096 x 4096 projection and nothing else."""
+    return _Spec(1, (LinearShape("q_proj", side, side, False, 1),), side * side, side * side)
+
+
+def test_loading_a_4bit_projection_is_replayed_by_hand():
+    """4096 x 4096 = 16,777,216 weights quantized where they land (memory/loading.py, steps 1-4), default settings:
+
+    - the bf16 weight, 32 MiB: large pool, >= 10 MiB, its own segment rounded to 2 MiB: 32 MiB reserved;
+    - absmax, 262,144 blocks x 4 B = 1 MiB: small pool (<= 1 MiB), a 2 MiB segment: 34 MiB;
+    - the packed payload, 8 MiB: large pool under 10 MiB, a 20 MiB segment (its 12 MiB rest split off): 54 MiB;
+    - offset (4 B -> 512 B) fits the first small segment's free 1 MiB; the 1 MiB ``absmax - offset`` does not
+      (1 MiB - 512 B left): a second 2 MiB segment, 56 MiB; the code (1 KiB), the uint8 absmax (256 KiB) and the
+      second-level absmax (1,024 x 4 B) go to the smaller free block, the first segment's;
+    - the frees reserve nothing more. Kept: 8,388,608 + 512 + 1,024 + 262,144 + 4,096 = 8,656,384 B.
+    """
+    from memfit.memory.loading import loading_replay
+
+    run = RunConfig.of(dtype="bf16", mixed_precision="no", lora_r=8, quantize="4bit")
+    replay = loading_replay(_one_projection(), run)
+    assert replay.peak_reserved == replay.reserved_after == 56 * MiB
+    assert replay.allocated_after == 8_656_384
+
+
+def test_loading_an_unquantized_projection_reserves_what_it_keeps():
+    """The same projection in bf16: one 32 MiB tensor, its own 32 MiB segment; nothing transient."""
+    from memfit.memory.loading import loading_replay
+
+    replay = loading_replay(_one_projection(), RunConfig.of(dtype="bf16", mixed_precision="no"))
+    assert replay.peak_reserved == replay.allocated_after == 32 * MiB
+
+
+def test_fitted_overhead_formula():
+    """reserved = T + W + FRACTION x T + FLOOR (memory/fragmentation.py's docstring), at T = 10 GiB."""
+    t = 10 * GiB
+    expected = t + CUBLAS_WORKSPACE_BYTES + int(fragmentation.FRACTION * t + fragmentation.FLOOR)
+    assert reserved_from_tensors(t) == expected
+    assert 0.05 < fragmentation.FRACTION < 0.15  # the replays' median share (bench/allocator_replays.py)
+
+
+def _replay_row(point):
+    from allocator_replays import replay_row
+
+    return replay_row(*point)
+
+
+def _check_within_spread(row, spread):
+    predicted = reserved_from_tensors(row["tensor_peak"])
+    error = (predicted - row["reserved"]) / row["reserved"]
+    assert spread[0] <= error <= spread[1], (row["model"], row["regime"], error)
+
+
+@pytest.mark.parametrize("point", [("llama-mha", "amp", 256, 4), ("qwen2", "lora", 512, 2)])
+def test_fitted_term_agrees_with_the_replay_on_small_grid_points(point):
+    """The analytic term from the exact tensor peak within ``SPREAD_ALL`` of the allocator replay (fast points)."""
+    _check_within_spread(_replay_row(point), fragmentation.SPREAD_ALL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", [p for p in __import__("allocator_replays").PRESET_GRID])
+def test_fitted_term_agrees_with_the_replay_on_the_preset_grid(point):
+    """Every preset point of bench/allocator_replays.py within ``SPREAD`` (tensors >= 1 GiB)."""
+    row = _replay_row(point)
+    assert row["tensor_peak"] >= GiB
+    _check_within_spread(row, fragmentation.SPREAD)
+
+
+def test_analytic_estimate_reports_reserved_memory_with_the_settings_named():
+    from memfit.memory.estimate import estimate
+
+    b = estimate("tiny", RunConfig.of(seq_len=128, micro_batch=2), device="cuda")
+    tensors = b.peak_bytes - b.other
+    assert b.reserved == reserved_from_tensors(tensors)
+    assert b.reserved_allocated == tensors + CUBLAS_WORKSPACE_BYTES
+    assert b.other == CUDA_CONTEXT_BYTES + b.reserved - tensors
+    assert "expandable_segments" in b.allocator_settings
+    assert estimate("tiny", RunConfig.of(seq_len=128, micro_batch=2), device="cpu").reserved == 0
+
+
+def _qlora_fsdp(**kw):
+    return RunConfig.of(dtype="bf16", mixed_precision="no", seq_len=512, micro_batch=2, grad_checkpointing=True,
+                        lora_r=8, quantize="4bit", num_processes=2, sharding="fsdp", **kw)
+
+
+def test_phases_of_a_sharded_qlora_run():
+    """memfit loads a sharded 4-bit base whole on every rank, then FSDP2 shards it: wrapping is the worst phase,
+    reserving loading's replay plus the shards; nvidia-smi adds the CUDA context and NCCL's 544 MiB (2 ranks)."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.loading import loading_replay
+    from memfit.memory.phases import device_phases
+    from memfit.memory.states import model_states
+    from memfit.spec.model import load_spec
+
+    spec, run = load_spec("llama-2-7b"), _qlora_fsdp()
+    phases = device_phases(spec, run, estimate(spec, run, device="cuda"))
+    by_name = {p.name: p for p in phases.phases}
+    assert list(by_name) == ["loading", "wrapping", "step", "evaluation", "checkpoint", "export", "samples"]
+    loading = loading_replay(spec, run)
+    assert by_name["loading"].reserved == loading.peak_reserved
+    assert by_name["wrapping"].reserved == loading.peak_reserved + model_states(spec, run).weights
+    assert phases.worst.name == "wrapping"
+    assert phases.nccl == 544 * MiB
+    assert phases.needed() == by_name["wrapping"].reserved + CUDA_CONTEXT_BYTES + 544 * MiB
+
+
+def test_plan_decides_on_the_worst_phase_not_the_step():
+    """A budget the step fits with room to spare but loading + wrapping does not: the rule refuses it (with the old
+    rule, the step's peak and the tensor peaks outside it, it fitted)."""
+    from memfit.planning.fit import SAFETY_MARGIN
+    from memfit.planning.gpus import gpu_by_name
+    from memfit.planning.search import evaluate
+    from memfit.spec.model import load_spec
+
+    spec, run = load_spec("llama-2-7b"), _qlora_fsdp()
+    gpu = gpu_by_name("rtx-4090")
+    probe = evaluate(spec, run, gpu, 80 * GiB)
+    step_need = probe.breakdown.peak_bytes + probe.phases.nccl
+    assert probe.phases.worst.name == "wrapping" and probe.needed_bytes > step_need * (1 + SAFETY_MARGIN)
+    between = int(step_need * (1 + SAFETY_MARGIN)) + MiB
+    assert not evaluate(spec, run, gpu, between).fits
+    exact = int(probe.needed_bytes * (1 + SAFETY_MARGIN)) + 1
+    assert evaluate(spec, run, gpu, exact).fits and not evaluate(spec, run, gpu, exact - 2).fits
+
+
+def test_margin_note_states_what_is_left_and_its_coverage():
+    from memfit.memory.phases import DevicePhases, Phase
+    from memfit.planning.fit import margin_note
+
+    phases = DevicePhases((Phase("loading", 3 * GiB, 4 * GiB), Phase("step", 5 * GiB, 6 * GiB)), GiB // 2, 0)
+    note = margin_note(phases, 8 * GiB)
+    # needed 6.5 GiB; 1.5 GiB left = 23.1% of it, more than the term's 12.5% worst under-prediction
+    assert "worst: step, 6.00 GiB" in note and "1.50 GiB of 8.00 GiB left (23.1% of the need" in note
+    assert "it covers" in note
+    assert "does not cover" in margin_note(phases, 7 * GiB)  # 0.5 GiB = 7.7% < 12.5%
+
+
+def test_estimate_cli_prints_every_phase():
+    import json
+
+    from click.testing import CliRunner
+
+    from memfit.cli import estimate as cli
+
+    result = CliRunner().invoke(cli.command, ["tiny", "--seq-len", "64", "--micro-batch", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    phases = payload["phases"]
+    assert set(phases["phases"]) == {"loading", "step", "evaluation", "checkpoint", "export", "samples"}
+    assert phases["phases"]["step"]["reserved_bytes"] == payload["allocator"]["reserved_bytes"]
+    assert phases["needed_bytes"] == max(p["reserved_bytes"] for p in phases["phases"].values()) + CUDA_CONTEXT_BYTES
+    text = CliRunner().invoke(cli.command, ["tiny", "--seq-len", "64", "--micro-batch", "2"]).output
+    assert "phases of the run, per rank" in text and "device total (nvidia-smi)" in text
+
+
+def test_train_summary_keeps_every_phase_and_renders_them():
+    """``phase_figures``: what run.json's ``outside_step`` gains (one key per phase, the need, the context), and the
+    summary row that shows them; a spec the estimator cannot describe gives nothing, never an error."""
+    from rich.console import Console
+
+    from memfit.memory.estimate import estimate
+    from memfit.memory.phases import device_phases, phase_figures
+    from memfit.report.summary import summary_table
+    from memfit.spec.model import load_spec
+
+    spec, run = load_spec("tiny"), RunConfig.of(seq_len=64, micro_batch=2)
+    breakdown = estimate(spec, run, device="cuda")
+    figures = phase_figures(spec, run, breakdown, "cuda")
+    phases = device_phases(spec, run, breakdown)
+    assert figures == {**{f"phase_{p.name}": p.reserved for p in phases.phases},
+                       "device_needed": phases.needed(), "device_context": CUDA_CONTEXT_BYTES}
+    assert phase_figures(object(), run, breakdown, "cuda") == {}
+    console = Console(width=200, record=True)
+    summary = {"steps": 1, "sequences": 2, "final_eval_loss": None, "best_eval_loss": None, "unigram_loss": 3.0,
+               "final_train_loss": 2.0, "tokens_per_s": 1.0, "wall_s": 1.0, "train_s": 1.0, "skipped_steps": 0,
+               "fallbacks": [], "output": "out", "predicted_peak_bytes": breakdown.peak_bytes,
+               "peak_memory": {"device": "cuda", "peak_bytes": GiB, "cuda_max_allocated": GiB,
+                               "cuda_max_reserved": 2 * GiB}, "measured": None,
+               "outside_step": {"evaluation": 1, "checkpoint_full": 1, "export": 1, "generation": 1, "save_host": 0,
+                                "loading": 0, **figures}}
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "reserved by phase (predicted)" in text and "at the worst + CUDA context" in text
+    assert "CUDA max reserved" in text  # the measured figure the predicted one is read against
