@@ -131,8 +131,9 @@ def _chats(path, questions: list[int], reply: str = "ok"):
 
 
 def test_truncate_keeps_long_conversations_cut_where_the_cut_keeps_a_reply(tmp_path):
+    from _data_helpers import tokenize
     from memfit.data.arrow import tokenize_dataset
-    from memfit.data.dataset import byte_tokenizer, tokenize
+    from memfit.data.dataset import byte_tokenizer
     from memfit.data.formats import Fields
     from memfit.data.sources import load_examples, load_parts
 

@@ -4,8 +4,8 @@ Every source of ``memfit train`` comes here (``memfit.data.sources.load_parts``:
 .csv, .parquet, .arrow, ``save_to_disk`` folders, Hub ids), so a corpus larger than RAM trains: each
 step below is an Arrow table on disk, memory-mapped, read a batch or a row at a time, never whole.
 
-1. ``map``: every record -> ``input_ids``/``labels`` (the same ``memfit.data.dataset`` encoding as the
-   in-memory path, chat templates included), cached by ``datasets`` under the source's cache folder
+1. ``map``: every record -> ``input_ids``/``labels`` (``memfit.data.dataset``'s encoding, chat templates
+   included), cached by ``datasets`` under the source's cache folder
    with a fingerprint of the function, the tokenizer and the options; a second run on the same data
    and tokenizer reuses it (and ``--num-proc N`` runs it in N processes). Token ids are stored as
    int16 when the vocabulary allows (int32 otherwise): 2 bytes a token, not Arrow's default 8.
@@ -275,12 +275,30 @@ def encode_parts(parts, tokenizer, *, train_on_prompt: bool, num_proc: int):
 
 
 def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int, truncate: bool = False):
-    """Steps 2-3 on an encoded table (one row per document); ``truncate``: ``memfit.data.dataset.tokenize``'s."""
+    """Steps 2-3 on an encoded table (one row per document): split, then pack (or truncate) into training rows.
+
+    **Split first.** Held-out documents are chosen (``memfit.data.dataset.split_indices``) before anything is
+    packed, so no text of a held-out document appears in a training sequence.
+
+    **Conversations** longer than ``seq_len`` are dropped (a cut conversation would train on a reply whose
+    question is gone, or lose the reply's end-of-turn); with ``truncate``, those whose first ``seq_len``
+    tokens hold a target are kept cut to them (the start of the conversation: its first turns stay whole,
+    the question before each kept reply too).
+
+    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
+    per row with position ids restarting at 0 each, so no document attends to another; see
+    ``memfit.data.packing`` for the rule and a worked example.
+
+    **Concatenation** (``packing="concat"``) and **no packing** (``packing="none"``): ``memfit.data.packing.pack_concat``
+    and ``memfit.data.packing.pack_truncated`` (the rules, and a worked example of concat).
+    """
     import numpy as np
 
     from memfit.data.dataset import TokenizedData, split_indices
     from memfit.settings.config import parse_packing
 
+    if seq_len < 2:
+        raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
     mode = parse_packing(packing)
     n_docs = len(encoded)
     _, eval_idx = split_indices(n_docs, eval_fraction, seed)
@@ -435,26 +453,7 @@ def _kept_docs(encoded, keep, cut=None):
 
 
 def _rows(docs, seq_len: int, mode: str):
-    from memfit.data.dataset import _n_targets
-    from memfit.data.packing import pack_documents
+    from memfit.data.packing import pack_concat, pack_documents, pack_truncated
 
-    if mode == "documents":
-        yield from pack_documents(docs, seq_len)
-    elif mode == "none":
-        for ids, labels in docs:
-            row = {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
-            if _n_targets(row["labels"]) > 0:
-                yield row
-    else:  # concat: one stream cut every seq_len tokens, streamed
-        ids_buf: list[int] = []
-        lab_buf: list[int] = []
-        for ids, labels in docs:
-            ids_buf += ids
-            lab_buf += labels
-            while len(ids_buf) >= seq_len:
-                row = {"input_ids": ids_buf[:seq_len], "labels": lab_buf[:seq_len]}
-                del ids_buf[:seq_len], lab_buf[:seq_len]
-                if _n_targets(row["labels"]) > 0:
-                    yield row
-        if ids_buf and _n_targets(lab_buf) > 0:
-            yield {"input_ids": ids_buf, "labels": lab_buf}
+    pack = {"documents": pack_documents, "none": pack_truncated, "concat": pack_concat}[mode]
+    yield from pack(docs, seq_len)

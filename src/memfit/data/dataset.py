@@ -1,16 +1,16 @@
 """Training data: loading, the built-in byte-level tokenizer, tokenization, packing, label masks.
 
-The pipeline is ``data_sources.load_examples`` -> ``tokenize`` (held-out split by document, then packing or
-truncation, with loss masks in ``labels``) -> ``collate`` (right padding). ``count_target_tokens``
-is the normaliser of the training loss (issue 6) and ``unigram_loss`` the baseline to beat.
+The pipeline users run is ``memfit.data.prep`` -> ``memfit.data.arrow`` (records encoded here by ``_encode_docs``,
+the held-out split by document of ``split_indices``, then packing or truncation, with loss masks in ``labels``)
+-> ``collate`` (right padding). ``count_target_tokens`` is the normaliser of the training loss (issue 6) and
+``unigram_loss`` the baseline to beat.
 
 Label convention (the Hugging Face one): ``labels`` has the same length as ``input_ids``; the
 model shifts internally, so ``labels[t]`` is the target of the prediction made at position
 ``t - 1``. ``-100`` marks a position that carries no loss (prompt tokens, padding).
 
-Size: over 500 lines, and ``tokenize`` over 60, because the label convention, the byte tokenizer and the
-collation that depend on it are kept in one place; ``tokenize`` is one pass over a record whose branches
-(text, prompt/completion, conversation turns) share the same truncation and masking rules.
+Size: near 500 lines, because the label convention, the byte tokenizer and the collation that depend on it
+are kept in one place.
 """
 
 from __future__ import annotations
@@ -364,94 +364,6 @@ def split_indices(n_docs: int, eval_fraction: float, seed: int):
     return np.flatnonzero(keep).astype(np.int64), held
 
 
-def tokenize(
-    examples: Sequence[Example], tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int,
-    train_on_prompt: bool = False, truncate: bool = False,
-) -> TokenizedData:
-    """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
-
-    **Split first.** Held-out documents are chosen (``split_documents``) before anything is packed,
-    so no text of a held-out document appears in a training sequence.
-
-    **Documents.** Each document becomes ``[bos] + tokens + [eos]`` (bos only when the tokenizer has
-    one distinct from eos). Text is tokenized without the tokenizer's own special tokens, so every
-    tokenizer gets the same framing. The label of bos is ``-100``: after an eos the next bos is
-    certain, and training on it would only flatter the loss. A prompt/completion record is
-    ``[bos] + prompt + completion + [eos]``, prompt and completion tokenized separately so the
-    boundary is exact; the labels of bos and the prompt are ``-100``, so the loss covers the
-    completion and its eos only.
-
-    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
-    per row with position ids restarting at 0 each, so no document attends to another; see
-    ``memfit.data.packing`` for the rule and a worked example.
-
-    **Concatenation** (``packing="concat"``) concatenates the documents into one stream and cuts it into chunks
-    of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
-    sequence (padded by ``collate``) so that no text is dropped; only a chunk with no target at all
-    (a one-token tail, or nothing but prompt) is left out, as it adds no loss. Labels travel with their tokens, so
-    prompt masks survive packing. Attention is not blocked at document boundaries: a document may
-    attend to the end of the one before it, the usual packing trade-off; the eos in between tells the
-    model a new document starts. Worked example, byte tokenizer (bos = 1, eos = 2, byte ``b`` = ``3+b``,
-    so ``a`` = 100, ``b`` = 101, ``c`` = 102), ``seq_len = 4``, documents ``"ab"`` and prompt ``"c"``
-    with completion ``"a"``::
-
-        stream    input_ids = [   1, 100, 101, 2,    1,  102, 100, 2]
-                  labels    = [-100, 100, 101, 2, -100, -100, 100, 2]
-        chunk 0   input_ids = [1, 100, 101, 2]     labels = [-100, 100, 101, 2]
-        chunk 1   input_ids = [1, 102, 100, 2]     labels = [-100, -100, 100, 2]
-
-    After the model's shift, chunk 0 trains on 3 targets (100, 101, 2: the label at position 0 is
-    never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
-    target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
-
-    **No packing** (``packing="none"``): one sequence per document, truncated to ``seq_len`` (its eos
-    is lost when it is cut); lengths vary and ``collate`` pads. A sequence left with no target after
-    truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
-
-    Args:
-        examples: records from ``data_sources.load_examples``.
-        tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
-        seq_len: tokens per sequence (>= 2).
-        packing: a ``Packing`` or its name (``documents``, ``concat``, ``none``); ``True``/``False``
-            read as ``documents``/``none``.
-        eval_fraction: share of documents held out, in [0, 1).
-        seed: seeds the held-out draw.
-        truncate: keep a conversation longer than ``seq_len`` cut to its first ``seq_len`` tokens
-            (the start of the conversation: its first turns stay whole, the question before each kept
-            reply too) when the cut keeps a target token, instead of dropping it.
-    """
-    if seq_len < 2:
-        raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
-    from memfit.data.packing import pack_documents
-    from memfit.settings.config import Packing, parse_packing
-
-    train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
-    mode = parse_packing(packing)
-    build = {Packing.DOCUMENTS: lambda docs, n: list(pack_documents(docs, n)), Packing.CONCAT: _pack,
-             Packing.NONE: _truncate}[mode]
-    train_docs, dropped_train, cut_train = _drop_long_conversations(
-        _encode_docs([examples[i] for i in train_idx], tokenizer, train_on_prompt), seq_len, truncate)
-    eval_docs, dropped_eval, cut_eval = _drop_long_conversations(
-        _encode_docs([examples[i] for i in eval_idx], tokenizer, train_on_prompt), seq_len, truncate)
-    return TokenizedData(train=build(train_docs, seq_len), eval=build(eval_docs, seq_len),
-                         conversations=sum(ex.is_conversation for ex in examples),
-                         dropped_long=dropped_train + dropped_eval, truncated_long=cut_train + cut_eval)
-
-
-def _drop_long_conversations(docs, seq_len: int, truncate: bool = False):
-    """``(documents, dropped, truncated)``: the conversations (marked by a third tuple item) longer than
-    ``seq_len`` dropped, or with ``truncate`` cut to ``seq_len`` where the cut keeps a target token."""
-    kept, dropped, cut = [], 0, 0
-    for ids, labels, *chat in docs:
-        if chat and len(ids) > seq_len:
-            if not (truncate and _n_targets(labels[:seq_len]) > 0):
-                dropped += 1
-                continue
-            ids, labels, cut = ids[:seq_len], labels[:seq_len], cut + 1
-        kept.append((ids, labels))
-    return kept, dropped, cut
-
-
 def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
     """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked; a conversation
     as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data.formats``)."""
@@ -486,26 +398,6 @@ def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     if not any(texts):
         return [[] for _ in texts]
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _pack(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
-    ids = [t for doc_ids, _ in docs for t in doc_ids]
-    labels = [t for _, doc_labels in docs for t in doc_labels]
-    chunks = []
-    for start in range(0, len(ids), seq_len):
-        chunk = {"input_ids": ids[start : start + seq_len], "labels": labels[start : start + seq_len]}
-        if _n_targets(chunk["labels"]) > 0:  # a tail of one token, or all prompt, teaches nothing
-            chunks.append(chunk)
-    return chunks
-
-
-def _truncate(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
-    out = [{"input_ids": ids[:seq_len], "labels": labels[:seq_len]} for ids, labels in docs]
-    return [seq for seq in out if _n_targets(seq["labels"]) > 0]
-
-
-def _n_targets(labels: list[int]) -> int:
-    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
 
 
 # ------------------------------------------------------------------------------------ batches, counts
