@@ -21,7 +21,8 @@ Run: the breakdown, the plan, the training.
   (``training.setup``); ``check_inputs(model, data, revision)``: a missing or mistyped model or data path
   refused from the file system alone, before torch loads (``training.inputs``); ``check_not_a_run_file(path,
   flag_name=...)``: refuse another command's output file at a name a training run writes in its folder
-  (``training.runfolder``; ``memfit plan --output``).
+  (``training.runfolder``; ``memfit plan --output``); ``seq_len_as_train(model, data, run, context=...)``: the
+  ``--seq-len`` train would run when none is given (``training.derived``; estimate's and plan's default).
 - ``preview_record(config, index)``: one training record as the model sees it, loss mask marked
   (``data.prep``; ``memfit data preview``).
 
@@ -77,6 +78,7 @@ _PUBLIC = {
     "default_precision": ("memfit.training.setup", "default_precision"),
     "check_inputs": ("memfit.training.inputs", "check_inputs"),
     "check_not_a_run_file": ("memfit.training.runfolder", "check_not_a_run_file"),
+    "seq_len_as_train": ("memfit.training.derived", "seq_len_as_train"),
     "preview_record": ("memfit.data.prep", "preview_record"),
     "load_spec": ("memfit.spec.model", "load_spec"),
     "check_seq_len": ("memfit.spec.model", "check_seq_len"),

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import click
 
+import memfit
 from memfit.cli.interop import from_options, read_from, show_reading
 from memfit.cli.options import flags, memory_options, run_config_from
 from memfit.errors import UserError
 from memfit.settings.config import TrainConfig
-from memfit.settings.defaults import SHAPES
+from memfit.settings.defaults import SHAPE
 
 
-@click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
+@click.command("estimate", epilog="Defaults: " + SHAPE,
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model", required=False)
 @flags(TrainConfig, "estimate")  # --revision, --trust-remote-code
@@ -49,18 +50,9 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
     """
     from memfit import check_seq_len, estimate, load_spec, progress_bars
     from memfit import compare as compare_regimes
-    from memfit.cli.options import explicit
-    from memfit.settings.config import check_lora_options
 
-    typed = explicit(click.get_current_context(), kwargs)
     reading = read_from(from_path, from_format)
-    if reading is None:
-        if model is None:
-            raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-        check_lora_options(typed, "lora_r" in typed)
-        run = run_config_from(kwargs)
-    else:
-        run = reading.with_flags(typed)
+    run, typed = _run_of(model, reading, kwargs)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
@@ -72,6 +64,11 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
     with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
+        note = None
+        if reading is None and "seq_len" not in typed:  # the length train would run (memfit.settings.defaults.SHAPE)
+            run, note = memfit.seq_len_as_train(model, kwargs.get("data"), run, context=spec.max_position_embeddings,
+                                                tokenizer=kwargs.get("tokenizer"), revision=revision,
+                                                trust_remote_code=trust_remote_code)
     check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     engine = reading.engine if reading is not None else "fsdp2"  # a DeepSpeed launch: its own layout
     if compare:
@@ -84,7 +81,21 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         from memfit.report.plots import plot_breakdowns
 
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    _render(spec, run, rows, compare, as_json, plot_path, reading)
+    _render(spec, run, rows, compare, as_json, plot_path, reading, note)
+
+
+def _run_of(model, reading, kwargs):
+    """``(run, typed)``: the run the flags (over ``--from``'s file) describe, and the flags the user typed."""
+    from memfit.cli.options import explicit
+    from memfit.settings.config import check_lora_options
+
+    typed = explicit(click.get_current_context(), kwargs)
+    if reading is not None:
+        return reading.with_flags(typed), typed
+    if model is None:
+        raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
+    check_lora_options(typed, "lora_r" in typed)
+    return run_config_from(kwargs), typed
 
 
 def _exact(model, spec, run, device, timeline_path):
@@ -103,7 +114,7 @@ def _exact(model, spec, run, device, timeline_path):
     return breakdown
 
 
-def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
+def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=None) -> None:
     if as_json:
         payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict(run)} if reading else {})}
         if compare:
@@ -139,6 +150,8 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None) -> None:
             console.print(f"  [dim]- {line}[/]")
     if reading is not None:
         show_reading(console, reading, run)
+    if note:
+        console.print(f"[dim]{note}[/]")
     if plot_path:
         console.print(f"plot written to {plot_path}")
 

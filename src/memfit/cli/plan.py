@@ -12,8 +12,10 @@ from memfit.cli.interop import from_options, read_from
 from memfit.cli.options import explicit, flags, memory_options, with_options
 from memfit.errors import UserError, printable
 from memfit.files import write_text_atomic
-from memfit.settings.config import Loss, Offload, TrainConfig
-from memfit.settings.defaults import SHAPES
+from memfit.settings.config import Loss, Offload, RunConfig, TrainConfig
+from memfit.settings.defaults import SHAPE
+
+_DEFAULT = click.core.ParameterSource.DEFAULT
 
 EPILOG = """\b
 Examples:
@@ -30,7 +32,7 @@ Settings not given are chosen by the planner; the effective batch (--batch seque
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
 the safety margin (--margin) fits the budget are ranked by a step-time model (tokens/s).
 
-Defaults: """ + SHAPES["plan"] + "\n"
+Defaults: """ + SHAPE + "\n"
 
 
 #: plan's flags that are no setting of the schema: the machine, the search and its output.
@@ -86,11 +88,16 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         tool = emit[0] if emit else reading.tool
         adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
+    data, tokenizer = pins.pop("data", None), pins.pop("tokenizer", None)  # --from: the file's shape
     constraints = memfit.Constraints.from_flat(pins)
     device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         # reading the architecture is not part of the search
         spec = memfit.load_spec(model, revision=revision) if model else reading.spec()
+    note = None
+    if reading is None and maximize != "seq-len" and click.get_current_context().get_parameter_source("seq_len") is _DEFAULT:
+        seq_len, note = _length_as_train(model, spec, RunConfig.of(seq_len=seq_len, method=method), data, tokenizer,
+                                         revision, quiet=as_json)
     memfit.check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
@@ -112,6 +119,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
                                "accelerate_config": memfit.accelerate_config(result.best.config)}, indent=2))
         return
     _print(result, top or None, elapsed, output, maximize)
+    if note:
+        click.echo(note)
     if reading is not None:
         from rich.console import Console
 
@@ -121,6 +130,16 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
     _print_launch(command_line, accelerate_config, config_file)
+
+
+def _length_as_train(model, spec, run, data, tokenizer, revision, *, quiet: bool):
+    """``(seq_len, note)``: the length train would run (``memfit.settings.defaults.SHAPE``), and where it came from."""
+    import memfit
+
+    with memfit.progress_bars(not quiet):  # --data: its tokenizer and records, as train reads them
+        shaped, note = memfit.seq_len_as_train(model, data, run, context=spec.max_position_embeddings,
+                                               tokenizer=tokenizer, revision=revision)
+    return shaped.seq_len, note
 
 
 def _print_launch(command_line: str | None, accelerate_config: str | None, config_file: str) -> None:

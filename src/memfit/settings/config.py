@@ -32,7 +32,7 @@ from memfit.settings.defaults import (
     FULL_LR,
     LORA_LR,
     LORA_RANK,
-    SHAPES,
+    SHAPE,
     fmt_lr,
 )
 from memfit.settings.schema import (
@@ -193,7 +193,8 @@ def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
 
 _ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.settings.schema.PLAN_ROLES)
 _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) and the data's packing itself
-_DEMO = f"train's own default: sized for the demo (memfit.settings.defaults.SHAPES['train']: {SHAPES['train']})"
+_SHAPE = f"every command's default: the run memfit train runs (memfit.settings.defaults.SHAPE: {SHAPE})"
+_FROM_DATA = {"default": DEMO_SEQ_LEN, "why": _SHAPE, "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"}
 
 
 def _check_groups(config) -> None:
@@ -264,13 +265,12 @@ class RunConfig:
 
     seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
                            help="Tokens per sequence.",
-                           overrides={"train": {"default": DEMO_SEQ_LEN, "why": _DEMO,
-                                                "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"},
-                                      "plan": {"default": 1024, "why": SHAPES["plan"]}})
+                           overrides={command: _FROM_DATA for command in _ALL})
     """Tokens per sequence."""
     micro_batch: int = setting(8, plan="searched", resume="may-change", check="int>=1", commands=_ALL,
                                help="Sequences per forward/backward on one process.",
-                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _DEMO},
+                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _SHAPE},
+                                          "estimate": {"default": DEMO_MICRO_BATCH, "why": _SHAPE},
                                           "plan": {"help": "Pin the micro-batch (grad-accum follows from --batch)."}})
     """Sequences per forward/backward pass on one process."""
     grad_accum: int = setting(1, plan="searched", resume="may-change", check="int>=1", commands=_NOT_PLAN,
@@ -548,8 +548,10 @@ class ModelSource:
                          help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
                          "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models).")
     """Architecture preset name, local Hugging Face checkpoint directory, or Hugging Face Hub id (org/name)."""
-    tokenizer: str | None = setting(None, resume="restored", check="text",
-                                    help="Tokenizer folder, or 'byte'; default: the model's.")
+    tokenizer: str | None = setting(None, resume="restored", check="text", commands=_ALL,
+                                    help="Tokenizer folder, or 'byte'; default: the model's.",
+                                    overrides={c: {"help": "With --data: the tokenizer train would use (a folder, or "
+                                                   "'byte'); default: the model's."} for c in ("estimate", "plan")})
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
     revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
                                    help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
@@ -660,9 +662,12 @@ class TrainConfig:
 
     source: ModelSource = nested(ModelSource)
     """Which model and tokenizer, and how they load (``ModelSource``: ``--model``, ``--tokenizer``, ...)."""
-    data: str | None = setting(None, resume="restored", check="text",
+    data: str | None = setting(None, resume="restored", check="text", commands=_ALL,
                                help=".txt, .jsonl (text or prompt/completion) or a folder; default: the corpus "
-                               "shipped with memfit.")
+                               "shipped with memfit.",
+                               overrides={c: {"help": "The run's data (as memfit train --data): --seq-len, when not "
+                                              "given, is derived from it as train derives it."}
+                                          for c in ("estimate", "plan")})
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     run: RunConfig = field(default_factory=lambda: RunConfig.of(**own_defaults(RunConfig, "train")))
     """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
@@ -689,7 +694,7 @@ class TrainConfig:
                           help="LoRA: also save the adapter merged into the base.")
     batch: int | None = setting(None, plan="given", resume="restored", check="int>=1", commands=("plan", "train"),
                                 help="Effective batch in sequences per optimizer step (sets --grad-accum).",
-                                overrides={"plan": {"default": 16, "why": SHAPES["plan"], "help": "Effective batch: "
+                                overrides={"plan": {"default": DEMO_MICRO_BATCH, "why": _SHAPE, "help": "Effective batch: "
                                                     "sequences per optimizer step over all processes (kept exact)."}})
     """Effective batch in sequences (all micro-batches and processes of one step); sets ``grad_accum``."""
     budget: str | None = setting(None, resume="restored", check="text", commands=("plan", "train"),

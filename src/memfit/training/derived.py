@@ -55,6 +55,32 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     return dataclasses.replace(config, run=run), choice.describe()
 
 
+def seq_len_as_train(model: str, data: str | None, run, *, context: int | None, tokenizer: str | None = None,
+                     revision: str | None = None, trust_remote_code: bool = False):
+    """``(run, note)``: ``run`` at the ``--seq-len`` ``memfit train --model MODEL [--data DATA]`` runs when the
+    user gives none, for ``estimate`` and ``plan`` (one meaning per default), and the line that says where it
+    came from (None for the demo, whose length is the default itself).
+
+    * the demo (a preset, no ``--data``): ``DEMO_SEQ_LEN``, as train;
+    * ``--data``: derived from the data exactly as train derives it (``with_seq_len``: the model's tokenizer,
+      the 99th percentile of the training records, capped by the model's context);
+    * a model of the user's own without ``--data``: train derives the length from the corpus shipped with
+      memfit; the command prices ``DEMO_SEQ_LEN`` capped by ``context`` instead (tokenizing a corpus is
+      train's work, not a pricing's) and the note says so.
+    """
+    if is_demo(model, data):
+        return run, None
+    if data is None:
+        seq_len = min(run.seq_len, context) if context else run.seq_len
+        return run.replace(seq_len=seq_len), (
+            f"seq-len {seq_len} (memfit train --model {model} derives it from its data, the shipped corpus without "
+            "--data; --data, or --seq-len, to price that length here)")
+    config = TrainConfig.from_flat({"model": model, "data": data, "tokenizer": tokenizer, "revision": revision,
+                                    "trust_remote_code": trust_remote_code, **run.to_flat(), "explicit": ()})
+    derived, note = with_seq_len(config, resumed=False)
+    return derived.run, note
+
+
 def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[TrainConfig, str | None]:
     """``config`` with the learning rate by method when ``--lr`` was not given (``defaults.default_lr``)."""
     if config.optim.lr is not None:
