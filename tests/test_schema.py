@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import typing
 
 import click
 import pytest
@@ -257,6 +258,10 @@ def test_the_planners_constraints_are_the_searched_settings():
     assert set(names) - {s.key for s in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
                                                                    "host_memory"}
     assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "method"}
+    hints = typing.get_type_hints(Constraints)  # an ordinary dataclass, each pin typed as its setting or None
+    assert {s.key: hints[s.key] for s in searched(RunConfig)} == \
+        {s.key: typing.get_type_hints(s.owner)[s.name] | None for s in searched(RunConfig)}
+    assert all(getattr(Constraints(), s.key) is None for s in searched(RunConfig))
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 

@@ -185,7 +185,7 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
     """One batch of records -> the encoded table (``memfit.data.fast``: the byte tokenizer's numpy path for
     plain text when ``byte_offset`` is set, else memfit's reference encoding turned into Arrow columns)."""
     from memfit.data import fast as data_fast
-    from memfit.data.dataset import _encode_docs, record_to_example
+    from memfit.data.dataset import encode_docs, record_to_example
 
     id_type = token_type(len(tokenizer))
     if byte_offset is not None:
@@ -198,7 +198,7 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
     rows = [{c: batch[c][i] for c in columns} for i in range(len(indices))]
     examples = [record_to_example(row, f"{where} row {idx + 1}", fmt, fields)
                 for row, idx in zip(rows, indices, strict=True)]
-    return data_fast.docs_table(_encode_docs(examples, tokenizer, train_on_prompt), id_type)
+    return data_fast.docs_table(encode_docs(examples, tokenizer, train_on_prompt), id_type)
 
 
 def _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt) -> str:
@@ -431,11 +431,11 @@ def _cut_rows(batch, rows, seq_len: int):
     import numpy as np
     import pyarrow as pa
 
-    from memfit.data.packing import _one_array
+    from memfit.data.packing import one_array
 
     columns = []
     for column in batch.columns:
-        column = _one_array(column)
+        column = one_array(column)
         offsets = column.offsets.to_numpy()
         lengths = np.diff(offsets)
         new_lengths = np.where(rows, np.minimum(lengths, seq_len), lengths)

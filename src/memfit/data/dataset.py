@@ -1,6 +1,6 @@
 """Training data: loading, the built-in byte-level tokenizer, tokenization, packing, label masks.
 
-The pipeline users run is ``memfit.data.prep`` -> ``memfit.data.arrow`` (records encoded here by ``_encode_docs``,
+The pipeline users run is ``memfit.data.prep`` -> ``memfit.data.arrow`` (records encoded here by ``encode_docs``,
 the held-out split by document of ``split_indices``, then packing or truncation, with loss masks in ``labels``)
 -> ``collate`` (right padding). ``count_target_tokens`` is the normaliser of the training loss (issue 6) and
 ``unigram_loss`` the baseline to beat.
@@ -364,7 +364,7 @@ def split_indices(n_docs: int, eval_fraction: float, seed: int):
     return np.flatnonzero(keep).astype(np.int64), held
 
 
-def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
+def encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
     """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked; a conversation
     as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data.formats``)."""
     if not examples:
@@ -372,7 +372,7 @@ def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool =
     if any(ex.is_conversation for ex in examples):
         from memfit.data.formats import encode_conversation
 
-        plain = iter(_encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
+        plain = iter(encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
         return [(*encode_conversation(tokenizer, ex.messages, train_on_prompt=train_on_prompt,
                                       where=ex.where or "a conversation"), True)
                 if ex.is_conversation else next(plain) for ex in examples]

@@ -176,7 +176,7 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
     done: list = []
     id_type = None
     for batch in batches:
-        ids_col, labels_col = (_one_array(batch.column(i)) for i in (0, 1))
+        ids_col, labels_col = (one_array(batch.column(i)) for i in (0, 1))
         id_type = ids_col.type.value_type
         offsets = ids_col.offsets.to_numpy()
         base = int(offsets[0])
@@ -200,7 +200,8 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
         yield _arrow_rows(done, id_type, seq_len)
 
 
-def _one_array(column):
+def one_array(column):
+    """A pyarrow column as one array (a ChunkedArray's chunks combined; an Array as it is)."""
     return column.combine_chunks() if hasattr(column, "combine_chunks") else column
 
 

@@ -175,7 +175,7 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
 
     if isinstance(example, Pair):
         return _preview_pair(example, tokenizer)
-    ids, labels, *_ = data._encode_docs([example], tokenizer, config.reading.train_on_prompt)[0]
+    ids, labels, *_ = data.encode_docs([example], tokenizer, config.reading.train_on_prompt)[0]
     fmt = "conversation" if example.is_conversation else ("prompt-completion" if example.is_prompt_completion
                                                            else "text")
     targets = sum(1 for t in labels[1:] if t != data.IGNORE_INDEX)

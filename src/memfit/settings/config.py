@@ -175,13 +175,15 @@ def parse_packing(value: Any) -> Packing:
         value = value.strip().lower() in ("yes", "on", "true")  # YAML's words for the old boolean
     if isinstance(value, bool):
         return Packing.DOCUMENTS if value else Packing.NONE
-    return _enum(Packing, value, "--packing")
+    return parse_enum(Packing, value, "--packing")
 
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("all-linear",)
 
 
-def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
+def parse_enum(cls: type[Enum], value: Any, flag: str) -> Any:
+    """``value`` as a member of the enum ``cls`` (its value in any case), or one sentence naming ``flag`` and the
+    choices: how every enum setting is read, from a flag, a YAML file, a library call or the planner's pins."""
     if isinstance(value, cls):
         return value
     try:
@@ -217,7 +219,7 @@ def _normalise(config, check=validate.check_fields) -> None:
     for f in settings(type(config)):
         if isinstance(f.default, Enum):
             value = getattr(config, f.name)
-            set_(config, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
+            set_(config, f.name, parse_packing(value) if f.name == "packing" else parse_enum(type(f.default), value,
                                                                                        flag_of(f)))
     for name, value in check(config).items():  # one place for every value check
         set_(config, name, value)

@@ -1,7 +1,7 @@
 """End-of-run samples: the trained model continues the beginnings of held-out documents.
 
 A prompt is what a document starts with, framed as in training (``[bos] + tokens``, see
-``memfit.data.dataset._encode_docs``): for plain text its first ``PROMPT_CHARS`` characters cut back to a word
+``memfit.data.dataset.encode_docs``): for plain text its first ``PROMPT_CHARS`` characters cut back to a word
 boundary (the shipped stories give ``"Once upon a time"``), for a prompt/completion record its whole
 prompt (the model should answer it). Starting where documents start, rather than inside a packed
 chunk, shows whether the model learned the documents' structure. Sampling is seeded and at a low
