@@ -33,8 +33,10 @@ from memfit.training.sampler import RowsWithDummy, StepBatchSampler
 from memfit.training.samples import samples_at_eval
 from memfit.training.session import LoopState, TrainSession, build_session, predict
 from memfit.training.step import (
+    PreferenceRun,
     StepOutOfMemory,
     StepResult,
+    TokenLoss,
     evaluate,
     pool_preference,
     preference_window,
@@ -96,10 +98,9 @@ def run_step(s: TrainSession) -> StepResult:
         try:
             with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro,  # CPU: live tensor bytes
                                      resident=s.snapshot.buffers()):
-                return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.optim.max_grad_norm,
-                                  uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
-                                  loss=s.run.loss, in_backward=s.in_backward,
-                                  activations_on_cpu=str(s.run.offload) == "activations", preference=s.preference)
+                return train_step(s.accelerator, s.model, s.optimizer, micro, step_loss(s),
+                                  max_grad_norm=s.config.optim.max_grad_norm, snapshot=s.snapshot,
+                                  in_backward=s.in_backward)
         except StepOutOfMemory as err:
             sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
             del micro
@@ -107,6 +108,14 @@ def run_step(s: TrainSession) -> StepResult:
             rng.restore()
             fall_back(s, err)
             s.batches = micro_batches(s)
+
+
+def step_loss(s: TrainSession) -> TokenLoss | PreferenceRun:
+    """The loss the step accumulates: the preference method's, else the next-token loss of ``s.run`` (an OOM
+    fallback may have changed its loss implementation or offload)."""
+    if s.preference is not None:
+        return s.preference
+    return TokenLoss(s.bundle.uses_model_loss, s.vocab, s.run.loss, activations_on_cpu=str(s.run.offload) == "activations")
 
 
 def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:

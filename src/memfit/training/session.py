@@ -15,12 +15,14 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.builder import optim_in_backward
 from memfit.errors import UserError
+from memfit.integrations.trackers import check_tracker
 from memfit.memory import measure
 from memfit.settings.config import RunConfig, TrainConfig
 from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
@@ -32,6 +34,7 @@ from memfit.training.sampler import StepSchedule
 from memfit.training.setup import (
     DataBundle,
     ModelBundle,
+    ResolvedModel,
     build_accelerator,
     build_data,
     build_model,
@@ -43,6 +46,16 @@ from memfit.training.setup import (
 )
 from memfit.training.summary import FallbackRecord
 from memfit.training.threads import apply_threads
+
+if TYPE_CHECKING:  # the types of TrainSession's parts; torch and Accelerate are imported when the run is built
+    import torch
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+    from memfit.memory.breakdown import MemoryBreakdown
+    from memfit.planning.search import PlanResult
+    from memfit.training.router import RouterBalance
+    from memfit.training.step import PreferenceRun
 
 
 @dataclass
@@ -85,47 +98,48 @@ class TrainSession:
     """One run, built: the Accelerate-prepared objects, the data, the settings and the live state."""
 
     config: TrainConfig
-    accelerator: Any
+    accelerator: Accelerator
     run: RunConfig
     """The settings in force; an OOM fallback replaces it."""
     initial_run: RunConfig
-    plan_result: Any
+    plan_result: PlanResult | None
     """The planner's result for ``--budget``, else None."""
     bundle: ModelBundle
     data: DataBundle
     schedule: StepSchedule
     total_steps: int
-    model: Any
+    model: torch.nn.Module
     """Prepared by Accelerate (DDP-wrapped under data parallelism)."""
-    optimizer: Any
-    scheduler: Any
+    optimizer: torch.optim.Optimizer
+    """Accelerate's ``AcceleratedOptimizer`` around the torch optimizer."""
+    scheduler: AcceleratedScheduler
     state: LoopState
-    predicted: Any
+    predicted: MemoryBreakdown | None
     """The estimator's ``MemoryBreakdown`` for ``run`` on this device, or None."""
     bar: LiveProgress
     metrics: MetricsLog
     t_start: float
-    guard: Any = None
-    """``training.guard.RunGuard``: Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
-    tensor_peak: Any = None
-    """``measure.StepPeak``: on CPU, the live tensor bytes of one training step (compared with the prediction)."""
-    in_backward: Any = None
+    guard: RunGuard | None = None
+    """Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
+    tensor_peak: measure.StepPeak | None = None
+    """On CPU, the live tensor bytes of one training step (compared with the prediction)."""
+    in_backward: torch.optim.Optimizer | None = None
     """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
-    source: Any = None
-    """``setup.ResolvedModel``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
-    save_state: Any = None
+    source: ResolvedModel | None = None
+    """What the model was built from (a sharded run rebuilds a plain copy to export)."""
+    save_state: Callable[[str], None] | None = None
     """``sharding.state_saver``: how a sharded run writes its checkpoint state (None: Accelerate's ``save_state``)."""
-    batches: Any = None
+    batches: Iterator[dict[str, torch.Tensor]] | None = None
     """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
     snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
     """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
-    preference: Any = None
-    """``training.step.PreferenceRun`` for ``--method dpo|orpo|simpo``; None for sft."""
+    preference: PreferenceRun | None = None
+    """The loss of ``--method dpo|orpo|simpo`` (``training.step``); None for sft."""
     t_process: float | None = None
     """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
     the parts a resumed run continues, so the summary reports both."""
-    router: Any = None
-    """``router.RouterBalance`` of a mixture-of-experts model (None for a dense one): logged with each step."""
+    router: RouterBalance | None = None
+    """The routing balance of a mixture-of-experts model (``training.router``; None for a dense one), logged."""
 
     @property
     def output(self) -> Path:
@@ -164,14 +178,17 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.optim.max_grad_norm)
     resumed = resume_point is not None and isinstance(resume_point.state.get("settings"), dict)
+    check_tracker(config.tracker)  # before anything is built: a missing package is one sentence
     config = resolve_output(config, guard)
-    accelerator = build_accelerator(config.run, config)
-    with accelerator.main_process_first():  # a Hub --model: one download, the other ranks read the cache
-        config, hub_model = fetch_hub_model(config, progress=show and not config.json and accelerator.is_main_process)
+    processes = launched_processes()
+    with processes.main_process_first():  # a Hub --model: one download, the other ranks read the cache
+        config, hub_model = fetch_hub_model(config, progress=show and not config.json and processes.is_main_process)
         # --seq-len from the data, unless given: the main process tokenizes, the others read datasets' cache
         config, seq_len_note = derived.with_seq_len(config, resumed=resumed, hub_model=hub_model)
-    run, plan_result = resolve_run(config, accelerator.num_processes)
-    accelerator.gradient_accumulation_steps = run.grad_accum
+    # The run is settled (--batch, --budget's plan) before anything is built from it: the Accelerator's autocast,
+    # accumulation and sharding are the planned run's, never the flags' the plan replaced.
+    run, plan_result = resolve_run(config, processes.num_processes)
+    accelerator = build_accelerator(run, config)
     source = resolve_model(config, run, hub_model)
     config, lr_note = derived.with_lr(config, random_init=source.random_init, lora=run.is_lora())
     deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
@@ -277,6 +294,16 @@ def _launched_as_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def launched_processes():
+    """Accelerate's ``PartialState`` of this launch (rank, process count), made before the Accelerator and then
+    reused by it (``deepspeed_engine.partial_state_kwargs``)."""
+    from accelerate import PartialState
+
+    from memfit.training.setup import cuda_available
+
+    return PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
+
+
 def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
     """``config`` with its output folder: ``--output``, or a fresh ``runs/<model>-<timestamp>``.
 
@@ -289,19 +316,16 @@ def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
     if config.folder.resume:
         raise UserError("--resume needs --output DIR, the folder of the run to continue "
                         "(without --output every run gets a new runs/<model>-<time> folder).")
-    from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    from memfit.training.setup import cuda_available
-
-    state = PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
+    state = launched_processes()
     chosen = [str(guard.claim_default(config.source.model)) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(chosen)
     return config.replace(output=chosen[0])
 
 
-def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
+def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, PlanResult | None]:
     """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
     run = config.run
     if run.num_processes not in (1, num_processes):
