@@ -177,7 +177,7 @@ class NothingTrained(Exception):
 
 @pytest.fixture
 def built(monkeypatch):
-    """The ``TrainConfig`` ``memfit train`` hands to ``run_training`` (which then trains nothing)."""
+    """The ``TrainConfig`` ``memfit train`` hands to ``memfit.train`` (which then trains nothing)."""
     from memfit.training import loop
 
     seen = {}
@@ -186,7 +186,7 @@ def built(monkeypatch):
         seen["config"] = config
         raise NothingTrained
 
-    monkeypatch.setattr(loop, "run_training", fake)
+    monkeypatch.setattr(loop, "train", fake)
     return seen
 
 

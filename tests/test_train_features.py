@@ -318,7 +318,7 @@ def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(loop, "run_training", fake_train)
+    monkeypatch.setattr(loop, "train", fake_train)
     result = _run(list(typed))
     assert isinstance(result.exception, NothingTrained), result.output
     assert seen["config"].run.mixed_precision.value == expected
@@ -346,3 +346,24 @@ def test_model_built_on_cpu_when_asked(tmp_path):
     b = build_model(cfg, cfg.run).model  # the default: CPU, as before
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert Path(cfg.source.model).is_file()
+
+
+def test_from_memfit_train_to_loss_backward_are_four_frames(tmp_path, monkeypatch):
+    """The training wing reads top to bottom: ``memfit.train`` -> ``fit`` (the loop) -> ``train_step`` (forward,
+    backward, step) -> Accelerate's ``backward``, which calls ``loss.backward()``. (Before issue 37: seven frames
+    from the CLI's command, with run_training, run_loop and run_step between.)"""
+    import traceback
+
+    stacks = []
+    real_backward = torch.Tensor.backward
+
+    def spy(self, *args, **kwargs):
+        stacks.append(traceback.extract_stack()[:-1])
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", spy)
+    result = _run(_args(tmp_path, "--max-steps", "1", "--output", str(tmp_path / "out")))
+    assert result.exit_code == 0, result.output
+    stack = stacks[0]
+    start = max(i for i, f in enumerate(stack) if f.name == "train" and f.filename.endswith("training/loop.py"))
+    assert [f.name for f in stack[start:]] == ["train", "fit", "train_step", "backward"]

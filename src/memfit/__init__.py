@@ -61,7 +61,7 @@ from memfit.integrations.versions import MEMFIT as __version__
 
 #: Public name -> (module, name there): the one list of the public API (``__all__`` is made from it, and
 #: tests/test_layers.py reads it as the imports it makes). Looked up on each access, not cached: the module's
-#: current attribute is what a caller gets (a test that patches ``memfit.training.loop.run_training`` is seen).
+#: current attribute is what a caller gets (a test that patches ``memfit.training.loop.train`` is seen).
 _PUBLIC = {
     "estimate": ("memfit.memory.estimate", "estimate"),
     "compare": ("memfit.memory.estimate", "compare"),
