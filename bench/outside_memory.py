@@ -71,8 +71,9 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     from memfit.memory.outside import outside_step
     from memfit.spec import engines
     from memfit.spec.model import load_spec
-    from memfit.training import checkpoint, sharding
+    from memfit.training import sharding
     from memfit.training.rollback import OptimizerSnapshot
+    from memfit.training.runfolder import checkpoint
     from memfit.training.samples import generate_samples
     from memfit.training.step import TokenLoss, evaluate, train_step
     from sharding_memory import build

@@ -247,7 +247,7 @@ def test_default_output_is_a_new_timestamped_folder_each_time(tmp_path, monkeypa
 
 
 def test_default_output_never_reuses_a_folder(tmp_path):
-    from memfit.training.checkpoint import default_output
+    from memfit.training.runfolder.checkpoint import default_output
 
     now = 1_700_000_000.0
     first = default_output("tiny", tmp_path, now)
@@ -308,7 +308,7 @@ def test_default_precision_follows_the_device(monkeypatch, cuda, bf16, expected)
 
 @pytest.mark.parametrize(("typed", "expected"), [((), "bf16"), (("--mixed-precision", "no"), "no")])
 def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
-    import memfit.training.loop as loop
+    import memfit
 
     seen = {}
 
@@ -318,7 +318,7 @@ def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(loop, "train", fake_train)
+    monkeypatch.setattr(memfit, "train", fake_train)  # the name the CLI calls
     result = _run(list(typed))
     assert isinstance(result.exception, NothingTrained), result.output
     assert seen["config"].run.mixed_precision.value == expected

@@ -77,7 +77,7 @@ _PUBLIC = {
     "check_equivalence": ("memfit.training.equivalence", "check_equivalence"),
     "default_precision": ("memfit.training.setup", "default_precision"),
     "check_inputs": ("memfit.training.inputs", "check_inputs"),
-    "check_not_a_run_file": ("memfit.training.runfolder", "check_not_a_run_file"),
+    "check_not_a_run_file": ("memfit.training.runfolder.folder", "check_not_a_run_file"),
     "seq_len_as_train": ("memfit.training.derived", "seq_len_as_train"),
     "preview_record": ("memfit.data.prep", "preview_record"),
     "load_spec": ("memfit.spec.model", "load_spec"),

@@ -497,7 +497,7 @@ class OptimSettings:
 @settings_group("checkpoints")
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """When a run writes checkpoints, how many it keeps and in which form (``memfit.training.checkpoint``).
+    """When a run writes checkpoints, how many it keeps and in which form (``memfit.training.runfolder.checkpoint``).
     Flags and YAML keys are the field names: ``--save-every``, ``save_every``."""
 
     save_every: int | None = setting(None, resume="may-change", check="int>=0",

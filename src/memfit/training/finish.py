@@ -13,9 +13,10 @@ from pathlib import Path
 
 from memfit.memory import measure
 from memfit.settings.config import TrainConfig
-from memfit.training import checkpoint, sharding
+from memfit.training import sharding
 from memfit.training.budget import plan_record
 from memfit.training.oom import not_a_batch_problem
+from memfit.training.runfolder import checkpoint
 from memfit.training.samples import generate_samples
 from memfit.training.session import TrainSession, predict
 from memfit.training.setup import build_model
@@ -106,6 +107,6 @@ def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> N
     # replaced whole (a link planted as run.json is replaced, never written through)
     write_atomic(output / "run.json", json.dumps(doc, indent=2, default=str), root=output, user_error=False)
     from memfit.report.train_plots import plot_loss
-    from memfit.training.readback import read_metrics
+    from memfit.training.runfolder.readback import read_metrics
 
     plot_loss(read_metrics(output / "metrics.jsonl"), output / "loss.png", unigram=summary.unigram_loss)

@@ -81,7 +81,7 @@ class RunGuard:
 
     def lock_existing(self, config, *, is_main: bool) -> None:
         """Lock ``--output`` if it already holds a run, before anything there is read (``RunFolder.lock_existing``)."""
-        from memfit.training.runfolder import RunFolder
+        from memfit.training.runfolder.folder import RunFolder
 
         if config.folder.output:
             self.folder = RunFolder(Path(config.folder.output))
@@ -90,8 +90,8 @@ class RunGuard:
     def claim_default(self, model: str) -> Path:
         """A fresh ``runs/<model>-<time>`` for a run without ``--output``, made now (``RunFolder.claim_fresh``), so
         a run started in the same second cannot take it; removed again if the run fails before its first step."""
-        from memfit.training.checkpoint import default_output
-        from memfit.training.runfolder import RunFolder
+        from memfit.training.runfolder.checkpoint import default_output
+        from memfit.training.runfolder.folder import RunFolder
 
         self.folder = RunFolder.claim_fresh(default_output(model))
         return self.folder.output
@@ -100,7 +100,7 @@ class RunGuard:
                     data: dict | None = None):
         """Check, create and lock ``config.folder.output`` (``runfolder.RunFolder.open``); the staging tag is the main
         process's on every rank."""
-        from memfit.training.runfolder import RunFolder
+        from memfit.training.runfolder.folder import RunFolder
 
         if self.folder is None or self.folder.output != Path(config.folder.output):
             self.folder = RunFolder(Path(config.folder.output))
@@ -178,8 +178,8 @@ class RunGuard:
 
     # ---------------------------------------------------------------------------------- wording
     def saved_sentence(self) -> str:
-        from memfit.training.checkpoint_dirs import step_folders
-        from memfit.training.manifest import has_manifest
+        from memfit.training.runfolder.layout import step_folders
+        from memfit.training.runfolder.manifest import has_manifest
 
         newest = self.last_checkpoint
         if newest is None and self.output is not None:

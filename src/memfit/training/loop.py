@@ -37,11 +37,12 @@ from memfit.integrations.hf_compat import quiet_import_notices
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
 from memfit.settings.config import TrainConfig
-from memfit.training import checkpoint, oom, resume, sharding, space
+from memfit.training import oom, resume, sharding
 from memfit.training.finish import finish
 from memfit.training.guard import RunGuard
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.rollback import RngState, undo_step
+from memfit.training.runfolder import checkpoint, space
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler
 from memfit.training.samples import samples_at_eval
 from memfit.training.session import LoopState, TrainSession, build_session, predict

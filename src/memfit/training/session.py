@@ -25,11 +25,12 @@ from memfit.errors import UserError
 from memfit.integrations.trackers import check_tracker
 from memfit.memory import measure
 from memfit.settings.config import RunConfig, TrainConfig
-from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
+from memfit.training import deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.runfolder import checkpoint
 from memfit.training.sampler import StepSchedule
 from memfit.training.setup import (
     DataBundle,
