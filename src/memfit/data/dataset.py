@@ -23,15 +23,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from memfit import textfiles
+from memfit.data.formats import BYTE_CHAT_TEMPLATE, Fields, detect_format, encode_conversation, to_messages
 from memfit.errors import UserError
 from memfit.files import user_path
-
-if TYPE_CHECKING:
-    import numpy as np
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
@@ -116,8 +115,6 @@ def load_local_examples(path: str | os.PathLike | None, *, fmt: str | None = Non
         UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
             named), a record with neither text nor prompt/completion, an unsupported file type.
     """
-    from memfit.data.formats import Fields
-
     fields = fields or Fields()
     root = default_corpus_path() if path is None else user_path(path)
     if not root.exists():
@@ -145,7 +142,6 @@ def _load_file(path: Path, fmt: str | None = None, fields=None) -> list[Example]
         raise UserError(
             f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them."
         )
-    from memfit import textfiles
 
     text = textfiles.read_text(path, what="Data file")  # UTF-8 (a byte-order mark tolerated), not binary
     examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path, fmt, fields)
@@ -195,8 +191,6 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
     Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data.sources``), whose errors name
     neither; on an error, this streams the file once (a line, or 1 MiB of text, at a time) to say where."""
-    from memfit import textfiles
-
     try:
         textfiles.refuse_binary(path)
         textfiles.check_utf8_stream(path)  # the line and byte offset of a byte that is not UTF-8
@@ -210,8 +204,6 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
 def record_to_example(record: object, where: str, fmt: str | None = None, fields=None) -> Example:
     """One record (a JSON object or a table row) as an ``Example``, in its detected or forced format."""
-    from memfit.data.formats import Fields, detect_format, to_messages
-
     fields = fields or Fields()
     if not isinstance(record, dict):
         raise UserError(
@@ -256,6 +248,7 @@ def byte_tokenizer():
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` that ``save_pretrained`` can write.
     """
+    # transformers: ~7.7 s to import on this machine (python -X importtime), paid only by who builds a tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -267,7 +260,6 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     pad, bos, eos = BYTE_SPECIALS
-    from memfit.data.formats import BYTE_CHAT_TEMPLATE
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -300,7 +292,7 @@ def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_
                         f"Tokenizer folder {source} is not a folder; pass --tokenizer DIR (or --tokenizer byte).")
     if not any((source / name).is_file() for name in _TOKENIZER_FILES):
         raise UserError(f"{source} holds no tokenizer files; pass --tokenizer DIR (or --tokenizer byte).")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # ~7.7 s to import: only when a tokenizer is loaded
 
     try:
         tok = AutoTokenizer.from_pretrained(
@@ -351,8 +343,6 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
 def split_indices(n_docs: int, eval_fraction: float, seed: int):
     """``split_documents`` as two int64 numpy arrays (8 bytes a document, not a Python int each: a corpus
     of millions of documents is split without a list of millions of objects)."""
-    import numpy as np
-
     if not 0.0 <= eval_fraction < 1.0:
         raise UserError(f"The eval fraction must be in [0, 1); got {eval_fraction}.")
     n_eval = 0
@@ -370,8 +360,6 @@ def encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = 
     if not examples:
         return []
     if any(ex.is_conversation for ex in examples):
-        from memfit.data.formats import encode_conversation
-
         plain = iter(encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
         return [(*encode_conversation(tokenizer, ex.messages, train_on_prompt=train_on_prompt,
                                       where=ex.where or "a conversation"), True)
@@ -460,8 +448,6 @@ def unigram_loss(data: TokenizedData) -> float:
     Returns:
         The loss in nats per token, or ``nan`` when there are no held-out or no train targets.
     """
-    import numpy as np
-
     train_counts, eval_counts = target_counts(data.train), target_counts(data.eval)
     n_train, n_eval = int(train_counts.sum()), int(eval_counts.sum())
     if n_train == 0 or n_eval == 0:
@@ -486,8 +472,6 @@ def target_counts(rows) -> np.ndarray:
 
 def count_targets(batches) -> np.ndarray:
     """Sum of ``np.bincount`` over batches of target ids (flat int64 arrays)."""
-    import numpy as np
-
     counts = np.zeros(0, dtype=np.int64)
     for targets in batches:
         if targets.size:
@@ -499,8 +483,6 @@ def count_targets(batches) -> np.ndarray:
 
 
 def _target_batches(rows, batch_rows: int = 1024):
-    import numpy as np
-
     for start in range(0, len(rows), batch_rows):
         labels = [t for seq in rows[start : start + batch_rows] for t in seq["labels"][1:]]
         flat = np.asarray(labels, dtype=np.int64)

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+import pyarrow as pa
+
 from memfit.settings.config import Packing
 
 __all__ = ["FirstFit", "Packing", "pack_arrow_documents", "pack_concat", "pack_documents", "pack_truncated",
@@ -170,8 +173,6 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
     yielding ``pyarrow.RecordBatch`` es of packed rows: the same rows in the same order, but the tokens
     move as numpy slices, never as Python ints (the Python work is per piece, not per token).
     """
-    import numpy as np
-
     rows = FirstFit(seq_len)
     done: list = []
     id_type = None
@@ -207,9 +208,6 @@ def one_array(column):
 
 def _arrow_rows(rows: list, id_type, seq_len: int):
     """A record batch of packed rows (each a list of ``(flat arrays, start, stop)`` pieces)."""
-    import numpy as np
-    import pyarrow as pa
-
     lengths = [b - a for pieces in rows for _, a, b in pieces]
     ids = np.concatenate([flat[0][a:b] for pieces in rows for flat, a, b in pieces])
     labels = np.concatenate([flat[1][a:b] for pieces in rows for flat, a, b in pieces])

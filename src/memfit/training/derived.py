@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from memfit.data.prep import record_lengths, run_tokenizer
 from memfit.settings import defaults
 from memfit.settings.config import TrainConfig
-from memfit.spec.model import is_preset
+from memfit.spec.model import is_preset, source_config
 
 
 def is_demo(model: str, data: str | None) -> bool:
@@ -41,8 +42,6 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     if str(config.run.method) != "sft":  # a preference method keeps --seq-len: its pairs are cut to it, never packed
         return config, (f"default seq-len {config.run.seq_len} (each {config.run.method} pair's prompt and answers "
                         "are cut to it, not sized from the data; --seq-len to choose)")
-    from memfit.data.prep import record_lengths, run_tokenizer
-    from memfit.spec.model import source_config
 
     # the tokenizer and config resolve_model loads next (it checks them against the derived length)
     hf_config = source_config(config.source)

@@ -14,22 +14,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.builder import optim_in_backward
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import broadcast_object_list, gather_object
+
+from memfit.builder import optim_in_backward, preference
 from memfit.errors import UserError
-from memfit.integrations.trackers import check_tracker
+from memfit.files import append_line
+from memfit.integrations.trackers import check_tracker, local_init_kwargs
 from memfit.memory import measure
-from memfit.settings.config import RunConfig, TrainConfig
+from memfit.memory.breakdown import MemoryBreakdown
+from memfit.settings.config import Method, RunConfig, TrainConfig
+from memfit.spec.resolved import experts_reason
 from memfit.training import deepspeed_engine, derived, resume, sharding
-from memfit.training.budget import plan_line
+from memfit.training.budget import plan_line, plan_run
 from memfit.training.guard import RunGuard
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.router import RouterBalance, router_balance
 from memfit.training.runfolder import checkpoint
 from memfit.training.sampler import StepSchedule
 from memfit.training.setup import (
@@ -41,22 +52,18 @@ from memfit.training.setup import (
     build_model,
     build_optimizer,
     build_scheduler,
+    cuda_available,
     fetch_hub_model,
     preflight,
     resolve_model,
 )
+from memfit.training.step import PreferenceRun
 from memfit.training.summary import FallbackRecord
 from memfit.training.threads import apply_threads
+from memfit.units import fmt_count
 
-if TYPE_CHECKING:  # the types of TrainSession's parts; torch and Accelerate are imported when the run is built
-    import torch
-    from accelerate import Accelerator
-    from accelerate.scheduler import AcceleratedScheduler
-
-    from memfit.memory.breakdown import MemoryBreakdown
+if TYPE_CHECKING:  # planning.search takes ~0.85 s to import (python -X importtime, this machine): --budget's alone
     from memfit.planning.search import PlanResult
-    from memfit.training.router import RouterBalance
-    from memfit.training.step import PreferenceRun
 
 
 @dataclass
@@ -220,8 +227,6 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         lrs = _reapply_schedule(optimizer, scheduler)
     if config.tracker:
-        from memfit.integrations.trackers import local_init_kwargs
-
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
                                   init_kwargs=local_init_kwargs(config.tracker, output))
     bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process,
@@ -265,18 +270,12 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     row now (``memfit.builder.preference.precompute``); else a LoRA run switches its adapter off (no copy) and a
     full fine-tune keeps a frozen copy of the base (one more set of weights, priced by the estimator).
     """
-    from memfit.settings.config import Method
-
     if run.method is Method.SFT:
         return None
-    from memfit.builder import preference
-    from memfit.training.step import PreferenceRun
 
     spec = preference.PreferenceLoss(run.method, config.preference)
     reference = None
     if spec.needs_reference and run.precompute_reference:  # each rank with the weights its share, then all of it
-        from accelerate.utils import gather_object
-
         preference.precompute(bundle.model, data.train, pad_id=bundle.tokenizer.pad_token_id,
                               batch_size=run.micro_batch, autocast=accelerator.autocast,
                               rank=accelerator.process_index, holders=sharding.weight_holders(accelerator, run),
@@ -290,18 +289,12 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
 def _launched_as_main() -> bool:
     """Whether this process will be the main one (rank 0), before the Accelerator exists: ``accelerate
     launch``/``torchrun`` set ``RANK``; a plain run is the only process."""
-    import os
-
     return os.environ.get("RANK", "0") == "0"
 
 
 def launched_processes():
     """Accelerate's ``PartialState`` of this launch (rank, process count), made before the Accelerator and then
     reused by it (``deepspeed_engine.partial_state_kwargs``)."""
-    from accelerate import PartialState
-
-    from memfit.training.setup import cuda_available
-
     return PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
 
 
@@ -317,7 +310,6 @@ def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
     if config.folder.resume:
         raise UserError("--resume needs --output DIR, the folder of the run to continue "
                         "(without --output every run gets a new runs/<model>-<time> folder).")
-    from accelerate.utils import broadcast_object_list
 
     state = launched_processes()
     chosen = [str(guard.claim_default(config.source.model)) if state.is_main_process else None]
@@ -340,7 +332,6 @@ def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Pla
         run = run.replace(grad_accum=config.batch // per_step)
     if not config.budget:
         return run, None
-    from memfit.training.budget import plan_run
 
     return plan_run(config, run)
 
@@ -353,8 +344,6 @@ def _reapply_schedule(optimizer, scheduler) -> tuple[list[float], list[float]]:
     with more steps must take its lr from the new schedule, not from the old one's end (the preamble
     says so: ``resume.schedule_note``; a finished run only with ``--extend-schedule``).
     """
-    import warnings
-
     before = [group["lr"] for group in optimizer.param_groups]
     inner = getattr(scheduler, "scheduler", scheduler)  # unwrap Accelerate's AcceleratedScheduler
     with warnings.catch_warnings():  # get_lr() outside step() warns; here it is what we want
@@ -380,7 +369,7 @@ def predict(model_name, run: RunConfig, device: str = "cuda"):
 def predict_or_why(model_name, run: RunConfig, device: str = "cuda"):
     """``(prediction, "")``, or ``(None, why)``: the estimator's own sentence when it refused the run (a
     ``UserError``), else the failure's first line, so the preamble never says "n/a" without a reason."""
-    try:
+    try:  # imported here: a missing or broken estimator is the preamble's reason, never a stopped run
         from memfit.memory.snapshot import device_estimate
         from memfit.spec.model import load_spec
 
@@ -400,21 +389,11 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            from memfit.files import append_line
-
             append_line(self.path, json.dumps(record))  # never through a link planted as metrics.jsonl
-
-
-def router_balance(model):
-    from memfit.training.router import router_balance as balance
-
-    return balance(model)
 
 
 def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
     """Derived numbers shown before the long work starts."""
-    from memfit.units import fmt_count
-
     sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
     unit = "sequences" if sft else "pairs"
     pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
@@ -432,8 +411,6 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
 
 
 def _experts_why(bundle, run: RunConfig) -> str:
-    from memfit.spec.resolved import experts_reason
-
     return experts_reason(bundle.experts, run.experts_implementation, str(run.dtype))
 
 

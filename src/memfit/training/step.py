@@ -13,17 +13,23 @@ the ``P`` ranks, so the loss is multiplied by ``k * P`` before ``backward``. The
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers.loss.loss_utils import ForCausalLMLoss
 
+from memfit.builder import preference
 from memfit.data.dataset import collate, count_target_tokens
 from memfit.settings.config import Loss
 from memfit.spec.batch import model_inputs
+from memfit.spec.losses import chunked_micro_loss
 from memfit.training.oom import is_oom
 from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.sharding import reshard_all
 
 #: The parts of a step, in order; an out-of-memory error names the one that raised it.
 PHASES = ("forward", "backward", "clip", "optimizer")
@@ -91,12 +97,9 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
     function applied to its logits for models whose forward does not take loss kwargs, or (``loss`` not
     standard) the same sum over target tokens divided by ``N`` without the full logits (``memfit.spec.losses``)."""
     if loss is not Loss.STANDARD:
-        from memfit.spec.losses import chunked_micro_loss
-
         return chunked_micro_loss(model, batch, num_items, autocast, loss)
     if uses_model_loss:
         return model(**model_inputs(batch), num_items_in_batch=num_items).loss
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
     inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
     logits = model(**inputs).logits  # (B, T, V)
@@ -138,14 +141,10 @@ class PreferenceRun:
     """A frozen copy of the base (full fine-tune), or None: the LoRA adapter switched off, or precomputed."""
 
     def norms(self, batches: list[dict], n_targets: int, reduce):  # noqa: ARG002 - one signature
-        from memfit.builder import preference
-
         return preference.step_norms(batches, reduce)
 
     def forward(self, model, batch: dict, norms, autocast) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss share, stats)``: stats are the micro-batch's pairs, correct rankings and reward sums."""
-        from memfit.builder import preference
-
         ref = (preference.reference_sums(batch, model=model, reference=self.reference, autocast=autocast)
                if self.spec.needs_reference else None)
         inputs = {k: v for k, v in model_inputs(batch).items() if k not in ("labels", "ref_logps")}
@@ -213,23 +212,17 @@ def _grads_in_ddp_buckets(model) -> bool:
     then zeroed in place, not set to None. A None gradient is re-pointed into its bucket only when DDP
     all-reduces it, so the micro-batches before the last (``no_sync``) would accumulate into fresh tensors
     beside the resident buckets: a second copy of every gradient until the last micro-batch's backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
 
 
 def _saved_tensors_place(on_cpu: bool):
     """Where forward's saved tensors live: the device, or pinned CPU memory (copied back in backward)."""
-    import contextlib
-
     return torch.autograd.graph.save_on_cpu(pin_memory=True) if on_cpu else contextlib.nullcontext()
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: int, vocab_size: int) -> float:
     """Mean loss per target token over the held-out rows (each rank takes every P-th row; sums reduced)."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     if not len(rows):
         return float("nan")
     net = accelerator.unwrap_model(model)  # no DDP: ranks may hold different numbers of eval batches
@@ -252,7 +245,6 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
         sums[1] += count_target_tokens(batch["labels"])
     net.train(was_training)
-    from memfit.training.sharding import reshard_all
 
     reshard_all(net)  # ZeRO-2 keeps every layer gathered through a no-grad forward: free them now
     loss_sum, n = accelerator.reduce(sums, reduction="sum").tolist()
