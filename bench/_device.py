@@ -146,7 +146,7 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     from memfit.memory.measure import StepPeak
     from memfit.settings.config import Offload, TrainConfig
     from memfit.training import setup
-    from memfit.training.step import train_step
+    from memfit.training.step import TokenLoss, train_step
 
     cfg = TrainConfig.of(model=model, run=run, seed=seed, lr=1e-4, output="/tmp/memfit-bench-unused")
     free_memory()
@@ -161,8 +161,8 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     rows = [{"input_ids": ids, "labels": ids} for ids in blocks.tolist()]
     tokens_per_step = micro * run.grad_accum * run.seq_len
     tensor_peak = StepPeak(accelerator.device.type, steps)
-    techniques = {"loss": run.loss, "in_backward": optimizer if run.optimizer_in_backward else None,
-                  "activations_on_cpu": run.offload is Offload.ACTIVATIONS}
+    step_loss = TokenLoss(bundle.uses_model_loss, vocab, run.loss, activations_on_cpu=run.offload is Offload.ACTIVATIONS)
+    in_backward = optimizer if run.optimizer_in_backward else None
     ends, start, earlier = [], time.perf_counter(), cuda_peaks()
     for step in range(steps):
         if step == steps - 1 and torch.cuda.is_available():
@@ -173,8 +173,8 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
         batches = [collate(rows[(first + i) * micro:(first + i + 1) * micro], pad_id=0) for i in range(run.grad_accum)]
         batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
         with tensor_peak.watch(step + 1, net, optimizer, batches):
-            stepped = train_step(accelerator, net, optimizer, batches, max_grad_norm=0.0 if run.optimizer_in_backward
-                                 else 1.0, uses_model_loss=bundle.uses_model_loss, vocab_size=vocab, **techniques)
+            stepped = train_step(accelerator, net, optimizer, batches, step_loss,
+                                 max_grad_norm=0.0 if run.optimizer_in_backward else 1.0, in_backward=in_backward)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
@@ -189,7 +189,7 @@ def real_steps(model: str, run: RunConfig, *, steps: int, warmup: int, seed: int
     )
     if hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "remove_hooks"):
         optimizer.optimizer.remove_hooks()  # optimizer-in-backward: the next run's model must not step this one
-    del net, optimizer, bundle, accelerator, batches, techniques
+    del net, optimizer, bundle, accelerator, batches, in_backward
     free_memory()
     return result
 

@@ -166,7 +166,7 @@ def _concurrent(c, name: str, run: Path, extra: list[str]) -> None:
             for _ in range(2)]
     outputs = [p.communicate(timeout=900)[0] for p in both]
     codes = sorted(p.returncode for p in both)
-    from memfit.training import manifest
+    from memfit.training.runfolder import manifest
 
     intact = all(manifest.problem(p) is None for p in (run / "checkpoints").glob("step-*"))
     refused = [o for o in outputs if o.strip().splitlines()[-1:] and o.strip().splitlines()[-1].startswith("error: ")]

@@ -26,7 +26,7 @@ def _resume(c, run: Path, *extra: str):
 
 
 def _edit_state(step: Path, **changes) -> None:
-    from memfit.training import manifest
+    from memfit.training.runfolder import manifest
 
     state = json.loads((step / "trainer_state.json").read_text())
     state.update(changes)
@@ -36,7 +36,7 @@ def _edit_state(step: Path, **changes) -> None:
 
 def runfolder_cases(c, tmp: Path, model: str, data: str) -> None:
     from memfit.settings.config import TrainConfig
-    from memfit.training.runfolder import RunFolder
+    from memfit.training.runfolder.folder import RunFolder
 
     base = base_run(c, tmp, model, data, "rf-base")
     for name, extra in {"--overwrite": ["--overwrite"], "--resume": ["--resume"]}.items():
@@ -140,7 +140,7 @@ def readback_cases(c, tmp: Path, model: str, data: str) -> None:
 
 def space_cases(c, tmp: Path, model: str, data: str) -> None:
     """The free-space check before a save (injected: the file system reports no room once step-2 is saved)."""
-    from memfit.training import space
+    from memfit.training.runfolder import space
 
     real = space.free_bytes
     out = tmp / f"disk-{len(c.rows)}"

@@ -71,10 +71,11 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     from memfit.memory.outside import outside_step
     from memfit.spec import engines
     from memfit.spec.model import load_spec
-    from memfit.training import checkpoint, sharding
+    from memfit.training import sharding
     from memfit.training.rollback import OptimizerSnapshot
+    from memfit.training.runfolder import checkpoint
     from memfit.training.samples import generate_samples
-    from memfit.training.step import evaluate, train_step
+    from memfit.training.step import TokenLoss, evaluate, train_step
     from sharding_memory import build
 
     accelerator, run, model, optimizer, bundle, hf_config = build(model_name, sharding_flag, "none", seq_len,
@@ -84,8 +85,8 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
     for batch_rows in (_rows(hf_config, run, run.micro_batch, 100 * s + accelerator.process_index)
                        for s in range(steps)):
         batch = {k: v.to(accelerator.device) for k, v in collate(batch_rows, 0).items()}
-        train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0, uses_model_loss=bundle.uses_model_loss,
-                   vocab_size=hf_config.vocab_size, snapshot=snapshot)
+        train_step(accelerator, model, optimizer, [batch], TokenLoss(bundle.uses_model_loss, hf_config.vocab_size),
+                   max_grad_norm=0.0, snapshot=snapshot)
     net = accelerator.unwrap_model(model)
 
     def resident(*extra):

@@ -113,7 +113,7 @@ def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: in
     memfit train keeps one rollback snapshot for the whole run (training/session.py): host buffers,
     which on CPU are the device, so they count in the measured peak and in the prediction."""
     from memfit.training.rollback import OptimizerSnapshot
-    from memfit.training.step import train_step
+    from memfit.training.step import TokenLoss, train_step
 
     gen = torch.Generator().manual_seed(accelerator.process_index)
     tracker = tracker or _NoTracker()
@@ -126,8 +126,8 @@ def train_steps(accelerator, run, model, optimizer, bundle, hf_config, steps: in
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
             tracker.reset_mod_stats()  # MemTracker refuses a second forward of the root otherwise
             wall, cpu = time.perf_counter(), time.process_time()
-            tokens += train_step(accelerator, model, optimizer, [batch], max_grad_norm=0.0,
-                                 uses_model_loss=bundle.uses_model_loss, vocab_size=hf_config.vocab_size,
+            tokens += train_step(accelerator, model, optimizer, [batch],
+                                 TokenLoss(bundle.uses_model_loss, hf_config.vocab_size), max_grad_norm=0.0,
                                  snapshot=snapshot).tokens
             if step_times is not None:
                 step_times.append((time.perf_counter() - wall, time.process_time() - cpu))

@@ -90,8 +90,8 @@ def crash_after_first_checkpoint_then_resume(cfg: TrainConfig, monkeypatch):
     the save), then ``--resume`` it to the end; returns the resumed run's result."""
     import pytest
 
-    from memfit.training import checkpoint
     from memfit.training.loop import run_training
+    from memfit.training.runfolder import checkpoint
 
     real_save = checkpoint.save_checkpoint
 

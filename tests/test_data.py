@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _data_helpers import tokenize
 from memfit.data.dataset import (
     Example,
     TokenizedData,
@@ -23,7 +24,6 @@ from memfit.data.dataset import (
     default_corpus_path,
     load_tokenizer,
     split_documents,
-    tokenize,
     unigram_loss,
 )
 from memfit.data.sources import load_examples

@@ -1,5 +1,5 @@
 """The fast encoding paths (``memfit.data.fast``) give exactly the reference encoding
-(``memfit.data.dataset._encode_docs``), and the ``datasets.map`` cache key follows the encoder's source."""
+(``memfit.data.dataset.encode_docs``), and the ``datasets.map`` cache key follows the encoder's source."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from memfit.data import arrow as data_arrow
 from memfit.data import fast as data_fast
-from memfit.data.dataset import _encode_docs, byte_tokenizer, record_to_example
+from memfit.data.dataset import byte_tokenizer, encode_docs, record_to_example
 from memfit.data.formats import Fields
 from memfit.errors import UserError
 
@@ -27,7 +27,7 @@ def _reference(records, fmt=None, fields=Fields(), tokenizer=None):
     tokenizer = tokenizer or byte_tokenizer()
     examples = [record_to_example(r, f"row {i}", fmt, fields) for i, r in enumerate(records)]
     return [{"input_ids": d[0], "labels": d[1], "conversation": len(d) > 2, "length": len(d[0])}
-            for d in _encode_docs(examples, tokenizer)]
+            for d in encode_docs(examples, tokenizer)]
 
 
 def _encode(records, *, fast: bool, fmt=None, fields=Fields(), tokenizer=None):

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from _data_helpers import tokenize
 from memfit.cli import cli
 from memfit.data.dataset import IGNORE_INDEX as X
-from memfit.data.dataset import Example, byte_tokenizer, record_to_example, tokenize
+from memfit.data.dataset import Example, byte_tokenizer, record_to_example
 from memfit.data.sources import load_examples
 from memfit.errors import UserError
 
@@ -193,9 +194,9 @@ def tok():
 
 
 @pytest.mark.parametrize("packing", ["documents", "concat", "none"])
-def test_arrow_path_gives_the_rows_of_the_in_memory_path(tmp_path, packing):
-    """The same records, tokenized by datasets.map and packed on disk, give exactly the rows (and the
-    held-out split) the in-memory path gives; a second call reads the cache (same Arrow files)."""
+def test_a_json_file_gives_the_rows_of_its_records_and_reuses_the_cache(tmp_path, packing):
+    """Records read from a .json file give exactly the rows (and the held-out split) the same records give
+    from memory; a second call reads the cache (same Arrow files)."""
     import datasets
 
     from memfit.data.arrow import tokenize_dataset

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.data.dataset import byte_tokenizer, tokenize, unigram_loss
+from _data_helpers import tokenize
+from memfit.data.dataset import byte_tokenizer, unigram_loss
 from memfit.data.sources import load_examples
 from memfit.errors import UserError
 from memfit.settings.config import RunConfig, TrainConfig

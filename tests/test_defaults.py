@@ -131,8 +131,9 @@ def _chats(path, questions: list[int], reply: str = "ok"):
 
 
 def test_truncate_keeps_long_conversations_cut_where_the_cut_keeps_a_reply(tmp_path):
+    from _data_helpers import tokenize
     from memfit.data.arrow import tokenize_dataset
-    from memfit.data.dataset import byte_tokenizer, tokenize
+    from memfit.data.dataset import byte_tokenizer
     from memfit.data.formats import Fields
     from memfit.data.sources import load_examples, load_parts
 
@@ -176,8 +177,8 @@ class NothingTrained(Exception):
 
 @pytest.fixture
 def built(monkeypatch):
-    """The ``TrainConfig`` ``memfit train`` hands to ``run_training`` (which then trains nothing)."""
-    from memfit.training import loop
+    """The ``TrainConfig`` ``memfit train`` hands to ``memfit.train`` (which then trains nothing)."""
+    import memfit
 
     seen = {}
 
@@ -185,7 +186,7 @@ def built(monkeypatch):
         seen["config"] = config
         raise NothingTrained
 
-    monkeypatch.setattr(loop, "run_training", fake)
+    monkeypatch.setattr(memfit, "train", fake)  # the name the CLI calls
     return seen
 
 
@@ -223,3 +224,50 @@ def test_a_library_run_without_lr_resumes_with_its_saved_lr(tmp_path):
     resumed = run_training(cfg.replace(resume=True, max_steps=3, extend_schedule=True), show=False)
     assert resumed.summary.steps == 3
     assert json.loads((tmp_path / "out" / "run.json").read_text())["settings"]["lr"] == 1e-3  # random weights
+
+
+# --------------------------------------------------- one meaning per default: estimate, plan and train agree
+
+
+def _json(*args):
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_estimate_and_plan_default_to_the_run_train_runs_with_no_flags():
+    """``memfit estimate tiny`` prices the step ``memfit train`` (the tiny demo) runs, and ``memfit plan tiny``
+    searches for that run's effective batch at its length."""
+    train_run = TrainConfig.of(explicit=()).run  # what `memfit train` runs given nothing
+    priced = _json("estimate", "tiny")["config"]
+    assert (priced["seq_len"], priced["micro_batch"], priced["grad_accum"]) == \
+        (train_run.seq_len, train_run.micro_batch, train_run.grad_accum) == (128, 4, 1)
+    best = _json("plan", "tiny", "--budget", "2GiB")["plans"][0]["config"]
+    assert best["seq_len"] == train_run.seq_len
+    assert best["micro_batch"] * best["grad_accum"] == train_run.micro_batch * train_run.grad_accum
+
+
+def test_with_data_estimate_and_plan_derive_the_length_train_derives(tmp_path):
+    data = _text_records(tmp_path / "d.jsonl", [*range(20, 150), 300])  # 99th percentile 151 tokens: 192 (128 records: 3 held out)
+    model = write_model(tmp_path / "model")
+    trained, _ = derived.with_seq_len(_user_config(tmp_path, data), resumed=False)
+    assert trained.run.seq_len == 192
+    shape = ("--data", data, "--tokenizer", "byte")
+    assert _json("estimate", model, *shape)["config"]["seq_len"] == trained.run.seq_len
+    assert _json("plan", model, *shape, "--budget", "1GiB")["plans"][0]["config"]["seq_len"] == trained.run.seq_len
+    result = CliRunner().invoke(cli, ["estimate", model, *shape])
+    assert "seq-len 192 (99th percentile of 128 tokenized training records, 151 tokens" in " ".join(result.output.split())
+
+
+def test_a_model_of_few_positions_is_planned_within_them(tmp_path):
+    """``memfit plan MODEL --budget`` on a model with fewer positions than the default length: the length is
+    capped by the model's context (as train caps the length it derives) and the difference is said, not
+    refused ("--seq-len 1024 is beyond the model's 512 positions" before)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**TINY_LLAMA, "max_position_embeddings": 96}))
+    model = str(tmp_path / "m")
+    assert _json("plan", model, "--budget", "1GiB")["plans"][0]["config"]["seq_len"] == 96
+    result = CliRunner().invoke(cli, ["estimate", model])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "seq 96 x micro-batch 4" in text and "derives it from its data, the shipped corpus without --data" in text

@@ -103,3 +103,21 @@ def test_the_readme_python_api_example_runs(monkeypatch, tmp_path):
     assert scope["b"].trainable_params == 16 * 2_621_440
     assert isinstance(called["trace"][1], RunConfig) and called["trace"][1].mixed_precision.value == "bf16"
     assert isinstance(called["train"], TrainConfig) and called["train"].preference.beta == 0.1
+
+
+def test_the_settings_reference_is_current_and_names_every_flag():
+    """docs/settings.md is what ``scripts/settings_doc.py`` writes (rerun it after changing a flag), and a reader
+    who searches it for a flag finds where that flag is defined."""
+    spec = importlib.util.spec_from_file_location("settings_doc", ROOT / "scripts" / "settings_doc.py")
+    settings_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(settings_doc)
+    text = settings_doc.render()
+    assert (ROOT / "docs" / "settings.md").read_text(encoding="utf-8") == text, \
+        "docs/settings.md is stale: run python scripts/settings_doc.py"
+    assert "| `--lora-r` | `src/memfit/settings/config.py` `LoraSettings.r` |" in text  # a generated flag: its field
+    assert "| `--gpu` | `src/memfit/cli/plan.py` |" in text  # a command's own flag: its module
+    for name, command in settings_doc.commands():
+        for option in command.params:
+            for flag in getattr(option, "opts", []):
+                if flag.startswith("--") and flag != "--help":
+                    assert f"`{flag}`" in text.split(f"## memfit {name}\n", 1)[1].split("\n## ", 1)[0], (name, flag)

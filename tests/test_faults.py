@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from _train_helpers import TINY_LLAMA, write_model, write_qa
 from memfit.cli import cli
-from memfit.training import manifest
+from memfit.training.runfolder import manifest
 
 
 def _run(args):
@@ -304,7 +304,7 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path, base_run):
 # ------------------------------------------------------------------------------ the run folder
 def test_second_run_into_a_locked_folder_is_refused(tmp_path, inputs, base_run):
     from memfit.settings.config import TrainConfig
-    from memfit.training.runfolder import RunFolder
+    from memfit.training.runfolder.folder import RunFolder
 
     run = shutil.copytree(base_run[0], tmp_path / "run")
     holder = RunFolder(run).open(TrainConfig.of(output=str(run), resume=True), is_main=True)
@@ -430,7 +430,7 @@ def test_full_disk_during_the_export_leaves_no_half_file_under_a_final_name(tmp_
 
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    from memfit.training import manifest
+    from memfit.training.runfolder import manifest
     import accelerate.checkpointing as ack
     where, args = sys.argv[1], sys.argv[2:]
     calls = {"n": 0}

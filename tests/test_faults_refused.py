@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from _train_helpers import TINY_LLAMA, write_model, write_qa
-from memfit.training import manifest
+from memfit.training.runfolder import manifest
 from test_faults import _one_sentence, _run, _train
 
 
@@ -124,7 +124,7 @@ def test_overwrite_refuses_a_foreign_readme_the_adapter_export_would_replace(tmp
 
 
 def test_export_refuses_a_folder_planted_during_the_run(tmp_path, own_run, monkeypatch):
-    from memfit.training import checkpoint
+    from memfit.training.runfolder import checkpoint
 
     real = checkpoint._move_into_place
     monkeypatch.setattr(checkpoint, "_move_into_place",
@@ -155,8 +155,8 @@ def test_failed_run_removes_the_nested_folders_it_made_and_nothing_above(tmp_pat
 
 
 def test_default_folders_are_unique_and_removed_after_an_early_failure(tmp_path, own_run, monkeypatch):
-    from memfit.training.checkpoint import default_output
-    from memfit.training.runfolder import RunFolder
+    from memfit.training.runfolder.checkpoint import default_output
+    from memfit.training.runfolder.folder import RunFolder
 
     base = default_output("tiny", tmp_path / "runs", 0.0)
     first, second = RunFolder.claim_fresh(base), RunFolder.claim_fresh(base)  # two runs, the same second

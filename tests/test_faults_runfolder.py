@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from _train_helpers import write_model, write_qa
-from memfit.training import manifest
+from memfit.training.runfolder import manifest
 from test_faults import _one_sentence, _run, _steps, _train
 
 
@@ -65,7 +65,7 @@ def _resume(run, *extra):
 @pytest.mark.parametrize("how", [["--overwrite"], ["--resume", "--max-steps", "6", "--extend-schedule"]])
 def test_refused_run_touches_nothing_of_the_running_one(tmp_path, run, own_run, how):
     from memfit.settings.config import TrainConfig
-    from memfit.training.runfolder import RunFolder
+    from memfit.training.runfolder.folder import RunFolder
 
     holder = RunFolder(run).open(TrainConfig.of(output=str(run), resume=True), is_main=True)  # run A, saving
     staging = [run / "checkpoints" / f".tmp-step-5-{holder.tag}", run / f".tmp-export-{holder.tag}"]
@@ -245,7 +245,7 @@ def test_damaged_ledger_is_one_sentence(run):
 
 # ------------------------------------------------------------------------------ 6. a full disk
 def test_too_little_free_space_stops_before_the_save(tmp_path, own_run, monkeypatch):
-    from memfit.training import space
+    from memfit.training.runfolder import space
 
     real = space.free_bytes
     monkeypatch.setattr(space, "free_bytes", lambda p: 0 if (Path(p) / "step-2").is_dir() else real(p))  # full
@@ -286,7 +286,7 @@ TMPFS_SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
     from click.testing import CliRunner
     from memfit.cli import cli
-    from memfit.training import space
+    from memfit.training.runfolder import space
     root, model, data = sys.argv[1:4]
     real_check = space.check_before_save
     def fill(leave):  # a filler file that leaves ``leave`` bytes free

@@ -233,6 +233,42 @@ def test_the_walk_sees_in_function_and_relative_imports(tmp_path):
 MODULE_LINES, FUNCTION_LINES = 500, 60
 
 
+def private_uses(src: Path = SRC) -> list[str]:
+    """``module:line name`` for each private name (``_x``, not dunder) of another memfit module that a module
+    imports (``from memfit.a import _x``) or reaches through a module it imported (``a_module._x``)."""
+    modules = _modules(src)
+    found = []
+    for module, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text(), str(path))
+        imported = {}  # local name -> the memfit module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memfit"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{module}:{node.lineno} {node.module}.{alias.name}")
+                    elif f"{node.module}.{alias.name}" in modules:
+                        imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                imported.update({alias.asname: alias.name for alias in node.names
+                                 if alias.asname and alias.name in modules})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{module}:{node.lineno} {imported[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names(tmp_path):
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name."""
+    assert not private_uses(), "make these public (or keep them in their module): " + "; ".join(private_uses())
+    (tmp_path / "memfit" / "a").mkdir(parents=True)  # the scan sees both spellings
+    (tmp_path / "memfit" / "a" / "__init__.py").write_text("")
+    (tmp_path / "memfit" / "a" / "b.py").write_text("def _x():\n    pass\n")
+    (tmp_path / "memfit" / "a" / "c.py").write_text("from memfit.a import b as bee\nfrom memfit.a.b import _x\n"
+                                                   "bee._x()\n")
+    assert private_uses(tmp_path) == ["memfit.a.c:2 memfit.a.b._x", "memfit.a.c:3 memfit.a.b._x"]
+
+
 def test_long_modules_and_functions_say_why():
     """A module over 500 lines, or with a function over 60, explains itself: readable arithmetic is the
     default, and the exceptions are decisions a reader can see (and a reviewer can question)."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _data_helpers import tokenize
 from _train_helpers import TINY_LLAMA
 from memfit.data.dataset import IGNORE_INDEX as X
-from memfit.data.dataset import Example, byte_tokenizer, collate, count_target_tokens, tokenize
+from memfit.data.dataset import Example, byte_tokenizer, collate, count_target_tokens
 from memfit.data.packing import pack_documents, padding_share
 from memfit.settings.config import Packing, RunConfig, parse_packing
 from memfit.spec.batch import model_inputs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import typing
 
 import click
 import pytest
@@ -113,10 +114,11 @@ def test_a_commands_own_default_says_why():
         for f in walk(cls):
             for command, changes in f.metadata["overrides"].items():
                 assert "default" not in changes or changes["why"], (f.name, command)
-    # train's demo shape, plan's typical fine-tune: the defaults memfit.settings.defaults.SHAPES explains
+    # one shape for every command, the run train runs (memfit.settings.defaults.SHAPE); the library's RunConfig()
+    # keeps its own (256 x 8), which the estimator's golden numbers are computed at
     assert _flags(train_cli.command)["--seq-len"].default == TrainConfig().run.seq_len == 128
-    assert _flags(estimate_cli.command)["--seq-len"].default == RunConfig().seq_len == 256
-    assert _flags(plan_cli.command)["--seq-len"].default == 1024 and _flags(plan_cli.command)["--batch"].default == 16
+    assert _flags(estimate_cli.command)["--seq-len"].default == _flags(plan_cli.command)["--seq-len"].default == 128
+    assert RunConfig().seq_len == 256
 
 
 def test_data_preview_flags_are_train_settings():
@@ -257,6 +259,10 @@ def test_the_planners_constraints_are_the_searched_settings():
     assert set(names) - {s.key for s in searched(RunConfig)} == {"full", "allow_quantize", "allow_offload",
                                                                    "host_memory"}
     assert {s.key for s in walk(RunConfig) if s.metadata["plan"] == "given"} == {"seq_len", "num_processes", "nodes", "method"}
+    hints = typing.get_type_hints(Constraints)  # an ordinary dataclass, each pin typed as its setting or None
+    assert {s.key: hints[s.key] for s in searched(RunConfig)} == \
+        {s.key: typing.get_type_hints(s.owner)[s.name] | None for s in searched(RunConfig)}
+    assert all(getattr(Constraints(), s.key) is None for s in searched(RunConfig))
     pinned = Constraints.from_flat({"lora-dropout": 0.1, "dtype": "BF16", "seq_len": 64})
     assert pinned.lora_dropout == 0.1 and pinned.dtype.value == "bf16" and pinned.micro_batch is None
 

@@ -60,7 +60,7 @@ def grid(tmp_path_factory):
 def test_data_has_unequal_target_counts_per_micro_batch(grid):
     # The grid is only a test of normalisation if micro-batches of a step hold different target counts.
     cfg, _ = grid[(1, 4)]
-    from memfit.data.dataset import tokenize
+    from _data_helpers import tokenize
     from memfit.data.sources import load_examples
     from memfit.training.setup import build_model
 

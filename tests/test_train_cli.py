@@ -72,9 +72,9 @@ def test_config_file_and_explicit_flags(tmp_path, monkeypatch):
         seen["config"] = config
         raise NothingTrained
 
-    import memfit.training.loop as loop
+    import memfit
 
-    monkeypatch.setattr(loop, "run_training", fake_train)
+    monkeypatch.setattr(memfit, "train", fake_train)  # the name the CLI calls
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"micro_batch": 2, "grad_accum": 3, "max_steps": 7, "lr": 0.01, "lora_r": 8}))
     result = _run(["--config", str(cfg), "--max-steps", "3"])

@@ -138,6 +138,42 @@ def test_budget_on_a_cpu_computes_in_fp32_where_an_fp32_plan_fits(tmp_path):
         assert "the planner has no fp32 plan that fits" in plan_line(qlora, result, cuda=False)
 
 
+def test_the_accelerator_autocasts_in_the_precision_the_budget_planned(tmp_path, monkeypatch):
+    """--budget chooses the run before the Accelerator is built from it. On a CPU ``memfit train`` defaults to no
+    autocast; a LoRA budget that only the bf16-autocast regimes fit is trained under bf16 autocast, not under the
+    flags' "no" the plan replaced (the Accelerator was built from the flags before the plan: planned bf16 AMP,
+    trained in fp32)."""
+    from memfit.planning.search import plan
+    from memfit.planning.space import Constraints
+    from memfit.settings.config import Precision, TrainConfig
+    from memfit.training import session
+    from memfit.training.budget import constraints_for
+
+    model = write_model(tmp_path / "m")
+    lora = TrainConfig.from_flat({"model": model, "tokenizer": "byte", "seq_len": 64, "micro_batch": 4,
+                                  "lora_r": 8, "optimizer": "sgd", "packing": "none", "budget": "1GiB",
+                                  "pinned": ("seq_len", "lora_r", "optimizer", "packing")})  # as _args types them
+    every = plan(model, "1GiB", seq_len=64, batch=4, cpu=True,
+                 constraints=Constraints.from_flat(constraints_for(lora, lora.run))).plans
+    amp = min(p.peak_bytes for p in every if p.config.mixed_precision is Precision.BF16)
+    plain = min(p.peak_bytes for p in every if p.config.mixed_precision is Precision.NO)
+    assert amp < plain
+    budget = f"{int((amp + plain) / 2 * 1.05) // 1024}KiB"  # with the planner's 5% margin: only autocast plans fit
+    built = []
+    real_build = session.build_accelerator
+
+    def recording(run, config):
+        accelerator = real_build(run, config)
+        built.append(accelerator.mixed_precision)
+        return accelerator
+
+    monkeypatch.setattr(session, "build_accelerator", recording)
+    result = _run(_args(tmp_path, "--lora-r", "8", "--budget", budget, "--max-steps", "1", "--json"))
+    assert result.exit_code == 0, result.output
+    trained = json.loads(result.stdout)["run"]
+    assert trained["mixed_precision"] == "bf16" and built == ["bf16"]
+
+
 def test_a_budget_whose_fitting_plans_all_are_refused_names_the_refusal(tmp_path):
     # GPT-2 small (124 M, fp32 AdamW state: ~2 GB) fits 1 GiB on this CPU only with --optimizer-in-backward,
     # which cannot clip at the default --max-grad-norm 1.0: the sentence says so (it said "the fitting ones
@@ -211,7 +247,7 @@ def test_default_output_is_a_new_timestamped_folder_each_time(tmp_path, monkeypa
 
 
 def test_default_output_never_reuses_a_folder(tmp_path):
-    from memfit.training.checkpoint import default_output
+    from memfit.training.runfolder.checkpoint import default_output
 
     now = 1_700_000_000.0
     first = default_output("tiny", tmp_path, now)
@@ -272,7 +308,7 @@ def test_default_precision_follows_the_device(monkeypatch, cuda, bf16, expected)
 
 @pytest.mark.parametrize(("typed", "expected"), [((), "bf16"), (("--mixed-precision", "no"), "no")])
 def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
-    import memfit.training.loop as loop
+    import memfit
 
     seen = {}
 
@@ -282,7 +318,7 @@ def test_cli_uses_bf16_on_a_bf16_gpu_unless_told(monkeypatch, typed, expected):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(loop, "run_training", fake_train)
+    monkeypatch.setattr(memfit, "train", fake_train)  # the name the CLI calls
     result = _run(list(typed))
     assert isinstance(result.exception, NothingTrained), result.output
     assert seen["config"].run.mixed_precision.value == expected
@@ -310,3 +346,24 @@ def test_model_built_on_cpu_when_asked(tmp_path):
     b = build_model(cfg, cfg.run).model  # the default: CPU, as before
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert Path(cfg.source.model).is_file()
+
+
+def test_from_memfit_train_to_loss_backward_are_four_frames(tmp_path, monkeypatch):
+    """The training wing reads top to bottom: ``memfit.train`` -> ``fit`` (the loop) -> ``train_step`` (forward,
+    backward, step) -> Accelerate's ``backward``, which calls ``loss.backward()``. (Before issue 37: seven frames
+    from the CLI's command, with run_training, run_loop and run_step between.)"""
+    import traceback
+
+    stacks = []
+    real_backward = torch.Tensor.backward
+
+    def spy(self, *args, **kwargs):
+        stacks.append(traceback.extract_stack()[:-1])
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", spy)
+    result = _run(_args(tmp_path, "--max-steps", "1", "--output", str(tmp_path / "out")))
+    assert result.exit_code == 0, result.output
+    stack = stacks[0]
+    start = max(i for i, f in enumerate(stack) if f.name == "train" and f.filename.endswith("training/loop.py"))
+    assert [f.name for f in stack[start:]] == ["train", "fit", "train_step", "backward"]

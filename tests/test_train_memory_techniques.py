@@ -8,8 +8,8 @@ import torch
 from _train_helpers import max_diff, metrics, tiny_config
 from memfit.errors import UserError
 from memfit.settings.config import RunConfig
-from memfit.training import checkpoint
 from memfit.training.loop import run_training
+from memfit.training.runfolder import checkpoint
 
 
 def _losses(out):

@@ -33,8 +33,8 @@ def test_every_estimate_flag_is_a_control_with_the_cli_help():
     by_key = {c["key"]: c for c in controls}
     assert by_key["mixed_precision"]["choices"] == ["no", "fp16", "bf16"]
     assert by_key["grad_checkpointing"] == {**by_key["grad_checkpointing"], "kind": "bool", "default": False}
-    assert by_key["seq_len"]["default"] == 256 and by_key["seq_len"]["kind"] == "int"
-    assert [c["default"] for c in form.plan_controls()] == [None, 16]  # plan's own --batch default
+    assert by_key["seq_len"]["default"] == 128 and by_key["seq_len"]["kind"] == "int"  # estimate's, train's
+    assert [c["default"] for c in form.plan_controls()] == [None, 4]  # plan's --batch: train's micro-batch x 1
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ Run: the breakdown, the plan, the training.
   (``training.setup``); ``check_inputs(model, data, revision)``: a missing or mistyped model or data path
   refused from the file system alone, before torch loads (``training.inputs``); ``check_not_a_run_file(path,
   flag_name=...)``: refuse another command's output file at a name a training run writes in its folder
-  (``training.runfolder``; ``memfit plan --output``).
+  (``training.runfolder``; ``memfit plan --output``); ``seq_len_as_train(model, data, run, context=...)``: the
+  ``--seq-len`` train would run when none is given (``training.derived``; estimate's and plan's default).
 - ``preview_record(config, index)``: one training record as the model sees it, loss mask marked
   (``data.prep``; ``memfit data preview``).
 
@@ -69,7 +70,7 @@ from memfit.integrations.versions import MEMFIT as __version__
 
 #: Public name -> (module, name there): the one list of the public API (``__all__`` is made from it, and
 #: tests/test_layers.py reads it as the imports it makes). Looked up on each access, not cached: the module's
-#: current attribute is what a caller gets (a test that patches ``memfit.training.loop.run_training`` is seen).
+#: current attribute is what a caller gets (a test that patches ``memfit.training.loop.train`` is seen).
 _PUBLIC = {
     "estimate": ("memfit.memory.estimate", "estimate"),
     "compare": ("memfit.memory.estimate", "compare"),
@@ -86,7 +87,8 @@ _PUBLIC = {
     "check_equivalence": ("memfit.training.equivalence", "check_equivalence"),
     "default_precision": ("memfit.training.setup", "default_precision"),
     "check_inputs": ("memfit.training.inputs", "check_inputs"),
-    "check_not_a_run_file": ("memfit.training.runfolder", "check_not_a_run_file"),
+    "check_not_a_run_file": ("memfit.training.runfolder.folder", "check_not_a_run_file"),
+    "seq_len_as_train": ("memfit.training.derived", "seq_len_as_train"),
     "preview_record": ("memfit.data.prep", "preview_record"),
     "load_spec": ("memfit.spec.model", "load_spec"),
     "check_seq_len": ("memfit.spec.model", "check_seq_len"),

@@ -6,15 +6,22 @@ import json
 from pathlib import Path
 
 import click
+from rich.console import Console
 
+import memfit  # the public API, each name imported on first use (memfit.estimate: ~0.9 s, on a call only)
 from memfit.cli.interop import from_options, read_from, show_reading
-from memfit.cli.options import flags, memory_options, run_config_from
+from memfit.cli.options import explicit, flags, memory_options, run_config_from
 from memfit.errors import UserError
-from memfit.settings.config import TrainConfig
-from memfit.settings.defaults import SHAPES
+from memfit.report.fit import dropped_note
+from memfit.report.plots import plot_breakdowns
+from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
+from memfit.settings.config import TrainConfig, check_lora_options
+from memfit.settings.defaults import SHAPE
+from memfit.settings.validate import check_writable_target
+from memfit.units import fmt_count
 
 
-@click.command("estimate", epilog="Defaults: " + SHAPES["estimate"],
+@click.command("estimate", epilog="Defaults: " + SHAPE,
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.argument("model", required=False)
 @flags(TrainConfig, "estimate")  # --revision, --trust-remote-code
@@ -47,50 +54,50 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
       memfit estimate Qwen/Qwen2.5-0.5B-Instruct --lora-r 16 --seq-len 2048
       memfit estimate --from axolotl.yml        # also TRL/Trainer, LLaMA-Factory, torchtune files
     """
-    from memfit import check_seq_len, device_phases, estimate, load_spec, progress_bars
-    from memfit import compare as compare_regimes
-    from memfit.cli.options import explicit
-    from memfit.settings.config import check_lora_options
-
-    typed = explicit(click.get_current_context(), kwargs)
     reading = read_from(from_path, from_format)
-    if reading is None:
-        if model is None:
-            raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-        check_lora_options(typed, "lora_r" in typed)
-        run = run_config_from(kwargs)
-    else:
-        run = reading.with_flags(typed)
+    run, typed = _run_of(model, reading, kwargs)
     if timeline_path and not exact:
         raise UserError("--timeline plots the exact trace; add --exact.")
     if exact and compare:
         raise UserError("--exact and --compare cannot be combined; the comparison is analytic.")
-    from memfit.settings.validate import check_writable_target
-
     for flag_name, path in (("--plot", plot_path), ("--timeline", timeline_path)):
         if path:  # before the work: a figure that cannot be written is found out first
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
-    with progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
-        spec = load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
-    check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
+    with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
+        spec = memfit.load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code)
+        note = None
+        if reading is None and "seq_len" not in typed:  # the length train would run (memfit.settings.defaults.SHAPE)
+            run, note = memfit.seq_len_as_train(model, kwargs.get("data"), run, context=spec.max_position_embeddings,
+                                                tokenizer=kwargs.get("tokenizer"), revision=revision,
+                                                trust_remote_code=trust_remote_code)
+    memfit.check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
     engine = reading.engine if reading is not None else "fsdp2"  # a DeepSpeed launch: its own layout
     stack = reading.stack if reading is not None else None  # the trainer and versions that run the file
     if compare:
-        rows = compare_regimes(spec, run, device=device, engine=engine, stack=stack)
+        rows = memfit.compare(spec, run, device=device, engine=engine, stack=stack)
     elif exact:
         rows = [("exact", _exact(model, spec, run, device, timeline_path, stack))]
     else:
-        rows = [("analytic", estimate(spec, run, device=device, engine=engine, stack=stack))]
+        rows = [("analytic", memfit.estimate(spec, run, device=device, engine=engine, stack=stack))]
     if plot_path:
-        from memfit.report.plots import plot_breakdowns
-
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    phases = None if compare else device_phases(spec, run, rows[0][1], device)  # loading to the last save
-    _render(spec, run, rows, compare, as_json, plot_path, reading, phases)
+    phases = None if compare else memfit.device_phases(spec, run, rows[0][1], device)  # loading to the last save
+    _render(spec, run, rows, compare, as_json, plot_path, reading, note, phases)
+
+
+def _run_of(model, reading, kwargs):
+    """``(run, typed)``: the run the flags (over ``--from``'s file) describe, and the flags the user typed."""
+    typed = explicit(click.get_current_context(), kwargs)
+    if reading is not None:
+        return reading.with_flags(typed), typed
+    if model is None:
+        raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
+    check_lora_options(typed, "lora_r" in typed)
+    return run_config_from(kwargs), typed
 
 
 def _exact(model, spec, run, device, timeline_path, stack=None):
-    try:
+    try:  # imported here: an install without memfit.memory.trace gets one sentence, not an ImportError
         from memfit import trace
     except ImportError:
         raise UserError("--exact needs memfit.memory.trace, which this install lacks.") from None
@@ -105,7 +112,7 @@ def _exact(model, spec, run, device, timeline_path, stack=None):
     return breakdown
 
 
-def _render(spec, run, rows, compare, as_json, plot_path, reading=None, phases=None) -> None:
+def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=None, phases=None) -> None:
     if as_json:
         payload = {"model": spec.name, "config": run.to_flat(), **({"from": reading.to_dict(run)} if reading else {})}
         if compare:
@@ -120,12 +127,6 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, phases=N
             payload["across_nodes"] = [t.to_dict() for t in rank_layouts(spec, run)]
         click.echo(json.dumps(payload, indent=2))
         return
-    from rich.console import Console
-
-    from memfit.report.fit import dropped_note
-    from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
-    from memfit.units import fmt_count
-
     console = Console()
     head = (f"{spec.name}: {fmt_count(spec.params)} params, seq {run.seq_len} x micro-batch {run.micro_batch} "
             f"= {run.seq_len * run.micro_batch:,} tokens per micro-batch")
@@ -155,11 +156,11 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, phases=N
                 console.print(f"[dim]{dropped_note(dropped)}[/]")
     if reading is not None:
         show_reading(console, reading, run)
+    if note:
+        console.print(f"[dim]{note}[/]")
     if plot_path:
         console.print(f"plot written to {plot_path}")
 
 
 def _regime_config(run, name):
-    from memfit import classic_regimes
-
-    return dict(classic_regimes(run))[name].to_flat()
+    return dict(memfit.classic_regimes(run))[name].to_flat()

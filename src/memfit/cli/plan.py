@@ -7,14 +7,24 @@ import time
 from pathlib import Path
 
 import click
+import yaml
+from rich.console import Console
 
-from memfit.cli.interop import from_options, read_from
+import memfit  # the public API, each name imported on first use (memfit.plan: ~0.85 s, on a call only)
+from memfit.cli.interop import from_options, read_from, show_reading
 from memfit.cli.options import explicit, flags, memory_options, with_options
 from memfit.cli.plan_nodes import cluster_shape, node_payload, print_node_launch, print_nodes
 from memfit.errors import UserError, printable
 from memfit.files import write_text_atomic
-from memfit.settings.config import Loss, Offload, TrainConfig
-from memfit.settings.defaults import SHAPES
+from memfit.report.fit import dropped_note
+from memfit.report.plan_table import emit_header, plan_table, ranking_note
+from memfit.report.runs import describe, shell_lines
+from memfit.settings.config import Loss, Offload, RunConfig, TrainConfig, check_lora_options
+from memfit.settings.defaults import SHAPE
+from memfit.settings.validate import check_writable_target, number
+from memfit.units import fmt_gib, parse_size
+
+_DEFAULT = click.core.ParameterSource.DEFAULT
 
 EPILOG = """\b
 Examples:
@@ -32,7 +42,7 @@ Settings not given are chosen by the planner; the effective batch (--batch seque
 step) is kept exact: micro-batch x grad-accum x processes = batch. Plans whose predicted peak plus
 the safety margin (--margin) fits the budget are ranked by a step-time model (tokens/s).
 
-Defaults: """ + SHAPES["plan"] + "\n"
+Defaults: """ + SHAPE + "\n"
 
 
 #: plan's flags that are no setting of the schema: the machine, the search and its output.
@@ -84,26 +94,25 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
             accelerate_config, maximize, emit, from_path, from_format, gpus_per_node, max_nodes, internode_gbs,
             **pins):
     """The fastest configuration of a training run that fits a memory budget (of MODEL, or of --from FILE)."""
-    import memfit
-
     margin = _checked_inputs(top, margin, output, emit, pins)
     reading = read_from(from_path, from_format)
     if reading is not None:
         seq_len, batch, num_processes, pins = _shape_from(reading, seq_len, batch, num_processes, pins)
     elif model is None:
         raise UserError("Give MODEL (a preset, a model folder or a Hub id) or --from FILE.")
-    adapt = engine_of = stack = None
-    if emit or reading is not None:  # the candidates as the tool runs them, each on the tool's engine
-        tool = emit[0] if emit else reading.tool
-        adapt, engine_of = memfit.config_realizer(tool), memfit.config_engine(tool)
-        stack = memfit.config_stack(tool, reading)
+    adapt, engine_of, stack = _as_the_tool_runs(emit, reading)
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     cluster = cluster_shape(pins.pop("nodes"), num_processes, gpus_per_node, max_nodes, internode_gbs, maximize)
+    data, tokenizer = pins.pop("data", None), pins.pop("tokenizer", None)  # --from: the file's shape
     constraints = memfit.Constraints.from_flat(pins)
     device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
         # reading the architecture is not part of the search
         spec = memfit.load_spec(model, revision=revision) if model else reading.spec()
+    note = None
+    if reading is None and maximize != "seq-len" and click.get_current_context().get_parameter_source("seq_len") is _DEFAULT:
+        seq_len, note = _length_as_train(model, spec, RunConfig.of(seq_len=seq_len, method=method), data, tokenizer,
+                                         revision, quiet=as_json)
     memfit.check_seq_len(seq_len, spec.max_position_embeddings)  # a plan train would refuse is no plan
     started = time.perf_counter()
     result = _search(spec, budget, maximize, dict(seq_len=seq_len, batch=batch, num_processes=num_processes,
@@ -127,11 +136,9 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
                               indent=2))
         return
     _print(result, top or None, elapsed, output, maximize)
+    if note:
+        click.echo(note)
     if reading is not None:
-        from rich.console import Console
-
-        from memfit.cli.interop import show_reading
-
         show_reading(Console(), reading, reading.run.replace(num_processes=num_processes))
     if emit:
         click.echo(f"Wrote {printable(emit[1])} ({emit[0]} config of the chosen plan).")
@@ -142,6 +149,23 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
         print_node_launch(across, model or reading.model, revision)
 
 
+def _as_the_tool_runs(emit, reading):
+    """``(adapt, engine_of, stack)``: with --emit or --from, the candidates as that tool runs them, each on the tool's
+    engine and priced on its stack; else memfit's own (None each)."""
+    if not emit and reading is None:
+        return None, None, None
+    tool = emit[0] if emit else reading.tool
+    return memfit.config_realizer(tool), memfit.config_engine(tool), memfit.config_stack(tool, reading)
+
+
+def _length_as_train(model, spec, run, data, tokenizer, revision, *, quiet: bool):
+    """``(seq_len, note)``: the length train would run (``memfit.settings.defaults.SHAPE``), and where it came from."""
+    with memfit.progress_bars(not quiet):  # --data: its tokenizer and records, as train reads them
+        shaped, note = memfit.seq_len_as_train(model, data, run, context=spec.max_position_embeddings,
+                                               tokenizer=tokenizer, revision=revision)
+    return shaped.seq_len, note
+
+
 def _print_launch(command_line: str | None, accelerate_config: str | None, config_file: str,
                   written: list | None = None) -> None:
     """How to run the chosen plan (None: TRL's loss, which memfit prices but does not train with)."""
@@ -149,7 +173,6 @@ def _print_launch(command_line: str | None, accelerate_config: str | None, confi
         click.echo("Launch: with TRL's SFTTrainer (memfit prices its loss, --loss trl, but does not train with it; "
                    "--emit trl FILE writes the plan as its config).")
         return
-    from memfit.report.runs import shell_lines
 
     click.echo("Launch:\n" + shell_lines(command_line))
     if accelerate_config:
@@ -162,8 +185,6 @@ def _print_launch(command_line: str | None, accelerate_config: str | None, confi
 def _search(spec, budget, maximize: str | None, shape: dict, cluster: dict | None = None):
     """The planner's answer: the fastest plans that fit, or with ``--maximize`` the longest sequence
     (largest micro-batch) that fits per technique (``memfit.maximize``: no preference method, no --emit)."""
-    import memfit
-
     if shape["safety_margin"] is None:
         shape["safety_margin"] = memfit.SAFETY_MARGIN
     if maximize:
@@ -181,30 +202,21 @@ def _checked_inputs(top: int, margin, output, emit, pins: dict):
     if top < 0:
         raise UserError(f"--top must be 0 (all) or positive, got {top}.")
     if margin is not None:
-        from memfit.settings.validate import number
-
         margin = number("margin", margin, low=0.0, high=10.0, what="a finite number from 0 to 10")
-    from memfit.settings.config import check_lora_options
 
     # without --full (or with --lora-r) the planner may choose LoRA, with these options
     check_lora_options({k for k, v in pins.items() if v is not None},
                        pins.get("lora_r") is not None or not pins.get("full"))
     if output:  # before the search: a plan that cannot be written is not worth computing
-        from memfit.settings.validate import check_writable_target
 
         check_writable_target(Path(output), flag_name="--output", is_dir=False)
-        import memfit
 
         memfit.check_not_a_run_file(Path(output), flag_name="--output")
     pins["allow_quantize"] = not pins.pop("no_quantize")
     pins["allow_offload"] = not pins.pop("no_offload")
     if pins.get("host_memory") is not None:
-        from memfit.units import parse_size
-
         pins["host_memory"] = parse_size(pins["host_memory"])
     if emit:
-        from memfit.settings.validate import check_writable_target
-
         check_writable_target(Path(emit[1]), flag_name="--emit", is_dir=False)
     return margin
 
@@ -222,19 +234,10 @@ def _shape_from(reading, seq_len, batch, num_processes, pins: dict):
 
 def _write_emitted(emit, result, model, reading) -> None:
     """``--emit TOOL FILE``: the chosen plan as that tool's configuration, with a header saying how to check it."""
-    import memfit
-    from memfit.report.plan_table import emit_header
-
     memfit.write_config(emit[0], emit[1], model, result.best.config, reading, emit_header(result))
 
 
 def _print(result, top, elapsed: float, output, maximize: str | None = None) -> None:
-    from rich.console import Console
-
-    from memfit.report.plan_table import plan_table, ranking_note
-    from memfit.report.runs import describe
-    from memfit.units import fmt_gib
-
     console = Console()
     best = result.best
     tokens = best.config.tokens_per_step()
@@ -250,19 +253,13 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
     for line in result.notes:  # a mixture-of-experts model's routing margin, LoRA parts, expert split
         console.print(line, highlight=False)
     if maximize:
-        from memfit import largest_note
-
-        console.print(largest_note(result, maximize), highlight=False)
+        console.print(memfit.largest_note(result, maximize), highlight=False)
     if best.config.offload is not Offload.NONE:
-        from memfit import host_bytes
-
-        console.print(f"Host RAM: {fmt_gib(host_bytes(result.spec, best.config))} per machine (offloaded state and "
+        console.print(f"Host RAM: {fmt_gib(memfit.host_bytes(result.spec, best.config))} per machine (offloaded state and "
                       "rollback snapshot of all ranks; --host-memory checks it).", highlight=False)
     if result.gpu is not None and not result.gpu.listed:
         console.print(f"{result.gpu.name} is not in the GPU table: its speeds are the reference GPU's.")
     if dropped:
-        from memfit.report.fit import dropped_note
-
         console.print(dropped_note(dropped), style="dim")
     if output:
         train_with = "" if best.config.loss is Loss.TRL else f"; train with: memfit train --config {output}"
@@ -271,10 +268,6 @@ def _print(result, top, elapsed: float, output, maximize: str | None = None) -> 
 
 def write_plan_yaml(result, path: Path, revision: str | None = None) -> None:
     """The chosen plan as flat train flags (``RunConfig.to_flat()`` + ``model``), written atomically."""
-    import yaml
-
-    from memfit.units import fmt_gib
-
     best = result.best
     data = {"model": result.model, **({"revision": revision} if revision else {}), **best.config.to_flat()}
     header = (f"# memfit plan: predicted peak {fmt_gib(best.peak_bytes)} of a {fmt_gib(result.budget_bytes)} "

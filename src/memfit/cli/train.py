@@ -11,7 +11,7 @@ import click
 from memfit.cli.options import MEMORY_KEYS, explicit, flags, memory_options, with_options
 from memfit.errors import printable
 from memfit.settings.config import TrainConfig, check_lora_options
-from memfit.settings.defaults import SHAPES
+from memfit.settings.defaults import SHAPE
 
 EPILOG = """\b
 Examples:
@@ -29,7 +29,7 @@ Examples:
   accelerate launch --num_processes 2 -m memfit train         # data-parallel on 2 GPUs
   ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m memfit train   # 2 CPU processes
 
-Defaults: """ + SHAPES["train"] + """ The preamble names every default derived from your data or method."""
+Defaults: """ + SHAPE + """ The preamble names every default derived from your data or method."""
 
 
 #: train's flags that are no setting of the schema: how this invocation reads its settings.

@@ -4,8 +4,8 @@ Every source of ``memfit train`` comes here (``memfit.data.sources.load_parts``:
 .csv, .parquet, .arrow, ``save_to_disk`` folders, Hub ids), so a corpus larger than RAM trains: each
 step below is an Arrow table on disk, memory-mapped, read a batch or a row at a time, never whole.
 
-1. ``map``: every record -> ``input_ids``/``labels`` (the same ``memfit.data.dataset`` encoding as the
-   in-memory path, chat templates included), cached by ``datasets`` under the source's cache folder
+1. ``map``: every record -> ``input_ids``/``labels`` (``memfit.data.dataset``'s encoding, chat templates
+   included), cached by ``datasets`` under the source's cache folder
    with a fingerprint of the function, the tokenizer and the options; a second run on the same data
    and tokenizer reuses it (and ``--num-proc N`` runs it in N processes). Token ids are stored as
    int16 when the vocabulary allows (int32 otherwise): 2 bytes a token, not Arrow's default 8.
@@ -28,11 +28,27 @@ unigram baseline reads its labels in batches (``ArrowRows.target_batches``).
 from __future__ import annotations
 
 import hashlib
+import importlib
+import os
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets import Features, List, Value
+from datasets.arrow_writer import ArrowWriter
+from datasets.fingerprint import Hasher
+from datasets.table import ConcatenationTable, MemoryMappedTable
+
+import memfit.data.packing
+from memfit.data import fast as data_fast
+from memfit.data.dataset import TokenizedData, count_targets, encode_docs, record_to_example, split_indices
+from memfit.data.packing import one_array, pack_arrow_documents, pack_concat, pack_documents, pack_truncated
 from memfit.errors import UserError
+from memfit.settings.config import parse_packing
 
 BATCH_ROWS = 1000
 """Rows per batch when a table is read through (``datasets``' default writer batch)."""
@@ -64,10 +80,6 @@ class ArrowRows(Sequence):
     def target_counts(self):
         """``memfit.data.dataset.target_counts`` of these rows, kept next to their Arrow file (``<file>.targets.npy``)
         so that a second run on the same cached table does not read it through again."""
-        import numpy as np
-
-        from memfit.data.dataset import count_targets
-
         files = _plain_files(self.ds)
         cached = Path(files[0] + ".targets.npy") if files else None
         if cached is not None and cached.is_file():
@@ -85,8 +97,6 @@ class ArrowRows(Sequence):
     def target_batches(self):
         """The targets of each batch of rows (labels after the causal shift that are not -100) as a flat
         int64 numpy array, read through Arrow (no Python object per token)."""
-        import pyarrow.compute as pc
-
         if not len(self.ds):
             return
         for batch in stream_batches(self.ds, ["labels"]):
@@ -99,8 +109,6 @@ class ArrowRows(Sequence):
 def _load_counts(path: Path):
     """The counts saved at ``path``, or None when the file is damaged (truncated, another dtype, a pickle,
     negative counts): the cache is memfit's, so it is rebuilt, never reported as the user's problem."""
-    import numpy as np
-
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError):
@@ -113,8 +121,6 @@ def _load_counts(path: Path):
 def cache_damage(err: BaseException) -> bool:
     """Whether ``err`` (raised while ``datasets`` opened or wrote its cache) says a cached Arrow file is
     damaged: pyarrow's invalid-file errors and short reads (a truncated or overwritten cache file)."""
-    import pyarrow as pa
-
     while err is not None:
         if isinstance(err, (pa.ArrowInvalid, pa.ArrowIOError, EOFError)):
             return True
@@ -130,17 +136,11 @@ ENCODER_MODULES = ("memfit.data.dataset", "memfit.data.formats", "memfit.data.so
 def code_fingerprint(*keys) -> str:
     """A ``datasets`` fingerprint over ``keys`` and memfit's data code (``datasets`` hashes a module-level
     function by reference, so without the code an upgraded memfit would reuse a cache its old code wrote)."""
-    import importlib
-
-    from datasets.fingerprint import Hasher
-
     code = "".join(Path(importlib.import_module(name).__file__).read_text() for name in ENCODER_MODULES)
     return Hasher.hash((keys, code))
 
 def _plain_files(ds) -> list[str] | None:
     """The Arrow files ``ds`` is exactly (all their rows, in order, no selection), or None."""
-    from datasets.table import ConcatenationTable, MemoryMappedTable
-
     if ds._indices is not None:
         return None
     table = ds._data
@@ -163,8 +163,6 @@ def stream_batches(ds, columns: list[str]):
     (``pyarrow.OSFile``): one batch in memory at a time and no file page left mapped in the process (see
     the module docstring). A dataset that is not exactly its files (in memory, a selection of rows) is
     read with ``Dataset.iter`` instead."""
-    import pyarrow as pa
-
     files = _plain_files(ds)
     if files is None:
         yield from ds.with_format("arrow").select_columns(columns).iter(batch_size=BATCH_ROWS)
@@ -184,9 +182,6 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
                   byte_offset: int | None = None):
     """One batch of records -> the encoded table (``memfit.data.fast``: the byte tokenizer's numpy path for
     plain text when ``byte_offset`` is set, else memfit's reference encoding turned into Arrow columns)."""
-    from memfit.data import fast as data_fast
-    from memfit.data.dataset import _encode_docs, record_to_example
-
     id_type = token_type(len(tokenizer))
     if byte_offset is not None:
         texts = data_fast.plain_texts(batch, fmt, fields)
@@ -198,22 +193,18 @@ def _encode_batch(batch: dict, indices: list[int], *, tokenizer, fmt, fields, tr
     rows = [{c: batch[c][i] for c in columns} for i in range(len(indices))]
     examples = [record_to_example(row, f"{where} row {idx + 1}", fmt, fields)
                 for row, idx in zip(rows, indices, strict=True)]
-    return data_fast.docs_table(_encode_docs(examples, tokenizer, train_on_prompt), id_type)
+    return data_fast.docs_table(encode_docs(examples, tokenizer, train_on_prompt), id_type)
 
 
 def _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt) -> str:
     """The cache key of step 1: the source, the tokenizer (vocabulary and chat template), the options,
     and memfit's encoding code (``code_fingerprint``)."""
-    from datasets.fingerprint import Hasher
-
 
     return code_fingerprint(ds._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None),
                              fmt, fields, train_on_prompt)
 
 
 def _encoded_features(tokenizer):
-    from datasets import Features, List, Value
-
     ids = token_type(len(tokenizer))
     return Features({"input_ids": List(Value(ids)), "labels": List(Value(ids)), "conversation": Value("bool"),
                      "length": Value("int64")})
@@ -221,10 +212,8 @@ def _encoded_features(tokenizer):
 
 def encode_dataset(ds, tokenizer, *, fmt, fields, train_on_prompt: bool, num_proc: int, where: str):
     """Step 1: the records of ``ds`` encoded, one row per document (cached; see the module docstring)."""
-    from memfit.data.fast import byte_offset
-
     encode = partial(_encode_batch, tokenizer=tokenizer, fmt=fmt, fields=fields,
-                     train_on_prompt=train_on_prompt, where=where, byte_offset=byte_offset(tokenizer))
+                     train_on_prompt=train_on_prompt, where=where, byte_offset=data_fast.byte_offset(tokenizer))
     fingerprint = _encoding_fingerprint(ds, tokenizer, fmt, fields, train_on_prompt)
 
     def run(from_cache: bool):
@@ -267,20 +256,31 @@ def tokenize_dataset(ds, tokenizer, *, seq_len: int, packing, eval_fraction: flo
 def encode_parts(parts, tokenizer, *, train_on_prompt: bool, num_proc: int):
     """Step 1 over the parts of one source (``(dataset, where, fmt, fields)`` each): one encoded table,
     one row per document in corpus order, with its ``length`` in tokens (cached by ``datasets``)."""
-    import datasets
-
     encoded = [encode_dataset(part, tokenizer, fmt=part_fmt, fields=part_fields, train_on_prompt=train_on_prompt,
                               num_proc=num_proc, where=name) for part, name, part_fmt, part_fields in parts]
     return encoded[0] if len(encoded) == 1 else datasets.concatenate_datasets(encoded)
 
 
 def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: int, truncate: bool = False):
-    """Steps 2-3 on an encoded table (one row per document); ``truncate``: ``memfit.data.dataset.tokenize``'s."""
-    import numpy as np
+    """Steps 2-3 on an encoded table (one row per document): split, then pack (or truncate) into training rows.
 
-    from memfit.data.dataset import TokenizedData, split_indices
-    from memfit.settings.config import parse_packing
+    **Split first.** Held-out documents are chosen (``memfit.data.dataset.split_indices``) before anything is
+    packed, so no text of a held-out document appears in a training sequence.
 
+    **Conversations** longer than ``seq_len`` are dropped (a cut conversation would train on a reply whose
+    question is gone, or lose the reply's end-of-turn); with ``truncate``, those whose first ``seq_len``
+    tokens hold a target are kept cut to them (the start of the conversation: its first turns stay whole,
+    the question before each kept reply too).
+
+    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
+    per row with position ids restarting at 0 each, so no document attends to another; see
+    ``memfit.data.packing`` for the rule and a worked example.
+
+    **Concatenation** (``packing="concat"``) and **no packing** (``packing="none"``): ``memfit.data.packing.pack_concat``
+    and ``memfit.data.packing.pack_truncated`` (the rules, and a worked example of concat).
+    """
+    if seq_len < 2:
+        raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
     mode = parse_packing(packing)
     n_docs = len(encoded)
     _, eval_idx = split_indices(n_docs, eval_fraction, seed)
@@ -301,9 +301,6 @@ def pack_encoded(encoded, *, seq_len: int, packing, eval_fraction: float, seed: 
 def _target_within(encoded, mask, seq_len: int):
     """Per document, whether its first ``seq_len`` tokens hold a target (a label after the causal shift
     that is not -100); read for the documents of ``mask`` only (False for the others)."""
-    import numpy as np
-    import pyarrow.compute as pc
-
     out = np.zeros(len(mask), dtype=bool)
     if not mask.any():
         return out
@@ -320,8 +317,6 @@ def _target_within(encoded, mask, seq_len: int):
 
 
 def _packed_features(encoded, mode: str, seq_len: int):
-    from datasets import Features, List, Value
-
     ids = encoded.features["input_ids"].feature.dtype
     columns = {"input_ids": List(Value(ids)), "labels": List(Value(ids))}
     if mode == "documents":
@@ -334,14 +329,8 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
     (``memfit-packed/<key>.arrow``, written by ``datasets``' ``ArrowWriter`` and read back memory-mapped);
     the key covers step 1's fingerprint, the masks, the packing settings and the packer's source, so a
     second run reuses it. The documents of ``cut`` (a boolean mask, or None) are cut to ``seq_len`` first."""
-    import os
-
-    import datasets
-    from datasets.arrow_writer import ArrowWriter
-
     if not keep.any():
         return datasets.Dataset.from_dict({"input_ids": [], "labels": []})
-    import memfit.data.packing
 
     packer = Path(memfit.data.packing.__file__).read_bytes()  # a changed packer never reuses an old packed file
     cuts = cut.tobytes() if cut is not None and cut.any() else b""  # no cut: the key of a run without --truncate
@@ -373,10 +362,6 @@ def _pack_split(encoded, keep, seq_len: int, mode, name: str, cut=None):
 def _packed_batches(encoded, keep, seq_len: int, mode: str, cut=None):
     """Tables of packed rows: ``documents`` with numpy (``memfit.data.packing.pack_arrow_documents``), the
     others row by row in Python."""
-    import pyarrow as pa
-
-    from memfit.data.packing import pack_arrow_documents
-
     cut = (cut, seq_len) if cut is not None and cut.any() else None
     if mode == "documents":
         for batch in pack_arrow_documents(_kept_batches(encoded, keep, cut=cut), seq_len, rows_per_batch=BATCH_ROWS):
@@ -396,8 +381,6 @@ def _packed_batches(encoded, keep, seq_len: int, mode: str, cut=None):
 def _kept_batches(encoded, keep, *, columns=("input_ids", "labels"), cut=None):
     """Record batches (``columns``) of the documents ``keep`` marks, in corpus order; ``cut``: a
     ``(mask, seq_len)`` whose documents are cut to their first ``seq_len`` tokens."""
-    import pyarrow as pa
-
     start = 0
     for batch in stream_batches(encoded, list(columns)):
         mask = keep[start : start + batch.num_rows]
@@ -410,14 +393,9 @@ def _kept_batches(encoded, keep, *, columns=("input_ids", "labels"), cut=None):
 
 def _cut_rows(batch, rows, seq_len: int):
     """``batch`` with the lists of the ``rows`` it marks (every column) cut to their first ``seq_len`` items."""
-    import numpy as np
-    import pyarrow as pa
-
-    from memfit.data.packing import _one_array
-
     columns = []
     for column in batch.columns:
-        column = _one_array(column)
+        column = one_array(column)
         offsets = column.offsets.to_numpy()
         lengths = np.diff(offsets)
         new_lengths = np.where(rows, np.minimum(lengths, seq_len), lengths)
@@ -435,26 +413,5 @@ def _kept_docs(encoded, keep, cut=None):
 
 
 def _rows(docs, seq_len: int, mode: str):
-    from memfit.data.dataset import _n_targets
-    from memfit.data.packing import pack_documents
-
-    if mode == "documents":
-        yield from pack_documents(docs, seq_len)
-    elif mode == "none":
-        for ids, labels in docs:
-            row = {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
-            if _n_targets(row["labels"]) > 0:
-                yield row
-    else:  # concat: one stream cut every seq_len tokens, streamed
-        ids_buf: list[int] = []
-        lab_buf: list[int] = []
-        for ids, labels in docs:
-            ids_buf += ids
-            lab_buf += labels
-            while len(ids_buf) >= seq_len:
-                row = {"input_ids": ids_buf[:seq_len], "labels": lab_buf[:seq_len]}
-                del ids_buf[:seq_len], lab_buf[:seq_len]
-                if _n_targets(row["labels"]) > 0:
-                    yield row
-        if ids_buf and _n_targets(lab_buf) > 0:
-            yield {"input_ids": ids_buf, "labels": lab_buf}
+    pack = {"documents": pack_documents, "none": pack_truncated, "concat": pack_concat}[mode]
+    yield from pack(docs, seq_len)

@@ -1,16 +1,16 @@
 """Training data: loading, the built-in byte-level tokenizer, tokenization, packing, label masks.
 
-The pipeline is ``data_sources.load_examples`` -> ``tokenize`` (held-out split by document, then packing or
-truncation, with loss masks in ``labels``) -> ``collate`` (right padding). ``count_target_tokens``
-is the normaliser of the training loss (issue 6) and ``unigram_loss`` the baseline to beat.
+The pipeline users run is ``memfit.data.prep`` -> ``memfit.data.arrow`` (records encoded here by ``encode_docs``,
+the held-out split by document of ``split_indices``, then packing or truncation, with loss masks in ``labels``)
+-> ``collate`` (right padding). ``count_target_tokens`` is the normaliser of the training loss (issue 6) and
+``unigram_loss`` the baseline to beat.
 
 Label convention (the Hugging Face one): ``labels`` has the same length as ``input_ids``; the
 model shifts internally, so ``labels[t]`` is the target of the prediction made at position
 ``t - 1``. ``-100`` marks a position that carries no loss (prompt tokens, padding).
 
-Size: over 500 lines, and ``tokenize`` over 60, because the label convention, the byte tokenizer and the
-collation that depend on it are kept in one place; ``tokenize`` is one pass over a record whose branches
-(text, prompt/completion, conversation turns) share the same truncation and masking rules.
+Size: near 500 lines, because the label convention, the byte tokenizer and the collation that depend on it
+are kept in one place.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from memfit import textfiles
+from memfit.data.formats import BYTE_CHAT_TEMPLATE, Fields, detect_format, encode_conversation, to_messages
 from memfit.errors import UserError
 from memfit.files import user_path
-
-if TYPE_CHECKING:
-    import numpy as np
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (``torch.nn.CrossEntropyLoss``'s default ``ignore_index``)."""
@@ -116,8 +115,6 @@ def load_local_examples(path: str | os.PathLike | None, *, fmt: str | None = Non
         UserError: a missing path, an empty file or folder, a malformed JSONL line (file and line
             named), a record with neither text nor prompt/completion, an unsupported file type.
     """
-    from memfit.data.formats import Fields
-
     fields = fields or Fields()
     root = default_corpus_path() if path is None else user_path(path)
     if not root.exists():
@@ -145,7 +142,6 @@ def _load_file(path: Path, fmt: str | None = None, fields=None) -> list[Example]
         raise UserError(
             f"{path} is a {path.suffix or 'suffix-less'} file; --data takes .txt, .jsonl, .json, .csv, .parquet, .arrow or a folder of them."
         )
-    from memfit import textfiles
 
     text = textfiles.read_text(path, what="Data file")  # UTF-8 (a byte-order mark tolerated), not binary
     examples = _parse_txt(text) if path.suffix.lower() == ".txt" else _parse_jsonl(text, path, fmt, fields)
@@ -195,8 +191,6 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
     Training reads ``.txt``/``.jsonl`` through ``datasets`` (``memfit.data.sources``), whose errors name
     neither; on an error, this streams the file once (a line, or 1 MiB of text, at a time) to say where."""
-    from memfit import textfiles
-
     try:
         textfiles.refuse_binary(path)
         textfiles.check_utf8_stream(path)  # the line and byte offset of a byte that is not UTF-8
@@ -210,8 +204,6 @@ def find_bad_input(path: Path, fmt: str | None = None, fields=None) -> None:
 
 def record_to_example(record: object, where: str, fmt: str | None = None, fields=None) -> Example:
     """One record (a JSON object or a table row) as an ``Example``, in its detected or forced format."""
-    from memfit.data.formats import Fields, detect_format, to_messages
-
     fields = fields or Fields()
     if not isinstance(record, dict):
         raise UserError(
@@ -256,6 +248,7 @@ def byte_tokenizer():
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` that ``save_pretrained`` can write.
     """
+    # transformers: ~7.7 s to import on this machine (python -X importtime), paid only by who builds a tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -267,7 +260,6 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     pad, bos, eos = BYTE_SPECIALS
-    from memfit.data.formats import BYTE_CHAT_TEMPLATE
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -300,7 +292,7 @@ def load_tokenizer(tokenizer: str | None, model: str, *, is_preset: bool, trust_
                         f"Tokenizer folder {source} is not a folder; pass --tokenizer DIR (or --tokenizer byte).")
     if not any((source / name).is_file() for name in _TOKENIZER_FILES):
         raise UserError(f"{source} holds no tokenizer files; pass --tokenizer DIR (or --tokenizer byte).")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # ~7.7 s to import: only when a tokenizer is loaded
 
     try:
         tok = AutoTokenizer.from_pretrained(
@@ -351,8 +343,6 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
 def split_indices(n_docs: int, eval_fraction: float, seed: int):
     """``split_documents`` as two int64 numpy arrays (8 bytes a document, not a Python int each: a corpus
     of millions of documents is split without a list of millions of objects)."""
-    import numpy as np
-
     if not 0.0 <= eval_fraction < 1.0:
         raise UserError(f"The eval fraction must be in [0, 1); got {eval_fraction}.")
     n_eval = 0
@@ -364,103 +354,13 @@ def split_indices(n_docs: int, eval_fraction: float, seed: int):
     return np.flatnonzero(keep).astype(np.int64), held
 
 
-def tokenize(
-    examples: Sequence[Example], tokenizer, *, seq_len: int, packing, eval_fraction: float, seed: int,
-    train_on_prompt: bool = False, truncate: bool = False,
-) -> TokenizedData:
-    """Split by document, tokenize, then pack (or truncate) into training sequences with loss masks.
-
-    **Split first.** Held-out documents are chosen (``split_documents``) before anything is packed,
-    so no text of a held-out document appears in a training sequence.
-
-    **Documents.** Each document becomes ``[bos] + tokens + [eos]`` (bos only when the tokenizer has
-    one distinct from eos). Text is tokenized without the tokenizer's own special tokens, so every
-    tokenizer gets the same framing. The label of bos is ``-100``: after an eos the next bos is
-    certain, and training on it would only flatter the loss. A prompt/completion record is
-    ``[bos] + prompt + completion + [eos]``, prompt and completion tokenized separately so the
-    boundary is exact; the labels of bos and the prompt are ``-100``, so the loss covers the
-    completion and its eos only.
-
-    **Packing documents** (``packing="documents"``, the default of ``memfit train``): whole documents
-    per row with position ids restarting at 0 each, so no document attends to another; see
-    ``memfit.data.packing`` for the rule and a worked example.
-
-    **Concatenation** (``packing="concat"``) concatenates the documents into one stream and cuts it into chunks
-    of exactly ``seq_len`` tokens; the final tail, shorter than ``seq_len``, is kept as a last, shorter
-    sequence (padded by ``collate``) so that no text is dropped; only a chunk with no target at all
-    (a one-token tail, or nothing but prompt) is left out, as it adds no loss. Labels travel with their tokens, so
-    prompt masks survive packing. Attention is not blocked at document boundaries: a document may
-    attend to the end of the one before it, the usual packing trade-off; the eos in between tells the
-    model a new document starts. Worked example, byte tokenizer (bos = 1, eos = 2, byte ``b`` = ``3+b``,
-    so ``a`` = 100, ``b`` = 101, ``c`` = 102), ``seq_len = 4``, documents ``"ab"`` and prompt ``"c"``
-    with completion ``"a"``::
-
-        stream    input_ids = [   1, 100, 101, 2,    1,  102, 100, 2]
-                  labels    = [-100, 100, 101, 2, -100, -100, 100, 2]
-        chunk 0   input_ids = [1, 100, 101, 2]     labels = [-100, 100, 101, 2]
-        chunk 1   input_ids = [1, 102, 100, 2]     labels = [-100, -100, 100, 2]
-
-    After the model's shift, chunk 0 trains on 3 targets (100, 101, 2: the label at position 0 is
-    never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
-    target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
-
-    **No packing** (``packing="none"``): one sequence per document, truncated to ``seq_len`` (its eos
-    is lost when it is cut); lengths vary and ``collate`` pads. A sequence left with no target after
-    truncation (a prompt longer than ``seq_len``) is dropped, since it cannot contribute loss.
-
-    Args:
-        examples: records from ``data_sources.load_examples``.
-        tokenizer: a Hugging Face tokenizer (``load_tokenizer``).
-        seq_len: tokens per sequence (>= 2).
-        packing: a ``Packing`` or its name (``documents``, ``concat``, ``none``); ``True``/``False``
-            read as ``documents``/``none``.
-        eval_fraction: share of documents held out, in [0, 1).
-        seed: seeds the held-out draw.
-        truncate: keep a conversation longer than ``seq_len`` cut to its first ``seq_len`` tokens
-            (the start of the conversation: its first turns stay whole, the question before each kept
-            reply too) when the cut keeps a target token, instead of dropping it.
-    """
-    if seq_len < 2:
-        raise UserError(f"The sequence length must be at least 2 tokens; got {seq_len}.")
-    from memfit.data.packing import pack_documents
-    from memfit.settings.config import Packing, parse_packing
-
-    train_idx, eval_idx = split_documents(len(examples), eval_fraction, seed)
-    mode = parse_packing(packing)
-    build = {Packing.DOCUMENTS: lambda docs, n: list(pack_documents(docs, n)), Packing.CONCAT: _pack,
-             Packing.NONE: _truncate}[mode]
-    train_docs, dropped_train, cut_train = _drop_long_conversations(
-        _encode_docs([examples[i] for i in train_idx], tokenizer, train_on_prompt), seq_len, truncate)
-    eval_docs, dropped_eval, cut_eval = _drop_long_conversations(
-        _encode_docs([examples[i] for i in eval_idx], tokenizer, train_on_prompt), seq_len, truncate)
-    return TokenizedData(train=build(train_docs, seq_len), eval=build(eval_docs, seq_len),
-                         conversations=sum(ex.is_conversation for ex in examples),
-                         dropped_long=dropped_train + dropped_eval, truncated_long=cut_train + cut_eval)
-
-
-def _drop_long_conversations(docs, seq_len: int, truncate: bool = False):
-    """``(documents, dropped, truncated)``: the conversations (marked by a third tuple item) longer than
-    ``seq_len`` dropped, or with ``truncate`` cut to ``seq_len`` where the cut keeps a target token."""
-    kept, dropped, cut = [], 0, 0
-    for ids, labels, *chat in docs:
-        if chat and len(ids) > seq_len:
-            if not (truncate and _n_targets(labels[:seq_len]) > 0):
-                dropped += 1
-                continue
-            ids, labels, cut = ids[:seq_len], labels[:seq_len], cut + 1
-        kept.append((ids, labels))
-    return kept, dropped, cut
-
-
-def _encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
+def encode_docs(examples: Sequence[Example], tokenizer, train_on_prompt: bool = False) -> list[tuple]:
     """Each example as ``(input_ids, labels)`` with bos/eos framing and the prompt masked; a conversation
     as ``(input_ids, labels, True)``, framed by its chat template (``memfit.data.formats``)."""
     if not examples:
         return []
     if any(ex.is_conversation for ex in examples):
-        from memfit.data.formats import encode_conversation
-
-        plain = iter(_encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
+        plain = iter(encode_docs([ex for ex in examples if not ex.is_conversation], tokenizer, train_on_prompt))
         return [(*encode_conversation(tokenizer, ex.messages, train_on_prompt=train_on_prompt,
                                       where=ex.where or "a conversation"), True)
                 if ex.is_conversation else next(plain) for ex in examples]
@@ -486,26 +386,6 @@ def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     if not any(texts):
         return [[] for _ in texts]
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def _pack(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
-    ids = [t for doc_ids, _ in docs for t in doc_ids]
-    labels = [t for _, doc_labels in docs for t in doc_labels]
-    chunks = []
-    for start in range(0, len(ids), seq_len):
-        chunk = {"input_ids": ids[start : start + seq_len], "labels": labels[start : start + seq_len]}
-        if _n_targets(chunk["labels"]) > 0:  # a tail of one token, or all prompt, teaches nothing
-            chunks.append(chunk)
-    return chunks
-
-
-def _truncate(docs: list[tuple[list[int], list[int]]], seq_len: int) -> list[dict[str, list[int]]]:
-    out = [{"input_ids": ids[:seq_len], "labels": labels[:seq_len]} for ids, labels in docs]
-    return [seq for seq in out if _n_targets(seq["labels"]) > 0]
-
-
-def _n_targets(labels: list[int]) -> int:
-    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
 
 
 # ------------------------------------------------------------------------------------ batches, counts
@@ -568,8 +448,6 @@ def unigram_loss(data: TokenizedData) -> float:
     Returns:
         The loss in nats per token, or ``nan`` when there are no held-out or no train targets.
     """
-    import numpy as np
-
     train_counts, eval_counts = target_counts(data.train), target_counts(data.eval)
     n_train, n_eval = int(train_counts.sum()), int(eval_counts.sum())
     if n_train == 0 or n_eval == 0:
@@ -594,8 +472,6 @@ def target_counts(rows) -> np.ndarray:
 
 def count_targets(batches) -> np.ndarray:
     """Sum of ``np.bincount`` over batches of target ids (flat int64 arrays)."""
-    import numpy as np
-
     counts = np.zeros(0, dtype=np.int64)
     for targets in batches:
         if targets.size:
@@ -607,8 +483,6 @@ def count_targets(batches) -> np.ndarray:
 
 
 def _target_batches(rows, batch_rows: int = 1024):
-    import numpy as np
-
     for start in range(0, len(rows), batch_rows):
         labels = [t for seq in rows[start : start + batch_rows] for t in seq["labels"][1:]]
         flat = np.asarray(labels, dtype=np.int64)

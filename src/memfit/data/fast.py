@@ -1,5 +1,5 @@
 """Fast paths of the encoding step (``memfit.data.arrow.encode_dataset``): the same ``input_ids``/``labels``
-as ``memfit.data.dataset._encode_docs``, built as Arrow columns from numpy instead of Python lists of ints.
+as ``memfit.data.dataset.encode_docs``, built as Arrow columns from numpy instead of Python lists of ints.
 
 Profiled on a 4 MB ``.txt`` corpus with the built-in byte tokenizer (2026-11-30, 1 process), the
 reference path spent 4.1 s encoding: 2.0 s in ``tokenizers``' ``encode_batch``, 0.6 s in transformers'
@@ -81,7 +81,7 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
     tokenizer, or None when the batch must take the reference path (see the module docstring).
 
     Document ``i`` of ``n`` bytes becomes ``[bos] + [offset + b for b in bytes] + [eos]`` (bos only when
-    the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data.dataset._encode_docs``.
+    the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data.dataset.encode_docs``.
     """
     import numpy as np
 
@@ -114,7 +114,7 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
 
 
 def docs_table(docs: list[tuple], id_type: str):
-    """``memfit.data.dataset._encode_docs``'s documents (``(ids, labels)`` or ``(ids, labels, True)``) as the
+    """``memfit.data.dataset.encode_docs``'s documents (``(ids, labels)`` or ``(ids, labels, True)``) as the
     encoded table; the cast to ``id_type`` is checked (a value out of its range raises)."""
     from itertools import chain
 

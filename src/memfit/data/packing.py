@@ -1,4 +1,5 @@
-"""Packing documents into training rows without cross-document attention (``--packing documents``).
+"""Packing documents into training rows without cross-document attention (``--packing documents``), and the
+rows of ``--packing concat`` and ``none`` (``pack_concat``, ``pack_truncated``).
 
 Each row holds whole documents, each with ``position_ids`` that restart at 0. The collator passes
 ``position_ids`` and *no* ``attention_mask``; transformers then finds the document boundaries itself
@@ -35,9 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+import pyarrow as pa
+
 from memfit.settings.config import Packing
 
-__all__ = ["FirstFit", "Packing", "pack_arrow_documents", "pack_documents", "padding_share"]
+__all__ = ["FirstFit", "Packing", "pack_arrow_documents", "pack_concat", "pack_documents", "pack_truncated",
+           "padding_share"]
 
 IGNORE_INDEX = -100
 
@@ -104,6 +109,56 @@ def pack_documents(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) ->
         yield _row(pieces)
 
 
+def pack_concat(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) -> Iterator[dict[str, list[int]]]:
+    """Rows of ``--packing concat``, streamed over ``(input_ids, labels)`` documents in corpus order.
+
+    The documents are concatenated into one stream cut into chunks of exactly ``seq_len`` tokens; the final
+    tail, shorter than ``seq_len``, is kept as a last, shorter row (padded by ``collate``) so that no text is
+    dropped; only a chunk with no target at all (a one-token tail, or nothing but prompt) is left out, as it
+    adds no loss. Labels travel with their tokens, so prompt masks survive packing. Attention is not blocked
+    at document boundaries: a document may attend to the end of the one before it, the usual packing
+    trade-off; the eos in between tells the model a new document starts. Worked example, byte tokenizer
+    (bos = 1, eos = 2, byte ``b`` = ``3+b``, so ``a`` = 100, ``b`` = 101, ``c`` = 102), ``seq_len = 4``,
+    documents ``"ab"`` and prompt ``"c"`` with completion ``"a"``::
+
+        stream    input_ids = [   1, 100, 101, 2,    1,  102, 100, 2]
+                  labels    = [-100, 100, 101, 2, -100, -100, 100, 2]
+        chunk 0   input_ids = [1, 100, 101, 2]     labels = [-100, 100, 101, 2]
+        chunk 1   input_ids = [1, 102, 100, 2]     labels = [-100, -100, 100, 2]
+
+    After the model's shift, chunk 0 trains on 3 targets (100, 101, 2: the label at position 0 is
+    never a target) and chunk 1 on 2 (100, 2). The first token of each chunk is never predicted: one
+    target per chunk is lost to the cut, which is why ``count_target_tokens`` applies the shift.
+    """
+    ids_buf: list[int] = []
+    lab_buf: list[int] = []
+    for ids, labels in docs:
+        ids_buf += ids
+        lab_buf += labels
+        while len(ids_buf) >= seq_len:
+            row = {"input_ids": ids_buf[:seq_len], "labels": lab_buf[:seq_len]}
+            del ids_buf[:seq_len], lab_buf[:seq_len]
+            if _n_targets(row["labels"]) > 0:
+                yield row
+    if ids_buf and _n_targets(lab_buf) > 0:
+        yield {"input_ids": ids_buf, "labels": lab_buf}
+
+
+def pack_truncated(docs: Iterable[tuple[list[int], list[int]]], seq_len: int) -> Iterator[dict[str, list[int]]]:
+    """Rows of ``--packing none``: one row per document, cut to ``seq_len`` (its eos is lost when it is cut);
+    lengths vary and ``collate`` pads. A row left with no target after the cut (a prompt longer than
+    ``seq_len``) is dropped, since it cannot contribute loss."""
+    for ids, labels in docs:
+        row = {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
+        if _n_targets(row["labels"]) > 0:
+            yield row
+
+
+def _n_targets(labels: list[int]) -> int:
+    """Targets of a row: labels after the causal shift that are not -100."""
+    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+
+
 def _row(pieces) -> dict[str, list[int]]:
     row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
     for piece_ids, piece_labels in pieces:
@@ -118,13 +173,11 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
     yielding ``pyarrow.RecordBatch`` es of packed rows: the same rows in the same order, but the tokens
     move as numpy slices, never as Python ints (the Python work is per piece, not per token).
     """
-    import numpy as np
-
     rows = FirstFit(seq_len)
     done: list = []
     id_type = None
     for batch in batches:
-        ids_col, labels_col = (_one_array(batch.column(i)) for i in (0, 1))
+        ids_col, labels_col = (one_array(batch.column(i)) for i in (0, 1))
         id_type = ids_col.type.value_type
         offsets = ids_col.offsets.to_numpy()
         base = int(offsets[0])
@@ -148,15 +201,13 @@ def pack_arrow_documents(batches, seq_len: int, *, rows_per_batch: int = 1000):
         yield _arrow_rows(done, id_type, seq_len)
 
 
-def _one_array(column):
+def one_array(column):
+    """A pyarrow column as one array (a ChunkedArray's chunks combined; an Array as it is)."""
     return column.combine_chunks() if hasattr(column, "combine_chunks") else column
 
 
 def _arrow_rows(rows: list, id_type, seq_len: int):
     """A record batch of packed rows (each a list of ``(flat arrays, start, stop)`` pieces)."""
-    import numpy as np
-    import pyarrow as pa
-
     lengths = [b - a for pieces in rows for _, a, b in pieces]
     ids = np.concatenate([flat[0][a:b] for pieces in rows for flat, a, b in pieces])
     labels = np.concatenate([flat[1][a:b] for pieces in rows for flat, a, b in pieces])

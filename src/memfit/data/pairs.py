@@ -10,7 +10,7 @@ conversational, implicit   ``{"chosen": [messages], "rejected": [messages]}``: t
                            share (TRL's ``extract_prompt``), the completions the turns after it
 =========================  ================================================================================
 
-Each side is encoded as memfit encodes a prompt/completion record (``memfit.data.dataset._encode_docs``:
+Each side is encoded as memfit encodes a prompt/completion record (``memfit.data.dataset.encode_docs``:
 ``[bos] + prompt + completion + [eos]``, loss on the completion and its eos) or a conversation
 (``memfit.data.formats.encode_conversation``: the chat template, loss on the assistant turns of the
 completion only). A row is the chosen side in ``input_ids``/``labels`` (so everything that reads a row,
@@ -101,14 +101,14 @@ def record_to_pair(record, where: str) -> Pair:
 
 def encode_side(pair: Pair, side: str, tokenizer) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of the prompt followed by the ``side`` completion; labels only on the completion."""
-    from memfit.data.dataset import Example, _encode_docs
+    from memfit.data.dataset import Example, encode_docs
     from memfit.data.formats import encode_conversation
 
     completion = getattr(pair, side)
     if pair.is_conversation:
         return encode_conversation(tokenizer, pair.prompt + completion, train_on_prompt=False,
                                    where=f"{pair.where} ({side})", from_turn=len(pair.prompt))
-    ids, labels = _encode_docs([Example(prompt=pair.prompt, completion=completion, where=pair.where)], tokenizer)[0]
+    ids, labels = encode_docs([Example(prompt=pair.prompt, completion=completion, where=pair.where)], tokenizer)[0]
     return ids, labels
 
 

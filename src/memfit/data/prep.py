@@ -1,19 +1,29 @@
 """The data of a run, from ``TrainConfig``: read, chat template, tokenize; shared by ``memfit train``
-and ``memfit data preview`` so that the preview shows exactly what training sees."""
+and ``memfit data preview`` so that the preview shows exactly what training sees.
+
+Imports: ``memfit.data.dataset`` and ``memfit.data.arrow`` are imported where they are used, not here: they import
+torch (and ``datasets``), 2.7 s and 3.4 s on this project's machine (``python -X importtime``), which
+``memfit estimate`` would pay on every call, as it reaches this module through ``training.derived``.
+"""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
 
+from memfit.data import sources as data_sources
+from memfit.data.formats import Fields, chat_template_of, preview
+from memfit.data.packing import padding_share
+from memfit.data.pairs import Pair, encode_side
+from memfit.data.stream import record_at
 from memfit.errors import UserError
+from memfit.integrations.hub import local_folder
 from memfit.settings.config import RunConfig, TrainConfig
+from memfit.spec.model import is_preset
 
 
 def fields_of(config: TrainConfig):
     """``Fields`` from ``--text-field`` and the like, and the names the user typed (checked to exist)."""
-    from memfit.data.formats import Fields
-
     given = {"text": config.reading.text_field, "prompt": config.reading.prompt_field, "completion": config.reading.completion_field,
              "messages": config.reading.messages_field}
     named = tuple(k for k, v in given.items() if v)
@@ -25,9 +35,7 @@ def run_tokenizer(source, hub_model=None):
     given, else the model's own: from ``hub_model``'s snapshot (``training.setup.fetch_hub_model``), a Hub id's
     cached tokenizer files, a folder's, or memfit's byte tokenizer for a preset
     (``memfit.data.dataset.load_tokenizer``)."""
-    from memfit.data import dataset as data
-    from memfit.integrations.hub import local_folder
-    from memfit.spec.model import is_preset
+    from memfit.data import dataset as data  # torch: see the module docstring
 
     folder = str(hub_model.path) if hub_model is not None else local_folder(
         source.model, source.revision, files="tokenizer", trust_remote_code=source.trust_remote_code)
@@ -46,7 +54,7 @@ def load_for_run(config: TrainConfig, run: RunConfig, tokenizer):
         UserError: any bad input (see ``memfit.data.dataset``, ``memfit.data.formats``, ``memfit.data.sources``),
             or data that leaves no training sequence.
     """
-    from memfit.data.arrow import pack_encoded
+    from memfit.data.arrow import pack_encoded  # torch: see the module docstring
 
     examples, encoded = _encode(config, tokenizer)
     tokenized = pack_encoded(encoded, seq_len=run.seq_len, packing=run.packing, eval_fraction=config.eval_fraction,
@@ -62,7 +70,7 @@ def record_lengths(config: TrainConfig, tokenizer):
     every source, Hub datasets included, is tokenized whole before packing and cached by ``datasets``,
     so ``load_for_run`` then reuses this encoding instead of tokenizing again.
     """
-    from memfit.data.dataset import split_indices
+    from memfit.data.dataset import split_indices  # torch: see the module docstring
 
     _, encoded = _encode(config, tokenizer)
     lengths = encoded.select_columns(["length"]).with_format("arrow")[:].column("length").to_numpy()
@@ -72,9 +80,7 @@ def record_lengths(config: TrainConfig, tokenizer):
 
 def _encode(config: TrainConfig, tokenizer):
     """``(examples, encoded)``: the records of ``config.data`` and their encoding, one row per document."""
-    from memfit.data import sources as data_sources
-    from memfit.data.arrow import encode_parts
-    from memfit.data.formats import Fields, chat_template_of
+    from memfit.data.arrow import encode_parts  # torch: see the module docstring
     fields, named = fields_of(config)
     parts = data_sources.load_parts(config.data, split=config.reading.split, data_config=config.reading.data_config,
                                     fmt=config.reading.data_format, fields=fields)
@@ -90,7 +96,7 @@ def _encode(config: TrainConfig, tokenizer):
     try:
         encoded = encode_parts(plan, tokenizer, train_on_prompt=config.reading.train_on_prompt, num_proc=config.reading.num_proc)
     except UserError:
-        from memfit.data.dataset import find_bad_input
+        from memfit.data.dataset import find_bad_input  # torch: see the module docstring
 
         for part in parts:  # a bad record of a .jsonl file: name its line, as memfit's own reader does
             for file in part.files:
@@ -122,7 +128,7 @@ class LazyExamples(Sequence):
         return self.starts[-1]
 
     def __getitem__(self, index):
-        from memfit.data.dataset import record_to_example
+        from memfit.data.dataset import record_to_example  # torch: see the module docstring
 
         index = int(index)
         if not 0 <= index < len(self):
@@ -140,8 +146,6 @@ class LazyExamples(Sequence):
 def data_note(tokenized, run: RunConfig, truncate: bool = False) -> str:
     """One line before training: the packing mode, its padding share, conversations too long for
     ``--seq-len`` dropped or (``truncate``) cut."""
-    from memfit.data.packing import padding_share
-
     head = tokenized.train[: 4096]  # the first rows tell the share; a corpus on disk is not read whole for it
     share = padding_share(head, run.seq_len, run.micro_batch)
     line = f"packing {run.packing}: {share:.1%} of the token slots of a micro-batch are padding"
@@ -161,9 +165,7 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     """Record ``index`` of ``config.data`` (read up to that record, not further) encoded as training
     encodes it (before packing), with its loss mask shown: ``{"where", "format", "tokens", "targets",
     "input_ids", "labels", "marked"}``."""
-    from memfit.data import dataset as data
-    from memfit.data.formats import chat_template_of, preview
-    from memfit.data.stream import record_at
+    from memfit.data import dataset as data  # torch: see the module docstring
 
     fields, named = fields_of(config)
     tokenizer = run_tokenizer(config.source)  # a Hub id: its cached tokenizer
@@ -171,11 +173,10 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
     example = record_at(config.data, index, fmt=config.reading.data_format, fields=fields, split=config.reading.split,
                         data_config=config.reading.data_config, named_fields=named)
     chat_template_of(tokenizer, config.reading.chat_template, data_has_conversations=example.is_conversation)
-    from memfit.data.pairs import Pair
 
     if isinstance(example, Pair):
         return _preview_pair(example, tokenizer)
-    ids, labels, *_ = data._encode_docs([example], tokenizer, config.reading.train_on_prompt)[0]
+    ids, labels, *_ = data.encode_docs([example], tokenizer, config.reading.train_on_prompt)[0]
     fmt = "conversation" if example.is_conversation else ("prompt-completion" if example.is_prompt_completion
                                                            else "text")
     targets = sum(1 for t in labels[1:] if t != data.IGNORE_INDEX)
@@ -185,9 +186,7 @@ def preview_record(config: TrainConfig, index: int = 0) -> dict:
 
 def _preview_pair(pair, tokenizer) -> dict:
     """A preference pair as ``--method dpo|orpo|simpo`` trains on it: each side's tokens, loss on its completion."""
-    from memfit.data import dataset as data
-    from memfit.data.formats import preview
-    from memfit.data.pairs import encode_side
+    from memfit.data import dataset as data  # torch: see the module docstring
 
     sides, marked = {}, []
     for side in ("chosen", "rejected"):

@@ -43,11 +43,12 @@ def handles(path) -> bool:
     if p.is_file():
         return p.suffix.lower() in BUILDERS
     if p.is_dir():
-        return _is_saved_dataset(p) or bool(_table_files(p))
+        return is_saved_dataset(p) or bool(_table_files(p))
     return bool(_HUB_ID.match(str(path)))
 
 
-def _is_saved_dataset(folder: Path) -> bool:
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` was written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
     return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
@@ -62,7 +63,7 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
 
     datasets.disable_progress_bars()
     p = user_path(path)
-    if p.is_dir() and _is_saved_dataset(p):
+    if p.is_dir() and is_saved_dataset(p):
         try:
             ds = datasets.load_from_disk(str(p))
         except Exception as err:  # noqa: BLE001 - a deleted .arrow, a damaged state.json: pyarrow/OS/JSON errors
@@ -170,9 +171,9 @@ def load_parts(path, *, split: str = "train", data_config: str | None = None, fm
     where = str(root if path is None else path)
     if check_data_path(path) == "hub":
         return [Part(load_dataset(str(path), split=split, data_config=data_config), where)]
-    if root.is_dir() and _is_saved_dataset(root):
+    if root.is_dir() and is_saved_dataset(root):
         return [Part(load_dataset(str(root), split=split), where)]
-    files = [root] if root.is_file() else _data_files(root)
+    files = [root] if root.is_file() else source_files(root)
     if not files:
         raise UserError(f"Data folder {root} holds no .txt, .jsonl, .json, .csv, .parquet or .arrow files.")
     parts, run = [], [files[0]]
@@ -219,7 +220,9 @@ def _is_local_looking(path: str) -> bool:
     return not _HUB_ID.match(path) or Path(path).suffix.lower() in ALL_BUILDERS
 
 
-def _data_files(folder: Path) -> list[Path]:
+def source_files(folder: Path) -> list[Path]:
+    """The data files of a ``--data`` folder that ``datasets`` reads (any suffix of ``ALL_BUILDERS``), sorted by
+    path, hidden files and folders left out."""
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in ALL_BUILDERS
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 

@@ -66,10 +66,10 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
     if data_sources.check_data_path(path) == "hub":
         yield from _hub_rows(str(path), split, data_config, wanted)
         return
-    if root.is_dir() and data_sources._is_saved_dataset(root):
+    if root.is_dir() and data_sources.is_saved_dataset(root):
         yield from _saved_rows(root, split, wanted)
         return
-    files = [root] if root.is_file() else data_sources._data_files(root)
+    files = [root] if root.is_file() else data_sources.source_files(root)
     if not files:
         raise UserError(f"Data folder {root} holds no .txt, .jsonl, .json, .csv, .parquet or .arrow files.")
     for file in files:

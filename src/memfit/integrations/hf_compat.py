@@ -132,7 +132,7 @@ def quiet_bnb_kernel_notice() -> Iterator[None]:
     inference path, which memfit turns off in every 4-bit layer
     (``memfit.integrations.quant_support.keep_training_path``), so no memfit run would use it. Only records naming
     that repository are dropped: ``kernels``' other messages still show. The CLI holds this around every command
-    (``memfit.cli``), and ``memfit.training.loop.run_training`` around a run.
+    (``memfit.cli``), and ``memfit.training.loop.built`` around a run.
     """
     with (dropping_log("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community"),
           dropping_log("kernels._internals.hf_hub",
@@ -155,7 +155,7 @@ def quiet_deepspeed_cpu_notice() -> contextlib.AbstractContextManager:
 def quiet_import_notices() -> Iterator[None]:
     """The notices dependencies log once per process when memfit's work first imports them
     (``quiet_bnb_kernel_notice``, ``quiet_deepspeed_cpu_notice``); held by the CLI around every command and
-    by ``memfit.training.loop.run_training`` around a run."""
+    by ``memfit.training.loop.built`` around a run."""
     with quiet_bnb_kernel_notice(), quiet_deepspeed_cpu_notice():
         yield
 

@@ -51,10 +51,10 @@ from memfit.memory.device_terms import with_fitted_reserved
 from memfit.memory.notes import notes
 from memfit.memory.states import (
     ModelStates,
-    _largest_trainable,
-    _weight_bytes,
+    largest_trainable,
     model_states,
     optimizer_state_bytes,
+    weight_bytes,
 )
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig
 from memfit.settings.defaults import LORA_RANK
@@ -358,7 +358,7 @@ def rollback_snapshot_bytes(spec: ModelSpec, run: RunConfig, *, state: bool = Tr
     adds to a peak: ``memory.snapshot``.
     """
     trainable = spec.trainable_params(run)
-    grad_bytes = 4 if run.is_lora() else _weight_bytes(run)
+    grad_bytes = 4 if run.is_lora() else weight_bytes(run)
     total = trainable * grad_bytes + (optimizer_state_bytes(spec, run, trainable, grad_bytes) if state else 0)
     shards = shard_group_size(run) if run.num_processes > 1 else 1
     return int(total // shards)
@@ -410,7 +410,7 @@ def in_backward_step_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions, de
     overlap of a gradient being written while the previous one is stepped (hooks run synchronously).
     """
     grad_bytes = 4 if run.is_lora() else prec.w
-    largest = _largest_trainable(spec, run) * grad_bytes
+    largest = largest_trainable(spec, run) * grad_bytes
     # The optimizer's row says what its step allocates; per parameter a foreach "group" is that one tensor.
     copies = {"group": 1, "largest-x2": 2, "per-tensor": 2, "none": 0}[row(run.optimizer).step_temporary_on(device)]
     return int(largest + copies * largest)

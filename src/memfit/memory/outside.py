@@ -165,7 +165,7 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
     the head's (the tail unit twice when sharded + the logits and loss)."""
     from memfit.memory.activations import logits_terms
-    from memfit.memory.states import _unquantized_bytes, gathered_layer_bytes
+    from memfit.memory.states import gathered_layer_bytes, unquantized_param_bytes
 
     tokens = run.micro_batch * run.seq_len
     layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c
@@ -175,7 +175,7 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
     tail = head + spec.hidden_size + (spec.embedding_params if spec.tie_word_embeddings else 0)
     layer = gathered_layer_bytes(spec, run)  # as stored: a 4-bit base's projections packed
-    tail *= _unquantized_bytes(run)
+    tail *= unquantized_param_bytes(run)
     gathered = (spec.num_layers + 2) * layer + tail if run.sharding is Sharding.ZERO2 else 3 * layer
     return max(gathered + 2 * spec.hidden_size * tokens * prec.c, layer + layer_compute, 2 * tail + logits)
 

@@ -62,12 +62,12 @@ def host_bytes(spec, run: RunConfig) -> int:
     embeddings and head): whether a workstation holds it decides between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
     and the dataset (a few GB per process).
     """
-    from memfit.memory.states import _quant_state_bytes, model_states
+    from memfit.memory.states import model_states, quant_state_bytes
 
     on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
     per_rank = 0
     if run.offload is Offload.PARAMS:
-        per_rank += on_device.weights - _quant_state_bytes(spec, run) + on_device.gradients + on_device.optimizer
+        per_rank += on_device.weights - quant_state_bytes(spec, run) + on_device.gradients + on_device.optimizer
     elif run.offload is Offload.OPTIMIZER:
         per_rank += on_device.optimizer
     per_rank += rollback_copy(spec, run)[1]

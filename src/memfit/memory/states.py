@@ -107,7 +107,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     Ignores: FSDP's flat-parameter padding (< N elements per tensor), the optimizer's ``step`` scalars
     (fp32, one per tensor: < 1 MiB).
     """
-    w = _weight_bytes(run)
+    w = weight_bytes(run)
     trainable = spec.trainable_params(run)
     grad_bytes = 4 if run.is_lora() else w
     weights = base_weight_bytes(spec, run) + (spec.lora_params(run) * 4 if run.is_lora() else 0)
@@ -129,7 +129,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
         gathered = fsdp2_gathered(spec, run)
         gathered_end = gathered.end
         shards = shard_group_size(run)  # every rank; under --sharding hybrid the ranks of one node (HSDP)
-        replicated = _quant_state_bytes(spec, run)  # module attributes, not parameters: whole on every rank
+        replicated = quant_state_bytes(spec, run)  # module attributes, not parameters: whole on every rank
         weights = (weights - replicated) // shards + replicated
         gradients //= shards
         optimizer //= shards
@@ -139,7 +139,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     computing = gathered.computing
     if run.offload is Offload.PARAMS:
         computing = max(computing, 2 * gathered_layer_bytes(spec, run))
-        weights = _quant_state_bytes(spec, run)  # a 4-bit base's quantization state: module attributes, not offloaded
+        weights = quant_state_bytes(spec, run)  # a 4-bit base's quantization state: module attributes, not offloaded
         # FSDP2's CPUOffloadPolicy copies every reduce-scattered gradient shard to the host
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: ``.to("cpu")``), and
         # the optimizer steps there: no sharded gradient stays on the GPU. The unsharded gradients of the
@@ -163,7 +163,7 @@ def ddp_embedding_grad_end(spec: ModelSpec, run: RunConfig) -> int:
     if run.is_lora():
         return 0
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
-    return int((3 if spec.tie_word_embeddings else 2) * embed * _weight_bytes(run))
+    return int((3 if spec.tie_word_embeddings else 2) * embed * weight_bytes(run))
 
 
 def ddp_bucket_bytes(gradients: int) -> int:
@@ -236,7 +236,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
     on 2 ranks, at the peak 3 x 113 MB temporaries + 14 MB reduce-scatter); ignores the all-gather's flat
     output buffer (freed after copy-out).
     """
-    u = _unquantized_bytes(run)
+    u = unquantized_param_bytes(run)
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
     head = 0 if spec.tie_word_embeddings else (spec.lm_head_params or spec.vocab_size * spec.hidden_size)
     norm = spec.hidden_size  # the final norm's weight
@@ -270,7 +270,7 @@ def fsdp2_gathered(spec: ModelSpec, run: RunConfig) -> Gathered:
         previous = 2 * tail * u if spec.tie_word_embeddings else embed * u  # untied: the embedding's output only
         gathered_first_entry = 2 * layer_bytes + previous
     last = tail if spec.tie_word_embeddings else embed
-    grad_bytes = 0 if run.is_lora() else _weight_bytes(run)  # adapters live in the layers; the tail's base is frozen
+    grad_bytes = 0 if run.is_lora() else weight_bytes(run)  # adapters live in the layers; the tail's base is frozen
     copies = 3 if spec.tie_word_embeddings else 2
     # tied: the first layer's reduce-scatter is still in flight when the tail's embedding backward runs
     # (measured, smollm2-135m); untied: not seen at the embedding's end (tiny preset, 2 ranks).
@@ -318,23 +318,23 @@ def gathered_layer_bytes(spec: ModelSpec, run: RunConfig) -> int:
     frees when it reshards. The quantization state is not gathered (it is whole on every rank)."""
     adapters = spec.lora_params(run) * 4 // max(spec.num_layers, 1) if run.is_lora() else 0
     if run.quantize is Quantize.NONE:
-        return _layer_params(spec) * _weight_bytes(run) + adapters
+        return _layer_params(spec) * weight_bytes(run) + adapters
 
     rest = _layer_params(spec) - spec.linear_params // max(spec.num_layers, 1)
-    return int(quantized.storage_bytes(spec, run) // max(spec.num_layers, 1) + rest * _unquantized_bytes(run)
+    return int(quantized.storage_bytes(spec, run) // max(spec.num_layers, 1) + rest * unquantized_param_bytes(run)
                + adapters)
 
 
-def _unquantized_bytes(run: RunConfig) -> int:
+def unquantized_param_bytes(run: RunConfig) -> int:
     """Bytes per parameter outside the quantized projections: ``memory.quantized.unquantized_bytes`` under
     QLoRA (fp32 with PEFT's kbit cast, ``--qlora-upcast full``), else the stored dtype."""
     if run.quantize is Quantize.NONE:
-        return _weight_bytes(run)
+        return weight_bytes(run)
 
     return quantized.unquantized_bytes(run)
 
 
-def _quant_state_bytes(spec: ModelSpec, run: RunConfig) -> int:
+def quant_state_bytes(spec: ModelSpec, run: RunConfig) -> int:
     """A quantized base's quantization state (absmax, code tables, 8-bit row scales): bytes beside the
     packed parameters, which FSDP2 does not shard."""
     if run.quantize is Quantize.NONE:
@@ -355,7 +355,7 @@ def base_weight_bytes(spec: ModelSpec, run: RunConfig) -> int:
     dtype (bitsandbytes 0.50.2 ``nn/modules.py``; Qwen2's q/k/v biases under full upcast or autocast: counted
     by the exact trace, which runs that forward).
     """
-    w = _weight_bytes(run)
+    w = weight_bytes(run)
     if run.quantize is Quantize.NONE:
         return int(spec.params * w + spec.buffer_bytes)
 
@@ -407,7 +407,7 @@ def optimizer_step_temporary(spec: ModelSpec, run: RunConfig, trainable: int, gr
     if kind == "group":
         return (trainable - _vector_params(spec, run)) * grad_bytes
     if kind == "largest-x2":
-        return _largest_trainable(spec, run) * grad_bytes * 2
+        return largest_trainable(spec, run) * grad_bytes * 2
     if kind == "per-tensor":
         return _per_tensor_peak(spec, run) * grad_bytes
     return 0
@@ -425,7 +425,7 @@ def _per_tensor_peak(spec: ModelSpec, run: RunConfig) -> int:
     down projection then the head; GPT-2: wte then wpe).
     """
     if run.is_lora():
-        return 2 * _largest_trainable(spec, run)
+        return 2 * largest_trainable(spec, run)
     tokens = spec.vocab_size * spec.hidden_size
     order = [tokens, max((spec.embedding_params or tokens) - tokens, 0)]
     order += [lin.in_features * lin.out_features for lin in spec.linears] * min(spec.num_layers, 2)
@@ -443,7 +443,9 @@ def _vector_params(spec: ModelSpec, run: RunConfig) -> int:
     return max(spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params, 0)
 
 
-def _largest_trainable(spec: ModelSpec, run: RunConfig) -> int:
+def largest_trainable(spec: ModelSpec, run: RunConfig) -> int:
+    """Elements of the largest trainable tensor (a LoRA adapter's largest matrix, else the largest of the
+    embedding and the linears): what the optimizer step's per-tensor temporaries scale with."""
     if run.is_lora():
         return max((run.lora.r * max(lin.in_features, lin.out_features) for lin in spec.lora_linears(run.lora.targets)),
                    default=0)
@@ -454,7 +456,8 @@ def _layer_params(spec: ModelSpec) -> int:
     return (spec.params - spec.embedding_params - spec.lm_head_params) // max(spec.num_layers, 1)
 
 
-def _weight_bytes(run: RunConfig) -> int:
+def weight_bytes(run: RunConfig) -> int:
+    """Bytes of one stored weight in ``--dtype``: 2 for bf16/fp16, else 4."""
     return int(2 if str(run.dtype) in ("bf16", "fp16") else 4)
 
 

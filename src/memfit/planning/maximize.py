@@ -20,7 +20,14 @@ The step size is one token (one sequence): "one more step does not fit" is check
 from __future__ import annotations
 
 from memfit.errors import NothingFitsError, UserError
-from memfit.planning.search import SAFETY_MARGIN, Plan, PlanResult, _resolve, evaluate, nothing_fits_message
+from memfit.planning.search import (
+    SAFETY_MARGIN,
+    Plan,
+    PlanResult,
+    evaluate,
+    nothing_fits_message,
+    resolve_target,
+)
 from memfit.planning.space import Constraints, candidates
 from memfit.units import fmt_gib
 
@@ -52,7 +59,7 @@ def maximize(model, budget_bytes, target: str, *, seq_len: int, num_processes: i
     if target == "micro-batch" and (c.micro_batch is not None or c.grad_accum not in (None, 1)):
         raise UserError("--maximize micro-batch chooses the micro-batch (one per optimizer step); "
                         "drop --micro-batch and --grad-accum.")
-    spec, device, budget = _resolve(model, gpu, budget_bytes)
+    spec, device, budget = resolve_target(model, gpu, budget_bytes)
     field = TARGETS[target]
     cap = spec.max_position_embeddings if field == "seq_len" else MAX_MICRO_BATCH
     micro = (c.micro_batch or 1) if field == "seq_len" else 1

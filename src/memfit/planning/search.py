@@ -164,7 +164,9 @@ def rank(plans: list[Plan]) -> list[Plan]:
     return fitting + rest
 
 
-def _resolve(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]:
+def resolve_target(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]:
+    """``(spec, gpu, budget_bytes)``: the model (a name is loaded), the GPU (a name is looked up; None: the
+    reference GPU) and the budget (None: that GPU's memory), as ``plan`` and ``maximize`` search them."""
     from memfit.spec.model import load_spec
 
     spec = load_spec(model) if isinstance(model, str) else model
@@ -212,7 +214,7 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     """
     if not 0.0 <= safety_margin < 1.0:
         raise UserError(f"--margin must be in [0, 1), got {safety_margin}.")
-    spec, device, budget = _resolve(model, gpu, budget_bytes)
+    spec, device, budget = resolve_target(model, gpu, budget_bytes)
     runs = candidates(seq_len, batch, num_processes, constraints, bf16_ok=device.bf16, method=method, cpu=cpu,
                       nodes=nodes)
     if adapt is not None:

@@ -20,8 +20,7 @@ A candidate is a ``RunConfig``. The grid is the product of
 from __future__ import annotations
 
 import itertools
-import typing
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
@@ -40,7 +39,7 @@ from memfit.settings.config import (
     Quantize,
     RunConfig,
     Sharding,
-    _enum,  # the enum parser RunConfig uses, so constraint errors read the same
+    parse_enum,  # the enum parser RunConfig uses, so constraint errors read the same
 )
 from memfit.settings.defaults import LORA_RANK
 from memfit.settings.schema import flag_of, searched
@@ -65,14 +64,53 @@ class Regime:
     quantize: Quantize = Quantize.NONE
 
 
-class _Rules:
-    """``Constraints``' checks and helpers (its fields are made by ``_fields``)."""
+@dataclass(frozen=True)
+class Constraints:
+    """What the user pinned; ``None`` leaves a setting to the planner (``packing``: documents).
+
+    One field per setting the planner chooses (``memfit.settings.schema.searched``: every ``RunConfig`` setting
+    but the sequence length, the processes and the method, which are the problem it is given), named by its flat
+    key (``lora_r``) and typed as that setting or ``None``; then what only the planner is told. A setting added to
+    ``RunConfig`` with ``plan="searched"`` needs its field here: ``tests/test_schema.py`` fails until it has one.
+    ``--lora-r 0`` or ``full=True`` pins a full fine-tune; ``quantize="none"`` forbids quantization, like
+    ``allow_quantize=False``.
+    """
+
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    mixed_precision: Precision | None = None
+    dtype: DType | None = None
+    grad_checkpointing: bool | None = None
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: tuple[str, ...] | None = None
+    quantize: Quantize | None = None
+    qlora_upcast: QloraUpcast | None = None
+    optimizer: Optimizer | None = None
+    offload: Offload | None = None
+    sharding: Sharding | None = None
+    attn_implementation: Attention | None = None
+    packing: Packing | None = None
+    loss: Loss | None = None
+    optimizer_in_backward: bool | None = None
+    precompute_reference: bool | None = None
+    # what only the planner is told (no setting of a run): what it may not consider, and the machine
+    full: bool = False
+    """Full fine-tune only (same as ``lora_r=0``; ``--full``)."""
+    allow_quantize: bool = True
+    """False: no QLoRA candidates (``--no-quantize``)."""
+    allow_offload: bool = True
+    """False: no offload candidates (``--no-offload``)."""
+    host_memory: int | None = None
+    """Host RAM of the machine in bytes: plans whose offloaded state and rollback snapshot exceed it are dropped
+    (``memory.snapshot.host_bytes``); None: not checked."""
 
     def __post_init__(self) -> None:
         for s in searched(RunConfig):  # the enum settings, read as RunConfig reads them
             value = getattr(self, s.key)
             if value is not None and isinstance(s.default, Enum):
-                object.__setattr__(self, s.key, _enum(type(s.default), value, flag_of(s)))
+                object.__setattr__(self, s.key, parse_enum(type(s.default), value, flag_of(s)))
         if self.lora_r is not None and self.lora_r < 0:
             raise UserError(f"--lora-r must be 0 (full fine-tune) or a positive rank, got {self.lora_r}.")
         if self.full and self.lora_r:
@@ -97,36 +135,6 @@ class _Rules:
         if self.lora_r or self.quantize in (Quantize.Q4, Quantize.Q8):
             return False
         return None
-
-
-
-#: What only the planner is told (no setting of a run): what it may not consider, and the machine.
-_PLAN_ONLY = [
-    ("full", bool, False),  # full fine-tune only (same as lora_r=0)
-    ("allow_quantize", bool, True),  # False: no QLoRA candidates (--no-quantize)
-    ("allow_offload", bool, True),  # False: no offload candidates (--no-offload)
-    # host RAM of the machine (bytes): plans whose offloaded state and rollback snapshot exceed it are
-    # dropped (memory.snapshot.host_bytes); None: not checked
-    ("host_memory", int | None, None),
-]
-
-
-def _fields() -> list:
-    """One field per setting the planner chooses (``memfit.settings.schema.searched``: every ``RunConfig`` setting
-    but the sequence length and the processes, which are the problem it is given), ``None`` by default
-    (the planner's choice), carrying the setting's metadata; then ``_PLAN_ONLY``."""
-    pins = [(s.key, typing.get_type_hints(s.owner)[s.name] | None, field(default=None, metadata=s.metadata))
-            for s in searched(RunConfig)]  # named by key: a nested setting's is flat (lora_r)
-    return pins + _PLAN_ONLY
-
-
-Constraints = make_dataclass("Constraints", _fields(), bases=(_Rules,), frozen=True)
-Constraints.__module__ = __name__
-Constraints.__doc__ = """What the user pinned; ``None`` leaves a setting to the planner (``packing``: documents).
-
-Derived from the schema, never kept by hand: a setting added to ``RunConfig`` with ``plan="searched"``
-becomes a constraint (``--lora-r 0`` or ``full=True`` pins a full fine-tune; ``quantize="none"``
-forbids quantization, like ``allow_quantize=False``)."""
 
 
 def regimes(bf16_ok: bool = True, cpu: bool = False) -> list[Regime]:
@@ -215,7 +223,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
     ``cpu``: the plans are for a CPU (``regimes``: fp32 LoRA is one more regime there). ``nodes``: the machines the
     processes run on (``hybrid`` sharding is tried only on 2 or more, of 2 or more processes each)."""
     c = constraints or Constraints()
-    method = _enum(Method, method, "--method")
+    method = parse_enum(Method, method, "--method")
     precompute = _choices(c.precompute_reference, (False, True) if method is Method.DPO else (False,))
     pairs = micro_batches(batch, num_processes, c)
     pinned_lora = {name: value for name, value in (("alpha", c.lora_alpha), ("dropout", c.lora_dropout),

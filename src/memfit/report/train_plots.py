@@ -8,7 +8,7 @@ from pathlib import Path
 
 def plot_loss(records: list[dict], out_path: Path, *, unigram: float | None = None) -> Path | None:
     """Plot the losses logged in ``metrics.jsonl`` (its records, read and checked by the caller:
-    ``training.readback.read_metrics``); returns the written path (None when nothing was logged)."""
+    ``training.runfolder.readback.read_metrics``); returns the written path (None when nothing was logged)."""
     if not records:
         return None
     import matplotlib

@@ -32,7 +32,7 @@ from memfit.settings.defaults import (
     FULL_LR,
     LORA_LR,
     LORA_RANK,
-    SHAPES,
+    SHAPE,
     fmt_lr,
 )
 from memfit.settings.schema import (
@@ -176,13 +176,15 @@ def parse_packing(value: Any) -> Packing:
         value = value.strip().lower() in ("yes", "on", "true")  # YAML's words for the old boolean
     if isinstance(value, bool):
         return Packing.DOCUMENTS if value else Packing.NONE
-    return _enum(Packing, value, "--packing")
+    return parse_enum(Packing, value, "--packing")
 
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("all-linear",)
 
 
-def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
+def parse_enum(cls: type[Enum], value: Any, flag: str) -> Any:
+    """``value`` as a member of the enum ``cls`` (its value in any case), or one sentence naming ``flag`` and the
+    choices: how every enum setting is read, from a flag, a YAML file, a library call or the planner's pins."""
     if isinstance(value, cls):
         return value
     try:
@@ -194,7 +196,8 @@ def _enum(cls: type[Enum], value: Any, flag: str) -> Any:
 
 _ALL = ("estimate", "plan", "train")  # plan: a searched setting's flag pins it (memfit.settings.schema.PLAN_ROLES)
 _NOT_PLAN = ("estimate", "train")  # plan keeps the effective batch (--batch) and the data's packing itself
-_DEMO = f"train's own default: sized for the demo (memfit.settings.defaults.SHAPES['train']: {SHAPES['train']})"
+_SHAPE = f"every command's default: the run memfit train runs (memfit.settings.defaults.SHAPE: {SHAPE})"
+_FROM_DATA = {"default": DEMO_SEQ_LEN, "why": _SHAPE, "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"}
 
 
 def _check_groups(config) -> None:
@@ -217,7 +220,7 @@ def _normalise(config, check=validate.check_fields) -> None:
     for f in settings(type(config)):
         if isinstance(f.default, Enum):
             value = getattr(config, f.name)
-            set_(config, f.name, parse_packing(value) if f.name == "packing" else _enum(type(f.default), value,
+            set_(config, f.name, parse_packing(value) if f.name == "packing" else parse_enum(type(f.default), value,
                                                                                        flag_of(f)))
     for name, value in check(config).items():  # one place for every value check
         set_(config, name, value)
@@ -265,13 +268,12 @@ class RunConfig:
 
     seq_len: int = setting(256, plan="given", resume="restored", check="int>=1", commands=_ALL,
                            help="Tokens per sequence.",
-                           overrides={"train": {"default": DEMO_SEQ_LEN, "why": _DEMO,
-                                                "show_default": f"from the data; {DEMO_SEQ_LEN} for the demo"},
-                                      "plan": {"default": 1024, "why": SHAPES["plan"]}})
+                           overrides={command: _FROM_DATA for command in _ALL})
     """Tokens per sequence."""
     micro_batch: int = setting(8, plan="searched", resume="may-change", check="int>=1", commands=_ALL,
                                help="Sequences per forward/backward on one process.",
-                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _DEMO},
+                               overrides={"train": {"default": DEMO_MICRO_BATCH, "why": _SHAPE},
+                                          "estimate": {"default": DEMO_MICRO_BATCH, "why": _SHAPE},
                                           "plan": {"help": "Pin the micro-batch (grad-accum follows from --batch)."}})
     """Sequences per forward/backward pass on one process."""
     grad_accum: int = setting(1, plan="searched", resume="may-change", check="int>=1", commands=_NOT_PLAN,
@@ -509,7 +511,7 @@ class OptimSettings:
 @settings_group("checkpoints")
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """When a run writes checkpoints, how many it keeps and in which form (``memfit.training.checkpoint``).
+    """When a run writes checkpoints, how many it keeps and in which form (``memfit.training.runfolder.checkpoint``).
     Flags and YAML keys are the field names: ``--save-every``, ``save_every``."""
 
     save_every: int | None = setting(None, resume="may-change", check="int>=0",
@@ -562,8 +564,10 @@ class ModelSource:
                          help="Preset name (random weights), a local Hugging Face checkpoint folder, or a Hub id "
                          "(org/name: fetched into the Hugging Face cache; HF_TOKEN for gated models).")
     """Architecture preset name, local Hugging Face checkpoint directory, or Hugging Face Hub id (org/name)."""
-    tokenizer: str | None = setting(None, resume="restored", check="text",
-                                    help="Tokenizer folder, or 'byte'; default: the model's.")
+    tokenizer: str | None = setting(None, resume="restored", check="text", commands=_ALL,
+                                    help="Tokenizer folder, or 'byte'; default: the model's.",
+                                    overrides={c: {"help": "With --data: the tokenizer train would use (a folder, or "
+                                                   "'byte'); default: the model's."} for c in ("estimate", "plan")})
     """Tokenizer directory; default: the model's, or memfit's byte-level tokenizer for presets."""
     revision: str | None = setting(None, resume="restored", check="text", commands=_ALL,
                                    help="Branch, tag or commit of a Hub --model; default: its main branch (the run "
@@ -674,9 +678,12 @@ class TrainConfig:
 
     source: ModelSource = nested(ModelSource)
     """Which model and tokenizer, and how they load (``ModelSource``: ``--model``, ``--tokenizer``, ...)."""
-    data: str | None = setting(None, resume="restored", check="text",
+    data: str | None = setting(None, resume="restored", check="text", commands=_ALL,
                                help=".txt, .jsonl (text or prompt/completion) or a folder; default: the corpus "
-                               "shipped with memfit.")
+                               "shipped with memfit.",
+                               overrides={c: {"help": "The run's data (as memfit train --data): --seq-len, when not "
+                                              "given, is derived from it as train derives it."}
+                                          for c in ("estimate", "plan")})
     """.txt, .jsonl (``text`` or ``prompt``/``completion``) or a folder; None = the shipped corpus."""
     run: RunConfig = field(default_factory=lambda: RunConfig.of(**own_defaults(RunConfig, "train")))
     """The memory settings, with train's own defaults (``RunConfig``'s ``overrides['train']``: the demo's shape).
@@ -703,7 +710,7 @@ class TrainConfig:
                           help="LoRA: also save the adapter merged into the base.")
     batch: int | None = setting(None, plan="given", resume="restored", check="int>=1", commands=("plan", "train"),
                                 help="Effective batch in sequences per optimizer step (sets --grad-accum).",
-                                overrides={"plan": {"default": 16, "why": SHAPES["plan"], "help": "Effective batch: "
+                                overrides={"plan": {"default": DEMO_MICRO_BATCH, "why": _SHAPE, "help": "Effective batch: "
                                                     "sequences per optimizer step over all processes (kept exact)."}})
     """Effective batch in sequences (all micro-batches and processes of one step); sets ``grad_accum``."""
     budget: str | None = setting(None, resume="restored", check="text", commands=("plan", "train"),

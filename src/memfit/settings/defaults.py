@@ -47,17 +47,14 @@ SEQ_LEN_PERCENTILE = 99
 SEQ_LEN_MULTIPLE = 64
 """The derived ``--seq-len`` is rounded up to a multiple of this (tensor-core and kernel tile friendly)."""
 
-SHAPES = {
-    "train": f"--seq-len {DEMO_SEQ_LEN} x --micro-batch {DEMO_MICRO_BATCH} is the demo's (the tiny preset on the "
-             "shipped corpus, 2 CPU cores, under 3 minutes); on your own model or data --seq-len comes from the "
-             f"data ({SEQ_LEN_PERCENTILE}th percentile of the tokenized records, capped by the model's context).",
-    "estimate": "--seq-len 256 x --micro-batch 8 are the library's RunConfig defaults, a small step that any "
-                "model answers in microseconds; estimate prices exactly the shape it is given, so give your run's.",
-    "plan": "--seq-len 1024 x --batch 16 is a typical fine-tune (1,024-token sequences, 16 per optimizer step); "
-            "the planner then chooses micro-batch x accumulation for that batch, so give your run's.",
-}
-"""Why ``train``, ``estimate`` and ``plan`` start from different sequence lengths and batches: each
-command's ``--help`` shows its line."""
+SHAPE = (f"--seq-len {DEMO_SEQ_LEN} x --micro-batch {DEMO_MICRO_BATCH} (--batch {DEMO_MICRO_BATCH}: one micro-batch a step) "
+         "is the demo's (a preset on the shipped corpus, 2 CPU cores, under 3 minutes); with --data, or your own "
+         f"model, --seq-len comes from the data ({SEQ_LEN_PERCENTILE}th percentile of the tokenized records, capped "
+         "by the model's context). estimate, plan and train share these defaults: each describes the run "
+         "`memfit train` would run with the same flags.")
+"""The defaults of ``--seq-len``, ``--micro-batch`` and plan's ``--batch``, one for ``train``, ``estimate`` and
+``plan`` alike (each command's ``--help`` shows this line): ``memfit estimate MODEL`` prices the step that
+``memfit train --model MODEL`` runs, and ``memfit plan MODEL`` searches for that run."""
 
 
 def fmt_lr(value: float) -> str:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from memfit.data.prep import record_lengths, run_tokenizer
 from memfit.settings import defaults
 from memfit.settings.config import TrainConfig
-from memfit.spec.model import is_preset
+from memfit.spec.model import is_preset, source_config
 
 
 def is_demo(model: str, data: str | None) -> bool:
@@ -41,8 +42,6 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
     if str(config.run.method) != "sft":  # a preference method keeps --seq-len: its pairs are cut to it, never packed
         return config, (f"default seq-len {config.run.seq_len} (each {config.run.method} pair's prompt and answers "
                         "are cut to it, not sized from the data; --seq-len to choose)")
-    from memfit.data.prep import record_lengths, run_tokenizer
-    from memfit.spec.model import source_config
 
     # the tokenizer and config resolve_model loads next (it checks them against the derived length)
     hf_config = source_config(config.source)
@@ -53,6 +52,32 @@ def with_seq_len(config: TrainConfig, *, resumed: bool, hub_model=None) -> tuple
         return config, None
     run = config.run.replace(seq_len=choice.seq_len)
     return dataclasses.replace(config, run=run), choice.describe()
+
+
+def seq_len_as_train(model: str, data: str | None, run, *, context: int | None, tokenizer: str | None = None,
+                     revision: str | None = None, trust_remote_code: bool = False):
+    """``(run, note)``: ``run`` at the ``--seq-len`` ``memfit train --model MODEL [--data DATA]`` runs when the
+    user gives none, for ``estimate`` and ``plan`` (one meaning per default), and the line that says where it
+    came from (None for the demo, whose length is the default itself).
+
+    * the demo (a preset, no ``--data``): ``DEMO_SEQ_LEN``, as train;
+    * ``--data``: derived from the data exactly as train derives it (``with_seq_len``: the model's tokenizer,
+      the 99th percentile of the training records, capped by the model's context);
+    * a model of the user's own without ``--data``: train derives the length from the corpus shipped with
+      memfit; the command prices ``DEMO_SEQ_LEN`` capped by ``context`` instead (tokenizing a corpus is
+      train's work, not a pricing's) and the note says so.
+    """
+    if is_demo(model, data):
+        return run, None
+    if data is None:
+        seq_len = min(run.seq_len, context) if context else run.seq_len
+        return run.replace(seq_len=seq_len), (
+            f"seq-len {seq_len} (memfit train --model {model} derives it from its data, the shipped corpus without "
+            "--data; --data, or --seq-len, to price that length here)")
+    config = TrainConfig.from_flat({"model": model, "data": data, "tokenizer": tokenizer, "revision": revision,
+                                    "trust_remote_code": trust_remote_code, **run.to_flat(), "explicit": ()})
+    derived, note = with_seq_len(config, resumed=False)
+    return derived.run, note
 
 
 def with_lr(config: TrainConfig, *, random_init: bool, lora: bool) -> tuple[TrainConfig, str | None]:

@@ -11,11 +11,21 @@ import platform
 import time
 from pathlib import Path
 
+import accelerate
+import torch
+import transformers
+
+from memfit.files import write_atomic
+from memfit.integrations.versions import MEMFIT
 from memfit.memory import measure
+from memfit.memory.outside import predicted_outside
+from memfit.report.train_plots import plot_loss
 from memfit.settings.config import TrainConfig
-from memfit.training import checkpoint, sharding
+from memfit.training import sharding
 from memfit.training.budget import plan_record
 from memfit.training.oom import not_a_batch_problem
+from memfit.training.runfolder import checkpoint
+from memfit.training.runfolder.readback import read_metrics
 from memfit.training.samples import generate_samples
 from memfit.training.session import TrainSession, predict
 from memfit.training.setup import build_model
@@ -72,8 +82,6 @@ def _predicted_at_rows(s: TrainSession, peak_mem: measure.PeakMemory) -> int | N
 
 def _outside(s: TrainSession) -> dict | None:
     """The predicted peaks outside the step for the settings the run ended with (summary and run.json)."""
-    from memfit.memory.outside import predicted_outside
-
     outside = predicted_outside(s.source.spec, s.run, s.device)
     if outside is None:
         return None
@@ -94,22 +102,17 @@ def samples(s: TrainSession, net) -> list[dict[str, str]]:
 
 def write_run_files(output: Path, config: TrainConfig, summary: RunSummary) -> None:
     """``run.json`` (settings, versions, the summary's JSON form) and ``loss.png``."""
-    import accelerate
+    # imported here, inside the run's quiet_import_notices (training.loop.built): PEFT imports bitsandbytes, whose
+    # import-time notice ("Failed to load CPU gemm_4bit_forward ...") a run must not print; a full fine-tune
+    # never imports PEFT before this line
     import peft
-    import torch
-    import transformers
-
-    from memfit.integrations.versions import MEMFIT
 
     versions = {"memfit": MEMFIT, "python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "accelerate": accelerate.__version__,
                 "peft": peft.__version__}
     doc = {"settings": config.to_flat(), "versions": versions, **summary.to_dict()}
-    from memfit.files import write_atomic
 
     # replaced whole (a link planted as run.json is replaced, never written through)
     write_atomic(output / "run.json", json.dumps(doc, indent=2, default=str), root=output, user_error=False)
-    from memfit.report.train_plots import plot_loss
-    from memfit.training.readback import read_metrics
 
     plot_loss(read_metrics(output / "metrics.jsonl"), output / "loss.png", unigram=summary.unigram_loss)

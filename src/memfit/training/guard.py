@@ -23,10 +23,18 @@ import errno
 import math
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
+import torch
+from accelerate.utils import broadcast_object_list
+
 from memfit.errors import UserError
+from memfit.training.runfolder.checkpoint import default_output
+from memfit.training.runfolder.folder import RunFolder
+from memfit.training.runfolder.layout import step_folders
+from memfit.training.runfolder.manifest import has_manifest
 
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
@@ -81,8 +89,6 @@ class RunGuard:
 
     def lock_existing(self, config, *, is_main: bool) -> None:
         """Lock ``--output`` if it already holds a run, before anything there is read (``RunFolder.lock_existing``)."""
-        from memfit.training.runfolder import RunFolder
-
         if config.folder.output:
             self.folder = RunFolder(Path(config.folder.output))
             self.folder.lock_existing(config, is_main=is_main)
@@ -90,9 +96,6 @@ class RunGuard:
     def claim_default(self, model: str) -> Path:
         """A fresh ``runs/<model>-<time>`` for a run without ``--output``, made now (``RunFolder.claim_fresh``), so
         a run started in the same second cannot take it; removed again if the run fails before its first step."""
-        from memfit.training.checkpoint import default_output
-        from memfit.training.runfolder import RunFolder
-
         self.folder = RunFolder.claim_fresh(default_output(model))
         return self.folder.output
 
@@ -100,15 +103,11 @@ class RunGuard:
                     data: dict | None = None):
         """Check, create and lock ``config.folder.output`` (``runfolder.RunFolder.open``); the staging tag is the main
         process's on every rank."""
-        from memfit.training.runfolder import RunFolder
-
         if self.folder is None or self.folder.output != Path(config.folder.output):
             self.folder = RunFolder(Path(config.folder.output))
         self.folder.open(config, is_main=is_main, run_id=run_id, data=data)
         self.output = Path(config.folder.output)  # from here on a failure names the run's checkpoints
         if accelerator is not None and accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
             shared = [self.folder.tag]
             broadcast_object_list(shared)
             self.folder.tag = shared[0]
@@ -140,7 +139,6 @@ class RunGuard:
             raise KeyboardInterrupt
         self.stop_requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the second Ctrl-C raises at once
-        import sys
 
         print("\nCtrl-C: saving a checkpoint at the end of this step (Ctrl-C again to stop at once)",
               file=sys.stderr, flush=True)
@@ -167,7 +165,6 @@ class RunGuard:
         """Whether a Ctrl-C asked to stop (on any process: all stop at the same step)."""
         if accelerator.num_processes == 1:
             return self.stop_requested
-        import torch
 
         flag = torch.tensor(float(self.stop_requested), device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
@@ -178,9 +175,6 @@ class RunGuard:
 
     # ---------------------------------------------------------------------------------- wording
     def saved_sentence(self) -> str:
-        from memfit.training.checkpoint_dirs import step_folders
-        from memfit.training.manifest import has_manifest
-
         newest = self.last_checkpoint
         if newest is None and self.output is not None:
             newest = next((p for _, p in step_folders(self.output) if p.is_dir() and has_manifest(p)), None)
@@ -211,8 +205,6 @@ def _as_write_error(exc: BaseException, output: Path) -> BaseException:
 
 def _weights_finite(model) -> bool:
     """Whether every trainable weight is finite (one reduction: the norm of all of them)."""
-    import torch
-
     params = [p.detach() for p in model.parameters() if p.requires_grad]
     if not params:
         return True

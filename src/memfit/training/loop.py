@@ -1,40 +1,56 @@
-"""``train(config)``: build the run, loop over optimizer steps, finish.
+"""``train(config)``: build the run, fit it, finish.
 
-    run_training
-      build_session   (training.session)  model, data, optimizer, Accelerator, resume -> TrainSession
-      run_loop        (here)              top to bottom, one optimizer step per iteration:
-        run_step        fetch the step's micro-batches, train_step (training.step); on out of memory:
-                        undo the step (training.rollback), fall back (training.oom), redo it
+    train (or run_training, which keeps the model)
+      build_session   (training.session)  the run settled first (--batch, --budget's plan), then the Accelerator,
+                                          model, data, optimizer and schedule built from it, resume
+      fit             (here)              litgpt's ``fit``: the Accelerator, model, optimizer and schedule are its
+                                          arguments; top to bottom, one optimizer step per iteration:
+        train_step      forward, backward, clip and the optimizer step of the step's micro-batches under the run's
+                        loss (training.step: one accumulation loop for sft, dpo, orpo, simpo); on out of memory:
+                        undo the step (training.rollback), fall back (training.oom), redo it (``redo_lower``)
         record_step     advance the position in the data and the counters
         evaluate_due    held-out loss when --eval-every says so
         log_step        metrics.jsonl and the trackers
         save_due        a checkpoint when --save-every says so
         show_step       the progress: a live line on a terminal, plain lines elsewhere
       finish          (training.finish)   export, samples, RunSummary, run.json / loss.png
+
+From ``memfit.train`` to ``loss.backward()`` are four frames: ``train``, ``fit``, ``train_step`` and Accelerate's
+``backward``.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+
+from memfit.data.dataset import collate
+from memfit.data.pairs import collate_pairs
 from memfit.errors import UserError
 from memfit.integrations.hf_compat import quiet_import_notices
 from memfit.memory import measure
 from memfit.memory.outside import eval_batch
 from memfit.settings.config import TrainConfig
-from memfit.training import checkpoint, oom, resume, sharding, space
+from memfit.training import oom, resume, sharding
 from memfit.training.finish import finish
 from memfit.training.guard import RunGuard
 from memfit.training.oom import not_a_batch_problem
 from memfit.training.rollback import RngState, undo_step
+from memfit.training.runfolder import checkpoint, space
 from memfit.training.sampler import RowsWithDummy, StepBatchSampler
 from memfit.training.samples import samples_at_eval
 from memfit.training.session import LoopState, TrainSession, build_session, predict
 from memfit.training.step import (
+    PreferenceRun,
     StepOutOfMemory,
     StepResult,
+    TokenLoss,
     evaluate,
     pool_preference,
     preference_window,
@@ -42,7 +58,11 @@ from memfit.training.step import (
 )
 from memfit.training.summary import FallbackRecord, RunSummary
 
-__all__ = ["train", "run_training", "run_loop", "TrainResult", "LoopState", "not_a_batch_problem"]
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+__all__ = ["train", "run_training", "fit", "TrainResult", "LoopState", "not_a_batch_problem"]
 
 
 @dataclass
@@ -52,31 +72,58 @@ class TrainResult:
     """The trained model, unwrapped from Accelerate."""
 
 
+@contextmanager
+def built(config: TrainConfig, show: bool) -> Iterator[TrainSession]:
+    """The run built (``build_session``) under its ``RunGuard`` (Ctrl-C, non-finite steps, failing writes, the run
+    folder's lock). bitsandbytes may be imported first in here (by PEFT or transformers), on every rank: its
+    import-time notice is not memfit's users'. (A context manager, not a caller: no frame of its own under ``fit``.)"""
+    with quiet_import_notices(), RunGuard() as guard:
+        yield build_session(config, guard, show=show)
+
+
 def train(config: TrainConfig, *, show: bool = True) -> dict:
     """Train ``config.source.model`` on ``config.data`` and return the run summary as JSON (what ``--json`` prints)."""
-    return run_training(config, show=show).summary.to_dict()
+    with built(config, show) as s:
+        fit(s.accelerator, s.model, s.optimizer, s.scheduler, s)
+        return finish(s)[0].to_dict()
 
 
 def run_training(config: TrainConfig, *, show: bool = True) -> TrainResult:
-    """Build the run, loop over its optimizer steps, finish; the typed summary and the trained model."""
-    # RunGuard: Ctrl-C, non-finite steps, failing writes, the run folder's lock; bitsandbytes may be imported
-    # first in here (by PEFT or transformers), on every rank: its import-time notice is not memfit's users'.
-    with quiet_import_notices(), RunGuard() as guard:
-        session = build_session(config, guard, show=show)
-        run_loop(session)
-        summary, model = finish(session)
+    """``train``, keeping the typed summary and the trained model."""
+    with built(config, show) as s:
+        fit(s.accelerator, s.model, s.optimizer, s.scheduler, s)
+        summary, model = finish(s)
         return TrainResult(summary=summary, model=model)
 
 
-def run_loop(s: TrainSession) -> None:
-    """The optimizer steps from ``s.state.step`` to ``s.total_steps``."""
+def fit(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scheduler: AcceleratedScheduler, s: TrainSession) -> None:
+    """The optimizer steps from ``s.state.step`` to ``s.total_steps``, read top to bottom.
+
+    The step is ``train_step`` on the parts given here; ``s`` holds the rest of the run (its data and position,
+    its folder and counters). An out-of-memory step is undone and redone on a lower configuration
+    (``redo_lower``): the same parameters, optimizer state, random state and samples, so the run goes on as if
+    the fallback had been used for this step from the start.
+    """
     s.batches = micro_batches(s)
     measure.reset_peak(s.device)
     with s.bar:
         while s.state.step < s.total_steps:
-            t_step = time.perf_counter()
-            result = run_step(s)
-            s.guard.check_finite(s.state.step + 1, result, s.model)  # a NaN/inf step stops the run before any save
+            t_step, rng = time.perf_counter(), RngState.capture()
+            micro = [next(s.batches) for _ in range(s.run.grad_accum)]
+            try:
+                with s.tensor_peak.watch(s.state.step + 1, model, optimizer, micro,  # CPU: live tensor bytes
+                                         resident=s.snapshot.buffers()):
+                    result = train_step(accelerator, model, optimizer, micro, step_loss(s),
+                                        max_grad_norm=s.config.optim.max_grad_norm, snapshot=s.snapshot,
+                                        in_backward=s.in_backward)
+            except StepOutOfMemory as err:
+                del micro
+                redo_lower(s, err, rng)
+                continue
+            s.guard.check_finite(s.state.step + 1, result, model)  # a NaN/inf step stops the run before any save
+            if not result.skipped:
+                scheduler.step()  # a step the fp16 scaler skipped does not advance the schedule
             record_step(s, result, t_step)
             evaluated = evaluate_due(s)
             log_step(s, result, evaluated)
@@ -84,29 +131,22 @@ def run_loop(s: TrainSession) -> None:
             show_step(s, result, evaluated)
 
 
-def run_step(s: TrainSession) -> StepResult:
-    """One optimizer step on the samples the schedule gives it; on out of memory, undo, fall back, redo.
+def step_loss(s: TrainSession) -> TokenLoss | PreferenceRun:
+    """The loss the step accumulates: the preference method's, else the next-token loss of ``s.run`` (an OOM
+    fallback may have changed its loss implementation or offload)."""
+    if s.preference is not None:
+        return s.preference
+    return TokenLoss(s.bundle.uses_model_loss, s.vocab, s.run.loss, activations_on_cpu=str(s.run.offload) == "activations")
 
-    The redo starts from the same parameters, optimizer state, random state and samples, so the run
-    goes on as if the fallback configuration had been used for this step from the start.
-    """
-    while True:
-        rng = RngState.capture()
-        micro = [next(s.batches) for _ in range(s.run.grad_accum)]
-        try:
-            with s.tensor_peak.watch(s.state.step + 1, s.model, s.optimizer, micro,  # CPU: live tensor bytes
-                                     resident=s.snapshot.buffers()):
-                return train_step(s.accelerator, s.model, s.optimizer, micro, max_grad_norm=s.config.optim.max_grad_norm,
-                                  uses_model_loss=s.bundle.uses_model_loss, vocab_size=s.vocab, snapshot=s.snapshot,
-                                  loss=s.run.loss, in_backward=s.in_backward,
-                                  activations_on_cpu=str(s.run.offload) == "activations", preference=s.preference)
-        except StepOutOfMemory as err:
-            sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
-            del micro
-            undo_step(s.accelerator, s.model, s.optimizer)
-            rng.restore()
-            fall_back(s, err)
-            s.batches = micro_batches(s)
+
+def redo_lower(s: TrainSession, err: StepOutOfMemory, rng: RngState) -> None:
+    """After an out-of-memory step: stop the ranks together, undo the step, restore the random state, fall back to
+    a lower configuration and restart the micro-batches at the step's samples, for ``fit`` to redo it."""
+    sharding.stop_on_rank_oom(s.accelerator, s.state.step + 1)  # ranks stop together, no hang
+    undo_step(s.accelerator, s.model, s.optimizer)
+    rng.restore()
+    fall_back(s, err)
+    s.batches = micro_batches(s)
 
 
 def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:
@@ -132,9 +172,7 @@ def fall_back(s: TrainSession, err: StepOutOfMemory) -> None:
 
 
 def record_step(s: TrainSession, result: StepResult, t_step: float) -> None:
-    """Advance the schedule, the position in the data and the counters past a finished step."""
-    if not result.skipped:
-        s.scheduler.step()  # a step the fp16 scaler skipped does not advance the schedule
+    """Advance the position in the data and the counters past a finished step (``fit`` stepped the schedule)."""
     state = s.state
     state.step += 1
     state.samples += len(s.schedule.step_samples(state.samples))
@@ -211,13 +249,8 @@ def show_step(s: TrainSession, result: StepResult, evaluated: bool = False) -> N
                  memory_label="rss" if s.device == "cpu" else "mem", evaluated=evaluated)
 
 
-def micro_batches(s: TrainSession):
+def micro_batches(s: TrainSession) -> Iterator[dict[str, torch.Tensor]]:
     """Iterator over this rank's micro-batches from ``s.state.samples`` on, for ``s.run``'s split."""
-    import torch
-
-    from memfit.data.dataset import collate
-    from memfit.data.pairs import collate_pairs
-
     run, pad_id = s.run, s.pad_id
     join = collate if s.preference is None else collate_pairs
     sampler = StepBatchSampler(s.schedule, start_samples=s.state.samples, num_steps=s.total_steps - s.state.step,

@@ -93,7 +93,7 @@ def restore(config):
                         "the run's folder).")
     if not config.folder.resume or not config.folder.output:
         return config, None
-    from memfit.training import manifest
+    from memfit.training.runfolder import manifest
 
     output = user_path(config.folder.output)
     if not output.is_dir():
@@ -112,7 +112,7 @@ def restore(config):
 
 def check_run(point: ResumePoint, output: Path) -> None:
     """Refuse a checkpoint whose run id is not the run folder's (one of another run, copied in)."""
-    from memfit.training import ledger
+    from memfit.training.runfolder import ledger
 
     doc = ledger.read(output)
     mine, theirs = (doc or {}).get("run_id"), point.state.get("run_id")
@@ -123,7 +123,7 @@ def check_run(point: ResumePoint, output: Path) -> None:
 
 def check_data(point: ResumePoint, config) -> None:
     """Refuse data whose content changed since the checkpoint was saved, unless ``--allow-data-change``."""
-    from memfit.training import ledger
+    from memfit.training.runfolder import ledger
 
     point.data = ledger.fingerprint(config.data)
     saved = point.state.get("data_fingerprint")
@@ -141,7 +141,7 @@ def check_data(point: ResumePoint, config) -> None:
 
 def data_now(point: ResumePoint | None, config) -> dict[str, Any] | None:
     """The data's fingerprint, computed once per run (a resume has it from ``check_data``)."""
-    from memfit.training import ledger
+    from memfit.training.runfolder import ledger
 
     return point.data if point is not None and point.data is not None else ledger.fingerprint(config.data)
 
@@ -258,8 +258,8 @@ def note_resume(output: Path, point: ResumePoint | None, is_main: bool) -> dict[
         event["note"] = point.note
     if not is_main:
         return event
-    from memfit.training.manifest import write_file
-    from memfit.training.readback import read_metrics
+    from memfit.training.runfolder.manifest import write_file
+    from memfit.training.runfolder.readback import read_metrics
 
     path = output / "metrics.jsonl"
     kept = [json.dumps(rec) for rec in read_metrics(path)  # checked; a last line cut by a kill is dropped

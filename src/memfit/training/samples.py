@@ -1,7 +1,7 @@
 """End-of-run samples: the trained model continues the beginnings of held-out documents.
 
 A prompt is what a document starts with, framed as in training (``[bos] + tokens``, see
-``memfit.data.dataset.tokenize``): for plain text its first ``PROMPT_CHARS`` characters cut back to a word
+``memfit.data.dataset.encode_docs``): for plain text its first ``PROMPT_CHARS`` characters cut back to a word
 boundary (the shipped stories give ``"Once upon a time"``), for a prompt/completion record its whole
 prompt (the model should answer it). Starting where documents start, rather than inside a packed
 chunk, shows whether the model learned the documents' structure. Sampling is seeded and at a low
@@ -10,9 +10,16 @@ temperature, so a run's samples are reproducible and still differ when prompts c
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import torch
+
+from memfit.data.formats import as_dicts
+from memfit.files import append_line
 from memfit.memory.outside import MAX_NEW_TOKENS, PROMPT_CHARS  # the generation's KV cache is predicted there
+from memfit.spec.engines import is_sharded
+from memfit.training.rollback import RngState
 
 TEMPERATURE = 0.6
 
@@ -43,8 +50,6 @@ def prompt_ids(tokenizer, text: str, example=None) -> list[int]:
     for a conversation, its turns before the first reply rendered by the chat template with the
     generation prompt (the assistant's header), as in training."""
     if example is not None and example.is_conversation:
-        from memfit.data.formats import as_dicts
-
         turns = as_dicts(conversation_prompt(example))
         rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
@@ -61,8 +66,6 @@ def generate_samples(accelerator, net, tokenizer, examples: list, *, count: int,
     held out). Generation stops at eos or after ``MAX_NEW_TOKENS`` (fewer when the model has fewer
     positions left).
     """
-    import torch
-
     out = []
     torch.manual_seed(seed)
     was_training = net.training
@@ -99,14 +102,9 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
     Main process only, and only when each process holds the whole model: a sharded model's forward is
     collective, so its samples wait for the end of the run (where the gathered copy generates them).
     """
-    import json
-
-    from memfit.spec.engines import is_sharded
-
     count = s.config.cadence.eval_samples
     if count <= 0 or not s.is_main or is_sharded(s.run):
         return []
-    from memfit.training.rollback import RngState
 
     net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)
     rng = RngState.capture()  # sampling seeds the generators; training goes on with the state it had
@@ -115,7 +113,6 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
                                seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
     finally:
         rng.restore()
-    from memfit.files import append_line
 
     for sample in out:
         append_line(s.output / SAMPLES_FILE, json.dumps({"step": s.state.step, **sample}))

@@ -14,36 +14,57 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memfit.builder import optim_in_backward
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import broadcast_object_list, gather_object
+
+from memfit.builder import optim_in_backward, preference
 from memfit.errors import UserError
+from memfit.files import append_line
+from memfit.integrations.trackers import check_tracker, local_init_kwargs
 from memfit.memory import measure
-from memfit.settings.config import RunConfig, TrainConfig
-from memfit.training import checkpoint, deepspeed_engine, derived, resume, sharding
-from memfit.training.budget import plan_line
+from memfit.memory.breakdown import MemoryBreakdown
+from memfit.settings.config import Method, RunConfig, TrainConfig
+from memfit.spec.resolved import experts_reason
+from memfit.training import deepspeed_engine, derived, resume, sharding
+from memfit.training.budget import plan_line, plan_run
 from memfit.training.guard import RunGuard
 from memfit.training.multinode import with_launched_nodes
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.router import RouterBalance, router_balance
+from memfit.training.runfolder import checkpoint
 from memfit.training.sampler import StepSchedule
 from memfit.training.setup import (
     DataBundle,
     ModelBundle,
+    ResolvedModel,
     build_accelerator,
     build_data,
     build_model,
     build_optimizer,
     build_scheduler,
+    cuda_available,
     fetch_hub_model,
     preflight,
     resolve_model,
 )
+from memfit.training.step import PreferenceRun
 from memfit.training.summary import FallbackRecord
 from memfit.training.threads import apply_threads
+from memfit.units import fmt_count
+
+if TYPE_CHECKING:  # planning.search takes ~0.85 s to import (python -X importtime, this machine): --budget's alone
+    from memfit.planning.search import PlanResult
 
 
 @dataclass
@@ -86,47 +107,48 @@ class TrainSession:
     """One run, built: the Accelerate-prepared objects, the data, the settings and the live state."""
 
     config: TrainConfig
-    accelerator: Any
+    accelerator: Accelerator
     run: RunConfig
     """The settings in force; an OOM fallback replaces it."""
     initial_run: RunConfig
-    plan_result: Any
+    plan_result: PlanResult | None
     """The planner's result for ``--budget``, else None."""
     bundle: ModelBundle
     data: DataBundle
     schedule: StepSchedule
     total_steps: int
-    model: Any
+    model: torch.nn.Module
     """Prepared by Accelerate (DDP-wrapped under data parallelism)."""
-    optimizer: Any
-    scheduler: Any
+    optimizer: torch.optim.Optimizer
+    """Accelerate's ``AcceleratedOptimizer`` around the torch optimizer."""
+    scheduler: AcceleratedScheduler
     state: LoopState
-    predicted: Any
+    predicted: MemoryBreakdown | None
     """The estimator's ``MemoryBreakdown`` for ``run`` on this device, or None."""
     bar: LiveProgress
     metrics: MetricsLog
     t_start: float
-    guard: Any = None
-    """``training.guard.RunGuard``: Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
-    tensor_peak: Any = None
-    """``measure.StepPeak``: on CPU, the live tensor bytes of one training step (compared with the prediction)."""
-    in_backward: Any = None
+    guard: RunGuard | None = None
+    """Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
+    tensor_peak: measure.StepPeak | None = None
+    """On CPU, the live tensor bytes of one training step (compared with the prediction)."""
+    in_backward: torch.optim.Optimizer | None = None
     """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
-    source: Any = None
-    """``setup.ResolvedModel``: what the model was built from (a sharded run rebuilds a plain copy to export)."""
-    save_state: Any = None
+    source: ResolvedModel | None = None
+    """What the model was built from (a sharded run rebuilds a plain copy to export)."""
+    save_state: Callable[[str], None] | None = None
     """``sharding.state_saver``: how a sharded run writes its checkpoint state (None: Accelerate's ``save_state``)."""
-    batches: Any = None
+    batches: Iterator[dict[str, torch.Tensor]] | None = None
     """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
     snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
     """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
-    preference: Any = None
-    """``training.step.PreferenceRun`` for ``--method dpo|orpo|simpo``; None for sft."""
+    preference: PreferenceRun | None = None
+    """The loss of ``--method dpo|orpo|simpo`` (``training.step``); None for sft."""
     t_process: float | None = None
     """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
     the parts a resumed run continues, so the summary reports both."""
-    router: Any = None
-    """``router.RouterBalance`` of a mixture-of-experts model (None for a dense one): logged with each step."""
+    router: RouterBalance | None = None
+    """The routing balance of a mixture-of-experts model (``training.router``; None for a dense one), logged."""
 
     @property
     def output(self) -> Path:
@@ -165,14 +187,17 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     threads = apply_threads(config.threads)  # torch's CPU threads from the cores actually available
     optim_in_backward.check(config.run, config.optim.max_grad_norm)
     resumed = resume_point is not None and isinstance(resume_point.state.get("settings"), dict)
+    check_tracker(config.tracker)  # before anything is built: a missing package is one sentence
     config = resolve_output(config, guard)
-    accelerator = build_accelerator(config.run, config)
-    with accelerator.main_process_first():  # a Hub --model: one download, the other ranks read the cache
-        config, hub_model = fetch_hub_model(config, progress=show and not config.json and accelerator.is_main_process)
+    processes = launched_processes()
+    with processes.main_process_first():  # a Hub --model: one download, the other ranks read the cache
+        config, hub_model = fetch_hub_model(config, progress=show and not config.json and processes.is_main_process)
         # --seq-len from the data, unless given: the main process tokenizes, the others read datasets' cache
         config, seq_len_note = derived.with_seq_len(config, resumed=resumed, hub_model=hub_model)
-    run, plan_result = resolve_run(config, accelerator.num_processes)
-    accelerator.gradient_accumulation_steps = run.grad_accum
+    # The run is settled (--batch, --budget's plan) before anything is built from it: the Accelerator's autocast,
+    # accumulation and sharding are the planned run's, never the flags' the plan replaced.
+    run, plan_result = resolve_run(config, processes.num_processes)
+    accelerator = build_accelerator(run, config)
     source = resolve_model(config, run, hub_model)
     config, lr_note = derived.with_lr(config, random_init=source.random_init, lora=run.is_lora())
     deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
@@ -203,8 +228,6 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         t_start -= state.wall_s  # wall times add up over the parts of a resumed run
         lrs = _reapply_schedule(optimizer, scheduler)
     if config.tracker:
-        from memfit.integrations.trackers import local_init_kwargs
-
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
                                   init_kwargs=local_init_kwargs(config.tracker, output))
     bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process,
@@ -248,18 +271,12 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
     row now (``memfit.builder.preference.precompute``); else a LoRA run switches its adapter off (no copy) and a
     full fine-tune keeps a frozen copy of the base (one more set of weights, priced by the estimator).
     """
-    from memfit.settings.config import Method
-
     if run.method is Method.SFT:
         return None
-    from memfit.builder import preference
-    from memfit.training.step import PreferenceRun
 
     spec = preference.PreferenceLoss(run.method, config.preference)
     reference = None
     if spec.needs_reference and run.precompute_reference:  # each rank with the weights its share, then all of it
-        from accelerate.utils import gather_object
-
         preference.precompute(bundle.model, data.train, pad_id=bundle.tokenizer.pad_token_id,
                               batch_size=run.micro_batch, autocast=accelerator.autocast,
                               rank=accelerator.process_index, holders=sharding.weight_holders(accelerator, run),
@@ -273,9 +290,13 @@ def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerato
 def _launched_as_main() -> bool:
     """Whether this process will be the main one (rank 0), before the Accelerator exists: ``accelerate
     launch``/``torchrun`` set ``RANK``; a plain run is the only process."""
-    import os
-
     return os.environ.get("RANK", "0") == "0"
+
+
+def launched_processes():
+    """Accelerate's ``PartialState`` of this launch (rank, process count), made before the Accelerator and then
+    reused by it (``deepspeed_engine.partial_state_kwargs``)."""
+    return PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
 
 
 def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
@@ -290,19 +311,15 @@ def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
     if config.folder.resume:
         raise UserError("--resume needs --output DIR, the folder of the run to continue "
                         "(without --output every run gets a new runs/<model>-<time> folder).")
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
 
-    from memfit.training.setup import cuda_available
-
-    state = PartialState(**deepspeed_engine.partial_state_kwargs(cuda_available()))
+    state = launched_processes()
     chosen = [str(guard.claim_default(config.source.model)) if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(chosen)
     return config.replace(output=chosen[0])
 
 
-def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any]:
+def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, PlanResult | None]:
     """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
     run = config.run
     if run.num_processes not in (1, num_processes):
@@ -316,7 +333,6 @@ def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, Any
         run = run.replace(grad_accum=config.batch // per_step)
     if not config.budget:
         return run, None
-    from memfit.training.budget import plan_run
 
     return plan_run(config, run)
 
@@ -329,8 +345,6 @@ def _reapply_schedule(optimizer, scheduler) -> tuple[list[float], list[float]]:
     with more steps must take its lr from the new schedule, not from the old one's end (the preamble
     says so: ``resume.schedule_note``; a finished run only with ``--extend-schedule``).
     """
-    import warnings
-
     before = [group["lr"] for group in optimizer.param_groups]
     inner = getattr(scheduler, "scheduler", scheduler)  # unwrap Accelerate's AcceleratedScheduler
     with warnings.catch_warnings():  # get_lr() outside step() warns; here it is what we want
@@ -356,7 +370,7 @@ def predict(model_name, run: RunConfig, device: str = "cuda"):
 def predict_or_why(model_name, run: RunConfig, device: str = "cuda"):
     """``(prediction, "")``, or ``(None, why)``: the estimator's own sentence when it refused the run (a
     ``UserError``), else the failure's first line, so the preamble never says "n/a" without a reason."""
-    try:
+    try:  # imported here: a missing or broken estimator is the preamble's reason, never a stopped run
         from memfit.memory.snapshot import device_estimate
         from memfit.spec.model import load_spec
 
@@ -376,21 +390,11 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            from memfit.files import append_line
-
             append_line(self.path, json.dumps(record))  # never through a link planted as metrics.jsonl
-
-
-def router_balance(model):
-    from memfit.training.router import router_balance as balance
-
-    return balance(model)
 
 
 def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
     """Derived numbers shown before the long work starts."""
-    from memfit.units import fmt_count
-
     sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
     unit = "sequences" if sft else "pairs"
     pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
@@ -408,8 +412,6 @@ def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> 
 
 
 def _experts_why(bundle, run: RunConfig) -> str:
-    from memfit.spec.resolved import experts_reason
-
     return experts_reason(bundle.experts, run.experts_implementation, str(run.dtype))
 
 

@@ -13,17 +13,23 @@ the ``P`` ranks, so the loss is multiplied by ``k * P`` before ``backward``. The
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers.loss.loss_utils import ForCausalLMLoss
 
+from memfit.builder import preference
 from memfit.data.dataset import collate, count_target_tokens
 from memfit.settings.config import Loss
 from memfit.spec.batch import model_inputs
+from memfit.spec.losses import chunked_micro_loss
 from memfit.training.oom import is_oom
 from memfit.training.rollback import OptimizerSnapshot
+from memfit.training.sharding import reshard_all
 
 #: The parts of a step, in order; an out-of-memory error names the one that raised it.
 PHASES = ("forward", "backward", "clip", "optimizer")
@@ -91,77 +97,114 @@ def micro_loss(model, batch: dict, num_items: torch.Tensor, uses_model_loss: boo
     function applied to its logits for models whose forward does not take loss kwargs, or (``loss`` not
     standard) the same sum over target tokens divided by ``N`` without the full logits (``memfit.spec.losses``)."""
     if loss is not Loss.STANDARD:
-        from memfit.spec.losses import chunked_micro_loss
-
         return chunked_micro_loss(model, batch, num_items, autocast, loss)
     if uses_model_loss:
         return model(**model_inputs(batch), num_items_in_batch=num_items).loss
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
     inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
     logits = model(**inputs).logits  # (B, T, V)
     return ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=num_items)
 
 
-def train_step(accelerator, model, optimizer, batches: list[dict], *, max_grad_norm: float,
-               uses_model_loss: bool, vocab_size: int, snapshot: OptimizerSnapshot | None = None,
-               loss: Loss = Loss.STANDARD, in_backward=None, activations_on_cpu: bool = False,
-               preference=None) -> StepResult:
-    """Accumulate the step's micro-batches (already fetched, so the token count is known up front),
-    clip, and step the optimizer.
+@dataclass
+class TokenLoss:
+    """The next-token loss of ``--method sft``: each micro-batch's ``S_i / N`` (``micro_loss``), ``N`` the step's
+    target tokens on all ranks (the module docstring)."""
+
+    uses_model_loss: bool
+    """The model's forward takes ``num_items_in_batch`` (transformers' loss kwargs); else its logits are scored."""
+    vocab_size: int
+    loss: Loss = Loss.STANDARD
+    activations_on_cpu: bool = False
+    """``--offload activations`` (CUDA): forward's saved tensors go to pinned CPU memory (torch's ``save_on_cpu``)
+    and come back when backward needs them."""
+
+    def norms(self, batches: list[dict], n_targets: int, reduce) -> torch.Tensor:  # noqa: ARG002 - one signature
+        return torch.tensor(max(n_targets, 1), device=batches[0]["labels"].device)
+
+    def forward(self, model, batch: dict, num_items: torch.Tensor, autocast) -> tuple[torch.Tensor, None]:
+        with _saved_tensors_place(self.activations_on_cpu):
+            return micro_loss(model, batch, num_items, self.uses_model_loss, self.vocab_size, self.loss, autocast), None
+
+    def metrics(self, stats) -> None:  # noqa: ARG002 - one signature
+        return None
+
+
+@dataclass
+class PreferenceRun:
+    """The loss of ``--method dpo|orpo|simpo`` on pairs (``memfit.builder.preference``): each micro-batch's share of
+    ``sum_p l_p / P`` over the step's real pairs (and ORPO's chosen target tokens), with the reference policy."""
+
+    spec: object
+    """``memfit.builder.preference.PreferenceLoss``."""
+    reference: object = None
+    """A frozen copy of the base (full fine-tune), or None: the LoRA adapter switched off, or precomputed."""
+
+    def norms(self, batches: list[dict], n_targets: int, reduce):  # noqa: ARG002 - one signature
+        return preference.step_norms(batches, reduce)
+
+    def forward(self, model, batch: dict, norms, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss share, stats)``: stats are the micro-batch's pairs, correct rankings and reward sums."""
+        ref = (preference.reference_sums(batch, model=model, reference=self.reference, autocast=autocast)
+               if self.spec.needs_reference else None)
+        inputs = {k: v for k, v in model_inputs(batch).items() if k not in ("labels", "ref_logps")}
+        logits = model(**inputs, use_cache=False).logits  # (2B, T, V)
+        return preference.micro_loss(self.spec, logits, batch["labels"], norms, ref)
+
+    def metrics(self, stats: torch.Tensor) -> dict:
+        """``StepResult.preference`` from the step's summed stats (all ranks)."""
+        pairs, correct, margin, chosen, rejected = stats.tolist()
+        per = max(pairs, 1.0)
+        return {"pairs": int(pairs), "reward_accuracy": correct / per, "reward_margin": margin / per,
+                "chosen_reward": chosen / per, "rejected_reward": rejected / per}
+
+
+def train_step(accelerator, model, optimizer, batches: list[dict], step_loss: TokenLoss | PreferenceRun, *,
+               max_grad_norm: float, snapshot: OptimizerSnapshot | None = None, in_backward=None) -> StepResult:
+    """One optimizer step: accumulate the step's micro-batches (already fetched, so the normalisers are known up
+    front) under ``step_loss`` (``TokenLoss`` for sft, ``PreferenceRun`` for dpo/orpo/simpo), clip, step.
 
     ``in_backward``: an ``OptimizerInBackward`` (``memfit/builder/optim_in_backward.py``) that already stepped
     every parameter during ``backward``; then there is no clipping, and ``optimizer.step()`` does nothing.
-    ``activations_on_cpu`` (``--offload activations``, CUDA): the tensors forward saves for backward go
-    to pinned CPU memory (torch's ``save_on_cpu``) and come back when backward needs them.
-    ``preference``: a ``PreferenceRun`` (``--method dpo|orpo|simpo``): the batches are pairs and the loss
-    is ``memfit.builder.preference``'s, normalised by the step's pairs.
 
     Raises:
         StepOutOfMemory: out of memory in one of ``PHASES``; with ``snapshot``, an OOM inside the
             optimizer step leaves the optimizer and parameters as they were before it. With
             ``in_backward`` an OOM in backward may follow parameter updates: it is marked not restored.
     """
-    if preference is not None:
-        return _preference_step(accelerator, model, optimizer, batches, preference, max_grad_norm=max_grad_norm,
-                                snapshot=snapshot, in_backward=in_backward)
-    device = accelerator.device
+    def reduce(t):
+        return accelerator.reduce(t, reduction="sum")
+
     local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
-                          sum(int(b["attention_mask"].sum()) for b in batches)], device=device)
-    n_targets, n_tokens = accelerator.reduce(local, reduction="sum").tolist()
-    num_items = torch.tensor(max(n_targets, 1), device=device)
-    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    loss_sum = torch.zeros((), device=device)
+                          sum(int(b["attention_mask"].sum()) for b in batches)], device=accelerator.device)
+    n_targets, n_tokens = reduce(local).tolist()
+    norms = step_loss.norms(batches, n_targets, reduce)
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes  # undoes Accelerate's and DDP's
+    loss_sum, stats = torch.zeros((), device=accelerator.device), None
     snapshot = snapshot or OptimizerSnapshot()
     for batch in batches:
         with accelerator.accumulate(model):
-            with phase("forward"), _saved_tensors_place(activations_on_cpu):
-                value = micro_loss(model, batch, num_items, uses_model_loss, vocab_size, loss, accelerator.autocast)
+            with phase("forward"):
+                value, micro_stats = step_loss.forward(model, batch, norms, accelerator.autocast)
             with phase("backward", restorable=in_backward is None):
                 accelerator.backward(value * scale)
             loss_sum += value.detach().float()
+            if micro_stats is not None:
+                stats = micro_stats.float() if stats is None else stats + micro_stats.float()
             # Drop the graph now, not when the next micro-batch's forward returns: an 8-bit base's autograd
             # functions keep their inputs as ctx attributes until the graph is freed
             # (memory.quantized.int8_input_groups), through the optimizer step and the next forward otherwise.
             del value
-    grad_norm = _clip_and_step(accelerator, model, optimizer, snapshot, max_grad_norm, in_backward)
-    total = float(accelerator.reduce(loss_sum, reduction="sum"))
-    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
-                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm)
-
-
-def _clip_and_step(accelerator, model, optimizer, snapshot: OptimizerSnapshot, max_grad_norm: float,
-                   in_backward) -> float | None:
-    """After the micro-batches: clip (not when the optimizer stepped inside backward), step, zero the
-    gradients; the gradient norm, or None when not clipped. Shared by the SFT and preference steps."""
     grad_norm = None
-    if max_grad_norm > 0 and in_backward is None:
+    if max_grad_norm > 0 and in_backward is None:  # the optimizer stepped inside backward: nothing to clip
         with phase("clip"):
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
     with phase("optimizer", snapshot), snapshot.guard(optimizer):
         optimizer.step()
     optimizer.zero_grad(set_to_none=not _grads_in_ddp_buckets(model))
-    return grad_norm
+    return StepResult(loss=float(reduce(loss_sum)), target_tokens=int(n_targets), tokens=int(n_tokens),
+                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm,
+                      preference=step_loss.metrics(reduce(stats)) if stats is not None else None)
 
 
 def _grads_in_ddp_buckets(model) -> bool:
@@ -169,75 +212,17 @@ def _grads_in_ddp_buckets(model) -> bool:
     then zeroed in place, not set to None. A None gradient is re-pointed into its bucket only when DDP
     all-reduces it, so the micro-batches before the last (``no_sync``) would accumulate into fresh tensors
     beside the resident buckets: a second copy of every gradient until the last micro-batch's backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
-
-
-@dataclass
-class PreferenceRun:
-    """What a preference step needs besides the batches: the loss and the reference policy."""
-
-    spec: object
-    """``memfit.builder.preference.PreferenceLoss``."""
-    reference: object = None
-    """A frozen copy of the base (full fine-tune), or None: the LoRA adapter switched off, or precomputed."""
-
-
-def _preference_step(accelerator, model, optimizer, batches, pref: PreferenceRun, *, max_grad_norm: float,
-                     snapshot, in_backward) -> StepResult:
-    """``train_step`` for preference pairs: the same accumulation and scaling (module docstring), with the
-    step's pairs (and ORPO's chosen target tokens) as the normalisers (``memfit.builder.preference``)."""
-    from memfit.builder import preference
-
-    def reduce(t):
-        return accelerator.reduce(t, reduction="sum")
-
-    norms = preference.step_norms(batches, reduce)
-    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    loss_sum = torch.zeros((), device=accelerator.device)
-    stats = torch.zeros(5, device=accelerator.device)
-    snapshot = snapshot or OptimizerSnapshot()
-    for batch in batches:
-        with accelerator.accumulate(model):
-            with phase("forward"):
-                ref = (preference.reference_sums(batch, model=model, reference=pref.reference,
-                                                 autocast=accelerator.autocast)
-                       if pref.spec.needs_reference else None)
-                inputs = {k: v for k, v in model_inputs(batch).items() if k not in ("labels", "ref_logps")}
-                logits = model(**inputs, use_cache=False).logits  # (2B, T, V)
-                value, micro_stats = preference.micro_loss(pref.spec, logits, batch["labels"], norms, ref)
-                del logits
-            with phase("backward", restorable=in_backward is None):
-                accelerator.backward(value * scale)
-            loss_sum += value.detach().float()
-            stats += micro_stats.float()
-            del value
-    grad_norm = _clip_and_step(accelerator, model, optimizer, snapshot, max_grad_norm, in_backward)
-    total = float(reduce(loss_sum))
-    pairs, correct, margin, chosen, rejected = reduce(stats).tolist()
-    local = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
-                          sum(int(b["attention_mask"].sum()) for b in batches)], device=accelerator.device)
-    n_targets, n_tokens = reduce(local).tolist()
-    per = max(pairs, 1.0)
-    return StepResult(loss=total, target_tokens=int(n_targets), tokens=int(n_tokens),
-                      skipped=bool(optimizer.step_was_skipped), grad_norm=grad_norm,
-                      preference={"pairs": int(pairs), "reward_accuracy": correct / per, "reward_margin": margin / per,
-                                  "chosen_reward": chosen / per, "rejected_reward": rejected / per})
 
 
 def _saved_tensors_place(on_cpu: bool):
     """Where forward's saved tensors live: the device, or pinned CPU memory (copied back in backward)."""
-    import contextlib
-
     return torch.autograd.graph.save_on_cpu(pin_memory=True) if on_cpu else contextlib.nullcontext()
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: int, vocab_size: int) -> float:
     """Mean loss per target token over the held-out rows (each rank takes every P-th row; sums reduced)."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     if not len(rows):
         return float("nan")
     net = accelerator.unwrap_model(model)  # no DDP: ranks may hold different numbers of eval batches
@@ -260,7 +245,6 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
         sums[1] += count_target_tokens(batch["labels"])
     net.train(was_training)
-    from memfit.training.sharding import reshard_all
 
     reshard_all(net)  # ZeRO-2 keeps every layer gathered through a no-grad forward: free them now
     loss_sum, n = accelerator.reduce(sums, reduction="sum").tolist()

@@ -36,6 +36,8 @@ from memfit.planning.search import SAFETY_MARGIN, fits
 from memfit.planning.search import plan as search_plans
 from memfit.planning.space import Constraints
 from memfit.settings.config import RunConfig, check_lora_options
+from memfit.settings.defaults import DEMO_MICRO_BATCH
+from memfit.settings.schema import own_defaults
 from memfit.settings.validate import POSITIVE, whole
 from memfit.spec.model import check_seq_len, load_spec
 from memfit.web.form import flags_of, run_controls
@@ -141,11 +143,11 @@ def typed_settings(data: Any) -> dict[str, Any]:
 
 
 def run_of(model: Model, typed: dict[str, Any]) -> RunConfig:
-    """The run the page prices: the typed settings over the schema's defaults, or over the tool's file (as
+    """The run the page prices: the typed settings over ``memfit estimate``'s defaults, or over the tool's file (as
     ``memfit estimate`` builds it from its flags and ``--from``)."""
     if model.reading is None:
         check_lora_options(typed, "lora_r" in typed)
-        return RunConfig.from_flat(typed)
+        return RunConfig.from_flat({**own_defaults(RunConfig, "estimate"), **typed})
     return model.reading.with_flags(typed)
 
 
@@ -221,7 +223,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     budget, tool = request.get("budget"), request.get("emit") or None
     if tool is not None and tool not in TOOLS:
         raise UserError(f"Unknown --emit tool {tool!r}; choose one of: {', '.join(TOOLS)}.")
-    batch = whole("batch", request.get("batch") or 16, minimum=1, what=POSITIVE)
+    batch = whole("batch", request.get("batch") or DEMO_MICRO_BATCH, minimum=1, what=POSITIVE)  # plan's --batch
     with resolved(source) as model:
         run = run_of(model, typed)
         check_seq_len(run.seq_len, model.spec.max_position_embeddings)
@@ -238,7 +240,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     train_model = model.reading.model if model.reading is not None else (
         "MODEL_DIR" if source.kind == "config" else source.value)
     launch = None if str(result.best.config.loss) == "trl" else launch_command(train_model, result.best.config)
-    # plan's own defaults differ from estimate's (--seq-len 1024): the line spells out the shape planned
+    # the line spells out the shape planned (the page's length, which may come from a tool's file)
     shape = {"seq_len": run.seq_len, **{k: typed[k] for k in ("num_processes", "method") if k in typed}}
     extra = f" --budget {shlex.quote(str(budget))} --batch {batch}" + (f" --emit {tool} {emitted['filename']}"
                                                                       if emitted else "")

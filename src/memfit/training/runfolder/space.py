@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.training.checkpoint_dirs import checkpoints_dir, step_folders
+from memfit.training.runfolder.layout import checkpoints_dir, step_folders
 from memfit.units import MiB, fmt_bytes
 
 MARGIN = 1.02
@@ -29,7 +29,7 @@ def free_bytes(path: Path) -> int:
 
 def known_size(output: Path) -> tuple[int, str] | None:
     """``(bytes, checkpoint name)`` of the newest checkpoint with a readable manifest."""
-    from memfit.training.manifest import MANIFEST
+    from memfit.training.runfolder.manifest import MANIFEST
 
     for _, folder in step_folders(output):
         try:

@@ -11,10 +11,10 @@ Layout of ``--output DIR``::
     DIR/checkpoints/step-N/                 Accelerate save_state + trainer_state.json
 
 A checkpoint is written to ``checkpoints/.tmp-step-N-<pid>-<random>`` (the run's staging tag,
-``runfolder``) by every rank; the main process then writes
+``folder``) by every rank; the main process then writes
 ``manifest.json`` (every file's size and sha256) last, and renames the folder into place once all
 ranks are done, so a crash mid-save never leaves a half checkpoint that ``--resume`` would pick.
-``--resume`` verifies the manifest before loading anything (``training.manifest``) and falls back to
+``--resume`` verifies the manifest before loading anything (``manifest``) and falls back to
 the newest intact checkpoint. Older checkpoints are removed (``--keep-last``) only after a newer one
 is complete. Before each save the free space is checked against the checkpoint's size (``space``). The
 final export is written to ``.tmp-export-<tag>`` and moved into place file by file
@@ -36,8 +36,8 @@ from typing import Any
 from memfit.errors import UserError
 from memfit.files import check_no_links, user_path
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
-from memfit.training import manifest
-from memfit.training.checkpoint_dirs import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
+from memfit.training.runfolder import manifest
+from memfit.training.runfolder.layout import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
 
 def default_output(model: str, root: Path = Path("runs"), now: float | None = None) -> Path:
@@ -116,7 +116,7 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     for path in complete[max(keep, 1):]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)
-    from memfit.training.runfolder import remove_entry
+    from memfit.training.runfolder.folder import remove_entry
 
     for leftover in checkpoints_dir(output).glob(".tmp-step-*"):  # the lock holder's call: none is in use
         remove_entry(leftover)
@@ -183,7 +183,7 @@ def _move_into_place(staging: Path, output: Path) -> list[str]:
 
 def _check_kind(output: Path, name: Path) -> None:
     """Refuse a folder where the export writes a file (or a file where it writes a folder), before anything is
-    moved. ``runfolder`` refuses the names it knows before the first step; this catches one put there since."""
+    moved. ``folder`` refuses the names it knows before the first step; this catches one put there since."""
     top = output / name.parts[0]
     clash = top.is_dir() if len(name.parts) == 1 else top.exists() and not top.is_dir()
     if clash and not top.is_symlink():

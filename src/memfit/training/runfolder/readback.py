@@ -2,7 +2,7 @@
 
 ``trainer_state.json`` (``check_state``), a checkpoint's manifest entries (``manifest_entry_problem``),
 ``metrics.jsonl`` (``read_metrics``), the RNG state files Accelerate writes (``rng_problem``). The run's
-ledger and lock file are checked where they are read (``ledger.read``, ``runfolder.read_holder``).
+ledger and lock file are checked where they are read (``ledger.read``, ``folder.read_holder``).
 Each rule is a type and a range; the checks say what is wrong in a few words, and the callers say what
 happens next (``manifest.pick_intact`` passes over a checkpoint that fails, to the newest intact one).
 """
@@ -63,7 +63,7 @@ def state_problem(state: Any) -> str | None:
             return f"has {key} = {_show(state[key])}, not {want}"
     fp = state.get("data_fingerprint")
     if fp is not None:
-        from memfit.training.ledger import valid_fingerprint
+        from memfit.training.runfolder.ledger import valid_fingerprint
 
         if not valid_fingerprint(fp):
             return f"has data_fingerprint = {_show(fp)}, not a data fingerprint"

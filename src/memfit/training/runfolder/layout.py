@@ -1,6 +1,6 @@
 """Where checkpoints live in a run folder: ``checkpoints/step-N/``, each with its ``trainer_state.json``.
 
-Read by ``training.checkpoint`` (save, rotate, load) and ``training.manifest`` (pick the newest intact
+Read by ``checkpoint`` (save, rotate, load) and ``manifest`` (pick the newest intact
 one), which sits below checkpoint: the layout is kept here so that neither imports the other for it.
 """
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.files import check_no_links, user_path
 from memfit.settings.validate import check_writable_target
-from memfit.training import ledger
+from memfit.training.runfolder import ledger
 
 MARKER = ".memfit-run"
 LEGACY_MARKERS = ("run.json", "metrics.jsonl", "checkpoints")

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.training import readback
-from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_folders
+from memfit.training.runfolder import readback
+from memfit.training.runfolder.layout import STATE_FILE, checkpoints_dir, step_folders
 
 MANIFEST = "manifest.json"
 _NEEDED = ("optimizer.bin", "scheduler.bin")  # Accelerate's names for the first optimizer and scheduler

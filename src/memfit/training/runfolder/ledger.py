@@ -1,7 +1,7 @@
 """The run's own manifest, ``.memfit-files.json``: which run this folder is, what data it trains, what memfit wrote.
 
 Written at the start of a run (and updated after each checkpoint and the export) by the process that
-holds the folder's lock (``runfolder``), through ``memfit.files.write_atomic``::
+holds the folder's lock (``folder``), through ``memfit.files.write_atomic``::
 
     {"version": 1, "run_id": "3f2a...", "data": {fingerprint}, "files": ["metrics.jsonl", "checkpoints/step-4", ...]}
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.files import user_path
-from memfit.training.checkpoint_dirs import STATE_FILE, checkpoints_dir, step_folders
+from memfit.training.runfolder.layout import STATE_FILE, checkpoints_dir, step_folders
 
 LEDGER = ".memfit-files.json"
 #: The names a run writes at the top of its folder whatever it trains (the export adds its own).
