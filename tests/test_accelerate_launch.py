@@ -60,7 +60,7 @@ def fsdp_run(tmp_path_factory):
     from memfit.cli import cli
 
     # in-process: the file plan writes is the point (accelerate launch, below, is the real subprocess)
-    plan = CliRunner().invoke(cli, ["plan", model, "--budget", "1GiB", "--num-processes", "2", "--seq-len", "64",
+    plan = CliRunner().invoke(cli, ["plan", model, "--budget", "2GiB", "--num-processes", "2", "--seq-len", "64",
                                     "--batch", "4", "--sharding", "fsdp", "--full", "--accelerate-config", str(config)])
     assert plan.exit_code == 0 and config.exists(), plan.output
     proc = _accelerate_launch(config, "--model", model, "--data", data, *TRAIN, "--sharding", "fsdp",

@@ -124,7 +124,8 @@ def test_plan_answers_a_node_count_for_a_70b_full_fine_tune():
 def test_plan_cli_prints_the_node_count_and_each_nodes_launch(tmp_path):
     config = tmp_path / "acc.yaml"
     out = CliRunner().invoke(cli, ["plan", "llama-3.1-70b", "--budget", "80GiB", "--gpus-per-node", "8", "--full",
-                                    "--batch", "64", "--no-offload", "--accelerate-config", str(config), "--json"])
+                                    "--batch", "64", "--seq-len", "1024", "--no-offload", "--accelerate-config", str(config),
+                                    "--json"])
     assert out.exit_code == 0, out.output
     payload = json.loads(out.output)
     nodes = payload["nodes"]["nodes"]

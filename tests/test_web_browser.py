@@ -134,13 +134,13 @@ def cli_of(page) -> list[str]:
 
 def test_preset_to_breakdown_equals_estimate_json(page):
     open_page(page)
-    change(page, "seq_len", "128")
+    change(page, "seq_len", "256")
     before = redraws(page)
     page.check("#s-grad_checkpointing")
     wait_redraw(page, before)
     page.wait_for_function("document.querySelector('#cli-estimate').textContent.includes('--grad-checkpointing')")
     args = cli_of(page)
-    assert args == ["estimate", "tiny", "--seq-len", "128", "--grad-checkpointing", "--json"]
+    assert args == ["estimate", "tiny", "--seq-len", "256", "--grad-checkpointing", "--json"]
     payload = cli_json(args)
     assert shown(page) == expected(payload)
     assert page.get_attribute("#peak", "data-bytes") == str(payload["peak_bytes"])
@@ -202,8 +202,7 @@ def test_plan_then_copy_the_command_and_download_the_emitted_file(page, tmp_path
     page.click("#plan-run")
     page.wait_for_selector("#launch", timeout=WAIT_MS)
     emitted = tmp_path / "axolotl.yaml"  # the same plan, searched among what Axolotl runs, and its file
-    payload = cli_json(["plan", "tiny", "--seq-len", "256", "--budget", "8GiB", "--batch", "16",
-                        "--emit", "axolotl", str(emitted), "--json"])
+    payload = cli_json(["plan", "tiny", "--budget", "8GiB", "--emit", "axolotl", str(emitted), "--json"])  # defaults
     assert page.text_content("#launch") == payload["launch"]
     page.click("button[data-copy=launch]")
     page.wait_for_function("document.querySelector('button[data-copy=launch]').textContent === 'Copied'")
@@ -211,7 +210,7 @@ def test_plan_then_copy_the_command_and_download_the_emitted_file(page, tmp_path
     with page.expect_download() as download:
         page.click("#download")
     assert Path(download.value.path()).read_text() == emitted.read_text()
-    assert page.text_content("#cli-plan") == ("memfit plan tiny --seq-len 256 --budget 8GiB --batch 16 "
+    assert page.text_content("#cli-plan") == ("memfit plan tiny --seq-len 128 --budget 8GiB --batch 4 "
                                               "--emit axolotl axolotl.yaml")
 
 
@@ -228,7 +227,7 @@ def test_a_bad_input_shows_the_cli_sentence_next_to_its_field(page):
     change(page, "seq_len", "0")
     assert page.text_content("#err-seq_len") == _cli_error(["estimate", "tiny", "--seq-len", "0"])
     assert page.get_attribute("body", "data-state") == "error"
-    change(page, "seq_len", "128")
+    change(page, "seq_len", "256")
     assert page.text_content("#err-seq_len") == ""
     change(page, "lora_alpha", "32")  # without --lora-r: refused, as the CLI refuses it
     assert page.text_content("#err-lora_alpha") == _cli_error(["estimate", "tiny", "--lora-alpha", "32"])

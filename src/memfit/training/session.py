@@ -322,6 +322,7 @@ def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
 def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, PlanResult | None]:
     """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
     run = config.run
+    sharding.refuse_one_of_several(num_processes)  # said first: the cause of any mismatch below
     if run.num_processes not in (1, num_processes):
         raise UserError(f"--num-processes is {run.num_processes} but {num_processes} process(es) were launched; "
                         f"start it with `accelerate launch --num_processes {run.num_processes} -m memfit train ...`.")
