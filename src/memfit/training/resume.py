@@ -22,16 +22,18 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.settings.config import RunConfig, TrainConfig
+from memfit.settings.schema import with_rule
 from memfit.settings.validate import flag
+from memfit.training.runfolder import ledger, manifest
+from memfit.training.runfolder.manifest import write_file
+from memfit.training.runfolder.readback import read_metrics
 
 
 def _rules():
     """``(SAFE, LENGTH, NOT_RESTORED)``: the settings' keys by their ``resume`` rule in the schema
     (``memfit.settings.schema.RESUME_RULES`` says what each rule means; each field of ``RunConfig`` and
     ``TrainConfig`` states its own)."""
-    from memfit.settings.config import RunConfig, TrainConfig
-    from memfit.settings.schema import with_rule
-
     classes = (TrainConfig, RunConfig)
     return (with_rule(classes, "may-change", "length"), with_rule(classes, "length"),
             with_rule(classes, "never-restored"))
@@ -93,7 +95,6 @@ def restore(config):
                         "the run's folder).")
     if not config.folder.resume or not config.folder.output:
         return config, None
-    from memfit.training.runfolder import manifest
 
     output = user_path(config.folder.output)
     if not output.is_dir():
@@ -112,8 +113,6 @@ def restore(config):
 
 def check_run(point: ResumePoint, output: Path) -> None:
     """Refuse a checkpoint whose run id is not the run folder's (one of another run, copied in)."""
-    from memfit.training.runfolder import ledger
-
     doc = ledger.read(output)
     mine, theirs = (doc or {}).get("run_id"), point.state.get("run_id")
     if mine and theirs and mine != theirs:
@@ -123,8 +122,6 @@ def check_run(point: ResumePoint, output: Path) -> None:
 
 def check_data(point: ResumePoint, config) -> None:
     """Refuse data whose content changed since the checkpoint was saved, unless ``--allow-data-change``."""
-    from memfit.training.runfolder import ledger
-
     point.data = ledger.fingerprint(config.data)
     saved = point.state.get("data_fingerprint")
     if not ledger.valid_fingerprint(saved) or point.data is None:
@@ -141,15 +138,11 @@ def check_data(point: ResumePoint, config) -> None:
 
 def data_now(point: ResumePoint | None, config) -> dict[str, Any] | None:
     """The data's fingerprint, computed once per run (a resume has it from ``check_data``)."""
-    from memfit.training.runfolder import ledger
-
     return point.data if point is not None and point.data is not None else ledger.fingerprint(config.data)
 
 
 def merge(config, saved: dict[str, Any], output: Path):
     """The saved settings, with the user's given ones where they are safe; ``UserError`` naming the first unsafe one."""
-    from memfit.settings.config import TrainConfig
-
     current = config.to_flat()
     current.update({k: _absolute(current.get(k)) for k in ("model", "data", "tokenizer")})
     given = set(config.explicit) if config.explicit is not None else {  # lr None: not given (memfit.settings.defaults)
@@ -258,8 +251,6 @@ def note_resume(output: Path, point: ResumePoint | None, is_main: bool) -> dict[
         event["note"] = point.note
     if not is_main:
         return event
-    from memfit.training.runfolder.manifest import write_file
-    from memfit.training.runfolder.readback import read_metrics
 
     path = output / "metrics.jsonl"
     kept = [json.dumps(rec) for rec in read_metrics(path)  # checked; a last line cut by a kill is dropped
