@@ -57,6 +57,8 @@ class LoadingReplay:
     """Reserved once loading is done (kept: nothing calls ``empty_cache``)."""
     allocated_after: int
     """What the loaded model's tensors hold (blocks as handed out)."""
+    peak_allocated: int = 0
+    """``max_memory_allocated`` while loading (set by ``moved_off_replay``, whose model leaves the device)."""
 
 
 def _layer_projections(spec) -> list[int]:
@@ -122,6 +124,35 @@ def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = No
     candidate, and only those decide the stream."""
     settings = settings_from_env() if settings is None else settings
     return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings)
+
+
+def moved_off_events(spec, run: RunConfig) -> list[tuple]:
+    """One decoder layer's 4-bit projections quantized on the device, each moved off it once quantized: a
+    low-memory loading (``settings.stack.Trainer.low_memory_loading``). Each projection's stream is steps 1-4 of
+    the module docstring, then its packed payload and quantization state are freed (``.to("cpu")`` / ``"meta"``:
+    fsdp_qlora e877dda ``train.py`` L216-220, transformers 4.4x ``_load_state_dict_into_meta_model``). Every layer
+    repeats the same sizes into the same cached blocks, so one layer reaches the whole loading's reserved peak."""
+    import itertools
+
+    keys = itertools.count()
+    events: list[tuple] = []
+    for numel in _layer_projections(spec):
+        stream = _quantize_events(numel, keys, 4 if str(run.dtype) == "fp32" else 2)
+        freed = {e[1] for e in stream if e[0] == "free"}
+        events += stream + [("free", e[1]) for e in stream if e[0] == "alloc" and e[1] not in freed]
+    return events
+
+
+def moved_off_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None) -> LoadingReplay | None:
+    """``moved_off_events`` through the caching allocator model: the reserved peak of a low-memory loading, the
+    largest projection's transient; nothing of the model stays allocated (known error: fsdp_qlora quantizes with
+    a thread pool, ``parallel(..., threadpool=True)`` L626, so several projections can be in flight at once)."""
+    settings = settings_from_env() if settings is None else settings
+    result = predicted_reserved(moved_off_events(spec, run), settings)
+    if result is None:
+        return None
+    s = result.stats
+    return LoadingReplay(s.peak_reserved, s.reserved, s.allocated, s.peak_allocated)
 
 
 @functools.lru_cache(maxsize=64)
