@@ -261,3 +261,34 @@ def test_which_stacks_load_low_memory():
     lean = Stack.of({"trainer": "trl", "fsdp": 1, "low_memory_loading": True})
     assert lean.loads_low_memory() and "low-memory loading" in lean.describe()
     assert not lean.changes_terms()  # the step's tensors are memfit's own: only loading and wrapping differ
+
+
+def test_torchtune_quantizes_with_torchao_as_it_builds_the_model():
+    """torchtune builds each 4-bit projection in bf16 on the device and calls torchao's ``to_nf4``
+    (memory/torchao_nf4.py). One 1024 x 1024 projection, n = 1,048,576 weights, torchao 0.1 (hand-derived):
+
+    - tensor peak while ``(value - nf4).abs()`` runs: the bf16 weight 2n + the 16-code table (32 B -> 512) + the mean
+      (2 B -> 512) + int8 scalers n/64 = 16,384 + the quantization factor's storage n/32 = 32,768 + the scaled blocks
+      2n + the difference 32n + its abs 32n = 68n + 50,176 = 71,353,344 B;
+    - reserved: the 2 MiB weight takes a 20 MiB large-pool segment, the small tensors one 2 MiB small segment, each 32
+      MiB difference its own segment (>= 10 MiB); the min's values (2 MiB) and int64 indices (8 MiB), the shifted and
+      combined halves (4 MiB each) fit the cached blocks: 20 + 2 + 32 + 32 = 86 MiB;
+    - kept: table 512 + mean 512 + scalers 16,384 + factor 32,768 + packed n/2 = 524,288: 574,464 B.
+
+    torchao 0.2.0 searches in chunks of C = 1024**2 weights into an n-byte buffer: a 2048 x 2048 projection
+    (n = 4C) peaks at weight 2n + scaled 2n + buffer n + one chunk's 64C + 50,176 scaled by 4 (1,024 + n/64 + n/32)
+    = 88,278,016 B, where torchao 0.1 reaches 68n + ... = 285,410,304 B.
+    """
+    from memfit.memory.alloc_stream import predicted_reserved
+    from memfit.memory.loading import loading_events
+    from memfit.settings.stack import Stack
+
+    run = RunConfig.of(dtype="bf16", mixed_precision="no", lora_r=8, quantize="4bit")
+    old, new = Stack(trainer="torchtune", torchao="0.1"), Stack(trainer="torchtune")
+    stats = predicted_reserved(loading_events(_one_projection(1024), run, old)).stats
+    assert stats.peak_allocated == 71_353_344
+    assert stats.peak_reserved == 86 * MiB
+    assert stats.allocated == 574_464
+    assert predicted_reserved(loading_events(_one_projection(2048), run, new)).stats.peak_allocated == 88_278_016
+    assert predicted_reserved(loading_events(_one_projection(2048), run, old)).stats.peak_allocated == 285_410_304
+    assert not old.nf4_chunked() and new.nf4_chunked() and "torchao 0.1" in old.describe()

@@ -5,7 +5,7 @@ time), wrapping for FSDP/DeepSpeed, evaluation, the full-state gather of a check
 samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``max_memory_reserved`` by then:
 
 - **loading**: ``memory.loading.loading_replay`` (the load stream through the allocator model: what stays reserved
-  afterwards); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
+  afterwards; a 4-bit base quantized by the stack's quantizer: bitsandbytes, or torchao where torchtune builds it); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
   ``training.sharding.builds_empty``), priced with the fitted overhead (``memory.fragmentation``).
 - **wrapping** (sharded): a 4-bit base is whole on every rank until FSDP2 shards it (``memory.outside``'s
   ``loading``), and stays whole until every layer is sharded (Accelerate 1.15's ``fsdp2_prepare_model`` holds
@@ -123,7 +123,7 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> 
     if sharded and stack.loads_low_memory():
         return _low_memory_phases(spec, run, shards, cuda, stack)
     whole = not sharded or run.quantize is not Quantize.NONE  # every rank loads the whole (4-bit) base
-    replay = loading_replay(spec, run) if cuda and whole else None
+    replay = loading_replay(spec, run, stack=stack) if cuda and whole else None
     if replay is not None:
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
     else:
@@ -149,7 +149,7 @@ def _low_memory_phases(spec, run: RunConfig, shards: int, cuda: bool, stack: Sta
     """
     from memfit.memory.loading import moved_off_replay
 
-    replay = moved_off_replay(spec, run) if run.quantize is Quantize.Q4 else None
+    replay = moved_off_replay(spec, run, stack=stack) if run.quantize is Quantize.Q4 else None
     loading = Phase("loading", replay.peak_allocated, replay.peak_reserved) if cuda and replay else Phase("loading", 0, 0)
     wrapped = shards + wrapping_transient(spec, run, stack)
     return [loading, Phase("wrapping", wrapped, reserved_from_tensors(wrapped) if cuda else wrapped)]
