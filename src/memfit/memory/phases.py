@@ -5,7 +5,8 @@ time), wrapping for FSDP/DeepSpeed, evaluation, the full-state gather of a check
 samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``max_memory_reserved`` by then:
 
 - **loading**: ``memory.loading.loading_replay`` (the load stream through the allocator model: what stays reserved
-  afterwards; a 4-bit base quantized by the stack's quantizer: bitsandbytes, or torchao where torchtune builds it); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
+  afterwards; a 4-bit base quantized by the stack's quantizer: bitsandbytes, or torchao where torchtune builds
+  it); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
   ``training.sharding.builds_empty``), priced with the fitted overhead (``memory.fragmentation``).
 - **wrapping** (sharded): a 4-bit base is whole on every rank until FSDP2 shards it (``memory.outside``'s
   ``loading``), and stays whole until every layer is sharded (Accelerate 1.15's ``fsdp2_prepare_model`` holds
