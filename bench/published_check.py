@@ -143,7 +143,7 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     if run["measured"] in RESERVED_KINDS:
         from memfit.memory.phases import device_phases
 
-        phases = device_phases(spec_for(run["model"], models), run_config(run), breakdown)
+        phases = device_phases(spec_for(run["model"], models), run_config(run), breakdown, stack=stack)
         row.reserved_phase = phases.worst.name
         row.reserved_predicted = phases.needed() if run["measured"] == "nvidia-smi" else phases.worst.reserved
     return row

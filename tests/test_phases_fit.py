@@ -214,3 +214,81 @@ def test_train_summary_keeps_every_phase_and_renders_them():
     text = console.export_text()
     assert "reserved by phase (predicted)" in text and "at the worst + CUDA context" in text
     assert "CUDA max reserved" in text  # the measured figure the predicted one is read against
+
+
+def test_a_low_memory_stack_never_holds_the_whole_base():
+    """fsdp_qlora (``--low_memory``, its default) quantizes each projection on the GPU and moves it off, then FSDP (1)
+    brings one unit at a time. Llama-2 7B, NF4 with double quantization, bf16 (hand-computed):
+
+    - loading's tensor peak is the largest projection (MLP, 4096 x 11008 = 45,088,768 weights) being quantized, each
+      block rounded to 512 B: bf16 weight 90,177,536 + fp32 absmax (704,512 blocks) 2,818,048 + packed 22,544,384 +
+      offset 512 + absmax - offset 2,818,048 + nested code 1,024 + uint8 absmax 704,512 + second-level absmax
+      (2,752 x 4 = 11,008 -> 11,264) = 119,075,328 B; the earlier projections are gone by then.
+    - wrapping holds the shards and twice the largest unit: the root (embedding and head, 32000 x 4096 each, and the
+      final norm, 4096, at bf16) = 2 x 262,148,096 = 524,296,192 B, so 2 U = 1,048,592,384 B (a decoder layer packed
+      is 103.7 MB, smaller);
+    - under FSDP2 (transformers' Trainer with Accelerate's cpu_ram_efficient_loading) one full tensor: the embedding,
+      131,072,000 x 2 = 262,144,000 B.
+    """
+    from memfit.memory.estimate import estimate
+    from memfit.memory.loading import moved_off_replay
+    from memfit.memory.phases import device_phases
+    from memfit.memory.states import model_states
+    from memfit.settings.stack import Stack
+    from memfit.spec.model import load_spec
+
+    spec, run = load_spec("llama-2-7b"), _qlora_fsdp()
+    shards = model_states(spec, run).weights
+    stack = Stack(trainer="answerai-fsdp-qlora", fsdp=1)
+    by_name = {p.name: p for p in device_phases(spec, run, estimate(spec, run, device="cuda"), stack=stack).phases}
+    assert by_name["loading"].tensors == 119_075_328
+    assert by_name["loading"].reserved == moved_off_replay(spec, run).peak_reserved
+    assert by_name["wrapping"].tensors == shards + 1_048_592_384
+    assert by_name["wrapping"].reserved == reserved_from_tensors(shards + 1_048_592_384)
+    fsdp2 = Stack.of({"trainer": "trl", "low_memory_loading": True})
+    wrapping = device_phases(spec, run, estimate(spec, run, device="cuda"), stack=fsdp2).phases[1]
+    assert wrapping.tensors == shards + 262_144_000
+
+
+def test_which_stacks_load_low_memory():
+    """The trait is the trainer's (fsdp_qlora, torchtune), or set by the stack where a config decides it
+    (Accelerate's fsdp_cpu_ram_efficient_loading for transformers' Trainer); memfit's own loads the whole base."""
+    from memfit.settings.stack import Stack
+
+    assert Stack(trainer="answerai-fsdp-qlora").loads_low_memory()
+    assert Stack(trainer="torchtune").loads_low_memory()
+    assert not Stack().loads_low_memory() and not Stack(trainer="trl").loads_low_memory()
+    lean = Stack.of({"trainer": "trl", "fsdp": 1, "low_memory_loading": True})
+    assert lean.loads_low_memory() and "low-memory loading" in lean.describe()
+    assert not lean.changes_terms()  # the step's tensors are memfit's own: only loading and wrapping differ
+
+
+def test_torchtune_quantizes_with_torchao_as_it_builds_the_model():
+    """torchtune builds each 4-bit projection in bf16 on the device and calls torchao's ``to_nf4``
+    (memory/torchao_nf4.py). One 1024 x 1024 projection, n = 1,048,576 weights, torchao 0.1 (hand-derived):
+
+    - tensor peak while ``(value - nf4).abs()`` runs: the bf16 weight 2n + the 16-code table (32 B -> 512) + the mean
+      (2 B -> 512) + int8 scalers n/64 = 16,384 + the quantization factor's storage n/32 = 32,768 + the scaled blocks
+      2n + the difference 32n + its abs 32n = 68n + 50,176 = 71,353,344 B;
+    - reserved: the 2 MiB weight takes a 20 MiB large-pool segment, the small tensors one 2 MiB small segment, each 32
+      MiB difference its own segment (>= 10 MiB); the min's values (2 MiB) and int64 indices (8 MiB), the shifted and
+      combined halves (4 MiB each) fit the cached blocks: 20 + 2 + 32 + 32 = 86 MiB;
+    - kept: table 512 + mean 512 + scalers 16,384 + factor 32,768 + packed n/2 = 524,288: 574,464 B.
+
+    torchao 0.2.0 searches in chunks of C = 1024**2 weights into an n-byte buffer: a 2048 x 2048 projection
+    (n = 4C) peaks at weight 2n + scaled 2n + buffer n + one chunk's 64C + 50,176 scaled by 4 (1,024 + n/64 + n/32)
+    = 88,278,016 B, where torchao 0.1 reaches 68n + ... = 285,410,304 B.
+    """
+    from memfit.memory.alloc_stream import predicted_reserved
+    from memfit.memory.loading import loading_events
+    from memfit.settings.stack import Stack
+
+    run = RunConfig.of(dtype="bf16", mixed_precision="no", lora_r=8, quantize="4bit")
+    old, new = Stack(trainer="torchtune", torchao="0.1"), Stack(trainer="torchtune")
+    stats = predicted_reserved(loading_events(_one_projection(1024), run, old)).stats
+    assert stats.peak_allocated == 71_353_344
+    assert stats.peak_reserved == 86 * MiB
+    assert stats.allocated == 574_464
+    assert predicted_reserved(loading_events(_one_projection(2048), run, new)).stats.peak_allocated == 88_278_016
+    assert predicted_reserved(loading_events(_one_projection(2048), run, old)).stats.peak_allocated == 285_410_304
+    assert not old.nf4_chunked() and new.nf4_chunked() and "torchao 0.1" in old.describe()

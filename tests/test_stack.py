@@ -177,3 +177,16 @@ def test_peft_keeps_one_dropped_copy_per_adapted_projection():
     analytic = estimate("tiny", run, device="cpu", derived=False).phase_peaks["backward"]
     traced = trace("tiny", run, device="cpu").phase_peaks["backward"]
     assert abs(analytic - traced) / traced < 0.001
+
+
+def test_axolotl_fsdp1_with_cpu_ram_efficient_loading_loads_low_memory(tmp_path):
+    """Accelerate's ``fsdp_cpu_ram_efficient_loading: true`` under FSDP (1) makes transformers load rank 0's base into
+    host memory and the others' on meta: the stack read from the file says so; without it, every rank loads it."""
+    from memfit.interop import read
+
+    base = "base_model: tiny\nmicro_batch_size: 1\nfsdp: [full_shard, auto_wrap]\nfsdp_config:\n"
+    lean, whole = tmp_path / "lean.yml", tmp_path / "whole.yml"
+    lean.write_text(base + "  fsdp_cpu_ram_efficient_loading: true\n")
+    whole.write_text(base + "  fsdp_offload_params: false\n")
+    assert read(lean).stack.loads_low_memory() and read(lean).stack.fsdp == 1
+    assert not read(whole).stack.loads_low_memory()

@@ -81,7 +81,7 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         rows = [("analytic", memfit.estimate(spec, run, device=device, engine=engine, stack=stack))]
     if plot_path:
         plot_breakdowns(rows, plot_path, title=f"{spec.name}: seq {run.seq_len} x micro-batch {run.micro_batch}")
-    phases = None if compare else memfit.device_phases(spec, run, rows[0][1], device)  # loading to the last save
+    phases = None if compare else memfit.device_phases(spec, run, rows[0][1], device, stack=stack)  # loading to the last save
     _render(spec, run, rows, compare, as_json, plot_path, reading, note, phases)
 
 

@@ -194,6 +194,10 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
         return {}
     if str(version) != "2":  # Axolotl hands FSDP to Accelerate, whose plugin is FSDP (1) unless told 2
         keys.stack["fsdp"] = 1
+        # Accelerate exports FSDP_CPU_RAM_EFFICIENT_LOADING (utils/dataclasses.py L1856), which transformers reads
+        # (distributed/fsdp.py L45-51): rank 0 loads into host memory, the others on meta (settings.stack)
+        if config.get("cpu_ram_efficient_loading", config.get("fsdp_cpu_ram_efficient_loading")) is True:
+            keys.stack["low_memory_loading"] = True
     words = " ".join(value if isinstance(value, list) else [str(value or "")]).lower()
     strategy = str(config.get("fsdp_sharding_strategy") or config.get("sharding_strategy") or "").lower()
     reshard = config.get("reshard_after_forward", config.get("fsdp_reshard_after_forward", True))

@@ -26,9 +26,11 @@ Known error: the checkpoint's tensor order (safetensors files are read in key or
 before layer 2) and transformers' parallel loading (``HF_ENABLE_PARALLEL_LOADING``, off by default) change
 which freed blocks later tensors land in; bitsandbytes' CPU path and LLM.int8()'s quantization (one int8
 copy, row scales) are not modelled (an 8-bit base is replayed as its stored tensors). Not yet checked on a
-GPU (``bench/gpu_allocator_check.py`` measures the step; torchtune's Llama-2 7B QLoRA tutorial shows 9.13 GB
-reserved after loading torchao's NF4 base, a different quantizer with the same one-projection-at-a-time
-pattern).
+GPU (``bench/gpu_allocator_check.py`` measures the step).
+
+A stack whose trainer builds its 4-bit base on the device (torchtune: ``settings.stack.Trainer.nf4_on_build``) runs
+torchao's ``to_nf4`` per projection instead of steps 1-4 (``memory.torchao_nf4``, ``quantizer``); against torchtune's
+Llama-2 7B QLoRA tutorial (9.13 GB = 8.50 GiB reserved after init, torchao 0.1) the replay gives 7.35 GiB (-14%).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from dataclasses import dataclass
 from memfit.memory.alloc_stream import predicted_reserved
 from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
 from memfit.memory.quantized import NESTED_BLOCK, NF4_BLOCK
+from memfit.memory.torchao_nf4 import to_nf4_events
 from memfit.settings.config import Quantize, RunConfig
+from memfit.settings.stack import Stack
 from memfit.units import dtype_bytes
 
 #: The nested state's dynamic 8-bit code (``create_dynamic_map``): 256 fp32 values, one tensor per projection.
@@ -57,6 +61,8 @@ class LoadingReplay:
     """Reserved once loading is done (kept: nothing calls ``empty_cache``)."""
     allocated_after: int
     """What the loaded model's tensors hold (blocks as handed out)."""
+    peak_allocated: int = 0
+    """``max_memory_allocated`` while loading (set by ``moved_off_replay``, whose model leaves the device)."""
 
 
 def _layer_projections(spec) -> list[int]:
@@ -82,14 +88,30 @@ def _quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
             ("free", shifted), ("free", absmax), ("free", weight)]
 
 
-def loading_events(spec, run: RunConfig) -> list[tuple]:
+def quantizer(stack: Stack | None) -> str:
+    """Who quantizes a 4-bit base on the device for ``stack`` (None: memfit's own): ``bitsandbytes`` as the
+    checkpoint is loaded (this module), or torchao's ``to_nf4`` as the model is built (``memory.torchao_nf4``):
+    ``torchao`` searching in chunks, ``torchao-0.1`` over the whole projection."""
+    if stack is None or not stack.traits.nf4_on_build:
+        return "bitsandbytes"
+    return "torchao" if stack.nf4_chunked() else "torchao-0.1"
+
+
+def _projection_events(numel: int, keys, compute: int, who: str) -> list[tuple]:
+    """One 4-bit projection's events: bitsandbytes' (module docstring, steps 1-4) or torchao's ``to_nf4``."""
+    if who == "bitsandbytes":
+        return _quantize_events(numel, keys, compute)
+    return to_nf4_events(numel, keys, chunked=who == "torchao")
+
+
+def loading_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
     """The allocation stream of loading ``spec`` for ``run`` onto one device (module docstring)."""
-    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run))
+    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), quantizer(stack))
 
 
-def _events(spec, quantize: Quantize, compute: int, rest_bytes: int) -> list[tuple]:
+def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = "bitsandbytes") -> list[tuple]:
     """``loading_events`` from what decides it: the quantization, the load dtype's bytes (the weight a 4-bit
-    projection is quantized from) and the bytes per unquantized parameter."""
+    projection is quantized from), the bytes per unquantized parameter and who quantizes (``quantizer``)."""
     import itertools
 
     keys = itertools.count()
@@ -101,7 +123,7 @@ def _events(spec, quantize: Quantize, compute: int, rest_bytes: int) -> list[tup
     events = [kept(spec.embedding_params * rest_bytes)]
     for _ in range(spec.num_layers):
         for numel in _layer_projections(spec):
-            events += _quantize_events(numel, keys, compute) if quantize is Quantize.Q4 else [kept(numel * plain)]
+            events += _projection_events(numel, keys, compute, who) if quantize is Quantize.Q4 else [kept(numel * plain)]
         events.append(kept(_other_elements(spec) * rest_bytes))
     if spec.lm_head_params:
         events.append(kept(spec.lm_head_params * rest_bytes))
@@ -115,19 +137,51 @@ def _rest_bytes(run: RunConfig) -> int:
     return unquantized_bytes(run) if run.quantize is not Quantize.NONE else int(dtype_bytes(str(run.dtype)))
 
 
-def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None) -> LoadingReplay | None:
+def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None,
+                   stack: Stack | None = None) -> LoadingReplay | None:
     """``loading_events`` through the caching allocator model (None for a backend memfit does not model).
 
-    Cached per model, load dtype, quantization and allocator settings: the planner asks for it once per
+    Cached per model, load dtype, quantization, quantizer and allocator settings: the planner asks for it once per
     candidate, and only those decide the stream."""
     settings = settings_from_env() if settings is None else settings
-    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings)
+    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings,
+                   quantizer(stack))
+
+
+def moved_off_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
+    """One decoder layer's 4-bit projections quantized on the device, each moved off it once quantized: a
+    low-memory loading (``settings.stack.Trainer.low_memory_loading``). Each projection's stream is steps 1-4 of
+    the module docstring, then its packed payload and quantization state are freed (``.to("cpu")`` / ``"meta"``:
+    fsdp_qlora e877dda ``train.py`` L216-220, transformers 4.4x ``_load_state_dict_into_meta_model``). Every layer
+    repeats the same sizes into the same cached blocks, so one layer reaches the whole loading's reserved peak."""
+    import itertools
+
+    keys = itertools.count()
+    events: list[tuple] = []
+    for numel in _layer_projections(spec):
+        stream = _projection_events(numel, keys, 4 if str(run.dtype) == "fp32" else 2, quantizer(stack))
+        freed = {e[1] for e in stream if e[0] == "free"}
+        events += stream + [("free", e[1]) for e in stream if e[0] == "alloc" and e[1] not in freed]
+    return events
+
+
+def moved_off_replay(spec, run: RunConfig, settings: AllocatorSettings | None = None,
+                     stack: Stack | None = None) -> LoadingReplay | None:
+    """``moved_off_events`` through the caching allocator model: the reserved peak of a low-memory loading, the
+    largest projection's transient; nothing of the model stays allocated (known error: fsdp_qlora quantizes with
+    a thread pool, ``parallel(..., threadpool=True)`` L626, so several projections can be in flight at once)."""
+    settings = settings_from_env() if settings is None else settings
+    result = predicted_reserved(moved_off_events(spec, run, stack), settings)
+    if result is None:
+        return None
+    s = result.stats
+    return LoadingReplay(s.peak_reserved, s.reserved, s.allocated, s.peak_allocated)
 
 
 @functools.lru_cache(maxsize=64)
 def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int,
-            settings: AllocatorSettings) -> LoadingReplay | None:
-    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes), settings)
+            settings: AllocatorSettings, who: str = "bitsandbytes") -> LoadingReplay | None:
+    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes, who), settings)
     if result is None:
         return None
     s = result.stats

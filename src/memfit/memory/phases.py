@@ -5,13 +5,19 @@ time), wrapping for FSDP/DeepSpeed, evaluation, the full-state gather of a check
 samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``max_memory_reserved`` by then:
 
 - **loading**: ``memory.loading.loading_replay`` (the load stream through the allocator model: what stays reserved
-  afterwards); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
+  afterwards; a 4-bit base quantized by the stack's quantizer: bitsandbytes, or torchao where torchtune builds
+  it); a sharded unquantized model arrives as this rank's shards (rank 0 builds it on the host:
   ``training.sharding.builds_empty``), priced with the fitted overhead (``memory.fragmentation``).
 - **wrapping** (sharded): a 4-bit base is whole on every rank until FSDP2 shards it (``memory.outside``'s
   ``loading``), and stays whole until every layer is sharded (Accelerate 1.15's ``fsdp2_prepare_model`` holds
   ``original_sd = model.state_dict()`` across ``fully_shard``): the shards are new allocations beside it, reserved
   on top of what loading kept; an unquantized one receives one full tensor at a time beside its shards (the largest
   tensor).
+- **loading** and **wrapping** of a stack that loads low-memory (``settings.stack.Stack.loads_low_memory``: fsdp_qlora,
+  torchtune's distributed recipes, transformers' Trainer under Accelerate's ``fsdp_cpu_ram_efficient_loading`` or
+  ZeRO-3): the base is never whole on a rank. Loading quantizes one projection at a time on the device and moves
+  it off (``memory.loading.moved_off_replay``); wrapping holds this rank's shards and what one unit brings
+  (``wrapping_transient``).
 - **step**: the breakdown's reserved memory (the replay of ``--exact``, or the fitted term of the analytic
   estimate) plus what a worst-case expert routing adds (mixture-of-experts).
 - **evaluation**, **checkpoint** (``--state-dict full``'s gather), **export**, **samples**: ``memory.outside``'s
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
 from memfit.settings.config import Quantize, RunConfig, Sharding
+from memfit.settings.stack import Stack
 from memfit.units import MiB
 
 #: NCCL's own device buffers for one process group after its first all-reduce, per rank: 544 MiB with 2 ranks and
@@ -87,9 +94,11 @@ def nccl_bytes(run: RunConfig, device: str = "cuda") -> int:
     return NCCL_BYTES.get(run.num_processes, NCCL_BYTES_MORE)
 
 
-def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_step: int = 0) -> DevicePhases:
+def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_step: int = 0,
+                  stack: Stack | None = None) -> DevicePhases:
     """Every phase of ``run`` on one rank (module docstring); ``breakdown`` is the step's estimate or trace for
-    ``device``; ``extra_step``: tensor bytes the step may add beyond it (a mixture-of-experts' worst routing)."""
+    ``device``; ``extra_step``: tensor bytes the step may add beyond it (a mixture-of-experts' worst routing);
+    ``stack``: who runs it (None: memfit's own), which decides how the base is loaded and wrapped."""
     from memfit.memory.outside import outside_step
 
     cuda = device == "cuda"
@@ -97,14 +106,14 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     reserve = reserved_from_tensors if cuda else int
     tensors = breakdown.peak_bytes - breakdown.other + extra_step
     step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors
-    phases = [*_loading_phases(spec, run, outside, cuda), Phase("step", tensors, step_reserved)]
+    phases = [*_loading_phases(spec, run, outside, cuda, stack or Stack()), Phase("step", tensors, step_reserved)]
     for name, figure in (("evaluation", outside.evaluation), ("checkpoint", max(outside.checkpoint_full)),
                          ("export", max(outside.export)), ("samples", outside.generation)):
         phases.append(Phase(name, figure, reserve(figure)))
     return DevicePhases(tuple(phases), CUDA_CONTEXT_BYTES if cuda else 0, nccl_bytes(run, device))
 
 
-def _loading_phases(spec, run: RunConfig, outside, cuda: bool) -> list[Phase]:
+def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> list[Phase]:
     """The loading phase, and wrapping's where the run is sharded."""
     from memfit.memory.loading import loading_replay
     from memfit.memory.outside import largest_tensor_bytes
@@ -112,8 +121,10 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool) -> list[Phase]:
 
     shards = model_states(spec, run, "cuda" if cuda else "cpu").weights
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
+    if sharded and stack.loads_low_memory():
+        return _low_memory_phases(spec, run, shards, cuda, stack)
     whole = not sharded or run.quantize is not Quantize.NONE  # every rank loads the whole (4-bit) base
-    replay = loading_replay(spec, run) if cuda and whole else None
+    replay = loading_replay(spec, run, stack=stack) if cuda and whole else None
     if replay is not None:
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
     else:
@@ -125,6 +136,61 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool) -> list[Phase]:
     wrapped = loading.tensors + beside if whole else shards + beside
     reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
     return [loading, Phase("wrapping", wrapped, reserved)]
+
+
+def _low_memory_phases(spec, run: RunConfig, shards: int, cuda: bool, stack: Stack) -> list[Phase]:
+    """Loading and wrapping of a sharded run whose stack loads low-memory (module docstring).
+
+    - loading: a 4-bit base's projections quantized on the device one at a time, each moved off once quantized
+      (``memory.loading.moved_off_replay``: its tensor and reserved peaks); any other base is read into host
+      memory (rank 0) or built on meta: nothing on the device (known error: an 8-bit base is quantized on the
+      device too, one ``Int8Params`` at a time, not priced).
+    - wrapping: this rank's shards (``model_states``' weights) + ``wrapping_transient``, reserved through the
+      fitted overhead (``memory.fragmentation``).
+    """
+    from memfit.memory.loading import moved_off_replay
+
+    replay = moved_off_replay(spec, run, stack=stack) if run.quantize is Quantize.Q4 else None
+    loading = Phase("loading", replay.peak_allocated, replay.peak_reserved) if cuda and replay else Phase("loading", 0, 0)
+    wrapped = shards + wrapping_transient(spec, run, stack)
+    return [loading, Phase("wrapping", wrapped, reserved_from_tensors(wrapped) if cuda else wrapped)]
+
+
+def wrapping_transient(spec, run: RunConfig, stack: Stack) -> int:
+    """What one unit brings to a rank beside its shards while a low-memory base is wrapped (bytes).
+
+    - FSDP (1) (``stack.fsdp == 1``, ``--sharding fsdp``): ``2 U``, ``U`` the largest unit (``largest_unit_bytes``).
+      ``FullyShardedDataParallel`` moves the unit to the device (torch ``fsdp/_init_utils.py`` L603
+      ``_move_module_to_device``; the other ranks' ``param_init_fn`` ``to_empty``s theirs), broadcasts it from rank 0
+      in place (``sync_module_states``: buckets of ``PARAM_BROADCAST_BUCKET_SIZE`` = 250 MiB, L60, never above
+      ``2 U``), concatenates it into the flat parameter (``_flat_param.py`` L893 ``torch.cat``: a second copy
+      while the originals live) and keeps this rank's shard (L971 ``flat_param.set_(sharded_flat_param)``).
+    - FSDP2, ZeRO-3: one full tensor at a time (``memory.outside.largest_tensor_bytes``: torchtune's
+      ``load_from_full_model_state_dict`` ``distribute_tensor``s each full tensor; DeepSpeed partitions each
+      parameter as it converts it).
+
+    Known error: the originals are freed only once the flat parameter's views replace them, so a unit's reserved
+    blocks can be ``2 U`` even after sharding until the next unit reuses them (taken as reused).
+    """
+    from memfit.memory.outside import largest_tensor_bytes
+
+    if stack.fsdp == 1 and run.sharding is Sharding.FSDP:
+        return 2 * largest_unit_bytes(spec, run)
+    return largest_tensor_bytes(spec, run)
+
+
+def largest_unit_bytes(spec, run: RunConfig) -> int:
+    """Bytes of the largest unit a transformer-layer auto-wrap policy makes (Accelerate's
+    ``TRANSFORMER_BASED_WRAP``, fsdp_qlora's ``get_wrapping_policy``): one decoder layer as stored
+    (``memory.states.gathered_layer_bytes``: 4-bit projections packed) or the root, which keeps what no layer holds:
+    the embedding, the head and the final norm, at the unquantized dtype (``memory.quantized.unquantized_bytes``)."""
+    from memfit.memory.activations import Precisions
+    from memfit.memory.quantized import unquantized_bytes
+    from memfit.memory.states import gathered_layer_bytes
+
+    rest = unquantized_bytes(run) if run.quantize is not Quantize.NONE else Precisions.of(run).w
+    root = (spec.embedding_params + spec.lm_head_params + spec.hidden_size) * rest
+    return int(max(gathered_layer_bytes(spec, run), root))
 
 
 def phase_figures(spec, run: RunConfig, breakdown, device: str) -> dict[str, int]:

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 from memfit.errors import UserError
 
+#: The first torchao release whose ``to_nf4`` searches the nearest NF4 code in chunks of ``1024**2`` weights
+#: (``dtypes/nf4tensor.py`` L33 ``CHUNK_SIZE``, L645-651); 0.1 compares every weight of a projection with the 16 codes
+#: at once (``quantize_tensor_nearest``: ``(value - nf4).abs()``, 64 bytes per weight in bf16).
+TORCHAO_CHUNKS_NF4 = "0.2.0"
+
 #: The first bitsandbytes release whose ``MatMul4Bit`` keeps only the packed weight for backward
 #: (bitsandbytes commit 9e75374, "fix QLoRA mem bug: delete useless buffered activation"); earlier ones
 #: keep ``ctx.tensors = (A, B)``, the layer's input with it (0.42.0 ``autograd/_functions.py`` L523).
@@ -42,6 +47,15 @@ class Trainer:
     ``model(input_ids, lm_head_chunk_size=128)``, ``finetune/lora.py`` L304, and Fabric's ``convert_output`` to the
     default dtype, fp32), and the loss is ``F.cross_entropy`` per chunk (``utils.chunked_cross_entropy``);
     0: transformers' head and ``ForCausalLMLoss``, as memfit runs them."""
+    low_memory_loading: bool = False
+    """A sharded run's base never sits whole on a rank: rank 0 reads it into host memory (a 4-bit base quantized on
+    the device one projection at a time and moved back to the host), the other ranks build on ``meta``, and the
+    wrapper brings one unit at a time to the device as it shards (``memory.phases``). False: memfit's own path,
+    every rank loads the whole (4-bit) base onto its device before FSDP2 shards it."""
+    nf4_on_build: bool = False
+    """A 4-bit base is built on the device in bf16 and quantized there by torchao's ``to_nf4``, one projection at a
+    time, the checkpoint copied in afterwards on the host (``memory.torchao_nf4``), not quantized by bitsandbytes as
+    the checkpoint is loaded (``memory.loading``)."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -54,14 +68,21 @@ TRAINERS: dict[str, Trainer] = {
     "trl": Trainer(),
     "axolotl": Trainer(),
     "llamafactory": Trainer(),
-    # torchtune builds the whole model, LoRA modules included, under the recipe's dtype (training.set_default_dtype)
-    "torchtune": Trainer(adapters_in_compute_dtype=True),
+    # torchtune builds the whole model, LoRA modules included, under the recipe's dtype (training.set_default_dtype);
+    # its distributed recipes build on meta (lora_finetune_distributed.py L520 ``torch.device("meta")``) and
+    # ``training.load_from_full_model_state_dict`` distributes one full tensor at a time (_distributed.py L336-448)
+    # and its 4-bit base is torchao's NF4, built on the device (lora.py L93-94 ``to_nf4(linear.weight)`` under
+    # lora_finetune_single_device.py L254 ``with utils.set_default_dtype(self._dtype), self._device``)
+    "torchtune": Trainer(adapters_in_compute_dtype=True, low_memory_loading=True, nf4_on_build=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
     "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
                       head_chunk_tokens=128),
     # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
-    # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True)
-    "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True),
+    # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True;
+    # e877dda L1011 ``low_memory: bool_arg = True``: L628 quantizes each layer on the GPU then moves it to the CPU on
+    # rank 0, to meta elsewhere; L733-735 FSDP(sync_module_states=True, param_init_fn=to_empty on cuda))
+    "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True,
+                                   low_memory_loading=True),
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
     # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op")
     "torchtitan": Trainer(unpriced=(
@@ -86,6 +107,16 @@ class Stack:
     double_quant: bool = True
     """Whether a 4-bit base quantizes its absmax statistics again (bitsandbytes' ``compress_statistics``, memfit's
     setting); litgpt's ``quantize: bnb.nf4`` does not (``bnb.nf4-dq`` does)."""
+    low_memory_loading: bool | None = None
+    """Whether a sharded run loads its base low-memory (``Trainer.low_memory_loading``); None: the trainer's own
+    way. transformers' Trainer does where Accelerate's config asks for it: ``fsdp_cpu_ram_efficient_loading: true``
+    sets ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (accelerate ``utils/dataclasses.py`` L1856), which transformers'
+    ``is_fsdp_enabled`` reads (``distributed/fsdp.py`` L45-51); transformers 4.4x's ``_load_state_dict_into_meta_model``
+    then quantizes each 4-bit parameter on the GPU and moves it to the CPU (rank 0) or meta "to avoid excessive
+    memory usage on each GPU", under DeepSpeed ZeRO-3 too (to the CPU on every rank)."""
+    torchao: str | None = None
+    """The torchao version that quantizes a torchtune 4-bit base (a release, as pip spells it); None: one that
+    searches in chunks (``TORCHAO_CHUNKS_NF4`` and later)."""
     fsdp: int = 2
     """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, what memfit models) or 1
     (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``)."""
@@ -95,8 +126,9 @@ class Stack:
             raise UserError(f"Unknown trainer {self.trainer!r}; memfit knows: {', '.join(TRAINERS)}.")
         if self.fsdp not in (1, 2):
             raise UserError(f"FSDP version must be 1 or 2, got {self.fsdp!r}.")
-        if self.bitsandbytes is not None:
-            _release(self.bitsandbytes)  # refused here, in one sentence, not at the first estimate
+        for version in (self.bitsandbytes, self.torchao):
+            if version is not None:
+                _release(version)  # refused here, in one sentence, not at the first estimate
 
     @property
     def traits(self) -> Trainer:
@@ -106,12 +138,23 @@ class Stack:
         """Whether a 4-bit layer keeps its input until the graph is freed (bitsandbytes < 0.43.2)."""
         return self.bitsandbytes is not None and _release(self.bitsandbytes) < _release(BNB_DROPS_4BIT_INPUT)
 
+    def nf4_chunked(self) -> bool:
+        """Whether torchao's ``to_nf4`` searches the nearest code in chunks (torchao >= 0.2.0, or unnamed)."""
+        return self.torchao is None or _release(self.torchao) >= _release(TORCHAO_CHUNKS_NF4)
+
+    def loads_low_memory(self) -> bool:
+        """Whether a sharded run's base reaches the device one unit at a time (``low_memory_loading``)."""
+        return self.traits.low_memory_loading if self.low_memory_loading is None else self.low_memory_loading
+
     def is_memfit(self) -> bool:
         return self == Stack()
 
     def changes_terms(self) -> bool:
         """Whether this stack holds other tensors than memfit's own (a trait, or bitsandbytes' kept inputs)."""
-        return (self.traits != Trainer(unpriced=self.traits.unpriced) or self.keeps_4bit_input()
+        # how the base is loaded changes the loading and wrapping phases (memory.phases), not the step's tensors
+        step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
+                              nf4_on_build=self.traits.nf4_on_build)
+        return (self.traits != step_traits or self.keeps_4bit_input()
                 or not self.double_quant)
 
     def unpriced(self) -> tuple[str, ...]:
@@ -127,10 +170,14 @@ class Stack:
         parts = [self.trainer]
         if self.bitsandbytes:
             parts.append(f"bitsandbytes {self.bitsandbytes}")
+        if self.torchao:
+            parts.append(f"torchao {self.torchao}")
         if not self.double_quant:
             parts.append("NF4 without double quantization")
         if self.fsdp == 1:
             parts.append("FSDP (1)")
+        if self.low_memory_loading is not None and self.low_memory_loading != self.traits.low_memory_loading:
+            parts.append("low-memory loading" if self.low_memory_loading else "whole-base loading")
         return ", ".join(parts)
 
     @classmethod
@@ -138,12 +185,15 @@ class Stack:
         """From a mapping (``{trainer: litgpt, bitsandbytes: 0.42.0}``); None or empty: memfit's own."""
         if not data:
             return cls()
-        unknown = sorted(set(data) - {"trainer", "bitsandbytes", "double_quant", "fsdp"})
+        known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading")
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise UserError(f"A stack names trainer, bitsandbytes, double_quant and fsdp; not {', '.join(unknown)}.")
-        version = data.get("bitsandbytes")
+            raise UserError(f"A stack names {', '.join(known)}; not {', '.join(unknown)}.")
+        version, torchao, low_memory = data.get("bitsandbytes"), data.get("torchao"), data.get("low_memory_loading")
         return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
-                   double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)))
+                   torchao=None if torchao is None else str(torchao),
+                   double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)),
+                   low_memory_loading=None if low_memory is None else bool(low_memory))
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -152,4 +202,4 @@ def _release(version: str) -> tuple[int, ...]:
     try:
         return Version(version).release
     except InvalidVersion:
-        raise UserError(f"bitsandbytes version {version!r} is not a version (e.g. 0.42.0).") from None
+        raise UserError(f"Version {version!r} is not a version (e.g. 0.42.0).") from None
