@@ -261,3 +261,16 @@ def test_per_rank_tensor_peak_on_two_nodes_is_within_3_percent(sharding_name):
     for measured in got["measured_peak_bytes_per_rank"]:
         error = (got["predicted_peak_bytes"] - measured) / measured
         assert abs(error) <= 0.03, f"{sharding_name}: predicted {got['predicted_peak_bytes']:,} B vs {measured:,} B"
+
+
+def test_plan_across_nodes_without_batch_trains_train_s_micro_batch_on_every_rank():
+    """Issue 39's command as a user types it, no --batch: the one-machine default (4 sequences a step) divides
+    over no cluster of 8-GPU nodes, so the batch is 4 per rank on the most ranks tried (8 nodes x 8 = 256),
+    the same for every node count, and the plan says so."""
+    out = CliRunner().invoke(cli, ["plan", "llama-3.1-70b", "--budget", "80GiB", "--gpus-per-node", "8", "--json"])
+    assert out.exit_code == 0, out.output
+    payload = json.loads(out.output)
+    assert payload["nodes"]["nodes"] >= 1
+    run = payload["plans"][0]["config"]
+    assert run["micro_batch"] * run["grad_accum"] * run["num_processes"] == 4 * 8 * 8
+    assert any("--batch not given: 256 sequences" in n for n in payload["notes"])

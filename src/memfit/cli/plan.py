@@ -104,6 +104,8 @@ def command(model, revision, budget, gpu, seq_len, batch, num_processes, margin,
     method = pins.pop("method")  # given, like --seq-len: the objective the plans train
     cluster = cluster_shape(pins.pop("nodes"), num_processes, gpus_per_node, max_nodes, internode_gbs, maximize)
     data, tokenizer = pins.pop("data", None), pins.pop("tokenizer", None)  # --from: the file's shape
+    if cluster and reading is None and click.get_current_context().get_parameter_source("batch") is _DEFAULT:
+        batch = None  # across nodes: train's micro-batch on every rank (memfit.plan_nodes says so)
     constraints = memfit.Constraints.from_flat(pins)
     device = memfit.detect_gpu() if gpu and gpu.lower() == "auto" else gpu
     with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache

@@ -19,6 +19,7 @@ from memfit.errors import NothingFitsError, UserError
 from memfit.planning.gpus import DEFAULT_INTERNODE_GBS, GPU, REFERENCE_GPU, gpu_by_name
 from memfit.planning.internode import internode_seconds
 from memfit.planning.search import Plan, PlanResult, plan
+from memfit.settings.defaults import DEMO_MICRO_BATCH
 
 #: Node counts tried when ``max_nodes`` is not given (powers of two up to it; the batch may stop them sooner).
 DEFAULT_MAX_NODES = 8
@@ -75,11 +76,19 @@ def node_counts(max_nodes: int, gpus_per_node: int, batch: int) -> list[int]:
     return usable
 
 
-def plan_nodes(model, budget_bytes, *, gpus_per_node: int, seq_len: int, batch: int,
+def default_batch(gpus_per_node: int, max_nodes: int | None = None, nodes: int | None = None) -> int:
+    """The effective batch when ``--batch`` is not given: ``memfit train``'s default micro-batch
+    (``DEMO_MICRO_BATCH``) on every rank of the most nodes tried, so each node count can train it (the
+    one-machine default, one micro-batch a step, divides over no cluster)."""
+    return DEMO_MICRO_BATCH * gpus_per_node * (nodes or max_nodes or DEFAULT_MAX_NODES)
+
+
+def plan_nodes(model, budget_bytes, *, gpus_per_node: int, seq_len: int, batch: int | None,
                max_nodes: int | None = None, nodes: int | None = None, internode_gbs: float | None = None,
                gpu: GPU | str | None = None, **plan_kwargs) -> NodesResult:
     """Plan ``model`` on 1 to ``max_nodes`` nodes (or exactly ``nodes``) of ``gpus_per_node`` GPUs each with
     ``budget_bytes`` per GPU; ``plan_kwargs`` go to ``search.plan`` (constraints, margin, method, ...).
+    ``batch`` None: ``default_batch``, said in the chosen plan's notes.
 
     Raises:
         NothingFitsError: no node count has a plan that fits (the message of the largest count tried).
@@ -89,6 +98,8 @@ def plan_nodes(model, budget_bytes, *, gpus_per_node: int, seq_len: int, batch: 
         raise UserError(f"--internode-gbs must be a positive bandwidth in GB/s, got {internode_gbs}.")
     device = gpu_by_name(gpu) if isinstance(gpu, str) else gpu
     device = dataclasses.replace(device or gpu_by_name(REFERENCE_GPU), internode_gbs=bandwidth)
+    defaulted = batch is None
+    batch = default_batch(gpus_per_node, max_nodes, nodes) if defaulted else batch
     counts = [nodes] if nodes else node_counts(max_nodes or DEFAULT_MAX_NODES, gpus_per_node, batch)
     choices, results, last_error = [], {}, None
     for n in counts:
@@ -106,4 +117,8 @@ def plan_nodes(model, budget_bytes, *, gpus_per_node: int, seq_len: int, batch: 
         raise last_error
     chosen = max(results, key=lambda n: (results[n].best.score, -n))
     choices = [dataclasses.replace(c, chosen=c.nodes == chosen) for c in choices]
+    if defaulted:
+        results[chosen].notes.insert(0, f"--batch not given: {batch} sequences per optimizer step on every node count "
+                                        f"({DEMO_MICRO_BATCH} per rank on {batch // DEMO_MICRO_BATCH} ranks, the most "
+                                        "tried).")
     return NodesResult(choices, results[chosen], gpus_per_node, bandwidth)
