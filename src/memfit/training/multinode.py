@@ -93,3 +93,25 @@ def hybrid_mesh(run: RunConfig, device_type: str):
     if config is None:
         return None, None
     return config, config.build_device_mesh(device_type)
+
+
+def launched_several_got_one(env) -> bool:
+    """``accelerate launch --num_processes N`` (N > 1) that started a single process.
+
+    On a machine without GPUs, Accelerate's launcher falls through to its simple launcher, which runs the
+    script once; it still exports ``MASTER_ADDR``/``MASTER_PORT`` because N > 1 was asked
+    (``accelerate.utils.launch.prepare_simple_launcher_cmd_env``), beside its own
+    ``ACCELERATE_MIXED_PRECISION``. A real multi-process launch (torchrun, which Accelerate's multi-GPU,
+    FSDP and DeepSpeed launchers use) exports ``WORLD_SIZE``.
+    """
+    return ("MASTER_ADDR" in env and "ACCELERATE_MIXED_PRECISION" in env
+            and "WORLD_SIZE" not in env and "PMI_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" not in env)
+
+
+def refuse_one_of_several(num_processes: int, env: dict | None = None) -> None:
+    """One sentence, before anything else about the launch, when ``accelerate launch`` was asked for several
+    processes and started one (its simple launcher on a machine without GPUs)."""
+    if num_processes == 1 and launched_several_got_one(os.environ if env is None else env):
+        raise UserError("accelerate launch was asked for several processes but started one: on a machine without "
+                        "GPUs it runs a single process unless told --multi_cpu; for CPU data parallelism use "
+                        "`ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m memfit train ...`.")

@@ -38,7 +38,7 @@ from memfit.spec.resolved import experts_reason
 from memfit.training import deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line, plan_run
 from memfit.training.guard import RunGuard
-from memfit.training.multinode import with_launched_nodes
+from memfit.training.multinode import refuse_one_of_several, with_launched_nodes
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
 from memfit.training.router import RouterBalance, router_balance
@@ -322,7 +322,7 @@ def resolve_output(config: TrainConfig, guard: RunGuard) -> TrainConfig:
 def resolve_run(config: TrainConfig, num_processes: int) -> tuple[RunConfig, PlanResult | None]:
     """The run settings for the processes actually launched: ``--batch`` and ``--budget`` applied."""
     run = config.run
-    sharding.refuse_one_of_several(num_processes)  # said first: the cause of any mismatch below
+    refuse_one_of_several(num_processes)  # said first: the cause of any mismatch below
     if run.num_processes not in (1, num_processes):
         raise UserError(f"--num-processes is {run.num_processes} but {num_processes} process(es) were launched; "
                         f"start it with `accelerate launch --num_processes {run.num_processes} -m memfit train ...`.")

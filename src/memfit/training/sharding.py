@@ -59,28 +59,6 @@ def check_run(run: RunConfig, *, cuda: bool) -> None:
         raise UserError(reason)
 
 
-def launched_several_got_one(env) -> bool:
-    """``accelerate launch --num_processes N`` (N > 1) that started a single process.
-
-    On a machine without GPUs, Accelerate's launcher falls through to its simple launcher, which runs the
-    script once; it still exports ``MASTER_ADDR``/``MASTER_PORT`` because N > 1 was asked
-    (``accelerate.utils.launch.prepare_simple_launcher_cmd_env``), beside its own
-    ``ACCELERATE_MIXED_PRECISION``. A real multi-process launch (torchrun, which Accelerate's multi-GPU,
-    FSDP and DeepSpeed launchers use) exports ``WORLD_SIZE``.
-    """
-    return ("MASTER_ADDR" in env and "ACCELERATE_MIXED_PRECISION" in env
-            and "WORLD_SIZE" not in env and "PMI_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" not in env)
-
-
-def refuse_one_of_several(num_processes: int, env: dict | None = None) -> None:
-    """One sentence, before anything else about the launch, when ``accelerate launch`` was asked for several
-    processes and started one (its simple launcher on a machine without GPUs)."""
-    if num_processes == 1 and launched_several_got_one(os.environ if env is None else env):
-        raise UserError("accelerate launch was asked for several processes but started one: on a machine without "
-                        "GPUs it runs a single process unless told --multi_cpu; for CPU data parallelism use "
-                        "`ACCELERATE_USE_CPU=true torchrun --nproc_per_node N -m memfit train ...`.")
-
-
 def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) -> None:
     """The launch must provide what the flags ask: >= 2 processes for sharding, and an Accelerate
     config (seen through the ``ACCELERATE_*``/``FSDP_*`` variables ``accelerate launch`` sets) that
@@ -90,7 +68,7 @@ def check_launch(run: RunConfig, num_processes: int, env: dict | None = None) ->
     use_deepspeed = deepspeed_requested(env)
     if use_deepspeed:
         deepspeed_engine.check_launch(run, env)
-    refuse_one_of_several(num_processes, env)
+    multinode.refuse_one_of_several(num_processes, env)
     if is_sharded(run) and num_processes < 2:
         raise UserError(f"--sharding {flag} needs 2 or more processes, but 1 was launched; start it with "
                         f"`accelerate launch --num_processes 2 -m memfit train ...` or torchrun --nproc_per_node 2, "
