@@ -271,3 +271,16 @@ def test_a_model_of_few_positions_is_planned_within_them(tmp_path):
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "seq 96 x micro-batch 4" in text and "derives it from its data, the shipped corpus without --data" in text
+
+
+def test_estimate_says_where_train_s_default_precision_depends_on_the_gpu():
+    """``memfit train`` on a GPU with bf16 autocasts in bf16 when no --mixed-precision is given
+    (``training.setup.default_precision``); an estimate for a CUDA target cannot know that GPU, so it prices
+    none and says so, and stays quiet once the precision is given or the target is the CPU (train's default
+    there is none too)."""
+    def words(*args: str) -> str:  # the output as words (rich wraps at the terminal's width)
+        return " ".join(CliRunner().invoke(cli, ["estimate", "tiny", *args]).output.split())
+
+    assert defaults.PRECISION_ON_A_GPU in words()
+    assert defaults.PRECISION_ON_A_GPU not in words("--mixed-precision", "bf16")
+    assert defaults.PRECISION_ON_A_GPU not in words("--device", "cpu")

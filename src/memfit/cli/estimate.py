@@ -16,7 +16,7 @@ from memfit.report.fit import dropped_note
 from memfit.report.plots import plot_breakdowns
 from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
 from memfit.settings.config import TrainConfig, check_lora_options
-from memfit.settings.defaults import SHAPE
+from memfit.settings.defaults import PRECISION_ON_A_GPU, SHAPE
 from memfit.settings.validate import check_writable_target
 from memfit.units import fmt_count
 
@@ -71,6 +71,8 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
                                                 tokenizer=kwargs.get("tokenizer"), revision=revision,
                                                 trust_remote_code=trust_remote_code)
     memfit.check_seq_len(run.seq_len, spec.max_position_embeddings)  # what train refuses is not estimated
+    if reading is None and device == "cuda" and not compare and "mixed_precision" not in typed:
+        note = " ".join(filter(None, (note, PRECISION_ON_A_GPU)))  # train's one GPU-dependent default
     engine = reading.engine if reading is not None else "fsdp2"  # a DeepSpeed launch: its own layout
     stack = reading.stack if reading is not None else None  # the trainer and versions that run the file
     if compare:

@@ -56,6 +56,12 @@ SHAPE = (f"--seq-len {DEMO_SEQ_LEN} x --micro-batch {DEMO_MICRO_BATCH} (--batch 
 ``plan`` alike (each command's ``--help`` shows this line): ``memfit estimate MODEL`` prices the step that
 ``memfit train --model MODEL`` runs, and ``memfit plan MODEL`` searches for that run."""
 
+PRECISION_ON_A_GPU = ("memfit train picks --mixed-precision bf16 when none is given and its GPU has bf16 "
+                      "(memfit.default_precision); this estimate, for a CUDA target, prices none: add "
+                      "--mixed-precision bf16 to price that run.")
+"""Said by ``estimate`` (CUDA target, no ``--mixed-precision``): the one default of train's that depends on the GPU
+it runs on, which an estimate made without that GPU cannot know."""
+
 
 def fmt_lr(value: float) -> str:
     """``2e-4``, not ``0.0002`` or ``2e-04``."""
