@@ -403,7 +403,7 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             for st, (winfo, _) in list(tracker._WINFO.items()):
                 if id(st) in before:
                     continue
-                category = "temporary" if st in self.casts or winfo.reftype is not ref.ACT else "activations"
+                category = self._category(st, winfo)
                 self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
                                                 self._freed(*args)))
 
@@ -417,9 +417,13 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
             if entry is None:
                 return
             winfo = entry[0]
-            category = "temporary" if st in self.casts or winfo.reftype is not ref.ACT else "activations"
+            category = self._category(st, winfo)
             self.watched.append(weakref.ref(st, lambda _r, args=(layer, category, winfo.mem_consumed):
                                             self._output_dropped(*args)))
+
+        def _category(self, st, winfo) -> str:
+            """How ``sample`` counts a storage: autocast's casts and non-activation storages as temporaries."""
+            return "temporary" if st in self.casts or winfo.reftype is not ref.ACT else "activations"
 
         def _output_dropped(self, layer: int, category: str, size: int) -> None:
             if self.recording and self.phase == "forward" and not self.head_ran:
