@@ -95,3 +95,19 @@ def test_lean_qlora_reaches_further_than_peft_full_upcast(llama31):
                     constraints=Constraints(**pins, qlora_upcast="full")).best.config
     assert str(lean.qlora_upcast) == "lean" and str(full.qlora_upcast) == "full"
     assert lean.seq_len > 1.2 * full.seq_len
+
+
+def test_maximize_prices_the_given_stack(llama31):
+    # plan --from FILE --maximize: the candidates are priced on the file's stack, as plan without --maximize does
+    # (torchtune's LoRA adapters in bf16 hold half of PEFT's fp32 ones, so the two stacks price the same run apart)
+    from memfit.settings.stack import Stack
+
+    stack = Stack(trainer="torchtune")
+    pins = Constraints(quantize="none", lora_r=16, dtype="bf16", grad_checkpointing=True, optimizer="adamw-fused",
+                       loss="chunked")
+    result = maximize(llama31, "24GiB", "micro-batch", seq_len=2048, constraints=pins, stack=stack)
+    best = result.best
+    on_stack = evaluate(llama31, best.config, result.gpu, result.budget_bytes, result.safety_margin, stack=stack)
+    own = evaluate(llama31, best.config, result.gpu, result.budget_bytes, result.safety_margin)
+    assert best.needed_bytes == on_stack.needed_bytes
+    assert own.needed_bytes > on_stack.needed_bytes  # fp32 adapters, their gradients and moments

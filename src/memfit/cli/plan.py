@@ -190,7 +190,7 @@ def _search(spec, budget, maximize: str | None, shape: dict, cluster: dict | Non
     if shape["safety_margin"] is None:
         shape["safety_margin"] = memfit.SAFETY_MARGIN
     if maximize:
-        left_out = ("batch", "adapt", "method", "engine_of", "stack")
+        left_out = ("batch", "adapt", "method")  # engine_of and stack: --from FILE's, priced as its tool runs
         return memfit.maximize(spec, budget, maximize, **{k: v for k, v in shape.items() if k not in left_out})
     if cluster:  # several nodes, or a node count to find: every count planned, the fastest chosen
         shape.pop("num_processes")

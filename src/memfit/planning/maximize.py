@@ -42,7 +42,8 @@ PROBE_SEQ_LEN = 4096
 
 
 def maximize(model, budget_bytes, target: str, *, seq_len: int, num_processes: int = 1, gpu=None,
-             constraints: Constraints | None = None, safety_margin: float = SAFETY_MARGIN) -> PlanResult:
+             constraints: Constraints | None = None, safety_margin: float = SAFETY_MARGIN, engine_of=None,
+             stack=None) -> PlanResult:
     """The techniques that reach the largest ``target`` (``seq-len`` or ``micro-batch``) within the budget.
 
     ``seq-len``: one sequence per process per micro-batch (the longest context; a pinned ``--micro-batch``
@@ -50,6 +51,8 @@ def maximize(model, budget_bytes, target: str, *, seq_len: int, num_processes: i
     effective batch is ``micro_batch x num_processes``). Returns a ``PlanResult`` whose plans are the
     techniques that reached the best value (and those that held it before a better one was found), best
     first: the largest value, then tokens/s. Raises ``NothingFitsError`` when not even 1 fits.
+    ``engine_of`` and ``stack``: as ``planning.search.plan``'s (``plan --from FILE``: each candidate on the file's
+    engine, priced on its stack); None: memfit's own.
     """
     if target not in TARGETS:
         raise UserError(f"--maximize must be one of {', '.join(TARGETS)}, got {target!r}.")
@@ -68,7 +71,9 @@ def maximize(model, budget_bytes, target: str, *, seq_len: int, num_processes: i
 
     def plan_at(run, value) -> Plan | None:
         try:
-            return evaluate(spec, run.replace(**{field: value}), device, budget, safety_margin)
+            run = run.replace(**{field: value})
+            return evaluate(spec, run, device, budget, safety_margin, engine=engine_of(run) if engine_of else None,
+                            stack=stack)
         except UserError:  # a combination the estimator refuses at this size
             return None
 
