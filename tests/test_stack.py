@@ -190,3 +190,26 @@ def test_axolotl_fsdp1_with_cpu_ram_efficient_loading_loads_low_memory(tmp_path)
     whole.write_text(base + "  fsdp_offload_params: false\n")
     assert read(lean).stack.loads_low_memory() and read(lean).stack.fsdp == 1
     assert not read(whole).stack.loads_low_memory()
+
+
+def test_torchaos_nf4_shards_its_scalers_with_its_weights(monkeypatch):
+    """torchtune's 4-bit base is torchao's ``NF4Tensor``, which FSDP2 splits, pads and all-gathers with its scalers
+    (``_INNER_TENSOR_NAMES_FOR_SHARDING``); bitsandbytes' quantization state is a module attribute, whole on every rank.
+    Per layer of ``tiny`` the state of each projection is one uint8 absmax per 64 weights, one fp32 nested absmax per
+    256 of those and 1,092 B of tables (NF4 code 64 B + dynamic map 1,024 B + offset 4 B):
+    q, o (65,536 weights): 1,024 + 16 + 1,092 = 2,132 B each; k, v (32,768): 512 + 8 + 1,092 = 1,612 B each;
+    gate, up, down (196,608): 3,072 + 48 + 1,092 = 4,212 B each: 2 x 2,132 + 2 x 1,612 + 3 x 4,212 = 20,124 B per
+    layer, 160,992 B for 8 layers. Sharded over 2 ranks each holds half: 80,496 B less per rank."""
+    import dataclasses
+
+    from memfit.settings.stack import TRAINERS
+
+    monkeypatch.setitem(TRAINERS, "torchtune-replicated",
+                        dataclasses.replace(TRAINERS["torchtune"], shards_quant_state=False))
+    run = _run(quantize="4bit", num_processes=2, sharding="fsdp")
+    sharded = estimate("tiny", run, device="cuda", stack=Stack(trainer="torchtune")).weights
+    whole = estimate("tiny", run, device="cuda", stack=Stack(trainer="torchtune-replicated")).weights
+    assert whole - sharded == 80_496
+    one = _run(quantize="4bit")  # one process: nothing to shard
+    assert (estimate("tiny", one, device="cuda", stack=Stack(trainer="torchtune")).weights
+            == estimate("tiny", one, device="cuda", stack=Stack(trainer="torchtune-replicated")).weights)

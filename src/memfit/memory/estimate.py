@@ -131,6 +131,7 @@ def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engi
             stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
     """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
     states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
     weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy

@@ -56,6 +56,12 @@ class Trainer:
     """A 4-bit base is built on the device in bf16 and quantized there by torchao's ``to_nf4``, one projection at a
     time, the checkpoint copied in afterwards on the host (``memory.torchao_nf4``), not quantized by bitsandbytes as
     the checkpoint is loaded (``memory.loading``)."""
+    shards_quant_state: bool = False
+    """A sharded 4-bit base's quantization state (scalers and their factors) is sharded with its packed weights:
+    torchao's ``NF4Tensor`` splits, pads and all-gathers its three inner tensors together (``nf4tensor.py``
+    ``_INNER_TENSOR_NAMES_FOR_SHARDING = ["quantized_scalers", "quantization_factor", "quantized_data"]``,
+    ``nf4_split``, ``nf4_new_zeros``, ``nf4_all_gather_into_tensor``; pytorch/ao@0598012); bitsandbytes keeps its
+    ``quant_state`` as a module attribute, whole on every rank (``memory.states.quant_state_bytes``)."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -73,7 +79,8 @@ TRAINERS: dict[str, Trainer] = {
     # ``training.load_from_full_model_state_dict`` distributes one full tensor at a time (_distributed.py L336-448)
     # and its 4-bit base is torchao's NF4, built on the device (lora.py L93-94 ``to_nf4(linear.weight)`` under
     # lora_finetune_single_device.py L254 ``with utils.set_default_dtype(self._dtype), self._device``)
-    "torchtune": Trainer(adapters_in_compute_dtype=True, low_memory_loading=True, nf4_on_build=True),
+    "torchtune": Trainer(adapters_in_compute_dtype=True, low_memory_loading=True, nf4_on_build=True,
+                         shards_quant_state=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
     "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
                       head_chunk_tokens=128),
