@@ -5,14 +5,15 @@ predicts each with ``memfit.memory.estimate.estimate`` on the CUDA target, and p
 predicted and the error per run, then the median and worst absolute error and the share of runs memfit
 under-estimates (the unsafe direction: a plan that "fits" and then runs out of memory).
 
-What is compared with what (the terms memfit has, ``memory/device_terms.py``):
+What is compared with what (what each kind of figure counts):
 
-- ``allocated`` (``torch.cuda.max_memory_allocated``) and ``unstated``: the estimate's tensor peak,
-  without its ``other`` term (CUDA context, cuBLAS workspace, allocator reserve);
-- ``reserved`` (``max_memory_reserved``): the tensor peak plus the cuBLAS workspace and the allocator
-  reserve, without the CUDA context;
-- ``nvidia-smi`` and ``fits`` (the longest context that fit a card, whose peak is taken to be the card's
-  memory): the whole estimate, CUDA context included.
+- ``allocated`` (``torch.cuda.max_memory_allocated``) and ``unstated``: the step's tensor peak, the estimate without
+  its ``other`` term (CUDA context, cuBLAS workspace, allocator overhead);
+- ``reserved`` (``max_memory_reserved``): the predicted reserved memory of the run's worst phase, loading to the last
+  save (``memory.phases.device_phases``: the caching allocator gives nothing back between phases, so what a trainer
+  reads off ``max_memory_reserved`` during training still holds what loading reserved), without the CUDA context;
+- ``nvidia-smi`` and ``fits`` (the longest context that fit a card, whose peak is taken to be the card's memory):
+  the same plus the CUDA context and NCCL's buffers (``DevicePhases.needed``: what the fit rule reads).
 
 Each run names the stack that ran it (``stack``: trainer and versions, ``memfit.settings.stack.Stack``), which
 the estimate prices as ``estimate --from`` does (adapters' dtype, bitsandbytes' kept inputs, litgpt's 4-bit
@@ -22,9 +23,9 @@ would be told for that run, and each run's ``note`` says in a sentence why it is
 row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
 are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.
 
-For the rows that count reserved memory or nvidia-smi a second column compares what memfit's fit decision reads
-(``memory.phases``): the predicted reserved memory of the run's worst phase, loading to the last save (for
-nvidia-smi + the CUDA context and NCCL's buffers), with its own summary line.
+For the rows whose figure counts more than tensors (``reserved``, ``nvidia-smi``, ``fits``) the column "step alone"
+gives the step's own figure (tensor peak + cuBLAS workspace + the allocator's fitted overhead, + the context for
+nvidia-smi and fits), with its own summary line: what the phases outside the step add.
 
     python bench/published_check.py                  # the table, then the summary
     python bench/published_check.py --markdown       # the table as bench/README.md shows it
@@ -45,7 +46,7 @@ import yaml
 
 RUNS_FILE = Path(__file__).resolve().parent / "published_runs.yaml"
 MEASURED = ("allocated", "reserved", "nvidia-smi", "unstated", "fits")
-RESERVED_KINDS = ("reserved", "nvidia-smi")  # figures the caching allocator's reserved memory is compared with
+RESERVED_KINDS = ("reserved", "nvidia-smi", "fits")  # figures of the run's whole life: every phase's reserved memory
 UNITS = {"GB": 10**9, "GiB": 2**30}
 _SPECS: dict[str, Any] = {}  # the file's own models, built once per process (a meta-device model each)
 
@@ -64,14 +65,14 @@ class Row:
     missing: list[str]
     note: str
     stack: str = "memfit"
-    reserved_predicted: int = 0
-    """For a figure that counts reserved memory or nvidia-smi: the predicted reserved memory of the run's worst
-    phase (``memory.phases``: loading to the last save; + CUDA context and NCCL for nvidia-smi), else 0."""
-    reserved_phase: str = ""
+    step_predicted: int = 0
+    """For a figure of ``RESERVED_KINDS``: the step's own figure (``predicted_bytes``), the run's phases left out; else 0."""
+    phase: str = ""
+    """For a figure of ``RESERVED_KINDS``: the phase whose reserved memory is the run's largest."""
 
     @property
-    def reserved_error(self) -> float:
-        return (self.reserved_predicted - self.published) / self.published if self.reserved_predicted else 0.0
+    def step_error(self) -> float:
+        return (self.step_predicted - self.published) / self.published if self.step_predicted else 0.0
 
 
 def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -104,7 +105,9 @@ def spec_for(name: str, models: dict[str, Any]):
 
 
 def predicted_bytes(breakdown, measured: str) -> int:
-    """The part of a CUDA estimate that a figure of kind ``measured`` counts (see the module docstring)."""
+    """The part of a step's CUDA estimate that a figure of kind ``measured`` counts, the phases outside the step left
+    out: the tensor peak for ``allocated``/``unstated``, + cuBLAS's workspace and the allocator's overhead for
+    ``reserved``, + the CUDA context for the others (see the module docstring)."""
     from memfit.memory.device_terms import CUDA_CONTEXT_BYTES
 
     if measured in ("allocated", "unstated"):
@@ -112,6 +115,12 @@ def predicted_bytes(breakdown, measured: str) -> int:
     if measured == "reserved":
         return breakdown.peak_bytes - CUDA_CONTEXT_BYTES
     return breakdown.peak_bytes
+
+
+def run_figure(phases, measured: str) -> int:
+    """What a figure of ``RESERVED_KINDS`` counts of a run's ``phases`` (``memory.phases.DevicePhases``): the worst
+    phase's reserved memory, and for ``nvidia-smi`` and ``fits`` the CUDA context and NCCL's buffers with it."""
+    return phases.worst.reserved if measured == "reserved" else phases.needed()
 
 
 def run_config(run: dict[str, Any]):
@@ -136,17 +145,16 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     stack = Stack.of(run.get("stack"))
     breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda", stack=stack)
     published = int(round(float(run["published"]) * UNITS[run["unit"]]))
-    predicted = predicted_bytes(breakdown, run["measured"])
-    row = Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
-              (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
-              stack.describe())
+    predicted = step = predicted_bytes(breakdown, run["measured"])
+    phase = ""
     if run["measured"] in RESERVED_KINDS:
         from memfit.memory.phases import device_phases
 
         phases = device_phases(spec_for(run["model"], models), run_config(run), breakdown, stack=stack)
-        row.reserved_phase = phases.worst.name
-        row.reserved_predicted = phases.needed() if run["measured"] == "nvidia-smi" else phases.worst.reserved
-    return row
+        predicted, phase = run_figure(phases, run["measured"]), phases.worst.name
+    return Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
+               (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
+               stack.describe(), step_predicted=step if phase else 0, phase=phase)
 
 
 def check(path: Path = RUNS_FILE) -> list[Row]:
@@ -164,16 +172,22 @@ def summary(rows: list[Row]) -> dict[str, Any]:
             "worst_run": worst.id, "under_share": sum(r.error < 0 for r in rows) / len(rows)}
 
 
-def reserved_summary(rows: list[Row]) -> dict[str, Any] | None:
-    """``summary`` of the predicted reserved memory (every phase) against the rows that count reserved memory or
-    nvidia-smi; None when there are none."""
-    picked = [r for r in rows if r.reserved_predicted]
+def step_summary(rows: list[Row]) -> dict[str, Any] | None:
+    """``summary`` of the step's own figure (the phases outside it left out) on the rows of ``RESERVED_KINDS``; None
+    when there are none."""
+    picked = [r for r in rows if r.step_predicted]
     if not picked:
         return None
-    worst = max(picked, key=lambda r: abs(r.reserved_error))
-    return {"runs": len(picked), "median_abs_error": statistics.median(abs(r.reserved_error) for r in picked),
-            "worst_abs_error": abs(worst.reserved_error), "worst_run": worst.id,
-            "under_share": sum(r.reserved_error < 0 for r in picked) / len(picked)}
+    worst = max(picked, key=lambda r: abs(r.step_error))
+    return {"runs": len(picked), "median_abs_error": statistics.median(abs(r.step_error) for r in picked),
+            "worst_abs_error": abs(worst.step_error), "worst_run": worst.id,
+            "under_share": sum(r.step_error < 0 for r in picked) / len(picked)}
+
+
+def kind_summary(rows: list[Row], kinds: tuple[str, ...] = RESERVED_KINDS) -> dict[str, Any] | None:
+    """``summary`` of the rows whose figure is of ``kinds`` (those that count reserved memory); None when none."""
+    picked = [r for r in rows if r.measured in kinds]
+    return summary(picked) if picked else None
 
 
 def _gib(n: int) -> str:
@@ -181,15 +195,15 @@ def _gib(n: int) -> str:
 
 
 def render(rows: list[Row], stats: dict[str, Any], markdown: bool, left_out: list[dict[str, Any]] = ()) -> str:
-    head = ["run", "GPU", "stack", "measured", "published", "memfit", "error", "reserved (phase), error",
+    head = ["run", "GPU", "stack", "measured", "published", "memfit (phase)", "error", "step alone, error",
             "memfit lacks"]
     lines = []
     if markdown:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        reserved = (f"{_gib(r.reserved_predicted)} ({r.reserved_phase}), {r.reserved_error:+.1%}"
-                    if r.reserved_predicted else "-")
-        cells = [r.id, r.gpu, r.stack, r.measured, _gib(r.published), _gib(r.predicted), f"{r.error:+.1%}", reserved,
+        step = f"{_gib(r.step_predicted)}, {r.step_error:+.1%}" if r.step_predicted else "-"
+        predicted = f"{_gib(r.predicted)} ({r.phase})" if r.phase else _gib(r.predicted)
+        cells = [r.id, r.gpu, r.stack, r.measured, _gib(r.published), predicted, f"{r.error:+.1%}", step,
                  "; ".join(m.split(" (")[0] for m in r.missing) or "-"]
         lines.append("| " + " | ".join(cells) + " |" if markdown else "  ".join(cells))
         if not markdown and r.note:
@@ -200,12 +214,12 @@ def render(rows: list[Row], stats: dict[str, Any], markdown: bool, left_out: lis
     lines.append(f"{stats['runs']} runs from {stats['projects']} projects: median |error| "
                  f"{stats['median_abs_error']:.1%}, worst {stats['worst_abs_error']:.1%} ({stats['worst_run']}), "
                  f"memfit under-estimates {stats['under_share']:.0%} of the runs")
-    reserved = stats.get("reserved")
-    if reserved:
-        lines.append(f"reserved memory of every phase, on the {reserved['runs']} runs that count reserved memory or "
-                     f"nvidia-smi: median |error| {reserved['median_abs_error']:.1%}, worst "
-                     f"{reserved['worst_abs_error']:.1%} ({reserved['worst_run']}), memfit under-estimates "
-                     f"{reserved['under_share']:.0%} of them")
+    for key, what in (("reserved", "every phase's reserved memory"), ("step", "the step alone")):
+        part = stats.get(key)
+        if part:
+            lines.append(f"{what}, on the {part['runs']} runs that count reserved memory, nvidia-smi or a card's "
+                         f"memory: median |error| {part['median_abs_error']:.1%}, worst {part['worst_abs_error']:.1%} "
+                         f"({part['worst_run']}), memfit under-estimates {part['under_share']:.0%} of them")
     return "\n".join(lines)
 
 
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = check(args.runs)
     stats = summary(rows)
-    stats["reserved"] = reserved_summary(rows)
+    stats["reserved"], stats["step"] = kind_summary(rows), step_summary(rows)
     if args.out:
         payload = json.dumps({"rows": [asdict(r) for r in rows], "summary": stats}, indent=2)
         if args.out == "-":
