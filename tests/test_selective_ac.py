@@ -27,13 +27,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memfit.memory.activations import Precisions, layer_activations
 from memfit.memory.autocast import autocast_weight_copies
 from memfit.memory.measure import counted
-from memfit.memory.states import model_states
 from memfit.memory.stack_terms import gathered_in_compute_dtype, precisions
+from memfit.memory.states import model_states
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
 from memfit.spec.model import load_spec, spec_from_config
 
-B, T, H, I, LAYERS, HEADS, HEAD_DIM = 2, 256, 64, 176, 3, 4, 32
+B, T, H, MLP, LAYERS, HEADS, HEAD_DIM = 2, 256, 64, 176, 3, 4, 32
 TOKENS = B * T
 TORCHTITAN = Stack(trainer="torchtitan")
 
@@ -64,7 +64,7 @@ def _torchtitan_context(save_list):
 
 @pytest.fixture(scope="module")
 def model():
-    config = LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=I, num_attention_heads=HEADS,
+    config = LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=MLP, num_attention_heads=HEADS,
                          num_key_value_heads=2, head_dim=HEAD_DIM, num_hidden_layers=LAYERS,
                          max_position_embeddings=T, attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def test_the_recompute_of_one_layer_takes_back_what_it_kept(model, save_list, ru
     output's gradient, which the caller holds here (H 2 x 512 = 65,536 B, counted in the transient's moment)."""
     _, peak = _measure(model, save_list)
     layer = _layer(model, rule)
-    assert peak == layer.backward_transient + I * H * 2 - H * 2 * TOKENS
+    assert peak == layer.backward_transient + MLP * H * 2 - H * 2 * TOKENS
 
 
 def test_mixed_precision_policy_gathers_half_parameters():
