@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,25 +73,73 @@ def model():
 
 
 def _measure(model, save_list) -> tuple[int, int]:
-    """(bytes the layers keep after forward, bytes above that at backward's peak) of the second of two runs."""
-    config, lm = model
+    """(bytes the layers keep after forward, bytes above that at backward's peak) of transformers' layers."""
+    _, lm = model
     x = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
     positions = torch.arange(T).unsqueeze(0)
     cos, sin = lm.model.rotary_emb(x, positions)
+    return _counted(lm.model.layers, x, [cos, sin], save_list, attention_mask=None, position_ids=positions,
+                    position_embeddings=(cos, sin))
+
+
+def _counted(layers, x, inputs: list, save_list, **kwargs) -> tuple[int, int]:
+    """Each of ``layers`` run under torchtitan's policy on ``x`` (``inputs``: other tensors the caller holds): the
+    bytes the layers keep after forward and the bytes above that at backward's peak, of the second of two runs."""
+    params = [p for layer in layers for p in layer.parameters()]
     grad_out = torch.randn(B, T, H, dtype=torch.bfloat16)
     for _ in range(2):  # the second run: every parameter's .grad exists from the first (set to None again here)
-        lm.zero_grad(set_to_none=True)
-        with counted([list(lm.parameters()), x, cos, sin, grad_out]) as live:
+        for p in params:
+            p.grad = None
+        with counted([params, x, inputs, grad_out]) as live:
             start = live.current
             h = x
-            for layer in lm.model.layers:
-                h = checkpoint(layer, h, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin),
-                               use_reentrant=False, preserve_rng_state=False, context_fn=_torchtitan_context(save_list))
+            for layer in layers:
+                h = checkpoint(layer, h, **kwargs, use_reentrant=False, preserve_rng_state=False,
+                               context_fn=_torchtitan_context(save_list))
             after_forward = live.current
             live.peak = after_forward
             torch.autograd.backward(h, grad_out)
         kept = after_forward - start - h.untyped_storage().nbytes()  # the last layer's output is not kept by it
     return kept, live.peak - after_forward
+
+
+class _TitanBlock(torch.nn.Module):
+    """torchtitan's own Llama block (9dec370 ``torchtitan/models/llama/model.py``: RoPE in complex fp32 L107-113,
+    ``repeat_kv`` L116-126, ``Attention.forward`` L189-214, ``FeedForward`` L253, ``TransformerBlock`` L311-313;
+    ``models/norms.py`` L96-101 ``RMSNorm``), at the test's shape."""
+
+    def __init__(self):
+        super().__init__()
+        linear = torch.nn.Linear
+        self.wq, self.wk = linear(H, HEADS * HEAD_DIM, bias=False), linear(H, 2 * HEAD_DIM, bias=False)
+        self.wv, self.wo = linear(H, 2 * HEAD_DIM, bias=False), linear(HEADS * HEAD_DIM, H, bias=False)
+        self.w1, self.w2, self.w3 = linear(H, MLP, bias=False), linear(MLP, H, bias=False), linear(H, MLP, bias=False)
+        self.attention_norm, self.ffn_norm = torch.nn.Parameter(torch.ones(H)), torch.nn.Parameter(torch.ones(H))
+
+    @staticmethod
+    def _norm(x, weight):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * weight
+
+    def _attention(self, x, freqs_cis):
+        xq = self.wq(x).view(B, T, -1, HEAD_DIM)
+        xk, xv = self.wk(x).view(B, T, -1, HEAD_DIM), self.wv(x).view(B, T, -1, HEAD_DIM)
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+        freqs = freqs_cis.view(1, T, 1, HEAD_DIM // 2)
+        xq = torch.view_as_real(xq_ * freqs).flatten(3).type_as(xq)
+        xk = torch.view_as_real(xk_ * freqs).flatten(3).type_as(xk)
+        rep = HEADS // 2
+        keys = xk.unsqueeze(3).expand(B, T, 2, rep, HEAD_DIM).reshape(B, T, HEADS, HEAD_DIM)
+        values = xv.unsqueeze(3).expand(B, T, 2, rep, HEAD_DIM).reshape(B, T, HEADS, HEAD_DIM)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(B, T, -1))
+
+    def forward(self, x, freqs_cis):
+        h = x + self._attention(self._norm(x, self.attention_norm), freqs_cis)
+        hn = self._norm(h, self.ffn_norm)
+        return h + self.w2(F.silu(self.w1(hn)) * self.w3(hn))
 
 
 def _layer(model, device: str):
@@ -111,6 +160,21 @@ def test_what_each_layer_keeps_under_torchtitans_policy(model, save_list, rule):
     kept, _ = _measure(model, save_list)
     assert kept == _layer(model, rule).all_layers - H * 2 * TOKENS
     assert kept == {"cpu": 1_458_176, "cuda": 1_875_968}[rule]
+
+
+@pytest.mark.parametrize("save_list, rule", [(SAVE_LIST, "cpu"), (SAVE_LIST | {CPU_FLASH}, "cuda")],
+                         ids=["as-written-cpu", "cpu-flash-for-cuda-flash"])
+def test_torchtitans_own_block_keeps_what_transformers_layer_keeps(model, save_list, rule):
+    """memfit prices torchtitan's runs with transformers' Llama layer: its own block (k and v repeated to every head,
+    RoPE in complex fp32, its RMSNorm) runs the same seven mm in the same order and the same SDPA, so it keeps the
+    same bytes (1,458,176 B; 1,875,968 B with attention kept); only its recompute differs (``Trainer.unpriced``)."""
+    torch.manual_seed(0)
+    blocks = [_TitanBlock().to(torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
+    freqs_cis = torch.polar(torch.ones(T, HEAD_DIM // 2), torch.outer(torch.arange(T).float(),
+                                                                       torch.rand(HEAD_DIM // 2)))
+    kept, _ = _counted(blocks, x, [freqs_cis], save_list, freqs_cis=freqs_cis)
+    assert kept == _layer(model, rule).all_layers - H * 2 * TOKENS
 
 
 @pytest.mark.parametrize("save_list, rule", [(SAVE_LIST, "cpu"), (SAVE_LIST | {CPU_FLASH}, "cuda")],

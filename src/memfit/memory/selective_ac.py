@@ -27,9 +27,11 @@ dtype) and log-sum-exp (fp32, one per head); flash's seed and offset are scalars
 
 Known error: only where the policy's attention ops run. On CUDA SDPA lowers to the flash or efficient kernel
 (kept); on the CPU to ``aten._scaled_dot_product_flash_attention_for_cpu``, which the list does not name
-(recomputed); eager attention's ``bmm``s are neither. torchtitan's own Llama expands k and v to every head
-(``repeat_kv``, model.py L201-202) where transformers passes ``enable_gqa``: the same kept set, a recompute
-transient larger by ``2 (Q - K) c`` per token, not priced. Adapters (torchtitan trains none) are not counted.
+(recomputed); eager attention's ``bmm``s are neither. torchtitan's own Llama block (9dec370 model.py) keeps the
+same bytes as transformers' layer, measured (tests/test_selective_ac.py), but expands k and v to every head
+(``repeat_kv``, L201-202) where transformers passes ``enable_gqa``: its recompute's peak is larger by the
+repeated k and v, ``2 (Q - K) c`` per token (measured on that test's block: 131,072 B, 7.9% of the top layer's
+backward peak over its kept set), not priced. Adapters (torchtitan trains none) are not counted.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ TRAINERS: dict[str, Trainer] = {
     # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
     "torchtitan": Trainer(selective_ac_op=True, gathers_compute_dtype=True, unpriced=(
         "torchtitan's own Llama code (k and v expanded to every head, RoPE in fp32 complex numbers: model.py "
-        "L85-113, L201-202) is priced as transformers' Llama layer: the same kept tensors, a larger recompute.",)),
+        "L85-126, L201-202) is priced as transformers' Llama layer: the same kept tensors, a recompute larger by "
+        "the repeated k and v, 2 x (q width - kv width) x 2 bytes a token.",)),
     "unsloth": Trainer(unpriced=(
         "Unsloth's fused Triton kernels (RoPE, RMSNorm, SwiGLU, the LoRA MLP) save fewer tensors than the "
         "transformers layers memfit prices, so its figure is an upper bound for an Unsloth run.",)),
