@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory.selective_ac import KeptOutputs, attention_kept, kept_outputs
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
 
@@ -325,6 +326,8 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str,
     (``w * H`` per token); in backward one layer at a time is recomputed (its full saved set, less the
     input itself where its first norm saves it uncast: that tensor is the one the checkpoint keeps; exact
     on the trace's timeline, tiny Llama fp32: no new bytes when the recompute's norm saves its input).
+    Per-op selective checkpointing (torchtitan, ``Trainer.selective_ac_op``): a layer also keeps the outputs its
+    policy saves (``memory.selective_ac``), which its recompute then does not allocate again.
     Backward transient of one layer without checkpointing: the gradient of its input and output
     (2 x ``w * H``) and, in the MLP's backward, the gradients of two I-wide tensors (``mul``'s two input
     grads, c), below the backward-start peak. With checkpointing: the recomputed set plus the gradients
@@ -345,13 +348,16 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str,
             # graph after its layer's backward: the kept inputs exist for one layer, during its backward
             full, held = full + held, 0
         saved = prec.w * spec.hidden_size * ctx.bt + held
+        kept = _selectively_kept(ctx)
+        saved += kept.total * ctx.bt
         # the recompute's first norm saves the input as is (GPT-2's LayerNorm; an RMSNorm's x.float() of an
         # fp32 stream), the tensor the checkpoint already keeps; an RMSNorm's fp32 copy of a half stream is new
         shared = prec.w * spec.hidden_size * ctx.bt if spec.family == "gpt2" or prec.w == FP32 else 0
         moment = grads if spec.family == "gpt2" else _recompute_grads(spec, prec) * ctx.bt
         if run.quantize is not Quantize.NONE and spec.family != "gpt2":
             moment = quantized_mlp_moment(ctx)
-        transient = max(full + moment - shared, recompute_adapter_moment(ctx, full) * ctx.bt)
+        # what the layer kept (torchtitan's per-op policy) and its recompute takes back: not allocated again
+        transient = max(full + moment - shared - kept.reached * ctx.bt, recompute_adapter_moment(ctx, full) * ctx.bt)
         return LayerActivations(saved=saved, backward_transient=transient, all_layers=saved * n,
                                 held=held, held_all_layers=held * n)
     extra, held = (b * ctx.bt for b in int8_held(ctx, checkpointed=False))
@@ -363,6 +369,15 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str,
         first = recipe(ctx) * ctx.bt + _per_layer_constant(spec, run) + first_extra
     return LayerActivations(saved=full, backward_transient=grads, all_layers=first + full * (n - 1),
                             held=held, held_all_layers=first_held + held * (n - 1))
+
+
+def _selectively_kept(ctx: _Ctx) -> KeptOutputs:
+    """The outputs a checkpointed layer keeps besides its input: torchtitan's per-op policy
+    (``memory.selective_ac``), none under whole-layer checkpointing."""
+    if not ctx.stack.traits.selective_ac_op:
+        return KeptOutputs(0, 0)
+    sdpa = ctx.run.attn_implementation is Attention.SDPA and attention_kept(ctx.device)
+    return kept_outputs(ctx.spec, ctx.prec.c, sdpa)
 
 
 def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:

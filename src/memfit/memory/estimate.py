@@ -129,8 +129,11 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
 
 def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
             stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
-    """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
-    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    """The resident states as ``stack`` holds them (half gathered parameters, adapters' dtype, a quantized head,
+    a sharded quantization state), DPO's reference copy included."""
+    states = stacks.gathered_in_compute_dtype(spec, run, model_states(spec, run, device, engine, rank), stack, device,
+                                              engine, rank)
+    states = stacks.adapter_states(spec, run, prec, states, stack)
     states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's

@@ -8,6 +8,8 @@ its source, read by ``memory.estimate`` once the stack is resolved:
 - ``adapter_states``: their weights, gradients and AdamW moments in that dtype too;
 - ``quantized_head``: litgpt's 4-bit base quantizes the head, dequantized at every call;
 - ``sharded_quant_state``: torchao's NF4 base (torchtune) shards its quantization state with its weights;
+- ``gathered_in_compute_dtype``: FSDP2's ``MixedPrecisionPolicy`` gathers half parameters (torchtitan), not fp32;
+- the outputs torchtitan's per-op checkpointing keeps are priced by ``memory.activations`` (``memory.selective_ac``);
 - the layers' kept 4-bit inputs (bitsandbytes < 0.43.2) are priced by ``memory.activations`` through
   ``memory.quantized.int8_input_groups``, the same ``ctx.tensors`` mechanism as an 8-bit base.
 """
@@ -18,7 +20,7 @@ import dataclasses
 
 from memfit.memory.activations import LogitsTerms, Precisions
 from memfit.memory.quantized import nf4_bytes
-from memfit.memory.states import ModelStates, quant_state_bytes
+from memfit.memory.states import ModelStates, model_states, quant_state_bytes
 from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
 from memfit.spec.engines import shard_group_size
@@ -33,7 +35,45 @@ def precisions(prec: Precisions, run: RunConfig, stack: Stack) -> Precisions:
     ``bf16-true``; torchtune's ``set_default_dtype``), else PEFT's fp32 (``autocast_adapter_dtype=True``)."""
     if run.is_lora() and stack.traits.adapters_in_compute_dtype:
         return dataclasses.replace(prec, adapter=prec.c)
+    if computes_in_param_dtype(run, prec, stack):
+        return dataclasses.replace(prec, w=prec.c, amp=False)  # no autocast: bf16 parameters, a bf16 stream
     return prec
+
+
+def computes_in_param_dtype(run: RunConfig, prec: Precisions, stack: Stack) -> bool:
+    """Whether FSDP2's ``MixedPrecisionPolicy(param_dtype=c, reduce_dtype=fp32)`` runs the step in place of autocast
+    (``Trainer.gathers_compute_dtype``): a sharded full fine-tune of fp32 weights under bf16/fp16 mixed precision.
+
+    FSDP2 casts each fp32 shard to ``param_dtype`` before its all-gather (torch 2.13 ``_fully_shard/_fsdp_param.py``
+    L901 ``_to_dtype_if_needed(sharded_param_data, self.param_dtype)``), so the layers compute on half parameters
+    with no autocast (torchtitan 9dec370 ``train.py`` L301-308 runs ``model(input_ids)`` under no autocast context;
+    ``parallelize_llama.py`` L320 builds the policy): the residual stream and every activation are half
+    (``Precisions.w = c``), autocast keeps no weight copies, and the unsharded gradients are half; the fp32 shards,
+    their gradients (``reduce_dtype``) and AdamW's moments are as memfit prices them. torchtitan applies the policy
+    only when it shards (``--training.mixed_precision_param``: "only takes effect when data_parallel_shard_degree
+    > 1", config_manager.py L379-386); unsharded, memfit's autocast pricing stays (not checked against torchtitan).
+    """
+    sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
+    return (stack.traits.gathers_compute_dtype and sharded and prec.amp and not run.is_lora()
+            and run.quantize is Quantize.NONE)
+
+
+def gathered_in_compute_dtype(spec: ModelSpec, run: RunConfig, states: ModelStates, stack: Stack, device: str,
+                              engine: str, rank: int | None) -> ModelStates:
+    """``states`` with FSDP2's unsharded terms as ``MixedPrecisionPolicy`` holds them (``computes_in_param_dtype``):
+    the gathered parameters and their unsharded gradients in the compute dtype, read off ``memory.states.model_states``
+    of the same run with half weights; the rest (fp32 shards, their fp32 gradients, AdamW's moments) kept.
+
+    Known error: the reduce-scatter input is fp32 (``reduce_dtype``: torch 2.13 ``_fsdp_collectives.py`` L599
+    allocates it in ``reduce_dtype`` and copies the half gradients in), priced at half: at most one layer's
+    parameters x 2 B too few while a layer's gradients are reduced (0.41 GiB on Llama 3.1 8B).
+    """
+    if not computes_in_param_dtype(run, Precisions.of(run), stack):
+        return states
+    half = model_states(spec, run.replace(dtype=str(run.mixed_precision)), device, engine, rank)
+    fields = ("gathered", "gathered_end", "gathered_forward", "gathered_layer", "gathered_entry",
+              "gathered_first_entry", "reducing", "gathered_start", "released_per_layer")
+    return dataclasses.replace(states, **{name: getattr(half, name) for name in fields})
 
 
 def adapter_states(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates,

@@ -62,6 +62,14 @@ class Trainer:
     ``_INNER_TENSOR_NAMES_FOR_SHARDING = ["quantized_scalers", "quantization_factor", "quantized_data"]``,
     ``nf4_split``, ``nf4_new_zeros``, ``nf4_all_gather_into_tensor``; pytorch/ao@0598012); bitsandbytes keeps its
     ``quant_state`` as a module attribute, whole on every rank (``memory.states.quant_state_bytes``)."""
+    selective_ac_op: bool = False
+    """Checkpointing keeps, besides each layer's input, the outputs of every other ``aten.mm`` and of SDPA
+    (torchtitan's ``selective_ac_option = "op"``: ``memory.selective_ac``); False: whole-layer checkpointing."""
+    gathers_compute_dtype: bool = False
+    """A sharded run under bf16/fp16 mixed precision casts each fp32 shard to the compute dtype before FSDP2 gathers
+    it, and computes with no autocast: activations, gathered parameters and their unsharded gradients in that dtype
+    (torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: ``memory.stack_terms.gathered_in_compute_dtype``);
+    False: autocast's half copies of gathered fp32 parameters, as Accelerate runs it."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -91,11 +99,12 @@ TRAINERS: dict[str, Trainer] = {
     "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True,
                                    low_memory_loading=True),
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
-    # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op")
-    "torchtitan": Trainer(unpriced=(
-        "torchtitan's per-op selective activation checkpointing keeps the matmuls' outputs; memfit prices "
-        "whole-layer checkpointing, which keeps less.",
-        "FSDP2's MixedPrecisionPolicy gathers bf16 parameters; memfit prices autocast's bf16 copies of fp32 ones.")),
+    # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op";
+    # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
+    "torchtitan": Trainer(selective_ac_op=True, gathers_compute_dtype=True, unpriced=(
+        "torchtitan's own Llama code (k and v expanded to every head, RoPE in fp32 complex numbers: model.py "
+        "L85-126, L201-202) is priced as transformers' Llama layer: the same kept tensors, a recompute larger by "
+        "the repeated k and v, 2 x (q width - kv width) x 2 bytes a token.",)),
     "unsloth": Trainer(unpriced=(
         "Unsloth's fused Triton kernels (RoPE, RMSNorm, SwiGLU, the LoRA MLP) save fewer tensors than the "
         "transformers layers memfit prices, so its figure is an upper bound for an Unsloth run.",)),
