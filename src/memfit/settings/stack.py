@@ -151,12 +151,13 @@ class Stack:
         return self == Stack()
 
     def changes_terms(self) -> bool:
-        """Whether this stack holds other tensors than memfit's own (a trait, or bitsandbytes' kept inputs)."""
+        """Whether this stack holds other tensors than memfit's own (a trait, bitsandbytes' kept inputs, or FSDP (1)'s
+        flat parameters in a ``--sharding fsdp`` run: ``memory.flat_params``)."""
         # how the base is loaded changes the loading and wrapping phases (memory.phases), not the step's tensors
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
                               nf4_on_build=self.traits.nf4_on_build)
         return (self.traits != step_traits or self.keeps_4bit_input()
-                or not self.double_quant)
+                or not self.double_quant or self.fsdp == 1)
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
