@@ -22,18 +22,22 @@ import json
 import torch
 
 
-def build(model_name: str, seq_len: int, micro_batch: int):
-    """The run, its spec and the model wrapped by FSDP (1) on this rank (CPU, gloo): ``(run, spec, model)``."""
+def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0):
+    """The run, its spec and the model wrapped by FSDP (1) on this rank (CPU, gloo): ``(run, spec, model)``.
+    ``lora_r``: LoRA adapters put on by memfit's own builder (``builder.parts.adapt``) and wrapped with PEFT's
+    ``fsdp_auto_wrap_policy`` (each trainable LoRA matrix a unit of its own, as PEFT's FSDP examples and fsdp_qlora)."""
+    from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import AutoModelForCausalLM
 
+    from memfit.builder.parts import adapt
     from memfit.settings.config import RunConfig
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
 
     run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw", sharding="fsdp",
-                       num_processes=torch.distributed.get_world_size(), packing="concat")
+                       num_processes=torch.distributed.get_world_size(), packing="concat", lora_r=lora_r)
     spec = modelspec.load_spec(model_name)
     resolved = resolve(spec, run, "cpu")  # the attention estimate prices, so the step runs that one
     config = modelspec.resolve_config(model_name)
@@ -42,6 +46,9 @@ def build(model_name: str, seq_len: int, micro_batch: int):
     model = AutoModelForCausalLM.from_config(config, attn_implementation=resolved.attention)
     layer_classes = {type(layer) for layer in model.model.layers}
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
+    if lora_r:
+        model = adapt(model, resolved.run, resolved.lora.names)
+        policy = fsdp_auto_wrap_policy(model)
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.FULL_SHARD,
                                        device_id=torch.device("cpu"), use_orig_params=False)
     return resolved.run, spec, wrapped
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -87,7 +95,7 @@ def main() -> None:
     from memfit.settings.stack import Stack
 
     state = PartialState()  # the process group (gloo under ACCELERATE_USE_CPU), as the other benches start it
-    run, spec, model = build(args.model, args.seq_len, args.micro_batch)
+    run, spec, model = build(args.model, args.seq_len, args.micro_batch, args.lora_r)
     measured = measured_peaks(model, spec.vocab_size, run, args.steps)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
