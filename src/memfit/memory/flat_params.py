@@ -178,7 +178,9 @@ def unshard_stream_bytes(spec: ModelSpec, run: RunConfig) -> int:
     unsharded parameter waits for its ``record_stream`` event (``_flat_param.py`` L1818-1821, L1543-1547). They
     hold the root (unsharded through the step) and ``LAYERS_IN_UNSHARD_STREAM`` layers, and two ``_mp_shard``
     blocks with a param dtype. Known error: when the GPU keeps up with the CPU a freed layer is reusable at once
-    (one layer fewer); 2 MiB rounding of each block ignored.
+    (one layer fewer); 2 MiB rounding of each block ignored; with CPU offload the shard's device copy made on the
+    pre-unshard stream (``_flat_param.py`` L1337, 1/N of a layer) and the post-backward stream's reduce-scatter
+    buffers (a LoRA matrix's, or a full fine-tune's unit gradient, ``_runtime_utils.py`` L753-774) are left out.
     """
     units = flat_units(spec, run)
     return units.root + LAYERS_IN_UNSHARD_STREAM * units.layer + 2 * units.mp_shard
