@@ -79,6 +79,16 @@ def _sharding_memory(sharding: str, model: str = "tiny", *extra: str) -> dict:
                   *extra)
 
 
+def _fsdp1_memory(root: Path, vocab: int, layers: int, *extra: str) -> dict:
+    """``bench/fsdp1_memory.py`` on a small untied Llama (H 128, I 344, 4 heads, 2 KV heads) saved under ``root``."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(root)
+    return _bench("fsdp1_memory.py", "--model", str(root), "--seq-len", "32", "--micro-batch", "2", "--steps", "4",
+                  *extra)
+
+
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 CASES = {
@@ -93,6 +103,10 @@ CASES = {
     "memory-lora": lambda root: _sharding_memory("fsdp", "tiny", "--lora-r", "8", "--quantize", "none"),
     "memory-qlora": lambda root: _sharding_memory("fsdp", "tiny", "--lora-r", "8", "--quantize", "4bit"),
     "memory-qwen3": lambda root: _sharding_memory("fsdp", _qwen3(root / "qwen3")),
+    # test_flat_params: FSDP (1)'s flat parameters (torch's FullyShardedDataParallel) against Stack(fsdp=1)'s estimate
+    "fsdp1-layers": lambda root: _fsdp1_memory(root / "model", vocab=2048, layers=4),
+    "fsdp1-root": lambda root: _fsdp1_memory(root / "model", vocab=8192, layers=2),
+    "fsdp1-lora": lambda root: _fsdp1_memory(root / "model", 8192, 2, "--lora-r", "8"),
     # test_train_dp: DDP, 22 samples, effective batch 4 (the 6th step holds 2), a checkpoint at step 3
     "dp": lambda root: _train(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--packing", "none",
                                          *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:], "--save-every", "3"]),

@@ -260,7 +260,9 @@ def test_which_stacks_load_low_memory():
     assert not Stack().loads_low_memory() and not Stack(trainer="trl").loads_low_memory()
     lean = Stack.of({"trainer": "trl", "fsdp": 1, "low_memory_loading": True})
     assert lean.loads_low_memory() and "low-memory loading" in lean.describe()
-    assert not lean.changes_terms()  # the step's tensors are memfit's own: only loading and wrapping differ
+    assert lean.changes_terms()  # FSDP (1)'s flat parameters (memory.flat_params)
+    # without FSDP (1) the step's tensors are memfit's own: only loading and wrapping differ
+    assert not Stack.of({"trainer": "trl", "low_memory_loading": True}).changes_terms()
 
 
 def test_torchtune_quantizes_with_torchao_as_it_builds_the_model():

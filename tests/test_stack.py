@@ -92,7 +92,7 @@ def test_a_stack_is_checked_in_one_sentence():
 
 def test_from_sets_the_stack_from_the_file():
     """The tool runs the file (torchtune: bf16 adapters); Axolotl's FSDP without ``fsdp_version: 2`` is
-    Accelerate's FSDP (1), said, not priced as something else."""
+    Accelerate's FSDP (1), priced by its flat parameters (memory.flat_params), what that leaves out said."""
     assert read(DATA / "torchtune_1B_lora_single_device.yaml").stack == Stack(trainer="torchtune")
     axolotl = read(DATA / "axolotl_qlora_fsdp_llama2.yml").stack
     assert axolotl.trainer == "axolotl" and axolotl.fsdp == 1

@@ -89,7 +89,7 @@ class Reading:
         """``unmapped``, with the process count assumed for ``run`` (the run priced) when the file states none."""
         if self.processes_stated:
             return self.unmapped
-        return (*self.unmapped, processes_sentence(run or self.run, self.engine))
+        return (*self.unmapped, processes_sentence(run or self.run, self.engine, self.stack.fsdp))
 
     def to_dict(self, run: RunConfig | None = None) -> dict[str, Any]:
         return {"file": self.path, "format": self.tool, "model": self.model, "engine": self.engine,
@@ -407,12 +407,13 @@ def preference(keys: Keys, run: dict[str, Any], method: str, key: str, precomput
                    f"priced as memfit's --method {method}.")
 
 
-def processes_sentence(run: RunConfig, engine: str) -> str:
+def processes_sentence(run: RunConfig, engine: str, fsdp_version: int = 2) -> str:
     """What the per-rank figures assume about the process count, which none of these files states (the launcher
-    does: ``accelerate launch``, ``torchrun``, ``tune run --nproc_per_node``)."""
+    does: ``accelerate launch``, ``torchrun``, ``tune run --nproc_per_node``); ``fsdp_version``: the stack's."""
     n = run.num_processes
     if n > 1:
-        how = {"ddp": "replicated (DDP)"}.get(str(run.sharding), f"sharded by {'DeepSpeed' if engine == 'deepspeed' else 'FSDP2'}")
+        sharder = "DeepSpeed" if engine == "deepspeed" else "FSDP (1)" if fsdp_version == 1 else "FSDP2"
+        how = {"ddp": "replicated (DDP)"}.get(str(run.sharding), f"sharded by {sharder}")
         return (f"processes: the file does not say how many processes the launch starts; priced per rank on "
                 f"{n} (--num-processes), {how}.")
     return ("processes: the file does not say how many processes the launch starts; priced on 1 (nothing sharded "

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
+from memfit.memory import flat_params, quantized
 from memfit.memory import preference_terms as pref
-from memfit.memory import quantized
 from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
     LayerActivations,
@@ -47,7 +47,6 @@ from memfit.memory.autocast import (
 )
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.deepspeed_layout import ENGINES
-from memfit.memory.device_terms import with_fitted_reserved
 from memfit.memory.notes import notes
 from memfit.memory.states import (
     ModelStates,
@@ -120,19 +119,21 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
                           logits=peak.logits, temporary=peak.temporary)
     out.phase_peaks = dict(phases)
     out.activations_per_layer = terms.acts.saved
-    if device == "cuda":
-        with_fitted_reserved(out)
+    if device == "cuda":  # the fitted allocator term; under FSDP (1) its unshard stream's blocks beside it
+        flat_params.with_reserved(out, spec, run, stack, engine)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    return _described(out, resolved, stacks.notes(stack))
+    return _described(out, resolved, stacks.notes(stack) + flat_params.notes(spec, run, stack, engine))
 
 
 def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
             stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
-    """The resident states as ``stack`` holds them (half gathered parameters, adapters' dtype, a quantized head,
-    a sharded quantization state), DPO's reference copy included."""
-    states = stacks.gathered_in_compute_dtype(spec, run, model_states(spec, run, device, engine, rank), stack, device,
-                                              engine, rank)
+    """The resident states as ``stack`` holds them (FSDP (1)'s flat parameters, half gathered parameters, adapters'
+    dtype, a quantized head, a sharded quantization state), DPO's reference copy included."""
+    states = model_states(spec, run, device, engine, rank)
+    if flat_params.applies(run, stack, engine):  # FSDP (1)'s flat parameters instead of FSDP2's shards
+        states = flat_params.flat_states(spec, run, states, device)
+    states = stacks.gathered_in_compute_dtype(spec, run, states, stack, device, engine, rank)
     states = stacks.adapter_states(spec, run, prec, states, stack)
     states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
@@ -276,7 +277,7 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
     # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
     # checkpointing: they were never counted on the device)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
-    freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
+    freed = freed_at_head = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
     recompute = copies.in_recompute
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth); nothing builds up where
@@ -302,7 +303,13 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
                    recompute + acts.backward_transient + states.layer_gathered)
     end = Moment("backward", "end", states.buckets + states.gradients, terms.at_end, logit.retained,
                  states.gathered_end)
-    return [start, layer, end]
+    if not states.unit_gradients:
+        return [start, layer, end]
+    # FSDP (1): the top layer's flat gradient concatenated from its views' (memory.flat_params), its saved tensors
+    # and the head side's freed
+    top = Moment("backward", "flat gradient", in_backward + states.unit_gradients,
+                 terms.activations - freed_at_head - (acts.saved - acts.held), logit.retained, states.layer_gathered)
+    return [start, layer, end, top]
 
 
 def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates,

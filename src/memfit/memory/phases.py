@@ -20,6 +20,8 @@ samples. Per phase ``device_phases`` gives the tensor peak and the predicted ``m
   (``wrapping_transient``).
 - **step**: the breakdown's reserved memory (the replay of ``--exact``, or the fitted term of the analytic
   estimate) plus what a worst-case expert routing adds (mixture-of-experts).
+  Under FSDP (1) the unshard stream's blocks (``memory.flat_params.unshard_stream_bytes``) come on top of the
+  larger of the step's compute-stream share and what loading and wrapping cached there.
 - **evaluation**, **checkpoint** (``--state-dict full``'s gather), **export**, **samples**: ``memory.outside``'s
   tensor figures with the fitted overhead.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory import flat_params
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
 from memfit.settings.config import Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
@@ -106,7 +109,11 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     reserve = reserved_from_tensors if cuda else int
     tensors = breakdown.peak_bytes - breakdown.other + extra_step
     step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors
-    phases = [*_loading_phases(spec, run, outside, cuda, stack or Stack()), Phase("step", tensors, step_reserved)]
+    earlier = _loading_phases(spec, run, outside, cuda, stack or Stack())
+    if cuda and flat_params.applies(run, stack):  # FSDP (1): its unshard stream cannot reuse what earlier phases cached
+        step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors),
+                                                         max(p.reserved for p in earlier))
+    phases = [*earlier, Phase("step", tensors, step_reserved)]
     for name, figure in (("evaluation", outside.evaluation), ("checkpoint", max(outside.checkpoint_full)),
                          ("export", max(outside.export)), ("samples", outside.generation)):
         phases.append(Phase(name, figure, reserve(figure)))

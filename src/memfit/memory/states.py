@@ -69,6 +69,9 @@ class ModelStates:
     (``fsdp2_gathered``); 0 unsharded."""
     gathered_start: int | None = None
     """FSDP2: the unsharded bytes at backward's start where they differ from ``gathered`` (``fsdp2_gathered``)."""
+    unit_gradients: int = 0
+    """FSDP (1): the gradients alive as the top layer's flat gradient is concatenated (its views' and the
+    concatenation, the head's held beside them; ``memory.flat_params``); 0: no such moment."""
 
     @property
     def from_backward_start(self) -> int:

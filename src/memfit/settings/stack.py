@@ -134,8 +134,9 @@ class Stack:
     """The torchao version that quantizes a torchtune 4-bit base (a release, as pip spells it); None: one that
     searches in chunks (``TORCHAO_CHUNKS_NF4`` and later)."""
     fsdp: int = 2
-    """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, what memfit models) or 1
-    (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``)."""
+    """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, memfit's own) or 1
+    (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``; priced by
+    ``memory.flat_params``)."""
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
@@ -166,19 +167,22 @@ class Stack:
         return self == Stack()
 
     def changes_terms(self) -> bool:
-        """Whether this stack holds other tensors than memfit's own (a trait, or bitsandbytes' kept inputs)."""
+        """Whether this stack holds other tensors than memfit's own (a trait, bitsandbytes' kept inputs, or FSDP (1)'s
+        flat parameters in a ``--sharding fsdp`` run: ``memory.flat_params``)."""
         # how the base is loaded changes the loading and wrapping phases (memory.phases), not the step's tensors
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
                               nf4_on_build=self.traits.nf4_on_build)
         return (self.traits != step_traits or self.keeps_4bit_input()
-                or not self.double_quant)
+                or not self.double_quant or self.fsdp == 1)
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
         out = list(self.traits.unpriced)
-        if self.fsdp == 1:
-            out.append("FSDP (1) all-gathers each unit's flat parameter (and reduce-scatters a flat gradient) where "
-                       "memfit prices FSDP2's per-parameter shards: the unit's padding and flat buffers are not priced.")
+        if self.fsdp == 1:  # its flat parameters are priced (memory.flat_params); what they leave out:
+            out.append("FSDP (1) is priced with LoRA matrices as units of their own (PEFT's and fsdp_qlora's wrap "
+                       "policy); with use_orig_params and adapters inside a layer's unit it also computes the frozen "
+                       "base's gradients (fully_sharded_data_parallel.py L208-213), not priced; NO_SHARD is priced "
+                       "as DDP.")
         return tuple(out)
 
     def describe(self) -> str:

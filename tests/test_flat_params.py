@@ -1,0 +1,114 @@
+"""FSDP (1)'s flat parameters (``memory.flat_params``): the estimate of a ``Stack(fsdp=1)`` run against what torch's
+``FullyShardedDataParallel`` holds.
+
+The measured cases launch ``bench/fsdp1_memory.py`` on 2 CPU processes (gloo) in the suite's shared launch
+(``tests/_gloo_cases.py``: ``fsdp1-*``): every rank wraps a small untied Llama (H 128, I 344, 4 heads, 2 KV heads;
+one unit per decoder layer, the root with the embedding, final norm and head) with FSDP (1)'s defaults, runs 4
+full fine-tuning steps (fp32, AdamW, 2 x 32 tokens) and counts each steady step's tensor peak with memfit's own
+counter (``memory.measure.counted``). The rest are hand-worked figures of the formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _launch_helpers import last_json_line
+from memfit.memory import flat_params
+from memfit.memory.estimate import estimate
+from memfit.settings.config import RunConfig
+from memfit.settings.stack import Stack
+from memfit.spec.model import load_spec
+
+# 1% of the peak: smaller than each FSDP (1) term the cases hold (the smallest, one layer's flat gradient, is
+# 726,016 B, 4.7% of the 4-layer case's 15.5 MB peak), larger than what they leave unexplained (seen: -0.2% and
+# +0.3%, 0.0%). Without the top layer's concatenated flat gradient (the "flat gradient" moment) the 4-layer case was
+# predicted -1.2%; with one root gradient copy at backward's end instead of two, the root case -20.4% (each run once:
+# the test failed); priced as FSDP2 (no stack): -8.1%, -20.4%, -15.3%.
+TOLERANCE = 0.01
+
+
+def _measured(gloo_runs, case: str) -> dict:
+    proc = gloo_runs[case]
+    assert proc.returncode == 0, proc.failure()
+    return last_json_line(proc.stdout)
+
+
+@pytest.mark.launch_cases("fsdp1-layers", "fsdp1-root", "fsdp1-lora")
+@pytest.mark.parametrize("case", ["fsdp1-layers", "fsdp1-root", "fsdp1-lora"])
+def test_fsdp1_estimate_is_within_1_percent_of_the_measured_tensor_peak(case, gloo_runs):
+    # fsdp1-layers: 4 layers, V 2,048: the peak is the top layer's backward, where its views' gradients are
+    # concatenated (2 x 726,016 B) beside the root (2,097,664 B) and two layers unsharded (the one prefetched).
+    # fsdp1-root: 2 layers, V 8,192: the root (8,389,120 B) outweighs the layers; the peak is backward's end, the
+    # root's gradients and their concatenation beside it.
+    # fsdp1-lora: the same model, LoRA r 8 under PEFT's fsdp_auto_wrap_policy (each LoRA matrix its own unit, the
+    # frozen root and layers without gradients): the peak is backward's start, the logits' gradients beside the root
+    # unsharded (8,389,120 B, since its forward) and the last layer its pre-backward hook prefetched; FSDP2's terms
+    # hold the [norm, head] tail and two layers there (-15.3%); with the root left out of that moment, -12.8% (run
+    # once: the test failed).
+    got = _measured(gloo_runs, case)
+    assert got["processes"] == 2
+    predicted = got["predicted_peak_bytes"]
+    for measured in got["measured_peak_bytes_per_rank"]:
+        error = (predicted - measured) / measured
+        assert abs(error) <= TOLERANCE, (f"{case}: predicted {predicted:,} B vs measured {measured:,} B ({error:+.1%}); "
+                                         f"every steady step per rank: {got['measured_step_peaks_per_rank']}")
+    # the FSDP2 terms (memfit's own runs) do not describe this run: the stack is what moved the figure
+    assert abs(got["fsdp2_predicted_peak_bytes"] - predicted) > TOLERANCE * predicted
+
+
+def _llama(tmp_path, vocab: int = 2048, layers: int = 4):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)
+    return load_spec(str(tmp_path))
+
+
+def test_flat_units_pad_each_unit_to_the_world_size(tmp_path):
+    spec = _llama(tmp_path)
+    # a layer: q, o 128 x 128 (16,384 each), k, v 128 x 64 (8,192 each), gate, up, down 128 x 344 (44,032 each),
+    # two norms of 128: 181,504 elements; the root: embedding and head 2,048 x 128 (262,144 each) + the final norm
+    # (128): 524,416. fp32. Over 2 ranks both are even: no padding.
+    two = flat_params.flat_units(spec, RunConfig.of(sharding="fsdp", num_processes=2, dtype="fp32"))
+    assert (two.layer, two.root) == (181_504 * 4, 524_416 * 4)
+    assert (two.layer_shard, two.root_shard) == (90_752 * 4, 262_208 * 4)
+    # over 3 ranks: 181,504 = 3 x 60,501 + 1, so each shard holds 60,502 elements and the unsharded buffer
+    # 181,506 (``_get_shard``'s F.pad); 524,416 = 3 x 174,805 + 1: 174,806 and 524,418
+    three = flat_params.flat_units(spec, RunConfig.of(sharding="fsdp", num_processes=3, dtype="fp32"))
+    assert (three.layer, three.layer_shard) == (181_506 * 4, 60_502 * 4)
+    assert (three.root, three.root_shard) == (524_418 * 4, 174_806 * 4)
+
+
+def test_mixed_precision_gathers_in_the_compute_dtype_beside_an_mp_shard(tmp_path):
+    spec = _llama(tmp_path)
+    # fp32 weights, --mixed-precision bf16: Accelerate's MixedPrecision(param_dtype=bf16) all-gathers 2-byte
+    # elements (181,504 x 2) after copying the 4-byte shard (90,752 elements) to a bf16 _mp_shard (90,752 x 2)
+    units = flat_params.flat_units(spec, RunConfig.of(sharding="fsdp", num_processes=2, dtype="fp32",
+                                                     mixed_precision="bf16"))
+    assert (units.layer, units.root, units.layer_shard, units.mp_shard) == (363_008, 1_048_832, 363_008, 181_504)
+
+
+def test_unshard_stream_blocks_add_to_reserved_memory(tmp_path):
+    spec = _llama(tmp_path)
+    run = RunConfig.of(sharding="fsdp", num_processes=2, dtype="fp32")
+    # the root (2,097,664 B) and three layers (3 x 726,016 B: computing, prefetched, freed but waiting for its
+    # record_stream event), no _mp_shard without a param dtype
+    assert flat_params.unshard_stream_bytes(spec, run) == 2_097_664 + 3 * 726_016
+    # after wrapping reserved 10 MB on the compute stream, a step whose compute stream needs 8 MB reserves
+    # max(8, 10) MB there, and the unshard stream's blocks on top
+    pool = 2_097_664 + 3 * 726_016
+    assert flat_params.after_earlier_phases(spec, run, 8_000_000 + pool, 10_000_000) == 10_000_000 + pool
+    fsdp1 = estimate(spec, run, stack=Stack(fsdp=1))
+    assert fsdp1.reserved == flat_params.step_reserved(spec, run, fsdp1.peak_bytes - fsdp1.other)
+    assert any("memory/flat_params.py" in note for note in fsdp1.notes)
+
+
+def test_only_a_sharded_fsdp1_stack_changes_the_estimate(tmp_path):
+    spec = _llama(tmp_path)
+    run = RunConfig.of(sharding="fsdp", num_processes=2, dtype="fp32")
+    mine = estimate(spec, run)  # memfit's own (FSDP2)
+    assert estimate(spec, run, stack=Stack()).to_dict() == mine.to_dict()
+    assert estimate(spec, run, stack=Stack(fsdp=1)).peak_bytes != mine.peak_bytes
+    ddp = run.replace(sharding="ddp")  # FSDP (1) NO_SHARD is priced as DDP (module docstring)
+    assert estimate(spec, ddp, stack=Stack(fsdp=1)).peak_bytes == estimate(spec, ddp).peak_bytes
+    assert not flat_params.applies(run.replace(num_processes=1), Stack(fsdp=1))
