@@ -25,7 +25,7 @@ from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
 from memfit.memory import preference_terms as pref
-from memfit.memory import quantized
+from memfit.memory import quantized, unsloth_layer
 from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
     LayerActivations,
@@ -104,8 +104,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
-    states, head = _states(spec, run, prec, device, engine, rank, stack)
-    terms = step_terms(spec, run, prec, states, device, stack, head)
+    states, head, kernels = _states(spec, run, prec, device, engine, rank, stack)
+    terms = step_terms(spec, run, prec, states, device, stack, head, kernels)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
     resident = states.weights + states.optimizer  # the same at every moment
@@ -124,17 +124,20 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         with_fitted_reserved(out)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    return _described(out, resolved, stacks.notes(stack))
+    return _described(out, resolved, stacks.notes(stack) + unsloth_layer.notes(spec, run, prec, stack))
 
 
 def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
-            stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
-    """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
+            stack: Stack) -> tuple[ModelStates, stacks.HeadTerms, unsloth_layer.UnslothTerms | None]:
+    """The resident states as ``stack`` holds them (adapters' dtype, a quantized head, Unsloth's rotary caches), DPO's
+    reference copy included; and Unsloth's own layer and loss terms where they run (``memory.unsloth_layer``)."""
     states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
     head = stacks.quantized_head(spec, run, prec, stack)
+    kernels = unsloth_layer.terms(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
     weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy
-    return dataclasses.replace(states, weights=weights), head
+    weights += kernels.buffers if kernels else 0
+    return dataclasses.replace(states, weights=weights), head, kernels
 
 
 def _described(out: MemoryBreakdown, resolved, stack_notes: list[str] = ()) -> MemoryBreakdown:
@@ -193,14 +196,17 @@ class StepTerms:
     """DPO's reference forward (no_grad, before the policy's): its transient (``memory.preference_terms``)."""
     head_dequant: int = 0
     """A quantized head dequantized while it runs forward and its backward (``memory.stack_terms.quantized_head``)."""
+    head_side: int = 0
+    """Of ``outside``, what the head's and the loss' backward free before the first layer's backward."""
 
 
 def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
-               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms()) -> StepTerms:
-    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied, and
-    what ``stack``'s head holds (``memory.stack_terms.quantized_head``)."""
-    acts = layer_activations(spec, run, prec, device, stack)
-    outside = outside_layer_activations(spec, run, prec, device)
+               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms(),
+               kernels: unsloth_layer.UnslothTerms | None = None) -> StepTerms:
+    """The per-step terms: the recipes of ``memory/activations.py`` (Unsloth's, ``kernels``, where its own layer and
+    loss run), with offload and quantization applied, and what ``stack``'s head holds (``stacks.quantized_head``)."""
+    acts = kernels.acts if kernels else layer_activations(spec, run, prec, device, stack)
+    outside = kernels.outside if kernels else outside_layer_activations(spec, run, prec, device)
     saved_copies = autocast_copies_saved(spec, run, prec)
     copies = AutocastCopies(autocast_weight_copies(spec, run, prec), saved_copies,
                             autocast_copies_in_recompute(spec, run, prec, saved_copies))
@@ -218,7 +224,9 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
     return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
                      at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
-                     logit=stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device),
+                     logit=(kernels.logits if kernels else
+                            stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device)),
+                     head_side=kernels.head_side if kernels else head_side_activations(spec, run, prec, device),
                      copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
@@ -272,7 +280,7 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
     # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
     # checkpointing: they were never counted on the device)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
-    freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
+    freed = 0 if offloaded_all else terms.head_side
     recompute = copies.in_recompute
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth); nothing builds up where
@@ -310,7 +318,7 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
                    copies.saved + states.gathered + terms.head_dequant)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
-    freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
+    freed = 0 if offloaded_all else terms.head_side
     step_one = in_backward_step_bytes(spec, run, prec, device)
     hidden_grad = prec.w * run.micro_batch * run.seq_len * spec.hidden_size
     # the head (first gradient) is stepped while every activation is alive; one layer's backward

@@ -56,6 +56,9 @@ class Trainer:
     """A 4-bit base is built on the device in bf16 and quantized there by torchao's ``to_nf4``, one projection at a
     time, the checkpoint copied in afterwards on the host (``memory.torchao_nf4``), not quantized by bitsandbytes as
     the checkpoint is loaded (``memory.loading``)."""
+    unsloth_kernels: bool = False
+    """Unsloth's own Llama layer, LoRA autograd functions, checkpointing and loss (``memory.unsloth_layer``), where
+    they run; elsewhere transformers' layer is priced and the estimate says so."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -89,9 +92,10 @@ TRAINERS: dict[str, Trainer] = {
         "torchtitan's per-op selective activation checkpointing keeps the matmuls' outputs; memfit prices "
         "whole-layer checkpointing, which keeps less.",
         "FSDP2's MixedPrecisionPolicy gathers bf16 parameters; memfit prices autocast's bf16 copies of fp32 ones.")),
-    "unsloth": Trainer(unpriced=(
-        "Unsloth's fused Triton kernels (RoPE, RMSNorm, SwiGLU, the LoRA MLP) save fewer tensors than the "
-        "transformers layers memfit prices, so its figure is an upper bound for an Unsloth run.",)),
+    # Unsloth 2024.12 (unslothai/unsloth 6dd9d4e): LoRA_QKV/LoRA_W/LoRA_MLP, offloaded checkpoints, Cut Cross-Entropy
+    "unsloth": Trainer(unsloth_kernels=True, unpriced=(
+        "Unsloth runs xformers where flash-attn is not installed (its k and v expanded to every head); memfit prices "
+        "flash-attention 2.",)),
 }
 
 
