@@ -129,6 +129,16 @@ def test_the_unsloth_stack_prices_its_layer_in_the_estimate(spec):
     assert any("memory/unsloth_layer.py" in note for note in ours.notes)
 
 
+def test_checkpoints_kept_on_the_device_cost_the_forward_not_the_layers_backward(spec):
+    """use_gradient_checkpointing=True (torch's reentrant checkpoint, no offload): both layers' inputs stay on the
+    device, 2 x 12,800 = 25,600 B more at forward's end. One layer into backward the same 255,168 B: the layer
+    above has freed its input (12,800) where the offloaded run copies this layer's back (12,800)."""
+    offloaded = estimate(spec, _run(), device="cuda", stack=UNSLOTH)
+    kept = estimate(spec, _run(offload="none"), device="cuda", stack=UNSLOTH)
+    assert kept.phase_peaks["forward"] - offloaded.phase_peaks["forward"] == 25_600
+    assert kept.phase_peaks["backward"] - kept.weights - kept.optimizer == 255_168
+
+
 def test_where_unsloths_kernels_do_not_run_transformers_layer_is_priced_and_said(spec):
     """LoRA dropout keeps Unsloth off its LoRA kernels (llama.py L2337): the estimate is the hf one, and says so."""
     run = _run(lora_dropout=0.1)

@@ -210,6 +210,8 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     saved_copies = autocast_copies_saved(spec, run, prec)
     copies = AutocastCopies(autocast_weight_copies(spec, run, prec), saved_copies,
                             autocast_copies_in_recompute(spec, run, prec, saved_copies))
+    if kernels:  # Unsloth casts its fp32 adapters itself (A.to(dtype): memory.unsloth_layer), never through the cache
+        copies = AutocastCopies(0, 0, 0)
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
         activations, acts = offloaded_activations(acts, outside, run.grad_checkpointing,
