@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
+from memfit.memory import litgpt_loop, quantized, unsloth_layer
 from memfit.memory import preference_terms as pref
-from memfit.memory import quantized, unsloth_layer
 from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
     LayerActivations,
@@ -198,6 +198,8 @@ class StepTerms:
     """A quantized head dequantized while it runs forward and its backward (``memory.stack_terms.quantized_head``)."""
     head_side: int = 0
     """Of ``outside``, what the head's and the loss' backward free before the first layer's backward."""
+    previous: litgpt_loop.PreviousOutputs | None = None
+    """What the loop still holds of the previous micro-batch at the end of a forward (``memory.litgpt_loop``)."""
 
 
 def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
@@ -232,7 +234,9 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
                      copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
-                     reference=pref.reference_transient(spec, run, prec))
+                     reference=pref.reference_transient(spec, run, prec),
+                     previous=litgpt_loop.previous_outputs(spec, run, stack or Stack(),
+                                                           acts.held_all_layers + head.held))
 
 
 def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms: StepTerms) -> list[Moment]:
@@ -250,6 +254,11 @@ def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms
         head = Moment("forward", "head", grads, terms.activations, logit.forward,
                       held - logit.forward + states.forward_gathered + terms.head_dequant)
     moments = [head]
+    if terms.previous:  # litgpt's loop: the previous micro-batch's chunks and kept inputs, until this forward returns
+        before, previous, held = terms.activations + terms.previous.held, terms.previous, copies.forward
+        moments += [Moment("forward", "previous", grads, before, previous.logits, held + states.forward_gathered),
+                    Moment("forward", "previous head", grads, before, previous.logits_in_head,
+                           held + states.forward_gathered + terms.head_dequant)]
     if terms.reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
         moments.append(Moment("forward", "reference", grads, logits=terms.reference))
     if terms.dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist

@@ -47,6 +47,9 @@ class Trainer:
     ``model(input_ids, lm_head_chunk_size=128)``, ``finetune/lora.py`` L304, and Fabric's ``convert_output`` to the
     default dtype, fp32), and the loss is ``F.cross_entropy`` per chunk (``utils.chunked_cross_entropy``);
     0: transformers' head and ``ForCausalLMLoss``, as memfit runs them."""
+    keeps_outputs_until_next_forward: bool = False
+    """The loop's ``logits`` holds the previous micro-batch's outputs, and through them its graph, until the next
+    forward returns (litgpt ``finetune/lora.py`` L304; ``memory.litgpt_loop``)."""
     low_memory_loading: bool = False
     """A sharded run's base never sits whole on a rank: rank 0 reads it into host memory (a 4-bit base quantized on
     the device one projection at a time and moved back to the host), the other ranks build on ``meta``, and the
@@ -79,7 +82,7 @@ TRAINERS: dict[str, Trainer] = {
     "torchtune": Trainer(adapters_in_compute_dtype=True, low_memory_loading=True, nf4_on_build=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
     "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
-                      head_chunk_tokens=128),
+                      head_chunk_tokens=128, keeps_outputs_until_next_forward=True),
     # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
     # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True;
     # e877dda L1011 ``low_memory: bool_arg = True``: L628 quantizes each layer on the GPU then moves it to the CPU on
