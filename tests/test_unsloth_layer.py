@@ -51,8 +51,10 @@ def test_a_recomputed_layer_saves_what_unsloths_autograd_functions_save(spec):
     """Per token: first norm's fp32 r (4); its output, LoRA_QKV's X (c H = 128); Q, K, V kept by flash-attention
     (c (Q + 2K) = 2 x 128 = 256); the attention output, LoRA_W's X (c Q = 128); its fp32 log-sum-exp (4 n = 16);
     the residual sum, the second norm's X (128); its r (4); the second norm's output, LoRA_MLP's X (128); e and g
-    (2 c I = 512). 4 + 128 + 256 + 128 + 16 + 128 + 4 + 128 + 512 = 1,304."""
-    assert unsloth.recomputed_saved(spec, _prec(_run())) == 1_304
+    (2 c I = 512). 4 + 128 + 256 + 128 + 16 + 128 + 4 + 128 + 512 = 1,304. With restarting position ids the RoPE path
+    gathers and saves cos and sin for Q and for K: 4 x c x head_dim 16 = 128 more, 1,432."""
+    assert unsloth.recomputed_saved(spec, _run(), _prec(_run())) == 1_304
+    assert unsloth.recomputed_saved(spec, _run(packing="documents"), _prec(_run())) == 1_432
 
 
 def test_the_mlp_backward_holds_two_i_wide_products_or_the_dequantized_weight(spec):

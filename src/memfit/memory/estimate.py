@@ -347,9 +347,10 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
 
 def _optimizer_moment(run: RunConfig, states: ModelStates, terms: StepTerms) -> Moment:
     """``optimizer.step()``: every gradient and the step's temporaries (stepped in backward: neither)."""
+    kept = terms.previous.held if terms.previous else 0  # litgpt's loop still holds the graph (memory.litgpt_loop)
     if run.optimizer_in_backward:
-        return Moment("optimizer", "step", states.buckets, logits=terms.logit.retained)
-    return Moment("optimizer", "step", states.buckets + states.gradients, logits=terms.logit.retained,
+        return Moment("optimizer", "step", states.buckets, kept, logits=terms.logit.retained)
+    return Moment("optimizer", "step", states.buckets + states.gradients, kept, logits=terms.logit.retained,
                   temporary=states.step_temporary)
 
 
@@ -462,9 +463,6 @@ def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
     return (head + down) * prec.w
 
 
-# ----------------------------------------------------------------------------------------------
-# Temporaries and 'other'
-# ----------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------
 # The classic regimes, side by side (``memfit estimate --compare``)
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.memory.activations import LayerActivations, LogitsTerms, Precisions
-from memfit.settings.config import Loss, Offload, Quantize, RunConfig
+from memfit.settings.config import Loss, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
 
 FP32 = 4
@@ -61,7 +61,7 @@ def applies(spec, run: RunConfig, prec: Precisions, stack: Stack) -> bool:
             and run.quantize in (Quantize.NONE, Quantize.Q4) and run.offload in (Offload.NONE, Offload.ACTIVATIONS))
 
 
-def recomputed_saved(spec, prec: Precisions) -> int:
+def recomputed_saved(spec, run: RunConfig, prec: Precisions) -> int:
     """Bytes per token one recomputed layer saves for its backward, beside its input (the checkpoint itself).
 
     ``LlamaDecoderLayer_fast_forward`` (llama.py L490-510) in order:
@@ -74,10 +74,15 @@ def recomputed_saved(spec, prec: Precisions) -> int:
     - the residual sum (c H), saved by the second norm as its ``X``, with its ``r`` (4);
     - the second norm's output (c H), saved by ``LoRA_MLP`` as ``X`` with ``e = X @ G`` and ``g = X @ U`` (2 c I,
       fast_lora.py L86-87); ``h = swiglu(e, g)`` (swiglu.py L44) dies once the down projection has run.
+
+    With restarting position ids (``--packing documents``) the attention takes ``inplace_rope_embedding`` instead
+    (llama.py L381-383): ``Slow_RoPE_Embedding`` gathers ``cos[position_ids]`` and ``sin[position_ids]`` for Q and
+    again for K and saves them (rope_embedding.py L158-174): 4 c head_dim more.
     """
     c, h = prec.c, spec.hidden_size
+    gathered_rope = 4 * c * spec.head_dim if run.packing is Packing.DOCUMENTS else 0
     return (FP32 + c * h + c * (2 * spec.q_dim + 2 * spec.kv_dim) + FP32 * spec.num_heads
-            + c * h + FP32 + c * h + 2 * c * spec.intermediate_size)
+            + c * h + FP32 + c * h + 2 * c * spec.intermediate_size + gathered_rope)
 
 
 def mlp_backward_moment(spec, run: RunConfig, prec: Precisions) -> int:
@@ -126,7 +131,7 @@ def layer(spec, run: RunConfig, prec: Precisions) -> LayerActivations:
     tokens = run.micro_batch * run.seq_len
     saved = prec.c * spec.hidden_size * tokens
     moment = max(mlp_backward_moment(spec, run, prec), attention_backward_moment(spec, run, prec))
-    transient = recomputed_saved(spec, prec) * tokens + moment
+    transient = recomputed_saved(spec, run, prec) * tokens + moment
     return LayerActivations(saved=saved, backward_transient=transient, all_layers=saved * spec.num_layers)
 
 
