@@ -8,6 +8,11 @@ the CUDA target. Golden numbers worked out by hand next to each test.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import torch
+
 from memfit.memory.estimate import estimate
 from memfit.memory.litgpt_loop import previous_outputs
 from memfit.settings.config import RunConfig
@@ -53,3 +58,33 @@ def test_bitsandbytes_0_42_keeps_the_previous_graphs_inputs_into_the_next_forwar
     assert old.phase == "forward"
     assert old.activations - new.activations == 2_097_152 + 65_536 + 3_145_728
     assert (old.logits, old.temporary) == (294_912, 393_216)
+
+
+class _KeepsInput(torch.autograd.Function):
+    """bitsandbytes 0.42.0's ``MatMul4Bit`` in miniature: the input kept as a plain ``ctx`` attribute (L523)."""
+
+    @staticmethod
+    def forward(ctx, a, w):
+        ctx.tensors = (a, w)
+        return a @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, w = ctx.tensors
+        return grad @ w, None
+
+
+def test_an_input_kept_on_ctx_outlives_backward_while_the_output_is_held():
+    """The fact ``memory.litgpt_loop`` rests on, on the installed torch: backward frees what ``save_for_backward``
+    saved, not a ``ctx`` attribute; that lives as long as something (litgpt's ``logits``) reaches the graph."""
+    x = torch.randn(4, 8, requires_grad=True)
+    a = x * 2
+    alive = weakref.ref(a)
+    out = _KeepsInput.apply(a, torch.randn(8, 8))
+    del a
+    out.sum().backward()
+    gc.collect()
+    assert alive() is not None
+    del out
+    gc.collect()
+    assert alive() is None
