@@ -83,10 +83,10 @@ def test_one_layer_keeps_its_input_and_recomputes_its_saved_set(spec):
 
 
 def test_every_layer_holds_its_own_rotary_cache(spec):
-    """Each attention's cos and sin caches: max(min(32,768, 2,048 positions), 100 rounded up to 8,192) = 8,192 rows of
-    head_dim 16 in bf16, two tensors, two layers: 2 x 2 x 8,192 x 16 x 2 = 1,048,576 B; at 10,000 tokens the cache
-    grows to 16,384 rows: 2,097,152 B."""
-    assert unsloth.rope_cache_bytes(spec, _run(), _prec(_run())) == 1_048_576
+    """Each attention's cos and sin caches: min(32,768, 2,048 positions) = 2,048 rows of head_dim 16 in bf16, which
+    100 tokens do not regrow; two tensors, two layers: 2 x 2 x 2,048 x 16 x 2 = 262,144 B. 10,000 tokens regrow them
+    to the next multiple of 8,192 rows, 16,384: 2,097,152 B."""
+    assert unsloth.rope_cache_bytes(spec, _run(), _prec(_run())) == 262_144
     assert unsloth.rope_cache_bytes(spec, _run(seq_len=10_000), _prec(_run())) == 2_097_152
 
 
@@ -118,7 +118,7 @@ def test_the_head_side_and_what_stays(spec):
 def test_the_unsloth_stack_prices_its_layer_in_the_estimate(spec):
     """The whole estimate, unsloth against transformers' Trainer with PEFT (hf), on the same run:
 
-    - weights: + the rotary caches (1,048,576 B), nothing else;
+    - weights: + the rotary caches (262,144 B), nothing else;
     - the backward peak is one layer in, above the resident weights and optimizer state: the layer above's LoRA
       gradients (8,192 adapter weights a layer: q 8 x 128, k and v 8 x 96, o 8 x 128, gate, up, down 8 x 192 each;
       fp32: 32,768 B), the labels still saved (800), the layer's input copied back from the host (12,800) and its
@@ -126,7 +126,7 @@ def test_the_unsloth_stack_prices_its_layer_in_the_estimate(spec):
     run = _run()
     ours = estimate(spec, run, device="cuda", stack=UNSLOTH)
     hf = estimate(spec, run, device="cuda", stack=Stack(trainer="hf"))
-    assert ours.weights - hf.weights == 1_048_576
+    assert ours.weights - hf.weights == 262_144
     assert ours.phase_peaks["backward"] - ours.weights - ours.optimizer == 255_168
     assert any("memory/unsloth_layer.py" in note for note in ours.notes)
 

@@ -21,11 +21,12 @@ Where Unsloth's kernels run (``applies``): ``FastLlamaModel.patch_peft_model`` s
 with fp32 adapters (``_utils.py`` L521-527 ``prepare_model_for_kbit_training``: "Also must be in float32!").
 Elsewhere memfit prices transformers' layer and says so (``notes``).
 
-Not priced here, each said in a sentence by ``notes``: the no-grad forward of a checkpointed layer (below its
-recompute's backward, which runs the same forward with grad and more); xformers' attention, which Unsloth runs
-when flash-attn is not installed (llama.py L393-413: k and v expanded to every head, 2 c (Q - K) more); host
-memory is reported (``host_bytes``), never counted on the device. Not checked on a GPU (this machine has no
-CUDA; Unsloth cannot run here).
+Not priced here: the no-grad forward of a checkpointed layer (below its recompute's backward, which runs the same
+forward with grad and more); xformers' attention, which Unsloth runs when flash-attn is not installed (llama.py
+L393-413: k and v expanded to every head, 2 c (Q - K) more; said by the stack's ``unpriced``); models Unsloth
+patches through other files (Mistral, Qwen2: ``mistral.py``, ``qwen2.py``, not read), priced as transformers' layers
+and said by ``notes``. Host memory is reported (``host_bytes``), never counted on the device. Not checked on a GPU
+(this machine has no CUDA; Unsloth cannot run here).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ KERNEL_TARGETS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 
 
 def applies(spec, run: RunConfig, prec: Precisions, stack: Stack) -> bool:
-    """Whether Unsloth's kernels run this step and this module prices it: a Llama-family model (its decoder layer
-    is ``LlamaDecoderLayer_fast_forward``) with a bias-free SwiGLU MLP, LoRA with no dropout on all seven
+    """Whether Unsloth's kernels run this step and this module prices it: a Llama model (``FastLlamaModel``: its
+    decoder layer is ``LlamaDecoderLayer_fast_forward``) with a bias-free SwiGLU MLP, LoRA with no dropout on all seven
     projections, a half-precision model (none or 4-bit base: ``fast_dequantize`` returns an unquantized weight as
     is, utils.py L120), and Unsloth's gradient checkpointing ("unsloth": each layer's input offloaded to the host,
     ``--offload activations``; ``True``: kept on the device)."""
@@ -56,7 +57,7 @@ def applies(spec, run: RunConfig, prec: Precisions, stack: Stack) -> bool:
         return False
     adapted = {lin.name for lin in spec.lora_linears(run.lora.targets)}
     biased = any(lin.bias for lin in spec.linears if lin.name in KERNEL_TARGETS)
-    return (spec.family == "llama" and spec.gated_mlp and spec.hidden_act == "silu" and not biased
+    return (spec.model_type == "llama" and spec.gated_mlp and spec.hidden_act == "silu" and not biased
             and KERNEL_TARGETS <= adapted and run.lora.dropout == 0 and prec.w == 2 == prec.c
             and run.quantize in (Quantize.NONE, Quantize.Q4) and run.offload in (Offload.NONE, Offload.ACTIVATIONS))
 
@@ -138,12 +139,13 @@ def layer(spec, run: RunConfig, prec: Precisions) -> LayerActivations:
 def rope_cache_bytes(spec, run: RunConfig, prec: Precisions) -> int:
     """Unsloth's rotary caches: ``patch_llama_rope_scaling`` gives every attention module its own rotary embedding
     (``_utils.py`` L893-919, in ``LlamaAttention.__init__``), each holding ``cos_cached`` and ``sin_cached`` of
-    (rows, head_dim); built for 32,768 rows (llama.py L1241-1251), regrown in the input's dtype to the next multiple
+    (rows, head_dim); built for 32,768 rows or the model's positions if fewer (llama.py L1241-1251), regrown in the input's dtype to the next multiple
     of 8,192 rows a longer sequence needs (``extend_rope_embedding``, L1309-1313, called by every layer, L373).
     Persistent: charged with the weights. Known error: the first cache is built in torch's default dtype, charged in
     the model's (transformers builds a model under its ``torch_dtype``); were it fp32 it would be twice as large."""
-    rows = max(min(ROPE_FIRST_ROWS, spec.max_position_embeddings),
-               -(-run.seq_len // ROPE_STEP_ROWS) * ROPE_STEP_ROWS)
+    rows = min(ROPE_FIRST_ROWS, spec.max_position_embeddings)
+    if run.seq_len > rows:  # extend_rope_embedding: only a longer sequence regrows it
+        rows = -(-run.seq_len // ROPE_STEP_ROWS) * ROPE_STEP_ROWS
     return spec.num_layers * 2 * rows * spec.head_dim * prec.c
 
 
@@ -169,7 +171,8 @@ def loss_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
 
     ``--loss standard``: ``Fast_CrossEntropyLoss`` on the head's logits in the model's dtype (llama.py L1018-1023:
     c V per token) saves them and computes their gradient in place (cross_entropy_loss.py L330, L352-365), with an
-    fp32 loss per row and a log-sum-exp per 65,536-word chunk (L279-325); Accelerate's ``convert_outputs_to_fp32``
+    fp32 loss per row and a log-sum-exp per 65,536-word chunk (L279-325; charged throughout, an upper bound by 8
+    bytes a token where one log-sum-exp is left); Accelerate's ``convert_outputs_to_fp32``
     (the Trainer's bf16 mixed precision) copies the returned logits to fp32 (4 V) until the loss is read; backward:
     the logits become their gradient in place and the frozen head gives the hidden states' (c H).
     """
@@ -231,7 +234,7 @@ def notes(spec, run: RunConfig, prec: Precisions, stack: Stack) -> list[str]:
     priced = terms(spec, run, prec, stack)
     if priced is None:
         return ["Unsloth's kernels are priced (memory/unsloth_layer.py) only for LoRA without dropout on q, k, v, o, "
-                "gate, up and down of a bias-free Llama-family model in bf16/fp16, with gradient checkpointing and "
+                "gate, up and down of a bias-free Llama model in bf16/fp16, with gradient checkpointing and "
                 "standard or cce loss for SFT; this run is priced as transformers' layers, an upper bound."]
     out = ["Unsloth's layer (LoRA_QKV, LoRA_W, LoRA_MLP, its RMSNorm and in-place RoPE), flash-attention 2 and its "
            "loss are priced from Unsloth's source (memory/unsloth_layer.py); not checked on a GPU."]
