@@ -125,8 +125,11 @@ def attention_backward_moment(spec, run: RunConfig, prec: Precisions) -> int:
 
 
 def layer(spec, run: RunConfig, prec: Precisions) -> LayerActivations:
-    """One decoder layer under Unsloth's checkpointing: it keeps its input only (c H per token: ``ctx.save_for_backward``
-    of the host copy, gradient_checkpointing.py L154-157, or torch's reentrant checkpoint's input, llama.py L820-828),
+    """One decoder layer under Unsloth's checkpointing (``use_gradient_checkpointing``: ``patch_peft_model`` passes it
+    to ``prepare_model_for_kbit_training``, llama.py L2274, which marks the model for offloading when it is
+    "unsloth", ``_utils.py`` L536-543; llama.py L716-721, L799-811): it keeps its input only (c H per token:
+    ``ctx.save_for_backward`` of the host copy, gradient_checkpointing.py L154-157, or torch's reentrant checkpoint's
+    input, llama.py L820-828),
     and its backward recomputes it: the recomputed saved set + the larger of its two backward moments. The input
     copied back to the device (``--offload activations``) is added by ``memory.estimate.offloaded_activations``."""
     tokens = run.micro_batch * run.seq_len
