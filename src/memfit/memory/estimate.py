@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from memfit.errors import UserError
 from memfit.integrations import versions
 from memfit.integrations.quant_support import shards_packed_weights
-from memfit.memory import flat_params, quantized
+from memfit.memory import flat_params, litgpt_loop, quantized, unsloth_layer
 from memfit.memory import preference_terms as pref
 from memfit.memory import stack_terms as stacks
 from memfit.memory.activations import (
@@ -48,10 +48,10 @@ from memfit.memory.autocast import (
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.deepspeed_layout import ENGINES
 from memfit.memory.notes import notes
+from memfit.memory.resident import resident_states, stack_notes
 from memfit.memory.states import (
     ModelStates,
     largest_trainable,
-    model_states,
     optimizer_state_bytes,
     weight_bytes,
 )
@@ -103,8 +103,8 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
-    states, head = _states(spec, run, prec, device, engine, rank, stack)
-    terms = step_terms(spec, run, prec, states, device, stack, head)
+    states, head, kernels = resident_states(spec, run, prec, device, engine, rank, stack)
+    terms = step_terms(spec, run, prec, states, device, stack, head, kernels)
     moments = [*_forward_moments(spec, run, states, terms), *_backward_moments(spec, run, prec, states, terms, device),
                _optimizer_moment(run, states, terms)]
     resident = states.weights + states.optimizer  # the same at every moment
@@ -123,23 +123,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         flat_params.with_reserved(out, spec, run, stack, engine)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    return _described(out, resolved, stacks.notes(stack) + flat_params.notes(spec, run, stack, engine))
-
-
-def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
-            stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
-    """The resident states as ``stack`` holds them (FSDP (1)'s flat parameters, half gathered parameters, adapters'
-    dtype, a quantized head, a sharded quantization state), DPO's reference copy included."""
-    states = model_states(spec, run, device, engine, rank)
-    if flat_params.applies(run, stack, engine):  # FSDP (1)'s flat parameters instead of FSDP2's shards
-        states = flat_params.flat_states(spec, run, states, device)
-    states = stacks.gathered_in_compute_dtype(spec, run, states, stack, device, engine, rank)
-    states = stacks.adapter_states(spec, run, prec, states, stack)
-    states = stacks.sharded_quant_state(spec, run, states, stack)
-    head = stacks.quantized_head(spec, run, prec, stack)
-    ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
-    weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy
-    return dataclasses.replace(states, weights=weights), head
+    return _described(out, resolved, stack_notes(spec, run, prec, stack, engine))
 
 
 def _described(out: MemoryBreakdown, resolved, stack_notes: list[str] = ()) -> MemoryBreakdown:
@@ -198,17 +182,24 @@ class StepTerms:
     """DPO's reference forward (no_grad, before the policy's): its transient (``memory.preference_terms``)."""
     head_dequant: int = 0
     """A quantized head dequantized while it runs forward and its backward (``memory.stack_terms.quantized_head``)."""
+    head_side: int = 0
+    """Of ``outside``, what the head's and the loss' backward free before the first layer's backward."""
+    previous: litgpt_loop.PreviousOutputs | None = None
+    """What the loop still holds of the previous micro-batch at the end of a forward (``memory.litgpt_loop``)."""
 
 
 def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates, device: str,
-               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms()) -> StepTerms:
-    """The per-step terms: the recipes of ``memory/activations.py``, with offload and quantization applied, and
-    what ``stack``'s head holds (``memory.stack_terms.quantized_head``)."""
-    acts = layer_activations(spec, run, prec, device, stack)
-    outside = outside_layer_activations(spec, run, prec, device)
+               stack: Stack | None = None, head: stacks.HeadTerms = stacks.HeadTerms(),
+               kernels: unsloth_layer.UnslothTerms | None = None) -> StepTerms:
+    """The per-step terms: the recipes of ``memory/activations.py`` (Unsloth's, ``kernels``, where its own layer and
+    loss run), with offload and quantization applied, and what ``stack``'s head holds (``stacks.quantized_head``)."""
+    acts = kernels.acts if kernels else layer_activations(spec, run, prec, device, stack)
+    outside = kernels.outside if kernels else outside_layer_activations(spec, run, prec, device)
     saved_copies = autocast_copies_saved(spec, run, prec)
     copies = AutocastCopies(autocast_weight_copies(spec, run, prec), saved_copies,
                             autocast_copies_in_recompute(spec, run, prec, saved_copies))
+    if kernels:  # Unsloth casts its fp32 adapters itself (A.to(dtype): memory.unsloth_layer), never through the cache
+        copies = AutocastCopies(0, 0, 0)
     activations = acts.all_layers + outside
     if run.offload is Offload.ACTIVATIONS:
         activations, acts = offloaded_activations(acts, outside, run.grad_checkpointing,
@@ -223,11 +214,15 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     # what the layers keep to the end of backward (an 8-bit base's ctx.A) is alive there beside the gradients
     return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
                      at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
-                     logit=stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device),
+                     logit=(kernels.logits if kernels else
+                            stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device)),
+                     head_side=kernels.head_side if kernels else head_side_activations(spec, run, prec, device),
                      copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
                      accumulated=states.gradients if run.grad_accum > 1 else 0,
-                     reference=pref.reference_transient(spec, run, prec))
+                     reference=pref.reference_transient(spec, run, prec),
+                     previous=litgpt_loop.previous_outputs(spec, run, stack or Stack(),
+                                                           acts.held_all_layers + head.held))
 
 
 def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms: StepTerms) -> list[Moment]:
@@ -245,6 +240,11 @@ def _forward_moments(spec: ModelSpec, run: RunConfig, states: ModelStates, terms
         head = Moment("forward", "head", grads, terms.activations, logit.forward,
                       held - logit.forward + states.forward_gathered + terms.head_dequant)
     moments = [head]
+    if terms.previous:  # litgpt's loop: the previous micro-batch's chunks and kept inputs, until this forward returns
+        before, previous, held = terms.activations + terms.previous.held, terms.previous, copies.forward
+        moments += [Moment("forward", "previous", grads, before, previous.logits, held + states.forward_gathered),
+                    Moment("forward", "previous head", grads, before, previous.logits_in_head,
+                           held + states.forward_gathered + terms.head_dequant)]
     if terms.reference:  # DPO's reference forward (no_grad), before the policy's: its logits beside the states
         moments.append(Moment("forward", "reference", grads, logits=terms.reference))
     if terms.dequant:  # inside the last layer's forward: its dequantized weight, before the logits exist
@@ -277,7 +277,7 @@ def _backward_moments(spec: ModelSpec, run: RunConfig, prec: Precisions, states:
     # the head's and the loss' saved tensors are freed before the first layer's backward (offloaded without
     # checkpointing: they were never counted on the device)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
-    freed = freed_at_head = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
+    freed = freed_at_head = 0 if offloaded_all else terms.head_side
     recompute = copies.in_recompute
     # the first layer's backward: the layers above hold their weight gradients instead of their saved
     # tensors (a middle layer's moment lies between the two, linear in its depth); nothing builds up where
@@ -321,7 +321,7 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
     start = Moment("backward", "start", in_backward, terms.activations, logit.backward,
                    copies.saved + states.gathered + terms.head_dequant)
     offloaded_all = run.offload is Offload.ACTIVATIONS and not run.grad_checkpointing
-    freed = 0 if offloaded_all else head_side_activations(spec, run, prec, device)
+    freed = 0 if offloaded_all else terms.head_side
     step_one = in_backward_step_bytes(spec, run, prec, device)
     hidden_grad = prec.w * run.micro_batch * run.seq_len * spec.hidden_size
     # the head (first gradient) is stepped while every activation is alive; one layer's backward
@@ -339,9 +339,10 @@ def _backward_moments_stepping(spec: ModelSpec, run: RunConfig, prec: Precisions
 
 def _optimizer_moment(run: RunConfig, states: ModelStates, terms: StepTerms) -> Moment:
     """``optimizer.step()``: every gradient and the step's temporaries (stepped in backward: neither)."""
+    kept = terms.previous.held if terms.previous else 0  # litgpt's loop still holds the graph (memory.litgpt_loop)
     if run.optimizer_in_backward:
-        return Moment("optimizer", "step", states.buckets, logits=terms.logit.retained)
-    return Moment("optimizer", "step", states.buckets + states.gradients, logits=terms.logit.retained,
+        return Moment("optimizer", "step", states.buckets, kept, logits=terms.logit.retained)
+    return Moment("optimizer", "step", states.buckets + states.gradients, kept, logits=terms.logit.retained,
                   temporary=states.step_temporary)
 
 
@@ -454,9 +455,6 @@ def _head_grad_bytes(spec: ModelSpec, run: RunConfig, prec: Precisions) -> int:
     return (head + down) * prec.w
 
 
-# ----------------------------------------------------------------------------------------------
-# Temporaries and 'other'
-# ----------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------
 # The classic regimes, side by side (``memfit estimate --compare``)
 # ----------------------------------------------------------------------------------------------

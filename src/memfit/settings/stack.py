@@ -47,6 +47,9 @@ class Trainer:
     ``model(input_ids, lm_head_chunk_size=128)``, ``finetune/lora.py`` L304, and Fabric's ``convert_output`` to the
     default dtype, fp32), and the loss is ``F.cross_entropy`` per chunk (``utils.chunked_cross_entropy``);
     0: transformers' head and ``ForCausalLMLoss``, as memfit runs them."""
+    keeps_outputs_until_next_forward: bool = False
+    """The loop's ``logits`` holds the previous micro-batch's outputs, and through them its graph, until the next
+    forward returns (litgpt ``finetune/lora.py`` L304; ``memory.litgpt_loop``)."""
     low_memory_loading: bool = False
     """A sharded run's base never sits whole on a rank: rank 0 reads it into host memory (a 4-bit base quantized on
     the device one projection at a time and moved back to the host), the other ranks build on ``meta``, and the
@@ -70,6 +73,9 @@ class Trainer:
     it, and computes with no autocast: activations, gathered parameters and their unsharded gradients in that dtype
     (torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: ``memory.stack_terms.gathered_in_compute_dtype``);
     False: autocast's half copies of gathered fp32 parameters, as Accelerate runs it."""
+    unsloth_kernels: bool = False
+    """Unsloth's own Llama layer, LoRA autograd functions, checkpointing and loss (``memory.unsloth_layer``), where
+    they run; elsewhere transformers' layer is priced and the estimate says so."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
@@ -91,7 +97,7 @@ TRAINERS: dict[str, Trainer] = {
                          shards_quant_state=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
     "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
-                      head_chunk_tokens=128),
+                      head_chunk_tokens=128, keeps_outputs_until_next_forward=True),
     # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
     # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True;
     # e877dda L1011 ``low_memory: bool_arg = True``: L628 quantizes each layer on the GPU then moves it to the CPU on
@@ -105,9 +111,10 @@ TRAINERS: dict[str, Trainer] = {
         "torchtitan's own Llama code (k and v expanded to every head, RoPE in fp32 complex numbers: model.py "
         "L85-126, L201-202) is priced as transformers' Llama layer: the same kept tensors, a recompute larger by "
         "the repeated k and v, 2 x (q width - kv width) x 2 bytes a token.",)),
-    "unsloth": Trainer(unpriced=(
-        "Unsloth's fused Triton kernels (RoPE, RMSNorm, SwiGLU, the LoRA MLP) save fewer tensors than the "
-        "transformers layers memfit prices, so its figure is an upper bound for an Unsloth run.",)),
+    # Unsloth 2024.12 (unslothai/unsloth 6dd9d4e): LoRA_QKV/LoRA_W/LoRA_MLP, offloaded checkpoints, Cut Cross-Entropy
+    "unsloth": Trainer(unsloth_kernels=True, unpriced=(
+        "Unsloth runs xformers where flash-attn is not installed (its k and v expanded to every head); memfit prices "
+        "flash-attention 2.",)),
 }
 
 
