@@ -29,7 +29,8 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
 - **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
   copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
   cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul
-  dtype (the cache grows by concatenation: one layer's keys exist twice for a moment), positions = a prompt of ``PROMPT_CHARS + 1`` tokens + ``MAX_NEW_TOKENS``.
+  dtype (the cache grows by concatenation: one layer's keys exist twice for a moment), positions = a prompt of ``PROMPT_CHARS + 1`` tokens + ``MAX_NEW_TOKENS``,
+  + the sampling's own tensors (``_sampling_transients``: three fp32 vocabulary vectors, the int64 ids and mask).
 
 Known error (bench/README.md, "outside_memory.py"): on CPU (gloo), the tiny preset on 1 and 2 processes,
 DDP, FSDP and ZeRO-2, every piece within 1% of the tensor peak counted on real tensors, except what the
@@ -125,7 +126,7 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     trainable = spec.trainable_params(run)
     grad_bytes = 4 if run.is_lora() else prec.w
     full_optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
-    kv = _kv_cache(spec, prec)
+    kv = _kv_cache(spec, prec) + _sampling_transients(spec)
     if not sharded:
         return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
     transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
@@ -192,6 +193,18 @@ def _largest_tensor(spec) -> int:
     linears = [lin.in_features * lin.out_features for lin in spec.linears]
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
     return max([embed, spec.lm_head_params, *linears])
+
+
+def _sampling_transients(spec) -> int:
+    """What one sampled token adds beside the KV cache at the longest sample (bytes), transformers 5.25's
+    ``GenerationMixin._sample`` (``generation/utils.py``): the last position's logits copied to fp32 (L3251),
+    divided by the temperature (``TemperatureLogitsWarper``, ``logits_process.py`` L302) and softmaxed (L3278):
+    three fp32 vectors of the vocabulary; and the int64 ``input_ids`` and ``attention_mask``, one entry per
+    position, each grown by ``torch.cat`` (L3289, L1291). Measured with memfit's counter (2-layer hidden-64 Llama,
+    vocabulary 384, fp32, a full-length sample): 3 x 1,536 B + 2 x 1,408 B beside the cache; the rest (one
+    token's hidden states, the prompt's ids) is under 1.5 KiB."""
+    positions = PROMPT_CHARS + 1 + MAX_NEW_TOKENS - 1
+    return 3 * spec.vocab_size * 4 + 2 * positions * 8
 
 
 def _kv_cache(spec, prec) -> int:
