@@ -91,8 +91,9 @@ def test_outside_step_peaks(tiny):
     states = model_states(tiny, run)
     resident = states.weights + states.optimizer
     out = outside_step(tiny, run)
-    # the gathering moment: 3 layers (one unsharded, 2 flat all-gather outputs) + 2 x B T H fp32
-    gathering = 3 * 786_976 * 4 + 2 * 128 * 256 * 4  # 9,705,856; beats one layer computing (4,851,840)
+    # the gathering moment: 3 layers (one unsharded, 2 flat all-gather outputs) + 2 x B T H fp32 + the tail,
+    # kept gathered from the previous batch's head (394,240 B)
+    gathering = 3 * 786_976 * 4 + 2 * 128 * 256 * 4 + 98_560 * 4  # 10,100,096; beats one layer computing (4,851,840)
     assert out.evaluation == resident + gathering  # and the head (2 x tail + 8 B T V = 1,181,696)
     # GPU save: 4 copies of the largest tensor (a 768 x 256 MLP weight) on the device of every rank; rank
     # 0's host gathers the full model + both AdamW moments (3 x 25,969,664 B) + the rotary buffer (128 B).
