@@ -59,6 +59,17 @@ that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 o
 outputs in flight, the unpadded full tensor and its copy; the larger is taken)."""
 
 
+RANK0_GATHER_COPIES = 2
+"""Copies of a tensor being gathered on rank 0 of a CPU run, beside the full state already gathered: torch
+2.13's ``_gather_state_dict`` (``torch/distributed/_state_dict_utils.py`` L267-286) redistributes each DTensor to
+``Replicate()``, an all-gather into a flat buffer and the full tensor cut out of it, and keeps the result (with
+``cpu_offload`` its ``.to("cpu")``, L182-183, is the same tensor on a CPU). Measured with memfit's counter on rank 0
+at the end of the gather (FSDP2, 2 CPU ranks): the full state + 2 x the last tensor gathered (the head's second
+AdamW moment: 2 x 98,304 B on a hidden-64 Llama, 2 x 393,216 B on the tiny preset). The largest tensor is taken,
+for any gather order: known error, + 2 x (largest - last) where the largest is not gathered last (tiny preset:
++786,432 B, +0.5%)."""
+
+
 def eval_batch(run: RunConfig) -> int:
     """Sequences per evaluation batch: the training micro-batch.
 
@@ -134,8 +145,8 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
     loading = int(full_weights) if run.quantize is not Quantize.NONE else 0
     if cpu:
-        return OutsideStep(int(evaluation), (resident + host_checkpoint + _largest_tensor(spec) * prec.w,
-                                             resident + transient),
+        in_flight = RANK0_GATHER_COPIES * _largest_tensor(spec) * prec.w  # rank 0 keeps what it gathers
+        return OutsideStep(int(evaluation), (resident + host_checkpoint + in_flight, resident + transient),
                            (resident + host_export, resident + transient), int(resident + full_weights + kv), 0,
                            loading)
     return OutsideStep(int(evaluation), (resident + transient,) * 2, (resident + transient,) * 2, int(resident),
