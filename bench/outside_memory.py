@@ -18,7 +18,8 @@ outside the step, with the same functions it calls:
   alive from the export on, as in ``finish``), 2 samples of up to ``MAX_NEW_TOKENS``.
 
 Rank 0 prints one JSON line: each rank's measured peak per piece, the prediction (``outside_step(spec,
-run, device)``), and the worst error (predicted - measured) / measured.
+run, device)``), the worst error (predicted - measured) / measured, and ``memory.phases``' figure of each phase
+(``predicted_phases``: the largest rank's, as ``memfit train``'s summary shows it).
 
 Examples (2 shared cores)::
 
@@ -134,9 +135,19 @@ def measure(model_name: str, sharding_flag: str, seq_len: int, micro_batch: int,
             if measured[piece]:
                 errors[f"{piece}/rank{rank}"] = (want - measured[piece]) / measured[piece]
     record["errors"] = errors
+    record["predicted_phases"] = _predicted_phases(spec, run, accelerator.device.type)
     record["worst_error"] = max((abs(e) for e in errors.values()), default=None)
     accelerator.end_training()
     return record
+
+
+def _predicted_phases(spec, run, device: str) -> dict[str, int]:
+    """``memory.phases``' tensor peak of each phase (the largest rank's), as ``memfit train``'s summary shows them."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.phases import device_phases
+
+    phases = device_phases(spec, run, estimate(spec, run, device=device), device)
+    return {p.name: int(p.tensors) for p in phases.phases}
 
 
 def _ddp_buckets(optimizer, ddp: bool) -> list:

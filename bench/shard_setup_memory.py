@@ -2,7 +2,8 @@
 
 Under torchrun (gloo) every rank runs what ``training.session`` runs for a sharded CPU run,
 ``setup.build_model`` then ``sharding.shard_model``, inside memfit's tensor counter
-(``memory.measure.counted``); rank 0 prints one JSON line with every rank's peak, the bytes of the
+(``memory.measure.counted``); rank 0 prints one JSON line with every rank's peak (after the build: loading; after
+sharding: wrapping) and ``memory.phases``' prediction of both, the bytes of the
 full model, and the largest difference between the sharded weights (gathered) and the model one process
 builds with the same seed. ``--every-rank-builds`` reproduces the setup before ranks > 0 were built empty (each rank
 builds the whole model, then shards it).
@@ -44,8 +45,10 @@ def main() -> None:
     empty = sharding.builds_empty(accelerator, run) and not args.every_rank_builds
     with counted() as live:
         model = build_model(config, run, source, empty=empty).model
+        loaded = live.peak  # the loading phase: the model built (rank 0) or built empty (the others)
         model = sharding.shard_model(model, run, accelerator)
     peaks = gather_object([live.peak])
+    loading_peaks = gather_object([loaded])
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -58,8 +61,20 @@ def main() -> None:
         print(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": args.model, "sharding": str(run.sharding),
                           "processes": accelerator.num_processes, "every_rank_builds": args.every_rank_builds,
                           "full_model_bytes": full, "rank0_shard_bytes": local, "setup_peak_bytes_per_rank": peaks,
+                          "loading_peak_bytes_per_rank": loading_peaks, "predicted_phases": _predicted(args.model, run),
                           "max_abs_diff_vs_single_process": diff}))
     accelerator.end_training()
+
+
+def _predicted(model_name: str, run) -> dict[str, int]:
+    """``memory.phases``' loading and wrapping on CPU (the largest rank's: rank 0's)."""
+    from memfit.memory.estimate import estimate
+    from memfit.memory.phases import device_phases
+    from memfit.spec.model import load_spec
+
+    spec = load_spec(model_name)
+    phases = device_phases(spec, run, estimate(spec, run, device="cpu"), "cpu")
+    return {p.name: p.tensors for p in phases.phases if p.name in ("loading", "wrapping")}
 
 
 if __name__ == "__main__":

@@ -115,6 +115,11 @@ CASES = {
     "zero2-lora": lambda root: _train(root, 23, [*TRAIN_ARGS, "--sharding", "zero2", "--lora-r", "4",
                                                  "--lora-targets", "q_proj,v_proj", "--eval-every", "3",
                                                  "--eval-fraction", "0.2"]),
+    # ... and the phases outside the step of an FSDP2 run that evaluates 2 batches a rank and saves its full state
+    # (test_train_fsdp)
+    "phases-fsdp": lambda root: _train(root, 22, [*TRAIN_ARGS, "--sharding", "fsdp", "--max-steps", "3",
+                                                  "--eval-every", "3", "--eval-fraction", "0.2", "--save-every", "3",
+                                                  "--state-dict", "full"]),
     # test_preference_dp: DPO (a frozen reference copy) under DDP and ORPO under FSDP2, 22 pairs, the last step
     # partial (rank 1's dummy rows carry no pair), a checkpoint at step 3
     "dpo-ddp": lambda root: _train_pairs(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--packing",

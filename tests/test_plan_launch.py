@@ -91,8 +91,9 @@ def test_outside_step_peaks(tiny):
     states = model_states(tiny, run)
     resident = states.weights + states.optimizer
     out = outside_step(tiny, run)
-    # the gathering moment: 3 layers (one unsharded, 2 flat all-gather outputs) + 2 x B T H fp32
-    gathering = 3 * 786_976 * 4 + 2 * 128 * 256 * 4  # 9,705,856; beats one layer computing (4,851,840)
+    # the gathering moment: 3 layers (one unsharded, 2 flat all-gather outputs) + 2 x B T H fp32 + the tail,
+    # kept gathered from the previous batch's head (394,240 B)
+    gathering = 3 * 786_976 * 4 + 2 * 128 * 256 * 4 + 98_560 * 4  # 10,100,096; beats one layer computing (4,851,840)
     assert out.evaluation == resident + gathering  # and the head (2 x tail + 8 B T V = 1,181,696)
     # GPU save: 4 copies of the largest tensor (a 768 x 256 MLP weight) on the device of every rank; rank
     # 0's host gathers the full model + both AdamW moments (3 x 25,969,664 B) + the rotary buffer (128 B).
@@ -101,13 +102,15 @@ def test_outside_step_peaks(tiny):
     # on CPU the host is the device: rank 0 holds it (+ the rollback snapshot, resident on every rank)
     cpu = outside_step(tiny, run, "cpu")
     snapshot = 3 * 6_492_416 * 4 // 2  # this rank's parameters and moments
-    assert cpu.checkpoint_full[0] == resident + snapshot + out.save_host + 196_608 * 4
+    assert cpu.checkpoint_full[0] == resident + snapshot + out.save_host + 2 * 196_608 * 4  # 2 copies in flight
     assert cpu.export == (resident + snapshot + 2 * (6_492_416 * 4 + tiny.buffer_bytes),
                           resident + snapshot + 4 * 196_608 * 4)
     assert cpu.save_host == 0
     unsharded = outside_step(tiny, run.replace(sharding="ddp"))
+    # DDP saves from what it holds; samples add a KV cache and the sampling's own tensors: three fp32 vectors
+    # of the 384-token vocabulary and the int64 ids and attention mask of 176 positions
     assert unsharded.save_host == 0 and unsharded.save_device == unsharded.generation - \
-        (2 * 8 + 1) * 2 * 64 * (16 + 1 + 160 - 1) * 4  # DDP saves from what it holds; samples add a KV cache
+        (2 * 8 + 1) * 2 * 64 * (16 + 1 + 160 - 1) * 4 - (3 * 384 * 4 + 2 * 176 * 8)
 
 
 def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeypatch):

@@ -20,6 +20,8 @@ from memfit.memory.measure import counted
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "outside_memory.py"
 TOLERANCE = 0.03
+#: bench/outside_memory.py's pieces -> memory.phases' phase names
+PHASES = {"evaluation": "evaluation", "checkpoint_full": "checkpoint", "export": "export", "generation": "samples"}
 
 
 def _measure(sharding: str, nproc: int) -> dict:
@@ -42,6 +44,11 @@ def _check(got: dict, nproc: int) -> None:
                                              f"{predicted[piece]:,} B vs measured {measured[piece]:,} B ({error:+.2%})")
         # each piece is more than the resident state it starts from (the comparison is not of that alone)
         assert measured["evaluation"] > measured["resident"]
+    # memory.phases' figure of each phase (what train's summary and the fit rule read) is the largest rank's
+    for piece, phase in PHASES.items():
+        worst = max(measured[piece] for measured in got["measured_per_rank"])
+        error = (got["predicted_phases"][phase] - worst) / worst
+        assert abs(error) <= TOLERANCE, f"{got['sharding']} phase {phase}: {error:+.2%}"
 
 
 @pytest.mark.launch_cases("outside-fsdp")

@@ -261,6 +261,33 @@ def _following_resizes(live: _LiveBytes) -> Iterator[None]:
         torch.UntypedStorage.resize_ = original
 
 
+@contextlib.contextmanager
+def _following_registrations(live: _LiveBytes) -> Iterator[None]:
+    """Count every parameter or buffer a module registers while the block runs (torch's global registration hooks,
+    ``torch.nn.modules.module.register_module_parameter_registration_hook``).
+
+    A checkpoint's tensors reach a model without an operator: safetensors maps the file and builds each tensor over
+    the mapping outside the dispatcher (``safe_open(..., backend="mmap").get_slice(k)[...]``, which transformers
+    5.25's ``core_model_loading._materialize_copy`` L1464 calls; the ``.to(device, dtype)`` after it is a no-op when
+    the dtype already matches), and ``set_param_for_module`` (L1614) ``setattr``s it as a ``Parameter``. The
+    dispatch mode never sees such a storage; here it is counted from the moment it becomes part of the model (it
+    was created just before: the known error is that moment). A storage already counted is not counted again.
+    """
+    from torch.nn.modules.module import register_module_buffer_registration_hook as on_buffer
+    from torch.nn.modules.module import register_module_parameter_registration_hook as on_parameter
+
+    def registered(_module, _name, tensor):
+        if tensor is not None:
+            live.add(tensor)
+
+    handles = [on_parameter(registered), on_buffer(registered)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _counting_mode(live: _LiveBytes, compiled: bool = False):
     """A ``TorchDispatchMode`` that adds every operator's outputs to ``live`` (None without the API).
 
@@ -337,7 +364,8 @@ def largest_rows(batches: list[dict]) -> tuple[int, int] | None:
 def counted(resident=(), compiled: bool = False) -> Iterator[_LiveBytes]:
     """Count the tensor peak of a block of real work (evaluation, a save, generation): ``resident`` (any
     tensors, nested in lists/tuples/dicts) counts as held at the start, plus every storage an operator
-    creates inside, minus each one when it is freed. The yielded counter's ``.peak`` is the block's peak
+    creates inside or a module registers as a parameter or buffer (``_following_registrations``: a checkpoint's
+    memory-mapped tensors), minus each one when it is freed. The yielded counter's ``.peak`` is the block's peak
     (0 where torch lacks the dispatch-mode API). The same counter as ``StepPeak`` (memfit's tracker on
     real tensors); like it, it does not see kernels' scratch memory or allocator overhead.
     """
@@ -348,7 +376,7 @@ def counted(resident=(), compiled: bool = False) -> Iterator[_LiveBytes]:
     if mode is None:
         yield live
         return
-    with _following_resizes(live), mode:
+    with _following_resizes(live), _following_registrations(live), mode:
         yield live
 
 

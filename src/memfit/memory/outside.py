@@ -9,7 +9,8 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
 
 - **evaluation** (no grad, batch ``eval_batch(run)``, every rank): resident + the largest of three
   moments (``_eval_transient``): a layer being gathered (FSDP2's unsharded parameters + ``2 B T H``
-  elements of residual stream); a layer computing (its parameters when sharded + ``3 B T I + 4 B T H``
+  elements of residual stream + the tail unit, kept gathered from the previous batch's head); a layer computing
+  (its parameters when sharded + ``3 B T I + 4 B T H``
   elements at the matmul dtype: the gated MLP's gate, up and product, the residual stream, its norm and
   the attention output); the head (the tail unit twice when sharded + the forward-only logits and loss,
   ``activations.logits_terms(...).forward``). Gathered, as memfit's counter measured it (it follows FSDP2's
@@ -29,7 +30,8 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
 - **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
   copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
   cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul
-  dtype (the cache grows by concatenation: one layer's keys exist twice for a moment), positions = a prompt of ``PROMPT_CHARS + 1`` tokens + ``MAX_NEW_TOKENS``.
+  dtype (the cache grows by concatenation: one layer's keys exist twice for a moment), positions = a prompt of ``PROMPT_CHARS + 1`` tokens + ``MAX_NEW_TOKENS``,
+  + the sampling's own tensors (``_sampling_transients``: three fp32 vocabulary vectors, the int64 ids and mask).
 
 Known error (bench/README.md, "outside_memory.py"): on CPU (gloo), the tiny preset on 1 and 2 processes,
 DDP, FSDP and ZeRO-2, every piece within 1% of the tensor peak counted on real tensors, except what the
@@ -55,6 +57,17 @@ GATHER_COPIES = 4
 that does not keep it (measured with memfit's counter, tiny preset FSDP/ZeRO-2 on 2 CPU ranks: 3 or 4 x
 786,432 B from one run to the next, for the model alone and for model + AdamW state: the all-gather
 outputs in flight, the unpadded full tensor and its copy; the larger is taken)."""
+
+
+RANK0_GATHER_COPIES = 2
+"""Copies of a tensor being gathered on rank 0 of a CPU run, beside the full state already gathered: torch
+2.13's ``_gather_state_dict`` (``torch/distributed/_state_dict_utils.py`` L267-286) redistributes each DTensor to
+``Replicate()``, an all-gather into a flat buffer and the full tensor cut out of it, and keeps the result (with
+``cpu_offload`` its ``.to("cpu")``, L182-183, is the same tensor on a CPU). Measured with memfit's counter on rank 0
+at the end of the gather (FSDP2, 2 CPU ranks): the full state + 2 x the last tensor gathered (the head's second
+AdamW moment: 2 x 98,304 B on a hidden-64 Llama, 2 x 393,216 B on the tiny preset). The largest tensor is taken,
+for any gather order: known error, + 2 x (largest - last) where the largest is not gathered last (tiny preset:
++786,432 B, +0.5%)."""
 
 
 def eval_batch(run: RunConfig) -> int:
@@ -125,15 +138,15 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     trainable = spec.trainable_params(run)
     grad_bytes = 4 if run.is_lora() else prec.w
     full_optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
-    kv = _kv_cache(spec, prec)
+    kv = _kv_cache(spec, prec) + _sampling_transients(spec)
     if not sharded:
         return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
     transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
     host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
     loading = int(full_weights) if run.quantize is not Quantize.NONE else 0
     if cpu:
-        return OutsideStep(int(evaluation), (resident + host_checkpoint + _largest_tensor(spec) * prec.w,
-                                             resident + transient),
+        in_flight = RANK0_GATHER_COPIES * _largest_tensor(spec) * prec.w  # rank 0 keeps what it gathers
+        return OutsideStep(int(evaluation), (resident + host_checkpoint + in_flight, resident + transient),
                            (resident + host_export, resident + transient), int(resident + full_weights + kv), 0,
                            loading)
     return OutsideStep(int(evaluation), (resident + transient,) * 2, (resident + transient,) * 2, int(resident),
@@ -176,7 +189,10 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     tail = head + spec.hidden_size + (spec.embedding_params if spec.tie_word_embeddings else 0)
     layer = gathered_layer_bytes(spec, run)  # as stored: a 4-bit base's projections packed
     tail *= unquantized_param_bytes(run)
-    gathered = (spec.num_layers + 2) * layer + tail if run.sharding is Sharding.ZERO2 else 3 * layer
+    # the tail unit (final norm + head) is sharded with reshard_after_forward=False (Accelerate 1.16
+    # utils/fsdp_utils.py L895-897) and evaluate reshards only after its last batch: from the second batch on it is
+    # gathered while the layers run (measured, 2 CPU ranks, 2 eval batches: +98,560 B, the tail of a hidden-64 Llama)
+    gathered = ((spec.num_layers + 2) * layer if run.sharding is Sharding.ZERO2 else 3 * layer) + tail
     return max(gathered + 2 * spec.hidden_size * tokens * prec.c, layer + layer_compute, 2 * tail + logits)
 
 
@@ -192,6 +208,18 @@ def _largest_tensor(spec) -> int:
     linears = [lin.in_features * lin.out_features for lin in spec.linears]
     embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
     return max([embed, spec.lm_head_params, *linears])
+
+
+def _sampling_transients(spec) -> int:
+    """What one sampled token adds beside the KV cache at the longest sample (bytes), transformers 5.25's
+    ``GenerationMixin._sample`` (``generation/utils.py``): the last position's logits copied to fp32 (L3251),
+    divided by the temperature (``TemperatureLogitsWarper``, ``logits_process.py`` L302) and softmaxed (L3278):
+    three fp32 vectors of the vocabulary; and the int64 ``input_ids`` and ``attention_mask``, one entry per
+    position, each grown by ``torch.cat`` (L3289, L1291). Measured with memfit's counter (2-layer hidden-64 Llama,
+    vocabulary 384, fp32, a full-length sample): 3 x 1,536 B + 2 x 1,408 B beside the cache; the rest (one
+    token's hidden states, the prompt's ids) is under 1.5 KiB."""
+    positions = PROMPT_CHARS + 1 + MAX_NEW_TOKENS - 1
+    return 3 * spec.vocab_size * 4 + 2 * positions * 8
 
 
 def _kv_cache(spec, prec) -> int:

@@ -29,7 +29,12 @@ The caching allocator gives nothing back between phases (no ``empty_cache``), so
 largest phase's, each phase being taken to reuse the blocks earlier ones cached (known error: a later phase whose
 requests fit none of those blocks reserves more). nvidia-smi adds the CUDA context and, with several processes,
 NCCL's buffers, which NCCL allocates itself, outside torch's allocator: ``NCCL_BYTES`` per rank and process group.
-On a CPU there is no allocator to model: each phase's reserved memory is its tensor peak.
+On a CPU there is no allocator to model: each phase's reserved memory is its tensor peak, and the host is the device
+(a sharded unquantized run's rank 0 holds the whole model while it loads and wraps: ``_host_is_device_phases``).
+``memfit train`` on a CPU measures each phase it runs with memfit's tensor counter (``training.phase_peaks``) and
+shows it beside this prediction; tests/test_phases_measured.py (loading a safetensors checkpoint, evaluation, the
+checkpoint, the export, the samples: within 1%, a full-length sample within 2%) and tests/test_shard_setup.py
+(loading and wrapping on 2 ranks: within 0.5%) hold them to it.
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> 
     if sharded and stack.loads_low_memory():
         return _low_memory_phases(spec, run, shards, cuda, stack)
     whole = not sharded or run.quantize is not Quantize.NONE  # every rank loads the whole (4-bit) base
+    if sharded and not whole and not cuda:
+        return _host_is_device_phases(spec, run, shards)
     replay = loading_replay(spec, run, stack=stack) if cuda and whole else None
     if replay is not None:
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
@@ -143,6 +150,24 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> 
     wrapped = loading.tensors + beside if whole else shards + beside
     reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
     return [loading, Phase("wrapping", wrapped, reserved)]
+
+
+def _host_is_device_phases(spec, run: RunConfig, shards: int) -> list[Phase]:
+    """Loading and wrapping of a sharded unquantized CPU run, on rank 0, where the host is the device.
+
+    Rank 0 alone builds (or loads) the whole model (``training.sharding.builds_empty``): loading holds the full
+    weights (``model_states`` of one process). Accelerate 1.16's ``fsdp2_prepare_model`` keeps them as
+    ``original_sd = model.state_dict()`` (``utils/fsdp_utils.py`` L814) through ``fsdp2_load_full_state_dict``
+    (L912), which collects this rank's shards in ``sharded_sd`` (L651: ``distribute_tensor`` copies each shard out
+    of the full tensor) before ``load_state_dict(sharded_sd, assign=True)`` (L654): wrapping peaks at the full
+    weights + this rank's shards. On a GPU the full model stays in host memory and reaches the device one tensor at
+    a time (``_loading_phases``). Measured (tiny preset, FSDP on 2 CPU ranks, ``bench/shard_setup_memory.py``):
+    rank 0 38,954,832 B against 38,954,880 B predicted; rank 1 (shards + one broadcast tensor) peaks lower.
+    """
+    from memfit.memory.states import model_states
+
+    full = model_states(spec, run.replace(num_processes=1), "cpu").weights
+    return [Phase("loading", full, full), Phase("wrapping", full + shards, full + shards)]
 
 
 def _low_memory_phases(spec, run: RunConfig, shards: int, cuda: bool, stack: Stack) -> list[Phase]:

@@ -112,9 +112,20 @@ def _memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("reserved by phase (predicted)" if cuda else "peak by phase (predicted)",
                          ", ".join(f"{k} {fmt_bytes(v)}" for k, v in phases.items())
                          + f"; device {fmt_bytes(outside['device_needed'])} at the worst{extra}"))
+            measured_phases = _measured_phases(summary, phases)
+            if measured_phases:
+                rows.append(("peak by phase (measured)", measured_phases))
     if mem["device"] != "cuda":
         rows.append(("process peak RSS", f"{fmt_bytes(mem['cpu_peak_rss'])} (tensors + Python/torch runtime)"))
     return rows
+
+
+def _measured_phases(summary: dict[str, Any], predicted: dict[str, int]) -> str:
+    """Each phase a CPU run measured (``measured_phases``: live tensors, rank 0's) next to its prediction, in the
+    predicted row's order; "" where none was measured (CUDA)."""
+    measured = summary.get("measured_phases") or {}
+    return ", ".join(f"{name} {fmt_bytes(measured[name])} ({measured_vs_predicted(measured[name], figure)})"
+                     for name, figure in predicted.items() if measured.get(name) and figure)
 
 
 def summary_table(summary: Any) -> Table:

@@ -39,13 +39,17 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
     rank_peaks = sharding.rank_peaks(s.accelerator, peak_mem.peak_bytes)
     net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)  # --compile: the module itself
     measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)
-    with not_a_batch_problem("saving the model"):
+    own, held = net, (s.model, s.optimizer)  # what the phases after the step start from (+ the snapshot's buffers)
+    with not_a_batch_problem("saving the model"), s.phase_peaks.watch("export", *held, s.snapshot.buffers()):
         # Sharded: rank 0 exports (and samples from) a plain copy holding the gathered full weights.
         net = sharding.gathered_model(s.accelerator, s.run, s.model,
                                       lambda: build_model(s.config, s.run, s.source).model) or net
         checkpoint.export(s.accelerator, net, s.bundle.tokenizer, s.output, merge=s.config.merge,
                           base_is_preset=s.bundle.random_init, tag=s.guard.tag if s.guard else None,
                           record=s.guard.record if s.guard else None)
+    plain = [] if net is own else [*net.parameters(), *net.buffers()]  # sharded: rank 0's plain copy
+    with s.phase_peaks.watch("samples", *held, [*s.snapshot.buffers(), *plain], when=s.is_main and s.config.cadence.samples > 0):
+        sampled = samples(s, net)
     summary = RunSummary(
         steps=s.state.step, sequences=s.state.samples, final_train_loss=s.state.last_loss,
         final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.data.unigram,
@@ -56,9 +60,10 @@ def finish(s: TrainSession) -> tuple[RunSummary, object]:
         fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks, resumes=list(s.state.resumes),
         initial_run=s.initial_run,
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
-        trainable_params=s.bundle.trainable_params, output=str(s.output), samples=samples(s, net),
+        trainable_params=s.bundle.trainable_params, output=str(s.output), samples=sampled,
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
-        outside_step=_outside(s), hub=s.source.hub.to_dict() if s.source.hub is not None else None,
+        outside_step=_outside(s), measured_phases=s.phase_peaks.to_dict(),
+        hub=s.source.hub.to_dict() if s.source.hub is not None else None,
         process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
         preference=({"method": str(s.run.method), "first": s.state.preference_first,
                      "last": pool_preference(s.state.preference_recent)} if s.state.preference_recent else None),

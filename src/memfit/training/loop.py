@@ -195,7 +195,8 @@ def evaluate_due(s: TrainSession) -> bool:
     every = s.config.cadence.eval_every
     if not (every > 0 and s.data.eval and (s.state.step % every == 0 or _is_last(s))):
         return False
-    with not_a_batch_problem("evaluating"):
+    with not_a_batch_problem("evaluating"), s.phase_peaks.watch("evaluation", s.model, s.optimizer,
+                                                                 s.snapshot.buffers()):
         s.state.last_eval = evaluate(s.accelerator, s.model, s.data.eval, pad_id=s.pad_id,
                                      batch_size=eval_batch(s.run), vocab_size=s.vocab)
     if math.isnan(s.state.best_eval) or s.state.last_eval < s.state.best_eval:
@@ -229,7 +230,8 @@ def save_due(s: TrainSession) -> None:
     stop = s.guard.should_stop(s.accelerator)
     if checkpoint.due(s.config, s.state.step, s.total_steps) or stop:
         s.state.wall_s = time.perf_counter() - s.t_start
-        with not_a_batch_problem("saving a checkpoint"):
+        with not_a_batch_problem("saving a checkpoint"), s.phase_peaks.watch("checkpoint", s.model, s.optimizer,
+                                                                             s.snapshot.buffers()):
             space.check_before_save(s)  # a checkpoint that cannot fit: one sentence before writing any of it
             s.guard.last_checkpoint = checkpoint.save_checkpoint(
                 s.accelerator, s.output, s.state.step,

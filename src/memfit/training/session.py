@@ -39,6 +39,7 @@ from memfit.training import deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line, plan_run
 from memfit.training.guard import RunGuard
 from memfit.training.multinode import refuse_one_of_several, with_launched_nodes
+from memfit.training.phase_peaks import PhasePeaks
 from memfit.training.progress import LiveProgress
 from memfit.training.rollback import OptimizerSnapshot
 from memfit.training.router import RouterBalance, router_balance
@@ -149,6 +150,8 @@ class TrainSession:
     the parts a resumed run continues, so the summary reports both."""
     router: RouterBalance | None = None
     """The routing balance of a mixture-of-experts model (``training.router``; None for a dense one), logged."""
+    phase_peaks: PhasePeaks = field(default_factory=PhasePeaks.disabled)
+    """On CPU, the tensor peak of each phase outside the step, measured the first time it runs."""
 
     @property
     def output(self) -> Path:
@@ -211,10 +214,13 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     guard.open_folder(config, accelerator, is_main=accelerator.is_main_process, data=data_fp,
                       run_id=resume_point.state.get("run_id") if resume_point is not None else None)
     accelerator.wait_for_everyone()
-    bundle = build_model(config, run, source, device=accelerator.device,
-                         empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
+    phase_peaks = PhasePeaks(accelerator.device.type)  # CPU: loading, wrapping, ... measured (memory.phases')
+    with phase_peaks.watch("loading"):
+        bundle = build_model(config, run, source, device=accelerator.device,
+                             empty=sharding.builds_empty(accelerator, run))  # ranks > 0 of CPU FSDP: rank 0's weights
     pref = preference_run(config, run, bundle, data, accelerator)  # the reference: from the base, before sharding
-    bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
+    with phase_peaks.watch("wrapping", bundle.model, when=sharding.shards_itself(accelerator, run)):
+        bundle.model = sharding.shard_model(bundle.model, run, accelerator)  # CPU FSDP2: before the optimizer
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
     model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
@@ -261,7 +267,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
                         save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
                                                         config.checkpoints.state_dict),
                         metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
-                        t_process=t_process, preference=pref, router=router_balance(model))
+                        t_process=t_process, preference=pref, router=router_balance(model), phase_peaks=phase_peaks)
 
 
 def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerator):

@@ -244,6 +244,7 @@ def evaluate(accelerator, model, rows: list[dict], *, pad_id: int, batch_size: i
             logits = net(**{k: v for k, v in model_inputs(batch).items() if k != "labels"}).logits
         sums[0] += ForCausalLMLoss(logits, batch["labels"], vocab_size, num_items_in_batch=one).double()
         sums[1] += count_target_tokens(batch["labels"])
+        del logits  # else this batch's logits live through the next batch's forward (+B T V; measured: phase_peaks)
     net.train(was_training)
 
     reshard_all(net)  # ZeRO-2 keeps every layer gathered through a no-grad forward: free them now

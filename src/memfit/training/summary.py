@@ -101,6 +101,9 @@ class RunSummary:
     lora_targets: tuple[str, ...] = ()
     outside_step: dict[str, int] | None = None
     """Predicted per-rank peaks outside the step (``memory.outside.OutsideStep.to_dict``), or None."""
+    measured_phases: dict[str, int] | None = None
+    """CPU: the tensor peak of each phase outside the step this rank measured (``training.phase_peaks``), beside
+    ``outside_step``'s predicted ``phase_<name>``; None where nothing was measured (CUDA)."""
     hub: dict[str, Any] | None = None
     """A Hub ``--model``: its id, the revision asked, the commit trained on and the cached snapshot
     (``memfit.integrations.hub.HubModel.to_dict``); None for presets and local folders."""
@@ -138,7 +141,7 @@ class RunSummary:
             "run": self.run.to_flat(), "uses_model_loss": self.uses_model_loss, "params": self.params,
             "trainable_params": self.trainable_params, "output": self.output, "samples": list(self.samples),
             "attn_implementation": self.attn_implementation, "lora_targets": list(self.lora_targets),
-            "outside_step": self.outside_step, "hub": self.hub, "process_wall_s": self.process_wall_s,
+            "outside_step": self.outside_step, "measured_phases": self.measured_phases, "hub": self.hub, "process_wall_s": self.process_wall_s,
             "preference": self.preference,
         }
         return json_safe(out)
