@@ -101,7 +101,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     stack = stack or Stack()
     if derived or (family is None and derived is None):  # traced on memfit's stack: said if another's differs
-        return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
+        return _described(derived_estimate(spec, run, device, engine, rank, stack), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
     states, head = _states(spec, run, prec, device, engine, rank, stack)
@@ -130,7 +130,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
 def _states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: str, engine: str, rank: int | None,
             stack: Stack) -> tuple[ModelStates, stacks.HeadTerms]:
     """The resident states as ``stack`` holds them (adapters' dtype, a quantized head), DPO's reference copy included."""
-    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank), stack)
+    states = stacks.adapter_states(spec, run, prec, model_states(spec, run, device, engine, rank, stack), stack)
     states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
