@@ -17,8 +17,8 @@ What is compared with what (what each kind of figure counts):
 
 Each run names the stack that ran it (``stack``: trainer and versions, ``memfit.settings.stack.Stack``), which
 the estimate prices as ``estimate --from`` does (adapters' dtype, bitsandbytes' kept inputs, litgpt's 4-bit
-head), and, where it ran on DeepSpeed, ``engine: deepspeed`` (``memory.deepspeed_layout``; FSDP2 otherwise). What memfit still has no setting for (torch.compile, LoRA on the head, FSDP1's flat parameters...)
-is listed per run under ``missing`` and left out of the prediction; the error is then what a user of memfit
+head), and, where it ran on DeepSpeed, ``engine: deepspeed`` (``memory.deepspeed_layout``; FSDP2 otherwise).
+What memfit still has no setting for (torch.compile, LoRA on the head, FSDP1's flat parameters...) is listed per run under ``missing`` and left out of the prediction; the error is then what a user of memfit
 would be told for that run, and each run's ``note`` says in a sentence why it is off (printed under the
 row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
 are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.

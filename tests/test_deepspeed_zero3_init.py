@@ -99,3 +99,33 @@ def test_the_trainers_stack_releases_what_memfits_own_keeps():
     own = estimate(load_spec("tiny"), _run(case), device="cpu", engine="deepspeed").peak_bytes
     assert own - _predicted(case) > 15 * MiB
     assert _predicted(CASES["lora, defaults"]) >= own  # the default 1e9 bounds nothing on a 6.4 M model
+
+
+def test_a_trainers_zero3_file_reaches_the_layout(tmp_path):
+    """``estimate --from`` a LLaMA-Factory LoRA file with a ZeRO-3 DeepSpeed config: the stack it reads builds under
+    zero.Init with the file's coordinator settings, and the estimate prices them (issue 35: Llama 3 8B LoRA on 8
+    ranks was priced 22.7 GiB per rank, more than one process's 21.0, with every parameter gathered)."""
+    from memfit.interop import read
+
+    ds = tmp_path / "ds_z3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8,
+                                                    "stage3_max_reuse_distance": "auto"}}))
+    config = tmp_path / "lf.yaml"
+    config.write_text("model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nstage: sft\nfinetuning_type: lora\n"
+                      f"lora_target: all\ndeepspeed: {ds.name}\ncutoff_len: 2048\nbf16: true\n"
+                      "per_device_train_batch_size: 1\n")
+    reading = read(config)
+    assert reading.engine == "deepspeed" and reading.stack.traits.zero3_init
+    # "auto" reuse: DeepSpeed's 1e9 (transformers fills no "auto" there); no prefetch key: DeepSpeed's 5e7
+    assert reading.stack.zero3 == Coordinator(max_live_parameters=100_000_000, prefetch_bucket_size=50_000_000)
+    spec = load_spec("llama-3-8b")
+    run = reading.run.replace(num_processes=8)
+    sharded = estimate(spec, run, engine="deepspeed", stack=reading.stack)
+    alone = estimate(spec, run.replace(num_processes=1, sharding="ddp"), stack=reading.stack)
+    own = estimate(spec, run, engine="deepspeed")  # memfit's own ZeRO-3 run: every parameter gathered
+    assert sharded.peak_bytes < alone.peak_bytes < own.peak_bytes
+    # what stays gathered, in bf16: with the default max_live 1e9, the prefetch's 1e9 elements and its overshoot priced
+    # as the largest projection (4,096 x 14,336); with 1e8, the head (128,256 x 4,096 = 525,336,576 elements), which
+    # __params_to_release keeps for its backward right after (reuse distance 1e9), outweighs 1e8 + that projection
+    looser = estimate(spec, run, engine="deepspeed", stack=Stack(trainer="llamafactory"))
+    assert looser.temporary - sharded.temporary == ((1_000_000_000 + 4096 * 14336) - 128_256 * 4096) * 2
