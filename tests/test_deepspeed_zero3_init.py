@@ -83,7 +83,7 @@ def measured(tmp_path_factory) -> dict[str, list[int]]:
 
 
 @needs_deepspeed
-@pytest.mark.slow  # one 2-process launch of 3 cases: ~3-4 min on 2 shared cores
+@pytest.mark.slow  # one 2-process launch of the 5 cases: 36-60 s on 2 shared cores
 @pytest.mark.parametrize("name", list(CASES))
 def test_zero_init_per_rank_peak_matches_the_prediction(measured, name):
     predicted = _predicted(CASES[name])
