@@ -17,8 +17,8 @@ What is compared with what (what each kind of figure counts):
 
 Each run names the stack that ran it (``stack``: trainer and versions, ``memfit.settings.stack.Stack``), which
 the estimate prices as ``estimate --from`` does (adapters' dtype, bitsandbytes' kept inputs, litgpt's 4-bit
-head). What memfit still has no setting for (torch.compile, LoRA on the head, FSDP1's flat parameters...)
-is listed per run under ``missing`` and left out of the prediction; the error is then what a user of memfit
+head), and, where it ran on DeepSpeed, ``engine: deepspeed`` (``memory.deepspeed_layout``; FSDP2 otherwise).
+What memfit still has no setting for (torch.compile, LoRA on the head, FSDP1's flat parameters...) is listed per run under ``missing`` and left out of the prediction; the error is then what a user of memfit
 would be told for that run, and each run's ``note`` says in a sentence why it is off (printed under the
 row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
 are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.
@@ -143,7 +143,8 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     if run["measured"] not in MEASURED:
         raise ValueError(f"{run['id']}: measured must be one of {', '.join(MEASURED)}, got {run['measured']!r}")
     stack = Stack.of(run.get("stack"))
-    breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda", stack=stack)
+    breakdown = estimate(spec_for(run["model"], models), run_config(run), device="cuda", stack=stack,
+                         engine=run.get("engine", "fsdp2"))
     published = int(round(float(run["published"]) * UNITS[run["unit"]]))
     predicted = step = predicted_bytes(breakdown, run["measured"])
     phase = ""

@@ -85,10 +85,11 @@ class MemfitCallback(TrainerCallback):
         trainer_class = type(self.trainer).__mro__ if self.trainer is not None else ()
         names = {c.__name__ for c in trainer_class} | {type(args).__name__}
         length = self.seq_len or first_batch_length(dataloader)
-        self.spec, self.run, engine = run_of(args, model, length, sft=_is_sft(self.trainer, args),
-                                             full_rows=self.full_rows, method=_method(names, args))
+        self.spec, self.run, reading = run_of(args, model, length, sft=_is_sft(self.trainer, args),
+                                              full_rows=self.full_rows, method=_method(names, args))
         device = "cuda" if args.device.type == "cuda" else "cpu"
-        self.prediction = estimate(self.spec, self.run, device=device, engine=engine)
+        # the Trainer's stack: under ZeRO-3 its model was built inside deepspeed.zero.Init (Trainer.zero3_init)
+        self.prediction = estimate(self.spec, self.run, device=device, engine=reading.engine, stack=reading.stack)
         self._device, self._optimizer, self._model = device, optimizer, model
         self._target = min(MEASURED_STEP, state.max_steps) if state.max_steps > 0 else MEASURED_STEP
         budget = self._budget(device)
@@ -194,9 +195,10 @@ def _is_sft(trainer, args) -> bool:
 
 def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_rows: bool = True,
            method: str = "sft"):
-    """(ModelSpec, RunConfig, engine) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over
-    it, on the launch's processes (``args.world_size``); the engine is ``deepspeed`` where ``args.deepspeed``
-    shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``. ``method``: a TRL preference trainer's
+    """(ModelSpec, RunConfig, reading) of a Trainer run: ``args`` read as a TRL/Trainer file, the live model over
+    it, on the launch's processes (``args.world_size``); the reading's engine is ``deepspeed`` where
+    ``args.deepspeed`` shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``, and its stack the
+    Trainer's. ``method``: a TRL preference trainer's
     (``dpo``/``orpo``/``simpo``), priced as memfit prices its own preference runs."""
     from memfit.interop import trl
     from memfit.spec.model import spec_from_config
@@ -228,7 +230,7 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_r
         changes["attn_implementation"] = attention
     run = run.replace(**changes)
     spec = spec_from_config(base.config, getattr(base.config, "name_or_path", "") or type(base).__name__)
-    return spec, run, reading.engine
+    return spec, run, reading
 
 
 #: TrainingArguments keys the reader maps (beside the markers): read from ``args.to_dict()``.

@@ -17,7 +17,9 @@ from typing import Any
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.settings.config import RunConfig
-from memfit.settings.stack import Stack
+from memfit.settings.stack import TRAINERS, Stack
+from memfit.settings.zero3 import KEYS as ZERO3_KEYS
+from memfit.settings.zero3 import Coordinator
 
 _MISSING = object()
 
@@ -337,6 +339,11 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
         keys.engine = "deepspeed"
         keys.price(f"{key}: DeepSpeed ZeRO-{stage}, estimated with memfit's DeepSpeed layout (flat buffers, an fp32 "
                    "master partition, buckets at Accelerate's 'auto' sizes: memory/deepspeed_layout.py).")
+    if stage == 3 and TRAINERS[keys.stack.get("trainer", "memfit")].zero3_init:
+        coordinator = Coordinator.of(zero) if any(name in zero for name in ZERO3_KEYS) else Coordinator()
+        keys.stack["zero3"] = coordinator.as_dict()
+        keys.price(f"{key}: transformers builds the model under deepspeed.zero.Init, so ZeRO-3 gathers parameters as "
+                   f"they are used and keeps what its coordinator allows ({coordinator.describe()}).")
     device = lambda part: str((zero.get(part) or {}).get("device", "none")).lower()  # noqa: E731
     if device("offload_param") in ("cpu", "nvme"):
         out["offload"] = "params"

@@ -23,15 +23,15 @@ the same code paths with 2-byte parameters and gradients, read from the source b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from memfit.settings.config import Offload, Precision, RunConfig, Sharding
+from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
+from memfit.settings.stack import Stack
 
 ENGINES = ("fsdp2", "deepspeed")
 """The sharding engines the estimator models: FSDP2 (memfit's default) and DeepSpeed (a DeepSpeed launch)."""
 
-#: DeepSpeed's ``stage3_max_reuse_distance`` default (``runtime/zero/config.py``), which memfit leaves as is.
-MAX_REUSE_DISTANCE = 1_000_000_000
 #: DeepSpeed's ``sub_group_size`` default: ZeRO-3 steps its fp32 partition in sub-groups of this many elements.
 SUB_GROUP_SIZE = 1_000_000_000
 FP32 = 4
@@ -124,6 +124,120 @@ def gathered_zero3(spec, run: RunConfig) -> int:
     return int((spec.params - persistent_params(spec)) * param_bytes(run))
 
 
+def built_under_zero_init(run: RunConfig, stack: Stack | None) -> bool:
+    """Whether the run's model was built inside ``deepspeed.zero.Init`` (``settings.stack.Trainer.zero3_init``):
+    a ZeRO-3 run of a stack that does, on a base transformers does not quantize (``get_init_context`` L3835:
+    ``if not is_quantized``; a 4-bit base is loaded outside it, F.linear stays torch's)."""
+    return (stack is not None and stack.traits.zero3_init and run.sharding is Sharding.ZERO3
+            and run.quantize is Quantize.NONE)
+
+
+def module_elements(spec, run) -> list[tuple[int, int]]:
+    """``(elements, decoder layer or -1)`` of each module with parameters, in the order forward runs them: the
+    embedding, every projection followed by its LoRA ``A`` and ``B`` (PEFT's ``Linear.forward``: ``base_layer``, then
+    ``lora_B(lora_A(dropout(x)))``), the head (tied: the embedding's parameter used again). What DeepSpeed's trace
+    records (``record_module``: each module's own parameters, ``recurse=False``). Norms (``h`` each) and biases are
+    left out: under the persistence threshold, always whole (``persistent_params``)."""
+    targets = {lin.name for lin in spec.lora_linears(run.lora.targets)} if run.lora.r else set()
+    embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
+    out = [(embed, -1)]
+    for name, fan_in, fan_out in spec.linear_modules:
+        found = re.search(r"\.(\d+)\.", name)
+        layer = int(found.group(1)) if found else -1
+        out.append((fan_in * fan_out, layer))
+        if name.rsplit(".", 1)[-1] in targets:
+            out += [(run.lora.r * fan_in, layer), (fan_out * run.lora.r, layer)]
+    out.append((spec.lm_head_params or embed, -1))
+    return out
+
+
+def backward_order(modules: list[tuple[int, int]], checkpointing: bool) -> list[int]:
+    """The modules' indices as backward fetches them (``_run_before_backward_function``): the reverse of forward;
+    with activation checkpointing each decoder layer first runs its forward again (the recompute fetches its
+    modules in forward order, ``fetch_sub_module(forward=True)``), then its backward."""
+    if not checkpointing:
+        return list(range(len(modules)))[::-1]
+    order: list[int] = []
+    layer_of = [layer for _, layer in modules]
+    i = len(modules) - 1
+    while i >= 0:
+        if layer_of[i] < 0:
+            order.append(i)
+            i -= 1
+            continue
+        start = i
+        while start > 0 and layer_of[start - 1] == layer_of[i]:
+            start -= 1
+        block = list(range(start, i + 1))
+        order += block + block[::-1]
+        i = start - 1
+    return order
+
+
+def coordinator_gathered(spec, run: RunConfig, stack: Stack) -> int:
+    """Bytes of full parameters a ZeRO-3 rank holds at once when the model was built under ``deepspeed.zero.Init``
+    (``built_under_zero_init``): what DeepSpeed's parameter coordinator keeps (deepspeed 0.19.8
+    ``runtime/zero/partitioned_param_coordinator.py``), with the stack's ``zero3`` settings.
+
+    ``zero3_linear_wrap`` (``linear.py``) saves the parameter itself, so a release (``free_param``:
+    ``param.data = torch.empty(0)``) frees the storage and backward gathers it again. What stays gathered:
+
+    - the prefetch runs ahead: every module's fetch, containers' too, pops the trace's parameter queue until
+      ``stage3_prefetch_bucket_size`` elements not yet gathered are fetched (L447-484: at least one parameter), and
+      a transformers model has more hooked modules than parameters (a decoder layer, its attention, MLP, norms and
+      activation, PEFT's wrappers), so the queue runs ahead of the computation into backward's half, where it marks
+      the parameters still gathered as needed again (L470-472), which ``__params_to_release`` then keeps (L650-651).
+      It stops where ``stage3_max_live_parameters`` elements are gathered (L453: ``max_live - n_available``). So
+      ``min(model, max_live)`` elements stay gathered, overshot by a parameter;
+    - with no prefetch (bucket 0), or above ``max_live``: what ``__params_to_release`` keeps for reuse (L653-662), a
+      module whose next use comes before ``stage3_max_reuse_distance`` elements of other modules' parameters
+      (forward's rest, then backward's modules before it: ``backward_order``): the head, and a tail of the model when
+      the distance allows; and the unit computing its backward: a module, or with checkpointing a whole recomputed
+      decoder layer (its frozen parameters held until the layer's backward: ``update_recompute_parameters``,
+      L387-389) (``_reused``).
+
+    Measured (tiny preset, LoRA r 8 on every projection, 2 CPU ranks, ``tests/test_deepspeed_zero3_init.py``): with
+    ``max_live`` 1e6 the coordinator counted 1.11 M elements gathered at forward's end (of 6.4 M); with the default
+    1e9, all of them. Known error: the overshoot is priced as the largest projection (the parameter that crosses the
+    limit may be smaller); the first steps, before the trace is recorded, release everything (less); norms and biases
+    are left out (``module_elements``); forward holds the same as backward's start (priced so)."""
+    zero = stack.zero3
+    sizes = zero_sizes(spec.hidden_size)
+    modules = module_elements(spec, run)
+    gathered = [n if n > sizes.param_persistence_threshold else 0 for n, _ in modules]
+    if spec.tie_word_embeddings:
+        gathered[0] = 0  # the head's parameter is the embedding's: counted once, as the head's
+    largest = max(n for n, (_, layer) in zip(gathered, modules, strict=True) if layer >= 0)
+    bucket = sizes.prefetch_bucket_size if zero.prefetch_bucket_size is None else zero.prefetch_bucket_size
+    prefetched = zero.max_live_parameters + largest if bucket else 0
+    held = max(prefetched, _reused(modules, gathered, run, zero.max_reuse_distance))
+    return int(min(held, sum(gathered)) * param_bytes(run))
+
+
+def _reused(modules: list[tuple[int, int]], gathered: list[int], run: RunConfig, distance: int) -> int:
+    """Elements gathered at once without prefetch: the modules ``__params_to_release`` keeps for a use within
+    ``distance`` (at backward's start, all of them: the head computes), or, while a unit computes its backward (a
+    module, or under checkpointing a recomputed decoder layer), the kept ones below it and the unit; the kept ones
+    above it were released after their backward (their next use is the next step)."""
+    first_use: dict[int, int] = {}  # module -> elements backward walks before fetching it
+    walked = 0
+    for i in backward_order(modules, run.grad_checkpointing):
+        first_use.setdefault(i, walked)
+        walked += modules[i][0]
+    kept, after = [False] * len(modules), 0
+    for i in range(len(modules) - 1, -1, -1):
+        kept[i] = after + first_use.get(i, walked) < distance
+        after += modules[i][0]
+    below = [0]  # below[i]: kept elements of the modules before i
+    for i, n in enumerate(gathered):
+        below.append(below[-1] + (n if kept[i] else 0))
+    units: dict[tuple[int, int], list[int]] = {}  # a layer under checkpointing, else each module alone
+    for i, (_, layer) in enumerate(modules):
+        units.setdefault((layer, -1) if run.grad_checkpointing and layer >= 0 else (layer, i), []).append(i)
+    computing = max(below[min(unit)] + sum(gathered[i] for i in unit) for unit in units.values())
+    return max(below[-1], computing)
+
+
 def partition_reached(spec, run: RunConfig, rank: int) -> int:
     """Decoder layers ZeRO-2's backward finishes before it first reduces a gradient of ``rank``'s partition,
     which allocates that rank's gradient partition (``stage_1_and_2.copy_grads_in_partition``: ``grads_in_partition``
@@ -165,7 +279,8 @@ class ZeroStates:
     """ZeRO-2: decoder layers backward finishes before ``backward_gradients`` appear (``partition_reached``)."""
 
 
-def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: int | None = None) -> ZeroStates:
+def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: int | None = None,
+                stack: Stack | None = None) -> ZeroStates:
     """DeepSpeed ZeRO-2/ZeRO-3 per rank; ``optimizer_bytes``: the torch optimizer's state for all trainable
     parameters in fp32 (DeepSpeed steps fp32 partitions: ``states.optimizer_state_bytes``).
 
@@ -184,7 +299,9 @@ def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: i
     ZeRO-3: this rank's partition of every parameter (``fp16_partitioned_groups_flat``, w B/param / n) plus the
     persistent parameters whole; the gradient partitions (``grad_partitions_flat_buffer``, allocated once at
     start-up) and the reduce bucket (``IPGBucketZ3.buffer``, kept between steps) are resident, like DDP's
-    buckets (``buckets``); full parameters from forward into backward (``gathered_zero3``).
+    buckets (``buckets``); full parameters from forward into backward (``gathered_zero3``; built under
+    ``deepspeed.zero.Init``: ``coordinator_gathered``). LoRA: the flat groups hold the trainable parameters only
+    (``stage3.py``), every parameter keeps its own partition (``ds_tensor``), the embedding has no gradient.
 
     Measured against the tensor counter (tiny, seq 96 x 1, 2 ranks, both ranks the same): ZeRO-2 61.92 MiB
     resident (24.77 whole parameters + 3 x 12.38), 111.43 MiB peak in the step; ZeRO-3 62.19 MiB resident
@@ -211,11 +328,12 @@ def zero_states(spec, run: RunConfig, device: str, optimizer_bytes: int, rank: i
                           gathered_end=bucket + embed * w, buckets=0,
                           backward_gradients=0 if accumulating else grads,
                           after_layers=partition_reached(spec, run, n - 1 if rank is None else rank))
-    weights = partition(spec.params, n) * w + persistent_params(spec) * w + spec.buffer_bytes
+    adapters = spec.lora_params(run)  # 0 for a full fine-tune
+    weights = partition(spec.params + adapters, n) * w + persistent_params(spec) * w + spec.buffer_bytes
     if run.offload is Offload.PARAMS:  # offload_param: the partitions live on the host, gathered when used
         weights = persistent_params(spec) * w + spec.buffer_bytes
-    # at backward's end: the embedding, still gathered, and its full gradient before the reduce-scatter
-    gathered = gathered_zero3(spec, run)
+    gathered = coordinator_gathered(spec, run, stack) if built_under_zero_init(run, stack) else gathered_zero3(spec, run)
     return ZeroStates(weights=weights, gradients=0, optimizer=optimizer, step_temporary=temporary,
-                      gathered=gathered, gathered_forward=gathered, gathered_end=2 * embed * w,
+                      gathered=gathered, gathered_forward=gathered,  # at backward's end: the embedding and its gradient
+                      gathered_end=(1 if adapters else 2) * embed * w,
                       buckets=part * w + bucket, backward_gradients=0)

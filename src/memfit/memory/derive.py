@@ -597,7 +597,7 @@ def _runs(phases: list[str]) -> list[tuple[str, int]]:
 # the estimate from a derived recipe (the same composition as estimate.estimate's hand-written path)
 # ------------------------------------------------------------------------------------------------
 def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
-                     rank: int | None = None) -> MemoryBreakdown:
+                     rank: int | None = None, stack=None) -> MemoryBreakdown:
     """``estimate()`` for a model without a hand-written recipe: analytic model states + derived moments.
 
     Phases: forward = states + forward moment; backward = the largest of backward start, one layer in
@@ -606,7 +606,7 @@ def derived_estimate(spec, run: RunConfig, device: str, engine: str = "fsdp2",
     """
     traced = run.replace(loss="chunked") if str(run.loss) == "trl" else run  # TRL's head: see _trl_head_delta
     recipe = derived_recipe(spec, traced, device)
-    states = model_states(spec, pref.pair_forward_run(run), device, engine, rank)  # as the hand-written path's
+    states = model_states(spec, pref.pair_forward_run(run), device, engine, rank, stack)  # as the hand-written path's
     # DPO's frozen copy of the base beside the model's weights (the traces ran the reference forward: its transient)
     states = dataclasses.replace(states, weights=states.weights + pref.reference_copy_bytes(spec, run))
     base = states.weights + states.optimizer  # (DDP: its buckets are the gradients of every moment below)

@@ -100,7 +100,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         derived = True  # outside the verified versions the hand-written recipes may not hold: trace instead
     stack = stack or Stack()
     if derived or (family is None and derived is None):  # traced on memfit's stack: said if another's differs
-        return _described(derived_estimate(spec, run, device, engine, rank), resolved, stacks.notes(stack, True))
+        return _described(derived_estimate(spec, run, device, engine, rank, stack), resolved, stacks.notes(stack, True))
     run = pref.pair_forward_run(run)  # a preference method: chosen and rejected in one forward of 2B sequences
     prec = stacks.precisions(Precisions.of(run), run, stack)
     states, head, kernels = resident_states(spec, run, prec, device, engine, rank, stack)

@@ -430,6 +430,8 @@ def resident_tensors(model, optimizer, extra=()) -> list:
 
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    # a ZeRO-3 parameter's own partition (a frozen one's lies outside the optimizer's flat groups: a LoRA base)
+    out += [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     from memfit.integrations.quant_support import quant_state_tensors
 

@@ -93,7 +93,7 @@ class ModelStates:
 # Model states
 # ----------------------------------------------------------------------------------------------
 def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: str = "fsdp2",
-                 rank: int | None = None) -> ModelStates:
+                 rank: int | None = None, stack=None) -> ModelStates:
     """Weights, gradients and optimizer state per rank.
 
     Full fine-tune: weights and grads at the stored dtype (fp32 stays fp32 under AMP: autocast casts
@@ -106,7 +106,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     (``ddp_bucket_bytes``). Offload moves optimizer state (and with ``params`` the weights) to CPU.
     ``device`` picks the optimizer implementation torch runs there (its step temporaries).
     ``engine="deepspeed"`` with ``--sharding zero2|zero3`` on several processes: DeepSpeed's layout instead
-    (``memory.deepspeed_layout.zero_states``; ``rank``: which rank, None the last).
+    (``memory.deepspeed_layout.zero_states``; ``rank``: which rank, None the last; ``stack``: whose ZeRO-3 build).
     Ignores: FSDP's flat-parameter padding (< N elements per tensor), the optimizer's ``step`` scalars
     (fp32, one per tensor: < 1 MiB).
     """
@@ -119,7 +119,7 @@ def model_states(spec: ModelSpec, run: RunConfig, device: str = "cuda", engine: 
     step_temp = optimizer_step_temporary(spec, run, trainable, grad_bytes, device)
     n = run.num_processes
     if engine == "deepspeed" and n > 1 and run.sharding in (Sharding.ZERO2, Sharding.ZERO3):
-        zero = zero_states(spec, run, device, optimizer_state_bytes(spec, run, trainable, FP32_BYTES), rank)
+        zero = zero_states(spec, run, device, optimizer_state_bytes(spec, run, trainable, FP32_BYTES), rank, stack)
         return ModelStates(zero.weights, zero.gradients, zero.optimizer, zero.step_temporary, zero.gathered,
                            zero.gathered_end, zero.buckets, gathered_forward=zero.gathered_forward,
                            backward_gradients=zero.backward_gradients, gradients_after_layers=zero.after_layers,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.errors import UserError
+from memfit.settings.zero3 import Coordinator
 
 #: The first torchao release whose ``to_nf4`` searches the nearest NF4 code in chunks of ``1024**2`` weights
 #: (``dtypes/nf4tensor.py`` L33 ``CHUNK_SIZE``, L645-651); 0.1 compares every weight of a projection with the 16 codes
@@ -76,18 +77,26 @@ class Trainer:
     unsloth_kernels: bool = False
     """Unsloth's own Llama layer, LoRA autograd functions, checkpointing and loss (``memory.unsloth_layer``), where
     they run; elsewhere transformers' layer is priced and the estimate says so."""
+    zero3_init: bool = False
+    """Under DeepSpeed ZeRO-3 an unquantized model is built inside ``deepspeed.zero.Init`` (transformers 5.25
+    ``modeling_utils.py`` L3829-3839 ``get_init_context``: ``is_deepspeed_zero3_enabled()`` and not quantized;
+    the Trainer's ``TrainingArguments`` registers the config, ``training_args.py`` L1707-1710), which makes every
+    ``F.linear`` DeepSpeed's ``zero3_linear_wrap`` (deepspeed 0.19.8 ``partition_parameters.py`` L412-419, for the
+    rest of the process): a projection saves its parameter, not a view of the gathered weight, so the
+    coordinator's release frees it (``memory.deepspeed_layout.coordinator_gathered``). memfit builds outside it."""
     unpriced: tuple[str, ...] = ()
     """What this trainer does that memfit does not price (sentences)."""
 
 
 #: The trainers memfit knows by name. ``memfit``: its own loop (Accelerate + transformers + PEFT), which the
-#: recipes model; ``hf``/``trl``/``axolotl``/``llamafactory``: transformers' Trainer with PEFT, as memfit.
+#: recipes model; ``hf``/``trl``/``axolotl``/``llamafactory``: transformers' Trainer with PEFT, as memfit, but
+#: building a ZeRO-3 model under ``deepspeed.zero.Init`` (``Trainer.zero3_init``).
 TRAINERS: dict[str, Trainer] = {
     "memfit": Trainer(),
-    "hf": Trainer(),
-    "trl": Trainer(),
-    "axolotl": Trainer(),
-    "llamafactory": Trainer(),
+    "hf": Trainer(zero3_init=True),
+    "trl": Trainer(zero3_init=True),
+    "axolotl": Trainer(zero3_init=True),
+    "llamafactory": Trainer(zero3_init=True),
     # torchtune builds the whole model, LoRA modules included, under the recipe's dtype (training.set_default_dtype);
     # its distributed recipes build on meta (lora_finetune_distributed.py L520 ``torch.device("meta")``) and
     # ``training.load_from_full_model_state_dict`` distributes one full tensor at a time (_distributed.py L336-448)
@@ -144,6 +153,8 @@ class Stack:
     """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, memfit's own) or 1
     (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``; priced by
     ``memory.flat_params``)."""
+    zero3: Coordinator = Coordinator()
+    """DeepSpeed ZeRO-3's parameter coordinator settings (the run's DeepSpeed config; ``settings.zero3``)."""
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
@@ -177,8 +188,9 @@ class Stack:
         """Whether this stack holds other tensors than memfit's own (a trait, bitsandbytes' kept inputs, or FSDP (1)'s
         flat parameters in a ``--sharding fsdp`` run: ``memory.flat_params``)."""
         # how the base is loaded changes the loading and wrapping phases (memory.phases), not the step's tensors
+        # nor does zero.Init: it changes DeepSpeed's layout (memory.deepspeed_layout), priced on every recipe
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
-                              nf4_on_build=self.traits.nf4_on_build)
+                              nf4_on_build=self.traits.nf4_on_build, zero3_init=self.traits.zero3_init)
         return (self.traits != step_traits or self.keeps_4bit_input()
                 or not self.double_quant or self.fsdp == 1)
 
@@ -203,6 +215,8 @@ class Stack:
             parts.append("NF4 without double quantization")
         if self.fsdp == 1:
             parts.append("FSDP (1)")
+        if self.zero3 != Coordinator():
+            parts.append(self.zero3.describe())
         if self.low_memory_loading is not None and self.low_memory_loading != self.traits.low_memory_loading:
             parts.append("low-memory loading" if self.low_memory_loading else "whole-base loading")
         return ", ".join(parts)
@@ -212,7 +226,7 @@ class Stack:
         """From a mapping (``{trainer: litgpt, bitsandbytes: 0.42.0}``); None or empty: memfit's own."""
         if not data:
             return cls()
-        known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading")
+        known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading", "zero3")
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise UserError(f"A stack names {', '.join(known)}; not {', '.join(unknown)}.")
@@ -220,7 +234,8 @@ class Stack:
         return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
                    torchao=None if torchao is None else str(torchao),
                    double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)),
-                   low_memory_loading=None if low_memory is None else bool(low_memory))
+                   low_memory_loading=None if low_memory is None else bool(low_memory),
+                   zero3=Coordinator.of(data["zero3"]) if data.get("zero3") else Coordinator())
 
 
 def _release(version: str) -> tuple[int, ...]:
