@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from memfit.integrations.hf_compat import default_causal_loss, enable_checkpointing
 from memfit.settings.config import RunConfig
 from memfit.spec.lora import wrap_lora
@@ -27,7 +29,6 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def torch_dtype(run: RunConfig):
     """The torch dtype of the weights (``from_pretrained(dtype=...)``: rotary buffers stay fp32)."""
-    import torch
 
     return getattr(torch, TORCH_DTYPES[str(run.dtype)])
 

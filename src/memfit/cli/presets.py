@@ -6,10 +6,13 @@ import json
 
 import click
 
+from memfit import load_presets
+from memfit.report.fit import Col, dropped_note, fitted_table
+from memfit.units import fmt_count, fmt_gib
+
 
 def preset_rows() -> list[dict]:
     """Name, parameter count (real checkpoint's), family and description of every preset."""
-    from memfit import load_presets
 
     rows = []
     for name, entry in sorted(load_presets().items()):
@@ -44,9 +47,6 @@ def command(as_json):
         click.echo(json.dumps({"models": models, "gpus": gpus}, indent=2))
         return
     from rich.console import Console
-
-    from memfit.report.fit import Col, dropped_note, fitted_table
-    from memfit.units import fmt_count, fmt_gib
 
     console = Console()
     cols = [Col("name"), Col("params", "right"), Col("exact", "right", 2), Col("type", priority=3),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
 
 import click
 
+import memfit
 from memfit.cli.options import MEMORY_KEYS, explicit, flags, memory_options, with_options
 from memfit.errors import printable
-from memfit.settings.config import TrainConfig, check_lora_options
+from memfit.settings.config import TrainConfig, check_lora_options, read_config_file
 from memfit.settings.defaults import SHAPE
 
 EPILOG = """\b
@@ -41,8 +43,6 @@ _COMMAND_ONLY = [
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    from memfit.settings.config import read_config_file
-
     return read_config_file(path)
 
 
@@ -62,7 +62,6 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     merged = {**kwargs, **from_file, **typed}
     chosen = set(typed) | set(from_file)
     check_lora_options(chosen, "lora_r" in chosen)
-    import memfit
 
     model, data = merged.get("model"), merged.get("data")  # YAML's `data: 7` is the file "7", as TrainConfig reads it
     if model is not None:  # None (YAML's null): the default model
@@ -101,9 +100,6 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
             click.echo(f"  largest weight difference {result['max_abs_weight_diff']:.3g} (largest weight "
                        f"{result['max_abs_weight']:.3g}); final loss difference {result['loss_diff']:.3g}")
         return
-    import contextlib
-
-    import memfit
 
     # --json: stdout carries the summary only. Libraries print there during the run (DeepSpeed's logger,
     # bound to the stdout of the moment Accelerate's unwrap_model imports it when installed: "Setting

@@ -20,8 +20,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memfit import textfiles
+from memfit.data.formats import Fields
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations.hf_compat import quiet_json_parse_log
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 """File suffix -> the ``datasets`` packaged builder that reads it (``load_examples``)."""
@@ -118,7 +121,6 @@ def load_examples(path=None, *, fmt: str | None = None, fields=None, split: str 
     ``datasets`` reads (``handles``) by ``load_dataset``. The library's reader; ``memfit train`` goes through
     ``load_parts`` and Arrow instead, so a corpus larger than memory trains."""
     from memfit.data.dataset import load_local_examples
-    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     if path is None or not handles(path):
@@ -270,7 +272,6 @@ def _check_text_files(files: list[Path], fmt: str | None) -> None:
     (pyarrow's JSON reader takes any bytes into a text column and fails only when a row is read, and the
     ``text`` builder would train on a binary file's bytes), and a ``--data-format`` that a ``.txt`` file
     cannot hold: its documents are plain text, never conversations or prompt/completion pairs."""
-    from memfit import textfiles
 
     for file in files:
         if file.suffix.lower() not in LINE_BUILDERS:
@@ -288,7 +289,6 @@ def _read_files(files: list[Path], where: str, *, fresh: bool = False) -> Part:
     import datasets
 
     from memfit.data import arrow as data_arrow
-    from memfit.integrations.hf_compat import quiet_json_parse_log
 
     datasets.disable_progress_bars()
     suffix = files[0].suffix.lower()

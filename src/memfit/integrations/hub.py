@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -261,7 +262,6 @@ def progress_bars(show: bool):
     if show or are_progress_bars_disabled():
         yield
         return
-    import warnings
 
     with warnings.catch_warnings():  # HF_HUB_DISABLE_PROGRESS_BARS=0 has priority; it warns and keeps them
         warnings.simplefilter("ignore")

@@ -29,7 +29,11 @@ Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-onl
 
 from __future__ import annotations
 
+import tempfile
+
 from memfit.errors import UserError
+from memfit.integrations.hf_compat import no_loading_bar
+from memfit.integrations.versions import installed_version as version_of
 
 #: The extra that installs bitsandbytes (``pyproject.toml``: ``quant``; ``cuda`` is kept as an alias).
 EXTRA = "quant"
@@ -43,7 +47,6 @@ MIN_CUDA_VERSION = (0, 43)
 
 def installed_version() -> str | None:
     """The installed bitsandbytes version, or None (read from package metadata: nothing is imported)."""
-    from memfit.integrations.versions import installed_version as version_of
 
     return version_of("bitsandbytes")
 
@@ -173,12 +176,9 @@ def quantized_copy(model, run, device=None):
     the same quantized weights, as a checkpoint on disk (on every rank of a DDP run: each quantizes the same
     seeded weights the same way). ``device``: a CUDA device to load onto (else CPU).
     """
-    import tempfile
 
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
-
-    from memfit.integrations.hf_compat import no_loading_bar
 
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
         # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0

@@ -9,15 +9,22 @@ never drops a setting silently.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+from transformers.training_args import OptimizerNames
+
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations.quant_support import shards_packed_weights
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
+from memfit.spec.model import is_preset, load_presets, load_spec
 
 _MISSING = object()
 
@@ -54,7 +61,6 @@ class Reading:
         """The run with the memory flags typed on the command line written over it; a combination memfit
         cannot price is one sentence naming the file's keys (not memfit flags the user never typed)."""
         run = RunConfig.from_flat({**self.run.to_flat(), **typed})
-        from memfit.integrations.quant_support import shards_packed_weights
 
         if str(run.quantize) != "none" and str(run.offload) == "params" and not shards_packed_weights(run):
             raise UserError(f"{self.path}: {self.origin('offload')} offloads the parameters of a "
@@ -98,7 +104,6 @@ class Reading:
 
 def load_file(path: str | Path) -> dict:
     """A YAML or JSON file's top-level mapping, or one sentence naming the file."""
-    import yaml
 
     path = user_path(path)
     try:
@@ -238,7 +243,6 @@ def model_name(keys: Keys, key: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise keys.error(key, f"{value!r} is not a model name or path.")
-    from memfit.spec.model import is_preset, load_presets
 
     if is_preset(value):
         return value.lower()
@@ -264,7 +268,6 @@ def _base_name(repo_id: str) -> str:
 
 def check_model(reading: Reading, trust_remote_code: bool = False):
     """The reading's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
-    from memfit.spec.model import load_spec
 
     if reading.model is None:
         raise UserError(f"{reading.path} names no base model ({reading.model_key}); give MODEL too.")
@@ -352,7 +355,6 @@ _LAUNCH = r"^\s*#.*(?:--nproc[_-]per[_-]node|--num[_-]processes|NPROC_PER_NODE)[
 
 def stated_processes(path: str) -> int | None:
     """The process count a launch command in the file's comments gives (one such count only), else None."""
-    import re
 
     try:
         text = user_path(path).read_text(encoding="utf-8")
@@ -365,7 +367,6 @@ def stated_processes(path: str) -> int | None:
 def comment_words(path: str) -> set[str]:
     """The words of the file's comments (a launch command there names the recipe or trainer it runs:
     ``tune run full_dpo_distributed``, ``trl dpo``), lower case."""
-    import re
 
     try:
         text = user_path(path).read_text(encoding="utf-8")
@@ -454,7 +455,6 @@ TRAINER_OPTIMIZERS = {
 def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
     """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
     but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
-    from transformers.training_args import OptimizerNames
 
     value = str(keys.get(key, default)).lower()
     if value in TRAINER_OPTIMIZERS:
@@ -474,7 +474,6 @@ def flash_attention(keys: Keys, key: str) -> str:
     """``flash_attention_2`` where the flash-attn package is installed here, else SDPA with a sentence: memfit
     refuses to price flash-attn without it, and SDPA's CUDA flash backend saves the same tensors (the output and
     its log-sum-exp per head), so the number is the same to within the kernel's workspace."""
-    import importlib.util
 
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"

@@ -19,6 +19,7 @@ from typing import Any
 
 from memfit.files import user_path
 from memfit.interop.common import Keys, Reading, comment_words, preference
+from memfit.interop.emitting import changed_only
 
 NAME = "torchtune"
 #: No sharding of this tool runs through DeepSpeed (its distributed recipes are FSDP2).
@@ -227,7 +228,6 @@ GROUPS = ((("model",), ()), (("loss",), ()))
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as a torchtune recipe config: a source torchtune file with only what the plan changed
     (``emitting.changed_only``); the recipe it runs (distributed when sharded) is in ``launch``."""
-    from memfit.interop.emitting import changed_only
 
     same = source is not None and source.tool == NAME
     old = source.data.get("optimizer") if same else None

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory.quantized import dequantized_transient, int8_input_groups
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
+from memfit.spec.losses import chunk_tokens
 
 FP32 = 4
 QKV = frozenset(("q_proj", "k_proj", "v_proj"))
@@ -375,7 +377,6 @@ def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:
     autocast a half input, which PEFT's bitsandbytes layer passes uncast), so it adds nothing but is
     still kept until the end; q/k/v's input in LoRA's first layer needs no gradient, so no node holds it.
     """
-    from memfit.memory.quantized import int8_input_groups
 
     groups = int8_input_groups(ctx.spec, ctx.run, ctx.prec, ctx.device, ctx.stack.keeps_4bit_input())
     extra = held = 0
@@ -414,7 +415,6 @@ def quantized_mlp_moment(ctx: _Ctx) -> int:
     Measured on real tensors (bench/quant_memory.py, 4-bit and 8-bit, fp32 and bf16 autocast).
     ``_recompute_grads``' H w + 2 I c (a plain LoRA's moment) was +3.8% on the 4-bit fp32 --quick backward.
     """
-    from memfit.memory.quantized import dequantized_transient
 
     spec, run, prec, bt = ctx.spec, ctx.run, ctx.prec, ctx.bt
     i = spec.intermediate_size
@@ -649,7 +649,6 @@ def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     trained head the chunk's (V, H) weight-gradient product in c before it is added to the fp32 buffer.
     Exact on the tracer (every tensor is explicit); what CUDA kernels allocate inside matmuls is not counted.
     """
-    from memfit.spec.losses import chunk_tokens
 
     tokens = run.micro_batch * run.seq_len
     n = chunk_tokens(tokens, spec.vocab_size, spec.hidden_size)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.files import user_path
+from memfit.files import user_path, write_atomic
 from memfit.integrations import versions
 from memfit.memory import layer_plan
 from memfit.memory import preference_terms as pref
@@ -74,6 +74,7 @@ from memfit.settings.config import (
     Sharding,
 )
 from memfit.spec.engines import shard_group_size
+from memfit.spec.model import layer_kinds
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 6
@@ -453,7 +454,6 @@ def _load(path: Path, key: str) -> DerivedRecipe | None:
 
 def _store(path: Path, recipe: DerivedRecipe) -> None:
     """Write atomically; a cache that cannot be written only costs the next run a derivation."""
-    from memfit.files import write_atomic
 
     try:
         write_atomic(path, json.dumps(recipe.to_json(), separators=(",", ":")))
@@ -568,8 +568,6 @@ def _traced_model(spec):
     config's ``layer_types`` where the model built from them has the planned kinds, else its first layers."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from memfit.spec.model import layer_kinds
 
     chosen = layer_plan.plan(spec)
     config = layer_plan.small_config(spec.hf_config, chosen)

@@ -24,13 +24,19 @@ so it is reported as ``activations`` with a note saying so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.integrations.quant_support import quant_state_tensors
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.trace import dispatch_mode_base
 
 
 @dataclass
@@ -124,7 +130,6 @@ def _tensor_bytes(tensors) -> int:
 
 def state_bytes(model, optimizer) -> tuple[int, int, int]:
     """(weights incl. buffers, gradients, optimizer state) bytes held by live tensors now."""
-    import torch
 
     weights = _tensor_bytes(p for p in model.parameters()) + _tensor_bytes(model.buffers())
     grads = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -171,7 +176,6 @@ def measured_breakdown(peak_mem: PeakMemory, model, optimizer, *, trainable_para
 # ------------------------------------------------------------------------------------------------
 def _tensors(obj) -> Iterator:
     """The tensors in an operator's output (a tensor, or tuples/lists/dicts of them)."""
-    import torch
 
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -198,8 +202,6 @@ class _LiveBytes:
     """
 
     def __init__(self) -> None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
         self.seen = WeakIdKeyDictionary()  # storage -> (its counted bytes in a 1-list, weakref)
         self.current = 0
         self.peak = 0
@@ -242,9 +244,6 @@ class _LiveBytes:
 def _following_resizes(live: _LiveBytes) -> Iterator[None]:
     """Route ``torch.UntypedStorage.resize_`` through ``live.resized`` while the block runs (as torch's
     MemTracker does: the dispatch mode does not see storage resizes)."""
-    import functools
-
-    import torch
 
     original = torch.UntypedStorage.resize_
 
@@ -267,7 +266,6 @@ def _counting_mode(live: _LiveBytes, compiled: bool = False):
     ``compiled``: the mode says it ignores compile internals; otherwise Dynamo, finding a dispatch mode on the
     stack, runs a compiled model eagerly (torch 2.13 ``convert_frame``), and an eager step would be counted.
     """
-    from memfit.memory.trace import dispatch_mode_base
 
     base = dispatch_mode_base()
     if base is None:
@@ -398,12 +396,10 @@ def resident_tensors(model, optimizer, extra=()) -> list:
     """What a training process holds between steps: parameters (and any gradients left), buffers, the
     quantization state of a bitsandbytes base, the optimizer's state tensors (a ZeRO optimizer's flat
     partitions and buffers), and ``extra`` (e.g. the rollback snapshot's host buffers)."""
-    import torch
 
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    from memfit.integrations.quant_support import quant_state_tensors
 
     out += quant_state_tensors(model)  # bitsandbytes' quantization state lives beside the packed weights
     if type(inner).__module__.startswith("deepspeed."):  # a ZeRO optimizer's flat partitions and buffers
@@ -425,7 +421,6 @@ def _zero_held(optimizer) -> list:
     reduce bucket there, 37.4 MiB per rank on the tiny preset over 2 ranks, which an earlier walk of the
     torch optimizer alone left out of the measured peak.
     """
-    import torch
 
     zero = optimizer
     while not type(zero).__module__.startswith("deepspeed.") and hasattr(zero, "optimizer"):

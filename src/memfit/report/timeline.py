@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import figure_bytes, write_atomic
 from memfit.memory.breakdown import CATEGORIES
 from memfit.units import GiB, MiB, fmt_bytes
 
@@ -62,7 +63,6 @@ def plot_timeline(timeline, path) -> None:
     ax.legend(loc="upper left", fontsize="small", ncol=2)
     fig.tight_layout()
     path = Path(path)
-    from memfit.files import figure_bytes, write_atomic
 
     try:  # rendered in memory, then written whole (a full disk or a device node: one sentence)
         write_atomic(path, figure_bytes(fig, path, dpi=120), what="--timeline")

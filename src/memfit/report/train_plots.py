@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from memfit.files import figure_bytes, write_atomic
+
 
 def plot_loss(records: list[dict], out_path: Path, *, unigram: float | None = None) -> Path | None:
     """Plot the losses logged in ``metrics.jsonl`` (its records, read and checked by the caller:
@@ -32,7 +34,6 @@ def plot_loss(records: list[dict], out_path: Path, *, unigram: float | None = No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    from memfit.files import figure_bytes, write_atomic
 
     try:  # in memory, then replaced whole: a link planted as loss.png is replaced, never written through
         write_atomic(Path(out_path), figure_bytes(fig, out_path), root=Path(out_path).parent, user_error=False)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 from memfit.errors import UserError
 
 #: The first torchao release whose ``to_nf4`` searches the nearest NF4 code in chunks of ``1024**2`` weights
@@ -197,8 +199,6 @@ class Stack:
 
 
 def _release(version: str) -> tuple[int, ...]:
-    from packaging.version import InvalidVersion, Version
-
     try:
         return Version(version).release
     except InvalidVersion:

@@ -16,12 +16,14 @@ import importlib.util
 import math
 import os
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.settings.schema import key_of, settings
+from memfit.units import fmt_count, fmt_gib
 
 
 def flag(name: str) -> str:
@@ -37,7 +39,6 @@ INT_MAX = 2**63 - 1
 def _shown(value: Any) -> str:
     """A value as the error sentence shows it, cut short: a YAML alias bomb (a list of lists of lists ...)
     would otherwise print for ever (``reprlib`` bounds the depth and the items shown)."""
-    import reprlib
 
     shower = reprlib.Repr()
     shower.maxlevel, shower.maxlist, shower.maxdict, shower.maxstring, shower.maxother = 2, 4, 4, 60, 60
@@ -330,7 +331,6 @@ def check_buildable(name: str, params: int, bytes_per_param: float, dtype: str) 
     machine (host RAM plus every GPU): building it could only fail, or first swap the machine to a halt.
     A lower bound of what training needs (no gradients, optimizer state or activations counted), so it
     never refuses a model that could be built; ``memfit estimate`` and ``plan`` predict the rest."""
-    from memfit.units import fmt_count, fmt_gib
 
     need = params * bytes_per_param
     ram, gpu = machine_memory()

@@ -52,7 +52,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+
 from memfit.errors import UserError
+from memfit.memory.deepspeed_layout import zero_sizes
 from memfit.settings.config import Precision, RunConfig
 from memfit.spec.engines import DEEPSPEED_STAGES, deepspeed_requested
 
@@ -62,7 +65,6 @@ MARKER = "deepspeed.json"
 
 def active(accelerator) -> bool:
     """Whether ``accelerator`` runs DeepSpeed (its distributed type is ``DEEPSPEED``)."""
-    from accelerate.utils import DistributedType
 
     return getattr(accelerator, "distributed_type", None) is DistributedType.DEEPSPEED
 
@@ -96,7 +98,6 @@ def ds_config(run: RunConfig, *, max_grad_norm: float, hidden_size: int | None =
     elements kept whole on every rank), the sizes Accelerate would fill in for a model it is given, from
     ``memory.deepspeed_layout.zero_sizes``: the numbers the estimator reads too.
     """
-    from memfit.memory.deepspeed_layout import zero_sizes
 
     stage = DEEPSPEED_STAGES[run.sharding]
     zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
@@ -134,7 +135,6 @@ def plugin(run: RunConfig):
     (``DeepSpeedPlugin._deepspeed_config_checks``: a ValueError). ``check_launch`` holds those fields to the
     flags, and memfit's config is built from the same flags, so the list is dropped for this process.
     """
-    from accelerate.utils import DeepSpeedPlugin
 
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     return DeepSpeedPlugin(hf_ds_config=ds_config(run, max_grad_norm=0.0), zero3_init_flag=False)

@@ -33,10 +33,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from transformers.utils import logging as hf_logging
+
 from memfit.errors import UserError
 from memfit.files import check_no_links, user_path
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training.runfolder import manifest
+from memfit.training.runfolder.folder import remove_entry
 from memfit.training.runfolder.layout import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
 
@@ -116,7 +119,6 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     for path in complete[max(keep, 1):]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)
-    from memfit.training.runfolder.folder import remove_entry
 
     for leftover in checkpoints_dir(output).glob(".tmp-step-*"):  # the lock holder's call: none is in use
         remove_entry(leftover)
@@ -195,7 +197,6 @@ def _check_kind(output: Path, name: Path) -> None:
 @contextmanager
 def _quiet_transformers():
     """No "Writing model shards" bar under memfit's own output (transformers' bars are a global switch)."""
-    from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

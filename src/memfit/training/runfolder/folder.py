@@ -31,6 +31,7 @@ Rules (issue 14):
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -223,8 +224,6 @@ class RunFolder:
             remove_entry(leftover)
 
     def _lock(self) -> None:
-        import fcntl
-
         if self.holds_lock:
             return
         path = self.output / MARKER

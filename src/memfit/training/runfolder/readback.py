@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
+
+from accelerate.utils import load
 
 from memfit.errors import UserError
 
@@ -135,9 +138,6 @@ def rng_problem(path: Path) -> str | None:
     (dropout, sampling) than the run had. Loaded as Accelerate loads it (``weights_only``)."""
     if not path.is_file():
         return f"lacks {path.name}"
-    import warnings
-
-    from accelerate.utils import load
 
     try:
         with warnings.catch_warnings():  # torch's note on a foreign pickle precedes the refusal anyway
