@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from memfit import check_inputs, preview_record
+import memfit
 from memfit.cli.data_options import data_options
 from memfit.errors import printable, printable_lines
 from memfit.settings.config import TrainConfig
@@ -40,8 +40,8 @@ def preview(**kwargs: Any) -> None:
     index, as_json = kwargs.pop("index"), kwargs.pop("as_json")
     config = TrainConfig.of(**{k: v for k, v in kwargs.items() if v is not None and v is not False}
                             | {"train_on_prompt": bool(kwargs.get("train_on_prompt"))})
-    check_inputs(config.source.model, config.data, config.source.revision)  # a typo: before torch loads
-    result = preview_record(config, index)
+    memfit.check_inputs(config.source.model, config.data, config.source.revision)  # a typo: before torch loads
+    result = memfit.preview_record(config, index)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from memfit import load_presets
+import memfit
 from memfit.report.fit import Col, dropped_note, fitted_table
 from memfit.units import fmt_count, fmt_gib
 
@@ -15,7 +15,7 @@ def preset_rows() -> list[dict]:
     """Name, parameter count (real checkpoint's), family and description of every preset."""
 
     rows = []
-    for name, entry in sorted(load_presets().items()):
+    for name, entry in sorted(memfit.load_presets().items()):
         cfg = entry.get("config", {})
         rows.append({"name": name, "params": entry.get("params"), "model_type": cfg.get("model_type"),
                      "vocab_size": cfg.get("vocab_size"), "description": entry.get("description", ""),

@@ -86,10 +86,9 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     """
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
-        from memfit import check_equivalence
         from memfit.report.summary import json_safe
 
-        result = check_equivalence(config)
+        result = memfit.check_equivalence(config)
         if config.json:
             click.echo(json.dumps(json_safe(result), indent=2))
         else:

@@ -52,7 +52,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from accelerate.utils import DeepSpeedPlugin, DistributedType
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
+from transformers.integrations import unset_hf_deepspeed_config
 
 from memfit.errors import UserError
 from memfit.memory.deepspeed_layout import zero_sizes
@@ -145,8 +146,6 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     backend named (see the module docstring); on a GPU the plain Accelerate DeepSpeed path."""
     kwargs: dict = {"deepspeed_plugin": plugin(run), "cpu": False}
     if not cuda:
-        from accelerate.utils import InitProcessGroupKwargs
-
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     return kwargs
 
@@ -164,8 +163,6 @@ def build_models_whole(accelerator) -> None:
     Cost: each rank holds the whole model on its host until ``prepare``, like the FSDP2 path's rank 0.
     """
     if active(accelerator):
-        from transformers.integrations import unset_hf_deepspeed_config
-
         unset_hf_deepspeed_config()
 
 

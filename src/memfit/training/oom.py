@@ -27,6 +27,7 @@ import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
 from memfit.errors import UserError
+from memfit.integrations.hf_compat import enable_checkpointing
 from memfit.planning.search import fallbacks
 from memfit.settings.config import Optimizer, RunConfig
 from memfit.spec.optimizers import inner_optimizer
@@ -137,8 +138,6 @@ def switch_live(accelerator, model, optimizer, before: RunConfig, after: RunConf
     """Apply ``after`` to the running objects: accumulation, checkpointing, the optimizer implementation."""
     accelerator.gradient_accumulation_steps = after.grad_accum
     if after.grad_checkpointing and not before.grad_checkpointing:
-        from memfit.integrations.hf_compat import enable_checkpointing
-
         enable_checkpointing(accelerator.unwrap_model(model))
     if after.optimizer is Optimizer.ADAMW_FUSED and before.optimizer is not Optimizer.ADAMW_FUSED:
         use_fused_adamw(optimizer)

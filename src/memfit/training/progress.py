@@ -164,7 +164,6 @@ class LiveProgress:
 
     def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None, *,
                  log_every: int = 1, live: bool | None = None) -> None:
-
         self.enabled = enabled
         self.console = console or Console(stderr=True)
         self.live = enabled and (self.console.is_interactive if live is None else live)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import release_memory
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from memfit.settings.config import Optimizer
 from memfit.spec.optimizers import inner_optimizer, row
@@ -219,8 +220,6 @@ def undo_step(accelerator, model, optimizer) -> None:
     accelerator.step = 0
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None:
-        from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
         scaler._per_optimizer_states.clear()  # private: GradScaler.update() does the same after a step
         scaler._per_optimizer_states.default_factory = _refresh_per_optimizer_state
     original = getattr(optimizer, "_optimizer_original_step_method", None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, init_empty_weights
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradientAccumulationPlugin
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
@@ -28,14 +28,22 @@ from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.integrations import hub, quant_support
 from memfit.integrations.hf_compat import no_loading_bar
-from memfit.integrations.quant_support import logical_numel
+from memfit.integrations.quant_support import (
+    accept_own_quant_state,
+    bnb_config,
+    keep_training_path,
+    logical_numel,
+    quantized_copy,
+)
 from memfit.integrations.trackers import check_tracker
 from memfit.settings import validate
 from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig, TrainConfig
+from memfit.settings.defaults import default_lr
 from memfit.spec import model as modelspec
-from memfit.spec.losses import check_loss_runnable
+from memfit.spec.losses import check_loss_runnable, check_model_supports
 from memfit.spec.optimizers import check_device, row
 from memfit.training import deepspeed_engine, sharding
+from memfit.training.weights import check_weights, loading
 from memfit.units import dtype_bytes
 
 
@@ -200,8 +208,6 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
     hf_config.use_cache = False  # training: no KV cache
     random_init = modelspec.is_preset(source.model) or folder.is_file() or source.init == "random"
     if not random_init:
-        from memfit.training.weights import check_weights
-
         check_weights(folder)  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
@@ -238,33 +244,24 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     kwargs = build.model_kwargs(run, resolved.attention, resolved.experts)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
-        from accelerate import init_empty_weights
-
         with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(source.hf_config,
                                                      trust_remote_code=config.source.trust_remote_code,
                                                      **kwargs)
         if run.quantize is not Quantize.NONE:
-            from memfit.integrations.quant_support import quantized_copy
-
             model = quantized_copy(model, run, device=device if on_gpu else None)  # from_config cannot quantize
     else:
         if run.quantize is not Quantize.NONE:
-            from memfit.integrations.quant_support import bnb_config
-
             kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
         if source.hub is not None and not config.source.allow_pickle_weights:
             kwargs["use_safetensors"] = True  # a pickle another tool cached next to them is never unpickled
-        from memfit.training.weights import loading
 
         with loading(source.path), no_loading_bar():
             model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
                                                          trust_remote_code=config.source.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
-        from memfit.integrations.quant_support import accept_own_quant_state, keep_training_path
-
         accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
         keep_training_path(model)  # evaluation and samples on training's path: bitsandbytes' CPU one fails late
     # Checkpointing, LoRA and training mode: the steps --exact's trace takes too (memfit.builder.parts).
@@ -273,8 +270,6 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     if run.is_lora():
         _name_base(model, source.base_name)
     if str(run.loss) != "standard":
-        from memfit.spec.losses import check_model_supports
-
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -371,8 +366,6 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     torch picks the implementation for the device the parameters are on."""
     lr = config.optim.lr
     if lr is None:  # a library caller that builds without a session (which derives it): the method's default
-        from memfit.settings.defaults import default_lr
-
         lr = default_lr(random_init=False, lora=run.is_lora())[0]
     return build.make_optimizer(run, build.parameter_groups(model, config.optim.weight_decay), lr)
 

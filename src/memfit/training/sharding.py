@@ -57,7 +57,12 @@ from accelerate.utils import (
 )
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from memfit.errors import UserError
@@ -301,7 +306,6 @@ def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler,
         return lambda folder: _save_full(folder, accelerator, model, optimizer, scheduler)
 
     def save(folder: str) -> None:
-
         dcp.save({"app": _ModelAndOptimizer(model, _inner(optimizer))}, checkpoint_id=str(Path(folder) / DCP_DIR))
         save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step)
         if accelerator.is_main_process:
@@ -421,8 +425,6 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     if deepspeed_engine.active(accelerator):
         full = deepspeed_engine.full_state_dict(accelerator, model)
     else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not accelerator.is_main_process:
         return None

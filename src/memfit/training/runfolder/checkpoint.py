@@ -23,6 +23,7 @@ final export is written to ``.tmp-export-<tag>`` and moved into place file by fi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -249,8 +250,6 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, fina
             cfg.base_model_name_or_path = doc["base_model_name_or_path"]
     written.append("adapter_model.safetensors")
     if merge:
-        import copy
-
         with quiet_4bit_merge():  # a 4-bit base is quantized again after the merge: the docs say so
             merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(output / "merged")

@@ -255,8 +255,6 @@ class RunFolder:
         if failed and held and not self.started and self._made_marker and not self.created:
             (self.output / MARKER).unlink(missing_ok=True)  # a refused run leaves the folder as it found it
         if self._lock_fd is not None:
-            import fcntl
-
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -19,6 +19,7 @@ from typing import Any
 from accelerate.utils import load
 
 from memfit.errors import UserError
+from memfit.training.runfolder.ledger import valid_fingerprint
 
 _COUNT = "a whole number >= 0"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -66,8 +67,6 @@ def state_problem(state: Any) -> str | None:
             return f"has {key} = {_show(state[key])}, not {want}"
     fp = state.get("data_fingerprint")
     if fp is not None:
-        from memfit.training.runfolder.ledger import valid_fingerprint
-
         if not valid_fingerprint(fp):
             return f"has data_fingerprint = {_show(fp)}, not a data fingerprint"
     return None
