@@ -79,7 +79,6 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
         if len(suffixes) != 1:
             raise UserError(f"Data folder {p} mixes file types ({', '.join(sorted(suffixes))}); keep one per folder.")
         builder = BUILDERS[suffixes.pop()]
-        from memfit.integrations.hf_compat import quiet_json_parse_log
 
         try:
             with quiet_json_parse_log():  # the parse error comes back as the exception worded below

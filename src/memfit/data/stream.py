@@ -23,6 +23,7 @@ from pathlib import Path
 from memfit import textfiles
 from memfit.data import sources as data_sources
 from memfit.data.formats import Fields
+from memfit.data.pairs import is_pair_record, record_to_pair
 from memfit.data.sources import check_columns, load_dataset
 from memfit.errors import UserError
 from memfit.files import user_path
@@ -49,7 +50,6 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
                 from memfit.data.dataset import Example
 
                 return Example(text=record, where=where)
-            from memfit.data.pairs import is_pair_record, record_to_pair
 
             if fmt is None and is_pair_record(record):  # a preference pair (memfit.data.pairs)
                 return record_to_pair(record, where)

@@ -29,6 +29,7 @@ Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-onl
 
 from __future__ import annotations
 
+import math
 import tempfile
 
 from memfit.errors import UserError
@@ -215,8 +216,6 @@ def logical_numel(param) -> int:
     state = getattr(param, "quant_state", None)
     shape = getattr(state, "shape", None)
     if shape is not None:
-        import math
-
         return math.prod(shape)
     return param.numel()
 

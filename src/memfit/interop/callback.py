@@ -105,8 +105,6 @@ class MemfitCallback(TrainerCallback):
         if self.budget is not None:
             return parse_size(self.budget)
         if device == "cuda":
-            import torch
-
             return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
         return None
 
@@ -145,8 +143,6 @@ class MemfitCallback(TrainerCallback):
 
     def measured_bytes(self) -> int:
         if self._device == "cuda":
-            import torch
-
             return int(torch.cuda.max_memory_allocated())
         return int(self._measured)
 

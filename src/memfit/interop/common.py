@@ -313,8 +313,6 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
     if isinstance(value, str):
         found = [p for p in (Path(keys.path).parent / value, user_path(value)) if p.is_file()]
         if not found:
-            import re
-
             named = re.search(r"z(?:ero)?[_-]?([0-3])(?![0-9])", Path(value).name.lower())  # ds_z3_config, zero2
             stage = int(named.group(1)) if named else None
             if stage is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.interop.common import Keys, Reading, comment_words, preference
 from memfit.interop.emitting import changed_only
@@ -292,8 +293,6 @@ def _builder(model: str, source: Reading | None) -> tuple[str, str]:
         return module, re.sub(r"^(q?lora)_", "", name)
     preset = {v: k for k, v in BUILDERS.items()}.get(model)
     if preset is None:
-        from memfit.errors import UserError
-
         raise UserError(f"{model} has no torchtune builder memfit knows; torchtune builds "
                         f"{', '.join(sorted(set(BUILDERS.values())))}.")
     return f"torchtune.models.{_family(preset)}", preset

@@ -20,6 +20,8 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
+import psutil  # an Accelerate dependency
+
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.settings.schema import key_of, settings
@@ -313,8 +315,6 @@ def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
 # ------------------------------------------------------------------------------------- machine facts
 def machine_memory() -> tuple[int, int]:
     """``(host RAM, GPU memory)`` of this machine in bytes: all the memory a model could be built in."""
-    import psutil  # an Accelerate dependency
-
     gpu = 0
     try:
         import torch

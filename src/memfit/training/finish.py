@@ -19,6 +19,7 @@ from memfit.files import write_atomic
 from memfit.integrations.versions import MEMFIT
 from memfit.memory import measure
 from memfit.memory.outside import predicted_outside
+from memfit.memory.phases import phase_figures  # every phase's reserved memory, loading to the last save
 from memfit.report.train_plots import plot_loss
 from memfit.settings.config import TrainConfig
 from memfit.training import sharding
@@ -84,8 +85,6 @@ def _outside(s: TrainSession) -> dict | None:
     outside = predicted_outside(s.source.spec, s.run, s.device)
     if outside is None:
         return None
-    from memfit.memory.phases import phase_figures  # every phase's reserved memory, loading to the last save
-
     predicted = s.planned.predicted
     return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device) if predicted else {})}
 

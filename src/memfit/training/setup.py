@@ -42,6 +42,7 @@ from memfit.settings.defaults import default_lr
 from memfit.spec import model as modelspec
 from memfit.spec.losses import check_loss_runnable, check_model_supports
 from memfit.spec.optimizers import check_device, row
+from memfit.spec.resolved import resolve
 from memfit.training import deepspeed_engine, sharding
 from memfit.training.weights import check_weights, loading
 from memfit.units import dtype_bytes
@@ -211,8 +212,6 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
         check_weights(folder)  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
-    from memfit.spec.resolved import resolve
-
     spec = modelspec.source_spec(source)
     _check_buildable(spec, run)
     return ResolvedModel(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)

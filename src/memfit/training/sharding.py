@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from memfit.errors import UserError
 from memfit.memory.outside import outside_step
@@ -263,10 +263,6 @@ def reshard_all(model) -> None:
     the tiny preset, ZeRO-2 on 2 CPU ranks, every layer's parameters (+25 MB) still held by the save that
     follows. The next forward gathers them again as it would anyway.
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
