@@ -13,6 +13,7 @@ from memfit.cli.interop import from_options, read_from, show_reading
 from memfit.cli.options import explicit, flags, memory_options, run_config_from
 from memfit.errors import UserError
 from memfit.report.fit import dropped_note
+from memfit.report.node_tables import rank_layout_table
 from memfit.report.plots import plot_breakdowns
 from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
 from memfit.settings.config import TrainConfig, check_lora_options
@@ -124,9 +125,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=Non
             payload.update(rows[0][1].to_dict())
             payload["phases"] = phases.to_dict()
         if run.nodes > 1 and run.num_processes > run.nodes:
-            from memfit import rank_layouts
-
-            payload["across_nodes"] = [t.to_dict() for t in rank_layouts(spec, run)]
+            payload["across_nodes"] = [t.to_dict() for t in memfit.rank_layouts(spec, run)]
         click.echo(json.dumps(payload, indent=2))
         return
     console = Console()
@@ -149,10 +148,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=Non
             console.print(f"  [dim]- {line}[/]")
         console.print(phases_table(phases))
         if run.nodes > 1 and run.num_processes > run.nodes:  # several nodes: each sharding's per-rank terms
-            from memfit import rank_layouts
-            from memfit.report.node_tables import rank_layout_table
-
-            table, dropped = rank_layout_table(rank_layouts(spec, run), run, console.width)
+            table, dropped = rank_layout_table(memfit.rank_layouts(spec, run), run, console.width)
             console.print(table)
             if dropped:
                 console.print(f"[dim]{dropped_note(dropped)}[/]")

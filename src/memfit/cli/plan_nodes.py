@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import click
+from rich.console import Console
 
 import memfit
 from memfit.errors import UserError
+from memfit.report.node_tables import node_count_table
 from memfit.report.runs import shell_lines
 
 
@@ -42,10 +44,6 @@ def node_payload(across, model: str, revision: str | None) -> dict:
 
 def print_nodes(across) -> None:
     """The table of node counts and the sentence that answers "how many nodes"."""
-    from rich.console import Console
-
-    from memfit.report.node_tables import node_count_table
-
     console = Console()
     if len(across.choices) > 1:
         table, _ = node_count_table(across.choices, console.width)

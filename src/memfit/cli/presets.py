@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import click
+from rich.console import Console
 
 import memfit
 from memfit.report.fit import Col, dropped_note, fitted_table
@@ -46,8 +47,6 @@ def command(as_json):
     if as_json:
         click.echo(json.dumps({"models": models, "gpus": gpus}, indent=2))
         return
-    from rich.console import Console
-
     console = Console()
     cols = [Col("name"), Col("params", "right"), Col("exact", "right", 2), Col("type", priority=3),
             Col("vocab", "right", 1), Col("description", priority=4, wrap_min=36)]

@@ -12,6 +12,7 @@ import click
 import memfit
 from memfit.cli.options import MEMORY_KEYS, explicit, flags, memory_options, with_options
 from memfit.errors import printable
+from memfit.report.summary import json_safe, print_summary
 from memfit.settings.config import TrainConfig, check_lora_options, read_config_file
 from memfit.settings.defaults import SHAPE
 
@@ -86,8 +87,6 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     """
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
-        from memfit.report.summary import json_safe
-
         result = memfit.check_equivalence(config)
         if config.json:
             click.echo(json.dumps(json_safe(result), indent=2))
@@ -112,7 +111,5 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     if config.json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
-        from memfit.report.summary import print_summary
-
         print_summary(summary)
 
