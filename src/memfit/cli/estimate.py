@@ -1,5 +1,7 @@
 """``memfit estimate``: where every byte of a training step goes (thin over ``memfit.estimate``)."""
 
+# Inside functions: memfit.trace (memory.trace: 5.5 s to import; python -X importtime, 2026-12-06, this shared 2-core machine) and report.timeline, for --exact and --timeline
+# only; an install without them gets one sentence.
 from __future__ import annotations
 
 import json

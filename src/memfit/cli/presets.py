@@ -1,5 +1,6 @@
 """``memfit presets``: the architecture presets (and the GPU table when the planner is installed)."""
 
+# Inside a function: memfit.load_gpus, so an install without planning/ still lists the presets.
 from __future__ import annotations
 
 import json

@@ -27,6 +27,7 @@ from functools import lru_cache
 from itertools import chain
 
 import numpy as np
+import pyarrow as pa
 
 from memfit.data.dataset import BYTE_SPECIALS, byte_tokenizer
 
@@ -129,8 +130,6 @@ def docs_table(docs: list[tuple], id_type: str):
 
 
 def _table(offsets, ids, labels, conversation, lengths, cast_to: str | None = None):
-    import pyarrow as pa
-
     def column(values):
         flat = pa.array(values)
         if cast_to is not None:

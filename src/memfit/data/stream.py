@@ -15,6 +15,8 @@ sorted by path), each read the way training reads it, but streamed:
 * a Hub id: streamed (``streaming=True``).
 """
 
+# Inside functions: datasets (1.4 s), pyarrow.parquet and memfit.data.dataset (4.8 s: torch; python -X importtime, 2026-12-06, this shared 2-core machine); `memfit
+# data preview` checks its input before any of them loads (tests/test_faults_inputs.py).
 from __future__ import annotations
 
 from collections.abc import Iterator

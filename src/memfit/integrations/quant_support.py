@@ -27,6 +27,8 @@ Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-onl
   (``keep_training_path``): any shape runs, and evaluation computes what the estimate priced.
 """
 
+# Inside functions: bitsandbytes (optional: the quant extra; 6.7 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), torch (2.6 s),
+# transformers and safetensors.torch (1.1 s): the support checks run on torch-free paths.
 from __future__ import annotations
 
 import math

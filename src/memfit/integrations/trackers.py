@@ -9,6 +9,7 @@ under ``--output`` (Accelerate's ``logging_dir``); wandb writes its run under ``
 ``~/.cache/huggingface/trackio``) unless a Space is set.
 """
 
+# Inside a function: mlflow, an optional extra (the tracker's own package), asked for only by --tracker mlflow.
 from __future__ import annotations
 
 import importlib.util

@@ -224,8 +224,6 @@ class Keys:
         try:
             config = RunConfig.of(**run)
         except UserError as err:
-            import re
-
             said = re.sub(r"--([a-z0-9-]+)", lambda m: self.origins.get(m.group(1).replace("-", "_"), m.group(0)),
                           str(err))
             raise UserError(f"{self.path}: {said}") from None

@@ -28,7 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.memory.quantized import dequantized_transient, int8_input_groups
+from memfit.memory.preference_terms import preference_logits_terms
+from memfit.memory.quantized import (
+    dequantized_transient,
+    int8_input_groups,
+    projection_output_bytes,
+    unquantized_bytes,
+)
+from memfit.memory.trl_head import trl_logits_terms
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
 from memfit.spec.losses import chunk_tokens
@@ -58,7 +65,6 @@ class Precisions:
             # input's dtype; a bf16 ``--dtype`` with full upcast enters only the dequantized weight). Under
             # autocast the fp32 adapters' linears and SDPA cast to the autocast dtype, as in LoRA; what the
             # quantized projections return is ``memory.quantized.projection_output_bytes``.
-            from memfit.memory.quantized import unquantized_bytes
 
             w = unquantized_bytes(run)
             c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
@@ -107,8 +113,6 @@ class _Ctx:
         CUDA a half input reaches ``lora_A`` as is (shared with whoever saved it); on the CPU it is cast to
         fp32 and back to the autocast dtype, a copy of its own."""
         if run.quantize is not Quantize.NONE:
-            from memfit.memory.quantized import projection_output_bytes
-
             self.proj = projection_output_bytes(run, prec.c, device)
             self.bnb_keeps_half_input = device == "cuda"
         hf = spec.hf_config
@@ -616,15 +620,11 @@ def logits_terms(spec, run: RunConfig, prec: Precisions, device: str = "cuda") -
     Checked against the exact tracer to the byte (transformers 5.24, torch 2.13).
     """
     if str(run.loss) == "trl":  # TRL's SFTTrainer: its fused LM head (memory/trl_head.py)
-        from memfit.memory.trl_head import trl_logits_terms
-
         forward, backward = trl_logits_terms(spec, run, prec, device)
         return LogitsTerms(forward=forward, backward=backward)
     if str(run.loss) != "standard":
         return chunked_logits_terms(spec, run, prec)
     if str(run.method) != "sft":  # the preference loss reads the logits itself (memory/preference_terms.py)
-        from memfit.memory.preference_terms import preference_logits_terms
-
         forward, backward = preference_logits_terms(spec, run, prec)
         return LogitsTerms(forward=forward, backward=backward)
     n = run.micro_batch * run.seq_len * spec.vocab_size

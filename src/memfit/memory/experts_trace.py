@@ -15,6 +15,7 @@ largest slice) grows; an expert that gets no token skips its weight copy under A
 every expert's). The per-expert index tensors are int64 pairs as in eager (``torch.where``'s outputs).
 """
 
+# Inside a function, in a try: transformers.integrations.moe (a transformers without MoE kernels has nothing to replace).
 from __future__ import annotations
 
 import contextlib

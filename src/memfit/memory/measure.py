@@ -21,6 +21,7 @@ holds beyond them (activations, logits, temporaries) cannot be told apart from a
 so it is reported as ``activations`` with a note saying so.
 """
 
+# Inside a function, in a try: torch._inductor.codecache, a private module (a torch without it: nothing to wrap).
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +32,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil  # an Accelerate dependency
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -93,19 +95,13 @@ def cpu_peak_rss() -> int:
 def reset_peak(device_type: str) -> None:
     """Start a fresh CUDA peak (CPU peak RSS cannot be reset: it covers the whole process)."""
     if device_type == "cuda":
-        import torch
-
         torch.cuda.reset_peak_memory_stats()
 
 
 def in_use(device_type: str) -> int:
     """Bytes in use now: CUDA memory allocated, or the process's current RSS on CPU."""
     if device_type == "cuda":
-        import torch
-
         return int(torch.cuda.memory_allocated())
-    import psutil  # an Accelerate dependency
-
     return int(psutil.Process().memory_info().rss)
 
 
@@ -115,8 +111,6 @@ def peak(device_type: str, step_peak: StepPeak | None = None) -> PeakMemory:
         out.cpu_tensor_peak, out.cpu_tensor_peak_step = step_peak.peak_bytes, step_peak.measured_step
         out.cpu_tensor_peak_rows = step_peak.rows
     if device_type == "cuda":
-        import torch
-
         out.cuda_max_allocated = int(torch.cuda.max_memory_allocated())
         out.cuda_max_reserved = int(torch.cuda.max_memory_reserved())
     return out

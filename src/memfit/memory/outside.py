@@ -39,6 +39,7 @@ checkpoint is predicted whether or not the run saves one (the default, sharded D
 measurable on CPU). Not yet checked on a GPU.
 """
 
+# Inside a function: spec.model's load_spec, in a try: a model it cannot describe is no prediction, never a failure.
 from __future__ import annotations
 
 from dataclasses import dataclass

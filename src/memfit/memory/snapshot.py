@@ -30,6 +30,8 @@ first step's, which is exact for fused AdamW (its state is allocated inside that
 and reports the rise under ``optimizer``.
 """
 
+# Inside a function: memory.trace (5.5 s to import, python -X importtime, 2026-12-06, this shared 2-core machine), only
+# for a --compile run: an analytic estimate never loads torch's tracing.
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +39,7 @@ import dataclasses
 from memfit.memory.estimate import estimate, rollback_snapshot_bytes
 from memfit.memory.states import model_states, quant_state_bytes
 from memfit.settings.config import Offload, RunConfig
+from memfit.spec.engines import estimator_engine
 from memfit.spec.optimizers import row
 from memfit.units import fmt_bytes
 
@@ -83,8 +86,6 @@ def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None
     ``estimate``'s choice of recipe (None: its own)."""
 
     if engine is None:
-        from memfit.spec.engines import estimator_engine
-
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
         Offload.PARAMS, Offload.OPTIMIZER) else run

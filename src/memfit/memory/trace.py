@@ -62,16 +62,17 @@ from memfit.builder import parts as build
 from memfit.builder import preference
 from memfit.errors import UserError
 from memfit.integrations import versions
-from memfit.integrations.quant_support import logical_numel
+from memfit.integrations.quant_support import check, logical_numel
 from memfit.memory import preference_terms as pref
 from memfit.memory.activations import MASKED_PACKING
 from memfit.memory.alloc_stream import WORKSPACE, predicted_reserved, stream_recorder
 from memfit.memory.allocator_config import settings_from_env
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
-from memfit.memory.compiled import compiled_saved_bytes, mask_path
+from memfit.memory.compiled import compiled_saved_bytes, mask_path, with_compiled_saved_set
 from memfit.memory.cuda_kernels import Substitutions, cuda_kernels
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.experts_trace import traceable_experts
+from memfit.memory.offload_trace import saved_tensors_off_device
 from memfit.memory.preference_terms import reference_policy
 from memfit.memory.quantized_trace import (
     dynamic_map_for,
@@ -79,6 +80,7 @@ from memfit.memory.quantized_trace import (
     gemm_4bit_steps,
     hold_quant_state,
     is_params4bit,
+    quantize_on_meta,
 )
 from memfit.memory.stack_terms import notes as stack_notes
 from memfit.settings.config import (
@@ -172,8 +174,6 @@ def _private_api() -> dict[str, Any]:
             "tree_leaves": importlib.import_module("torch.utils._pytree").tree_leaves,
         }
     except (ImportError, AttributeError) as err:
-        import torch
-
         raise UserError(
             f"--exact needs torch's FakeTensorMode and MemTracker, which torch {torch.__version__} lacks "
             f"({err}); install torch >= 2.5 or use the analytic estimate."
@@ -223,8 +223,6 @@ def check_supported(run: RunConfig, device: str = "cpu") -> None:
         raise UserError("--quantize 8bit is not supported in exact mode (its layers keep their inputs outside "
                         "autograd's saved tensors and run int8 kernels on CUDA); use the analytic estimate, or 4bit.")
     if run.quantize is Quantize.Q4:
-        from memfit.integrations.quant_support import check
-
         check("cpu", "--quantize 4bit --exact")  # bitsandbytes' ops (and their fake kernels) are imported
     if not row(run.optimizer).traceable:
         raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode (its kernels cannot run "
@@ -263,8 +261,6 @@ def _build_model(config, resolved: ResolvedRun):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                  **build.model_kwargs(run, attn, resolved.experts))
         if run.quantize is Quantize.Q4:  # as from_pretrained quantizes: before checkpointing and PEFT
-            from memfit.memory.quantized_trace import quantize_on_meta
-
             model = quantize_on_meta(model, run)
         return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())
 
@@ -584,8 +580,6 @@ def _freed_grads_unseen(run: RunConfig):
 def _saved_tensors_place(run: RunConfig):
     """``--offload activations``: saved tensors off the device while saved (``memory/offload_trace.py``)."""
     if run.offload is Offload.ACTIVATIONS:
-        from memfit.memory.offload_trace import saved_tensors_off_device
-
         return saved_tensors_off_device()
     return contextlib.nullcontext()
 
@@ -982,8 +976,6 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         breakdown.notes.insert(2, "4-bit base: bitsandbytes' Linear4bit and its ops traced on fake tensors, the "
                                "forward's gemm_4bit as dequantize + linear (memory/quantized_trace.py).")
     if run.compile:
-        from memfit.memory.compiled import with_compiled_saved_set
-
         breakdown = with_compiled_saved_set(breakdown, line, _compiled_saved(config, resolved, api))
 
     breakdown.notes += stack_notes(stack, derived=True, traced=True) if stack is not None else []

@@ -1,5 +1,6 @@
 """Matplotlib figures for estimates (lazy import, Agg backend: works without a display)."""
 
+# Inside functions: matplotlib.pyplot (0.46 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), only for --plot.
 from __future__ import annotations
 
 from pathlib import Path

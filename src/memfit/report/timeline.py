@@ -4,6 +4,7 @@ Stacked areas of allocated bytes by category after every operator, the forward /
 phases shaded and labelled, the peak annotated. matplotlib is imported lazily (the CLI stays fast).
 """
 
+# Inside functions: matplotlib.pyplot (0.46 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), only for --timeline.
 from __future__ import annotations
 
 from pathlib import Path

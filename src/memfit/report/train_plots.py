@@ -1,5 +1,6 @@
 """``loss.png``: training loss per logged step, held-out loss, and the unigram baseline (matplotlib, lazy)."""
 
+# Inside functions: matplotlib.pyplot (0.46 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), at the end of a run only.
 from __future__ import annotations
 
 import math

@@ -24,6 +24,7 @@ over all micro-batches and ranks), exactly what ``ForCausalLMLoss(..., num_items
 so the exact accumulation of ``training/step.py`` is unchanged.
 """
 
+# Inside functions: liger-kernel and cut-cross-entropy, optional extras (--loss liger|cce).
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ import torch
 
 from memfit.errors import UserError
 from memfit.settings.config import Loss, RunConfig
+from memfit.spec.batch import model_inputs  # a packed batch goes with its position ids, not its mask
 
 IGNORE_INDEX = -100
 
@@ -294,8 +296,6 @@ def final_hidden_states(model, batch: dict):
     handle = body.register_forward_hook(hook)
     try:
         nothing = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-        from memfit.spec.batch import model_inputs  # a packed batch goes with its position ids, not its mask
-
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         model(**inputs, logits_to_keep=nothing, use_cache=False)
     finally:

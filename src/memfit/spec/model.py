@@ -7,6 +7,8 @@ Size: ``spec_from_config`` is over 60 lines because it is one constructor call n
 ``ModelSpec`` as read from the built meta model; the fields read best side by side.
 """
 
+# Inside functions: torch (2.6 s), transformers' model classes (2.8 s) and spec.resolved (4.2 s; python -X importtime, 2026-12-06, this shared 2-core machine):
+# spec.model names and checks models on torch-free paths (tests/test_faults_inputs.py).
 from __future__ import annotations
 
 import copy

@@ -15,6 +15,7 @@ with its state in the URL; a plain page over a JSON API does that with two small
 layout to its components (docs/serve.md compares them).
 """
 
+# Inside functions: starlette and uvicorn, the web extra (memfit[web]); without it `memfit serve` says which extra to install.
 from __future__ import annotations
 
 import contextlib
