@@ -7,6 +7,8 @@ too: known ones that do not change memory in one summary sentence, unknown ones 
 never drops a setting silently.
 """
 
+# Inside a function: transformers.training_args (8.5 s to import; python -X importtime, 2026-12-06, this shared
+# 2-core machine): it imports transformers.trainer_utils, hence PEFT and bitsandbytes (and its import-time notice).
 from __future__ import annotations
 
 import importlib.util
@@ -17,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers.training_args import OptimizerNames
 
 from memfit.errors import UserError
 from memfit.files import user_path
@@ -451,6 +452,8 @@ TRAINER_OPTIMIZERS = {
 def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
     """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
     but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
+    from transformers.training_args import OptimizerNames  # see the note at the top of this module
+
 
     value = str(keys.get(key, default)).lower()
     if value in TRAINER_OPTIMIZERS:

@@ -24,6 +24,8 @@ Size: over 500 lines because it is the one table of per-family activation formul
 measured error); a family's terms are read side by side with the others' when a new family is added.
 """
 
+# Inside a function: spec.losses, which imports torch (2.6 s; python -X importtime, 2026-12-06, this shared 2-core
+# machine): the analytic estimator imports no torch (`memfit serve` starts without it).
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +40,6 @@ from memfit.memory.quantized import (
 from memfit.memory.trl_head import trl_logits_terms
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
-from memfit.spec.losses import chunk_tokens
 
 FP32 = 4
 QKV = frozenset(("q_proj", "k_proj", "v_proj"))
@@ -649,6 +650,7 @@ def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     trained head the chunk's (V, H) weight-gradient product in c before it is added to the fp32 buffer.
     Exact on the tracer (every tensor is explicit); what CUDA kernels allocate inside matmuls is not counted.
     """
+    from memfit.spec.losses import chunk_tokens  # see the note at the top of this module
 
     tokens = run.micro_batch * run.seq_len
     n = chunk_tokens(tokens, spec.vocab_size, spec.hidden_size)

@@ -3,8 +3,9 @@
     train (or run_training, which keeps the model)
       build_session   (training.session)  the run settled first (--batch, --budget's plan), then the Accelerator,
                                           model, data, optimizer and schedule built from it, resume
-      fit             (here)              litgpt's ``fit``: the Accelerator, model, optimizer and schedule are its
-                                          arguments; top to bottom, one optimizer step per iteration:
+      fit             (here)              litgpt's ``fit``: the Accelerator, model, optimizer, schedule, training
+                                          batches, held-out data and run folder are its arguments
+                                          (``training.parts``); top to bottom, one optimizer step per iteration:
         train_step      forward, backward, clip and the optimizer step of the step's micro-batches under the run's
                         loss (training.step: one accumulation loop for sft, dpo, orpo, simpo); on out of memory:
                         undo the step (training.rollback), fall back (training.oom), redo it (``redo_lower``)

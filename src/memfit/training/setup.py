@@ -18,7 +18,11 @@ import torch
 from accelerate import Accelerator, init_empty_weights
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradientAccumulationPlugin
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from memfit.builder import parts as build
 from memfit.data import dataset as data
@@ -28,6 +32,7 @@ from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.integrations import hub, quant_support
 from memfit.integrations.hf_compat import no_loading_bar
+from memfit.integrations.hub import HubModel
 from memfit.integrations.quant_support import (
     accept_own_quant_state,
     bnb_config,
@@ -41,8 +46,9 @@ from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig
 from memfit.settings.defaults import default_lr
 from memfit.spec import model as modelspec
 from memfit.spec.losses import check_loss_runnable, check_model_supports
+from memfit.spec.model import ModelSpec
 from memfit.spec.optimizers import check_device, row
-from memfit.spec.resolved import resolve
+from memfit.spec.resolved import ResolvedRun, resolve
 from memfit.training import deepspeed_engine, sharding
 from memfit.training.weights import check_weights, loading
 from memfit.units import dtype_bytes
@@ -128,8 +134,10 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
 
 @dataclass
 class ModelBundle:
-    model: object
-    tokenizer: object
+    """The built model (checkpointing and LoRA applied, not yet prepared by Accelerate) and what the run reports of it."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
     random_init: bool
     """Built from a config (preset or config.json) with random weights, not loaded from a checkpoint."""
     trainable_params: int
@@ -148,17 +156,17 @@ class ModelBundle:
 class ResolvedModel:
     """What a run's model is, resolved before anything heavy is built or any folder is written."""
 
-    hf_config: object
-    tokenizer: object
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
     random_init: bool
     """A preset or a bare config.json: the architecture only, built with random weights."""
-    resolved: object = None
+    resolved: ResolvedRun | None = None
     """``memfit.spec.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
     path: Path | None = None
     """The local folder the weights and tokenizer load from: ``--model``, or a Hub model's cached snapshot."""
-    hub: object = None
+    hub: HubModel | None = None
     """``memfit.integrations.hub.HubModel`` when ``--model`` is a Hub id (the id, the commit, the snapshot folder)."""
-    spec: object = None
+    spec: ModelSpec | None = None
     """The ``ModelSpec`` every prediction of the run reads (resolved once, here)."""
 
     @property
@@ -371,6 +379,10 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):
     """Linear warmup then cosine decay to 0 over the run (transformers' schedule)."""
+    # imported here: transformers.optimization imports transformers.trainer_utils, which imports PEFT and with it
+    # bitsandbytes (13 s in all; python -X importtime, 2026-12-06), whose import-time notice must come inside the
+    # run's quiet_import_notices (training.loop.built)
+    from transformers import get_cosine_schedule_with_warmup
 
     warmup = min(config.optim.warmup_steps, max(total_steps - 1, 0))
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
