@@ -84,6 +84,32 @@ def _default(option: click.Option) -> str:
         return "—"
     return f"`{value}`" if not isinstance(value, bool) else ("on" if value else "off")
 
+ADDING = """
+## Adding a setting
+
+What a new setting needs, in one place. Declared once, most of it follows:
+
+1. **Declare it** as a field of `RunConfig` (what changes memory or speed) or of `TrainConfig` / one of its groups
+   in `src/memfit/settings/config.py`, with `setting(default, plan=..., resume=..., check=..., commands=...,
+   help=...)`. That gives the flag of every command in `commands`, the YAML key, the check, the `--resume` rule,
+   the web page's control (`memfit.web.form` reads the schema; its `SECTIONS` only orders them) and the row in
+   this file (`python scripts/settings_doc.py`).
+2. **If plan chooses it** (`plan="searched"`): a typed field of the same name in `Constraints`
+   (`src/memfit/planning/space.py`; `tests/test_schema.py` fails without it) and a pinned value in
+   `tests/test_plan.py`'s `PINNED`. `candidates` then passes it through, pinned or `RunConfig`'s default
+   (`space.passed_through`); for plan to try several values, add it to `space.ENUMERATED` and to the grid in
+   `candidates`.
+3. **Price it**, where it changes memory: the estimator's term in `src/memfit/memory/` (a formula, its source and
+   known error), and, if it changes what the traced step saves, `memory.derive.recipe_settings` (the settings a
+   derived recipe is traced with) with `RECIPE_VERSION` raised; where it changes speed and plan should rank it,
+   `src/memfit/planning/cost.py`.
+4. **Other tools' files** (`estimate --from`, `plan --from`, `plan --emit`): the reader and the writer of each tool
+   that has the setting (`src/memfit/interop/trl.py`, `axolotl.py`, `llamafactory.py`, `torchtune.py`), and
+   `interop.common.Reading.plan_pins` if `plan --from` should keep the file's value instead of choosing it.
+5. **Train with it**: where the run is built (`src/memfit/training/setup.py`, `src/memfit/builder/`).
+6. **Docs**: `python scripts/doc_outputs.py` where a documented command's output changed.
+"""
+
 
 def render() -> str:
     settings = _settings()
@@ -95,6 +121,7 @@ def render() -> str:
             flags = ", ".join(f"`{f}`" for f in [*option.opts, *option.secondary_opts])
             parts.append(f"| {flags} | {defined_at(option, command, settings)} | {_default(option)} | "
                          f"{_cell(option.help or '')} |")
+    parts.append(ADDING)
     return "\n".join(parts) + "\n"
 
 

@@ -301,7 +301,7 @@ TMPFS_SCRIPT = textwrap.dedent("""
     for case, leave in cases.items():
         out = os.path.join(root, case)
         fill(leave)
-        space.check_before_save = real_check if case != "write" else (lambda s: None)
+        space.check_before_save = real_check if case != "write" else (lambda *args: None)
         train = ["train", "--model", model, "--tokenizer", "byte", "--data", data, "--seq-len", "32",
                  "--micro-batch", "2", "--eval-every", "0", "--samples", "0", "--no-packing", "--optimizer",
                  "adamw", "--output", out]

@@ -21,6 +21,7 @@ would be swapped for a regular file (as root, breaking the machine's null device
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import tempfile
@@ -148,7 +149,6 @@ def append_line(path: Path, line: str) -> None:
 def figure_bytes(fig, path: Path, **kwargs) -> bytes:
     """A matplotlib figure rendered in memory in the format ``path``'s suffix names (then written with
     ``write_atomic``)."""
-    import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", **kwargs)

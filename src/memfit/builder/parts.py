@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from memfit.builder.optim_in_backward import OptimizerInBackward
 from memfit.integrations.hf_compat import default_causal_loss, enable_checkpointing
 from memfit.settings.config import RunConfig
 from memfit.spec.lora import wrap_lora
@@ -27,7 +30,6 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def torch_dtype(run: RunConfig):
     """The torch dtype of the weights (``from_pretrained(dtype=...)``: rotary buffers stay fp32)."""
-    import torch
 
     return getattr(torch, TORCH_DTYPES[str(run.dtype)])
 
@@ -82,7 +84,5 @@ def make_optimizer(run: RunConfig, groups: list[dict], lr: float, *, cuda_like: 
     CUDA run); training passes False and lets torch pick for the device it runs on."""
     build = row(run.optimizer).build
     if run.optimizer_in_backward:
-        from memfit.builder.optim_in_backward import OptimizerInBackward
-
         return OptimizerInBackward(groups, lambda one: build(one, lr, cuda_like=cuda_like))
     return build(groups, lr, cuda_like=cuda_like)

@@ -27,12 +27,15 @@ gradients against TRL's functions within 1e-5.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from memfit.data.pairs import collate_pairs
 from memfit.settings.config import Method, PreferenceSettings
+from memfit.spec.batch import model_inputs
 
 IGNORE_INDEX = -100
 
@@ -142,7 +145,6 @@ def reference_sums(batch: dict, *, model, reference, autocast=contextlib.nullcon
     """
     if "ref_logps" in batch:
         return batch["ref_logps"]
-    from memfit.spec.batch import model_inputs
 
     inputs = {k: v for k, v in model_inputs(batch).items() if k not in ("labels", "ref_logps")}
     with torch.no_grad(), (autocast or contextlib.nullcontext)():
@@ -166,7 +168,6 @@ def _peft_of(model):
 
 def frozen_copy(model):
     """DPO's reference for a full fine-tune: a copy of the base weights, frozen and in eval mode."""
-    import copy
 
     ref = copy.deepcopy(model)
     ref.requires_grad_(False)
@@ -178,7 +179,6 @@ def reference_logps(model, rows: list[dict], *, pad_id: int, batch_size: int,
                     autocast=contextlib.nullcontext) -> list[tuple[float, float]]:
     """Each row's ``(chosen, rejected)`` log-probabilities under ``model`` as it is now (the base), ``batch_size``
     pairs per forward (TRL's ``precompute_ref_log_probs``)."""
-    from memfit.data.pairs import collate_pairs
 
     was_training = model.training
     model.eval()

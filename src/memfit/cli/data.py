@@ -7,8 +7,10 @@ from typing import Any
 
 import click
 
+import memfit
 from memfit.cli.data_options import data_options
 from memfit.errors import printable, printable_lines
+from memfit.settings.config import TrainConfig
 
 EPILOG = """\b
 Examples:
@@ -34,14 +36,12 @@ def command() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print input_ids, labels and the marked text as JSON.")
 def preview(**kwargs: Any) -> None:
     """Show one record rendered as training sees it; text without loss is shown as [[no loss: ...]]."""
-    from memfit import check_inputs, preview_record
-    from memfit.settings.config import TrainConfig
 
     index, as_json = kwargs.pop("index"), kwargs.pop("as_json")
     config = TrainConfig.of(**{k: v for k, v in kwargs.items() if v is not None and v is not False}
                             | {"train_on_prompt": bool(kwargs.get("train_on_prompt"))})
-    check_inputs(config.source.model, config.data, config.source.revision)  # a typo: before torch loads
-    result = preview_record(config, index)
+    memfit.check_inputs(config.source.model, config.data, config.source.revision)  # a typo: before torch loads
+    result = memfit.preview_record(config, index)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from memfit.cli.options import train_options
+
 
 def data_options() -> list:
     """The data flags as click options: ``TrainConfig``'s settings of the ``data`` group (``memfit.settings.schema``),
     as ``memfit train`` takes them."""
-    from memfit.cli.options import train_options
 
     return train_options("train", group="data")

@@ -1,5 +1,7 @@
 """``memfit estimate``: where every byte of a training step goes (thin over ``memfit.estimate``)."""
 
+# Inside functions: memfit.trace (memory.trace: 5.5 s to import; python -X importtime, 2026-12-06, this shared 2-core machine) and report.timeline, for --exact and --timeline
+# only; an install without them gets one sentence.
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from memfit.cli.interop import from_options, read_from, show_reading
 from memfit.cli.options import explicit, flags, memory_options, run_config_from
 from memfit.errors import UserError
 from memfit.report.fit import dropped_note
+from memfit.report.node_tables import rank_layout_table
 from memfit.report.plots import plot_breakdowns
 from memfit.report.tables import breakdown_table, compare_table, legend, phases_table
 from memfit.settings.config import TrainConfig, check_lora_options
@@ -124,9 +127,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=Non
             payload.update(rows[0][1].to_dict())
             payload["phases"] = phases.to_dict()
         if run.nodes > 1 and run.num_processes > run.nodes:
-            from memfit import rank_layouts
-
-            payload["across_nodes"] = [t.to_dict() for t in rank_layouts(spec, run)]
+            payload["across_nodes"] = [t.to_dict() for t in memfit.rank_layouts(spec, run)]
         click.echo(json.dumps(payload, indent=2))
         return
     console = Console()
@@ -149,10 +150,7 @@ def _render(spec, run, rows, compare, as_json, plot_path, reading=None, note=Non
             console.print(f"  [dim]- {line}[/]")
         console.print(phases_table(phases))
         if run.nodes > 1 and run.num_processes > run.nodes:  # several nodes: each sharding's per-rank terms
-            from memfit import rank_layouts
-            from memfit.report.node_tables import rank_layout_table
-
-            table, dropped = rank_layout_table(rank_layouts(spec, run), run, console.width)
+            table, dropped = rank_layout_table(memfit.rank_layouts(spec, run), run, console.width)
             console.print(table)
             if dropped:
                 console.print(f"[dim]{dropped_note(dropped)}[/]")

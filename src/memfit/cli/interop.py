@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+import memfit
 from memfit.errors import UserError
 
 _FORMATS = ("trl", "axolotl", "llamafactory", "torchtune")  # memfit.interop.FORMATS (imported lazily there)
@@ -28,7 +29,6 @@ def read_from(path, fmt):
         if fmt is not None:
             raise UserError("--from-format names the format of a --from FILE; add --from.")
         return None
-    import memfit
 
     return memfit.read_config(path, fmt)
 

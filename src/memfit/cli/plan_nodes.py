@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import click
+from rich.console import Console
 
+import memfit
 from memfit.errors import UserError
+from memfit.report.node_tables import node_count_table
+from memfit.report.runs import shell_lines
 
 
 def cluster_shape(nodes: int, num_processes: int, gpus_per_node: int | None, max_nodes: int | None,
@@ -30,7 +34,6 @@ def cluster_shape(nodes: int, num_processes: int, gpus_per_node: int | None, max
 
 def node_payload(across, model: str, revision: str | None) -> dict:
     """``--json``'s additions: every node count tried, and each node's Accelerate config and torchrun line."""
-    import memfit
 
     run = across.result.best.config
     return {"nodes": across.to_dict(),
@@ -41,10 +44,6 @@ def node_payload(across, model: str, revision: str | None) -> dict:
 
 def print_nodes(across) -> None:
     """The table of node counts and the sentence that answers "how many nodes"."""
-    from rich.console import Console
-
-    from memfit.report.node_tables import node_count_table
-
     console = Console()
     if len(across.choices) > 1:
         table, _ = node_count_table(across.choices, console.width)
@@ -57,8 +56,6 @@ def print_nodes(across) -> None:
 
 def print_node_launch(across, model: str, revision: str | None) -> None:
     """Each node's torchrun line (the alternative to ``accelerate launch`` with its per-node config)."""
-    import memfit
-    from memfit.report.runs import shell_lines
 
     run = across.result.best.config
     if run.nodes < 2:

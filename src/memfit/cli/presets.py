@@ -1,18 +1,23 @@
 """``memfit presets``: the architecture presets (and the GPU table when the planner is installed)."""
 
+# Inside a function: memfit.load_gpus, so an install without planning/ still lists the presets.
 from __future__ import annotations
 
 import json
 
 import click
+from rich.console import Console
+
+import memfit
+from memfit.report.fit import Col, dropped_note, fitted_table
+from memfit.units import fmt_count, fmt_gib
 
 
 def preset_rows() -> list[dict]:
     """Name, parameter count (real checkpoint's), family and description of every preset."""
-    from memfit import load_presets
 
     rows = []
-    for name, entry in sorted(load_presets().items()):
+    for name, entry in sorted(memfit.load_presets().items()):
         cfg = entry.get("config", {})
         rows.append({"name": name, "params": entry.get("params"), "model_type": cfg.get("model_type"),
                      "vocab_size": cfg.get("vocab_size"), "description": entry.get("description", ""),
@@ -43,11 +48,6 @@ def command(as_json):
     if as_json:
         click.echo(json.dumps({"models": models, "gpus": gpus}, indent=2))
         return
-    from rich.console import Console
-
-    from memfit.report.fit import Col, dropped_note, fitted_table
-    from memfit.units import fmt_count, fmt_gib
-
     console = Console()
     cols = [Col("name"), Col("params", "right"), Col("exact", "right", 2), Col("type", priority=3),
             Col("vocab", "right", 1), Col("description", priority=4, wrap_min=36)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+import memfit
+
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -21,6 +23,5 @@ def command(host, port, open_browser):
       memfit serve                      # http://127.0.0.1:7860/
       memfit serve --port 8080 --open
     """
-    import memfit
 
     memfit.serve(host, port, open_browser)

@@ -1,16 +1,21 @@
 """``memfit train``: parse flags (and ``--config FILE``), call ``memfit.train``, render."""
 
+# Inside a function: accelerate (2.5 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), after the run: a refused input exits
+# before torch loads (tests/test_faults_inputs.py).
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
 
 import click
 
+import memfit
 from memfit.cli.options import MEMORY_KEYS, explicit, flags, memory_options, with_options
 from memfit.errors import printable
-from memfit.settings.config import TrainConfig, check_lora_options
+from memfit.report.summary import json_safe, print_summary
+from memfit.settings.config import TrainConfig, check_lora_options, read_config_file
 from memfit.settings.defaults import SHAPE
 
 EPILOG = """\b
@@ -41,8 +46,6 @@ _COMMAND_ONLY = [
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    from memfit.settings.config import read_config_file
-
     return read_config_file(path)
 
 
@@ -62,7 +65,6 @@ def build_config(ctx: click.Context, kwargs: dict[str, Any]) -> TrainConfig:
     merged = {**kwargs, **from_file, **typed}
     chosen = set(typed) | set(from_file)
     check_lora_options(chosen, "lora_r" in chosen)
-    import memfit
 
     model, data = merged.get("model"), merged.get("data")  # YAML's `data: 7` is the file "7", as TrainConfig reads it
     if model is not None:  # None (YAML's null): the default model
@@ -87,10 +89,7 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     """
     config = build_config(ctx, kwargs)
     if config.check_equivalence:
-        from memfit import check_equivalence
-        from memfit.report.summary import json_safe
-
-        result = check_equivalence(config)
+        result = memfit.check_equivalence(config)
         if config.json:
             click.echo(json.dumps(json_safe(result), indent=2))
         else:
@@ -101,9 +100,6 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
             click.echo(f"  largest weight difference {result['max_abs_weight_diff']:.3g} (largest weight "
                        f"{result['max_abs_weight']:.3g}); final loss difference {result['loss_diff']:.3g}")
         return
-    import contextlib
-
-    import memfit
 
     # --json: stdout carries the summary only. Libraries print there during the run (DeepSpeed's logger,
     # bound to the stdout of the moment Accelerate's unwrap_model imports it when installed: "Setting
@@ -117,7 +113,5 @@ def command(ctx: click.Context, **kwargs: Any) -> None:
     if config.json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
-        from memfit.report.summary import print_summary
-
         print_summary(summary)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from memfit import textfiles
 from memfit.data.formats import BYTE_CHAT_TEMPLATE, Fields, detect_format, encode_conversation, to_messages
@@ -250,8 +252,6 @@ def byte_tokenizer():
     """
     # transformers: ~7.7 s to import on this machine (python -X importtime), paid only by who builds a tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
     for byte, char in sorted(bytes_to_unicode().items()):

@@ -22,7 +22,14 @@ special-token text, empty documents and prompt/completion records.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from itertools import chain
+
+import numpy as np
+import pyarrow as pa
+
+from memfit.data.dataset import BYTE_SPECIALS, byte_tokenizer
 
 IGNORE_INDEX = -100
 
@@ -31,14 +38,11 @@ IGNORE_INDEX = -100
 def _byte_reference() -> tuple[str, tuple]:
     """The parts of the byte tokenizer's ``tokenizer.json`` that decide its ids: normalizer, pre-tokenizer,
     model (vocabulary, no merges), and the added tokens (id, text)."""
-    from memfit.data.dataset import byte_tokenizer
 
     return _identity(byte_tokenizer())
 
 
 def _identity(tokenizer) -> tuple[str, tuple]:
-    import json
-
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     core = json.dumps([state.get("normalizer"), state.get("pre_tokenizer"), state.get("model")], sort_keys=True)
     added = tuple(sorted((t["id"], t["content"]) for t in state.get("added_tokens", [])))
@@ -48,7 +52,6 @@ def _identity(tokenizer) -> tuple[str, tuple]:
 def byte_offset(tokenizer) -> int | None:
     """The id of byte 0 (3) when ``tokenizer`` is memfit's byte tokenizer (``memfit.data.dataset.byte_tokenizer``,
     also as saved with a model and reloaded), else None: then no byte fast path."""
-    from memfit.data.dataset import BYTE_SPECIALS
 
     if getattr(tokenizer, "backend_tokenizer", None) is None or tokenizer.eos_token_id is None:
         return None
@@ -83,7 +86,6 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
     Document ``i`` of ``n`` bytes becomes ``[bos] + [offset + b for b in bytes] + [eos]`` (bos only when
     the tokenizer has one distinct from eos), labels the same with bos -100: ``memfit.data.dataset.encode_docs``.
     """
-    import numpy as np
 
     if not texts or not all(isinstance(t, str) and t for t in texts):
         return None
@@ -116,9 +118,6 @@ def encode_byte_texts(texts: list, tokenizer, offset: int, id_type: str):
 def docs_table(docs: list[tuple], id_type: str):
     """``memfit.data.dataset.encode_docs``'s documents (``(ids, labels)`` or ``(ids, labels, True)``) as the
     encoded table; the cast to ``id_type`` is checked (a value out of its range raises)."""
-    from itertools import chain
-
-    import numpy as np
 
     lengths = np.fromiter((len(d[0]) for d in docs), dtype=np.int64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
@@ -131,8 +130,6 @@ def docs_table(docs: list[tuple], id_type: str):
 
 
 def _table(offsets, ids, labels, conversation, lengths, cast_to: str | None = None):
-    import pyarrow as pa
-
     def column(values):
         flat = pa.array(values)
         if cast_to is not None:

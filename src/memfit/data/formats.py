@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from memfit import textfiles
 from memfit.errors import UserError
 from memfit.files import user_path
 
@@ -148,8 +149,6 @@ def chat_template_of(tokenizer, template_file: str | None, *, data_has_conversat
         UserError: the file cannot be read, or conversations need a template the tokenizer lacks.
     """
     if template_file:
-        from memfit import textfiles
-
         path = user_path(template_file)
         if not path.is_file():  # a folder, a missing file, a name such as ../../../x: never a template name
             raise UserError(f"Chat template {path} is not a file; pass --chat-template FILE (a Jinja template).")

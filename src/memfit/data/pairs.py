@@ -19,10 +19,14 @@ the held-out loss included, sees the chosen answer) and the rejected side in ``r
 cuts); a prompt that leaves no completion token within ``--seq-len`` is refused.
 """
 
+# Inside functions: torch (2.6 s) and memfit.data.dataset (4.8 s: torch and transformers; python -X importtime, 2026-12-06, this shared 2-core machine); reading
+# and checking pair files stays torch-free (tests/test_faults_inputs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.data import sources as data_sources
+from memfit.data.formats import Fields, chat_template_of, encode_conversation, to_messages
 from memfit.errors import UserError
 
 REJECTED_KEYS = ("rejected_input_ids", "rejected_labels")
@@ -48,8 +52,6 @@ def is_pair_record(record) -> bool:
 
 
 def _messages(value, where: str, side: str):
-    from memfit.data.formats import Fields, to_messages
-
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise UserError(f"{where} has a {side} that is neither a string nor a list of messages.")
     if not value:
@@ -102,7 +104,6 @@ def record_to_pair(record, where: str) -> Pair:
 def encode_side(pair: Pair, side: str, tokenizer) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of the prompt followed by the ``side`` completion; labels only on the completion."""
     from memfit.data.dataset import Example, encode_docs
-    from memfit.data.formats import encode_conversation
 
     completion = getattr(pair, side)
     if pair.is_conversation:
@@ -156,7 +157,6 @@ def read_pairs(config) -> list[Pair]:
     Raises:
         UserError: a source with no preference record, or a bad record (file and record named).
     """
-    from memfit.data import sources as data_sources
 
     method = str(config.run.method)
     if config.data is None:  # the demo: pairs made from the shipped question/answer records
@@ -179,7 +179,6 @@ def load_pair_rows(config, run, tokenizer):
     splits documents (``split_indices``), each encoded by ``encode_pair``. Held-out rows are the chosen
     side only: the held-out loss is the chosen completion's next-token loss."""
     from memfit.data.dataset import split_indices
-    from memfit.data.formats import chat_template_of
 
     pairs = read_pairs(config)
     chat_template_of(tokenizer, config.reading.chat_template, data_has_conversations=any(p.is_conversation for p in pairs))

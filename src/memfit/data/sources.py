@@ -14,14 +14,19 @@ as ``<source> row <n>`` (1-based); for ``.txt``/``.jsonl``, an error is traced b
 or byte by ``memfit.data.dataset.find_bad_input``, as memfit's own reader (``memfit.data.dataset.load_local_examples``) names it.
 """
 
+# Inside functions: datasets (1.4 s), memfit.data.arrow (3.2 s) and memfit.data.dataset (4.8 s: torch; python -X importtime, 2026-12-06, this shared 2-core machine);
+# a mistyped --data is refused before any of them loads (tests/test_faults_inputs.py).
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memfit import textfiles
+from memfit.data.formats import Fields
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations.hf_compat import quiet_json_parse_log
 
 BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 """File suffix -> the ``datasets`` packaged builder that reads it (``load_examples``)."""
@@ -76,7 +81,6 @@ def load_dataset(path: str, *, split: str = "train", data_config: str | None = N
         if len(suffixes) != 1:
             raise UserError(f"Data folder {p} mixes file types ({', '.join(sorted(suffixes))}); keep one per folder.")
         builder = BUILDERS[suffixes.pop()]
-        from memfit.integrations.hf_compat import quiet_json_parse_log
 
         try:
             with quiet_json_parse_log():  # the parse error comes back as the exception worded below
@@ -118,7 +122,6 @@ def load_examples(path=None, *, fmt: str | None = None, fields=None, split: str 
     ``datasets`` reads (``handles``) by ``load_dataset``. The library's reader; ``memfit train`` goes through
     ``load_parts`` and Arrow instead, so a corpus larger than memory trains."""
     from memfit.data.dataset import load_local_examples
-    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     if path is None or not handles(path):
@@ -270,7 +273,6 @@ def _check_text_files(files: list[Path], fmt: str | None) -> None:
     (pyarrow's JSON reader takes any bytes into a text column and fails only when a row is read, and the
     ``text`` builder would train on a binary file's bytes), and a ``--data-format`` that a ``.txt`` file
     cannot hold: its documents are plain text, never conversations or prompt/completion pairs."""
-    from memfit import textfiles
 
     for file in files:
         if file.suffix.lower() not in LINE_BUILDERS:
@@ -288,7 +290,6 @@ def _read_files(files: list[Path], where: str, *, fresh: bool = False) -> Part:
     import datasets
 
     from memfit.data import arrow as data_arrow
-    from memfit.integrations.hf_compat import quiet_json_parse_log
 
     datasets.disable_progress_bars()
     suffix = files[0].suffix.lower()

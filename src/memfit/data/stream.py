@@ -15,11 +15,18 @@ sorted by path), each read the way training reads it, but streamed:
 * a Hub id: streamed (``streaming=True``).
 """
 
+# Inside functions: datasets (1.4 s), pyarrow.parquet and memfit.data.dataset (4.8 s: torch; python -X importtime, 2026-12-06, this shared 2-core machine); `memfit
+# data preview` checks its input before any of them loads (tests/test_faults_inputs.py).
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+from memfit import textfiles
+from memfit.data import sources as data_sources
+from memfit.data.formats import Fields
+from memfit.data.pairs import is_pair_record, record_to_pair
+from memfit.data.sources import check_columns, load_dataset
 from memfit.errors import UserError
 from memfit.files import user_path
 
@@ -33,7 +40,6 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
             lacks, an empty source, or ``index`` outside its records (the records are counted then).
     """
     from memfit.data.dataset import record_to_example
-    from memfit.data.formats import Fields
 
     fields = fields or Fields()
     if index < 0:
@@ -46,7 +52,6 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
                 from memfit.data.dataset import Example
 
                 return Example(text=record, where=where)
-            from memfit.data.pairs import is_pair_record, record_to_pair
 
             if fmt is None and is_pair_record(record):  # a preference pair (memfit.data.pairs)
                 return record_to_pair(record, where)
@@ -59,7 +64,6 @@ def record_at(path, index: int, *, fmt: str | None = None, fields=None, split: s
 
 def _records(path, *, split: str, data_config: str | None, wanted: list[str]) -> Iterator[tuple]:
     """``(record, where, format)`` in corpus order; a record is a dict, or a ``.txt`` document's text."""
-    from memfit.data import sources as data_sources
     from memfit.data.dataset import default_corpus_path
 
     root = default_corpus_path() if path is None else user_path(path)
@@ -84,7 +88,6 @@ def _records(path, *, split: str, data_config: str | None, wanted: list[str]) ->
 
 def _not_utf8(file: Path):
     """Raise the sentence naming the line and byte offset of ``file``'s first byte that is not UTF-8."""
-    from memfit import textfiles
 
     textfiles.check_utf8_stream(file)
     raise UserError(f"{file} is not UTF-8 text.")
@@ -93,18 +96,15 @@ def _not_utf8(file: Path):
 def _txt_documents(file: Path):
     import datasets
 
-    from memfit import textfiles
-
     textfiles.refuse_binary(file)  # the text builder would read a binary file's bytes as documents
 
     from memfit.data.dataset import txt_documents
-    from memfit.data.sources import TEXT_CHUNK
 
     datasets.disable_progress_bars()
     n = 0
     try:
         stream = datasets.load_dataset("text", data_files=[str(file)], split="train", streaming=True,
-                                       sample_by="paragraph", encoding="utf-8-sig", chunksize=TEXT_CHUNK)
+                                       sample_by="paragraph", encoding="utf-8-sig", chunksize=data_sources.TEXT_CHUNK)
         for row in stream:
             for doc in txt_documents(row["text"]):
                 n += 1
@@ -170,7 +170,6 @@ def _named_rows(rows, where: str, wanted: list[str]):
 
 def _saved_rows(folder: Path, split: str, wanted: list[str]):
     """A ``save_to_disk`` dataset: memory-mapped, so a row is read without the rest."""
-    from memfit.data.sources import check_columns, load_dataset
 
     ds = load_dataset(str(folder), split=split)
     check_columns(ds, str(folder), wanted)

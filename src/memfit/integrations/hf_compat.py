@@ -24,6 +24,8 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
   logging a JSON parse error before raising it).
 """
 
+# Inside functions: peft (11.7 s) and transformers (1.1 s; python -X importtime, 2026-12-06, this shared 2-core machine): `memfit --help` imports this module and
+# takes 0.16 s, 2.9 s with torch (tests/test_layers.py::test_import_memfit_and_help_load_no_torch).
 from __future__ import annotations
 
 import contextlib

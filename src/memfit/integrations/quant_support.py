@@ -27,9 +27,16 @@ Facts (bitsandbytes 0.50.2, read in its source and run on this project's CPU-onl
   (``keep_training_path``): any shape runs, and evaluation computes what the estimate priced.
 """
 
+# Inside functions: bitsandbytes (optional: the quant extra; 6.7 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), torch (2.6 s),
+# transformers and safetensors.torch (1.1 s): the support checks run on torch-free paths.
 from __future__ import annotations
 
+import math
+import tempfile
+
 from memfit.errors import UserError
+from memfit.integrations.hf_compat import no_loading_bar
+from memfit.integrations.versions import installed_version as version_of
 
 #: The extra that installs bitsandbytes (``pyproject.toml``: ``quant``; ``cuda`` is kept as an alias).
 EXTRA = "quant"
@@ -43,7 +50,6 @@ MIN_CUDA_VERSION = (0, 43)
 
 def installed_version() -> str | None:
     """The installed bitsandbytes version, or None (read from package metadata: nothing is imported)."""
-    from memfit.integrations.versions import installed_version as version_of
 
     return version_of("bitsandbytes")
 
@@ -173,12 +179,9 @@ def quantized_copy(model, run, device=None):
     the same quantized weights, as a checkpoint on disk (on every rank of a DDP run: each quantizes the same
     seeded weights the same way). ``device``: a CUDA device to load onto (else CPU).
     """
-    import tempfile
 
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
-
-    from memfit.integrations.hf_compat import no_loading_bar
 
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
         # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0
@@ -215,8 +218,6 @@ def logical_numel(param) -> int:
     state = getattr(param, "quant_state", None)
     shape = getattr(state, "shape", None)
     if shape is not None:
-        import math
-
         return math.prod(shape)
     return param.numel()
 

@@ -9,9 +9,12 @@ under ``--output`` (Accelerate's ``logging_dir``); wandb writes its run under ``
 ``~/.cache/huggingface/trackio``) unless a Space is set.
 """
 
+# Inside a function: mlflow, an optional extra (the tracker's own package), asked for only by --tracker mlflow.
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 from memfit.errors import UserError
 
@@ -33,8 +36,6 @@ def check_tracker(name: str | None) -> None:
 def local_init_kwargs(name: str | None, output) -> dict:
     """``init_kwargs`` for ``Accelerator.init_trackers`` that keep a tracker's records under ``output``
     where it would otherwise write to the current folder (wandb) or its own default store (MLflow)."""
-    import os
-    from pathlib import Path
 
     output = Path(output).resolve()
     if name == "wandb":

@@ -7,6 +7,7 @@ modeling code may save other tensors, so every estimate says so (``notes``).
 ``pyproject.toml`` mirrors ``VERIFIED`` under ``[tool.memfit.verified]`` (a test keeps them equal).
 """
 
+# Inside functions: packaging.version (0.03 s; python -X importtime, 2026-12-06, this shared 2-core machine): `memfit --help` imports this module (0.16 s in all).
 from __future__ import annotations
 
 from functools import cache, lru_cache

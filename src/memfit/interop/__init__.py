@@ -10,9 +10,13 @@ documented schemas.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import yaml
+
 from memfit.errors import UserError
+from memfit.files import write_text_atomic
 from memfit.interop import axolotl, llamafactory, torchtune, trl
 from memfit.interop.common import Reading, check_model, load_file
 from memfit.settings.stack import Stack
@@ -68,11 +72,8 @@ def emit(tool: str, path: str | Path, model: str, run, source: Reading | None = 
     """Write ``run`` as ``tool``'s configuration to ``path`` (YAML; JSON for a .json path), atomically; a YAML file
     starts with the launch command (``launch``: process count, recipe, trainer), which ``read`` reads back. JSON
     holds no comments: its process count is given to ``estimate`` with ``--num-processes``."""
-    import json
 
-    import yaml
 
-    from memfit.files import write_text_atomic
 
     data = TOOLS[tool].emit(model, run, source)
     path = Path(path)

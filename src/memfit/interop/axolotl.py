@@ -26,6 +26,7 @@ from memfit.interop.common import (
     preference,
     trainer_optimizer,
 )
+from memfit.interop.emitting import OPTIMIZER_NAMES, merged
 
 NAME = "axolotl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
@@ -269,7 +270,6 @@ GROUPS = (
 
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as an Axolotl YAML: a source Axolotl file with only what the plan changed (``emitting``)."""
-    from memfit.interop.emitting import merged
 
     kept = [p for p in (source.data.get("plugins") or []) if isinstance(p, str) and "cut_cross_entropy" not in p
             and "liger" not in p] if source is not None and source.tool == NAME else []
@@ -278,7 +278,6 @@ def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
 
 def _settings(run, plugins: list[str]) -> dict[str, Any]:
     """Axolotl's keys for ``run`` (``plugins``: the source's plugins other than the loss's)."""
-    from memfit.interop.emitting import OPTIMIZER_NAMES
 
     loss_plugin = {"cce": [CCE_PLUGIN], "liger": [LIGER_PLUGIN]}.get(str(run.loss), [])
     out: dict[str, Any] = {

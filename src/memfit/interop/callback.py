@@ -25,9 +25,17 @@ import contextlib
 import logging
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
-from memfit.errors import UserError
+from memfit.errors import NothingFitsError, UserError
+from memfit.interop import trl
+from memfit.memory.estimate import estimate
+from memfit.memory.measure import counted, reset_peak, resident_tensors
+from memfit.planning.search import plan
+from memfit.report.runs import describe
+from memfit.spec.model import spec_from_config
+from memfit.units import fmt_gib, parse_size
 
 #: The step measured on the CPU: the first creates the optimizer state, so the third is a steady-state step.
 MEASURED_STEP = 3
@@ -79,9 +87,6 @@ class MemfitCallback(TrainerCallback):
                         str(err).rstrip(".") or type(err).__name__)
 
     def _predict(self, args, state, model, optimizer, dataloader) -> None:
-        from memfit.memory.estimate import estimate
-        from memfit.memory.measure import reset_peak
-
         trainer_class = type(self.trainer).__mro__ if self.trainer is not None else ()
         names = {c.__name__ for c in trainer_class} | {type(args).__name__}
         length = self.seq_len or first_batch_length(dataloader)
@@ -98,13 +103,9 @@ class MemfitCallback(TrainerCallback):
         reset_peak(device)
 
     def _budget(self, device: str) -> int | None:
-        from memfit.units import parse_size
-
         if self.budget is not None:
             return parse_size(self.budget)
         if device == "cuda":
-            import torch
-
             return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
         return None
 
@@ -112,7 +113,6 @@ class MemfitCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.prediction is None or self._device != "cpu" or state.global_step + 1 != self._target:
             return
-        from memfit.memory.measure import counted, resident_tensors
 
         self._stack = contextlib.ExitStack()
         self._counter = self._stack.enter_context(counted(resident_tensors(self._model, self._optimizer)))
@@ -144,8 +144,6 @@ class MemfitCallback(TrainerCallback):
 
     def measured_bytes(self) -> int:
         if self._device == "cuda":
-            import torch
-
             return int(torch.cuda.max_memory_allocated())
         return int(self._measured)
 
@@ -200,8 +198,6 @@ def run_of(args, model, seq_len: int | None = None, *, sft: bool = False, full_r
     ``args.deepspeed`` shards with ZeRO-2/3 (``memory.deepspeed_layout``), else ``fsdp2``, and its stack the
     Trainer's. ``method``: a TRL preference trainer's
     (``dpo``/``orpo``/``simpo``), priced as memfit prices its own preference runs."""
-    from memfit.interop import trl
-    from memfit.spec.model import spec_from_config
 
     data = {k: v for k, v in args.to_dict().items() if k in trl.SFT_KEYS | trl.TRAINER_KEYS | _RUN_KEYS}
     data = {k: v for k, v in data.items() if k not in ("model_init_kwargs",)}
@@ -239,8 +235,6 @@ _RUN_KEYS = frozenset({"bf16", "fp16", "gradient_checkpointing", "optim", "fsdp"
 
 
 def _dtype(model) -> str:
-    import torch
-
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point() and not p.requires_grad} or \
         {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
@@ -266,10 +260,6 @@ def _adapters(model) -> dict[str, Any]:
 
 def _refusal(spec, run, peak: int, budget: int, device: str) -> str:
     """One sentence: the predicted peak, the budget, and the fastest plan that fits (or that none does)."""
-    from memfit.errors import NothingFitsError
-    from memfit.planning.search import plan
-    from memfit.report.runs import describe
-    from memfit.units import fmt_gib
 
     head = f"This run needs {fmt_gib(peak)} at its peak, more than the {fmt_gib(budget)} it has"
     try:

@@ -7,19 +7,27 @@ too: known ones that do not change memory in one summary sentence, unknown ones 
 never drops a setting silently.
 """
 
+# Inside a function: transformers.training_args (8.5 s to import; python -X importtime, 2026-12-06, this shared
+# 2-core machine): it imports transformers.trainer_utils, hence PEFT and bitsandbytes (and its import-time notice).
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations.quant_support import shards_packed_weights
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import TRAINERS, Stack
 from memfit.settings.zero3 import KEYS as ZERO3_KEYS
 from memfit.settings.zero3 import Coordinator
+from memfit.spec.model import is_preset, load_presets, load_spec
 
 _MISSING = object()
 
@@ -56,7 +64,6 @@ class Reading:
         """The run with the memory flags typed on the command line written over it; a combination memfit
         cannot price is one sentence naming the file's keys (not memfit flags the user never typed)."""
         run = RunConfig.from_flat({**self.run.to_flat(), **typed})
-        from memfit.integrations.quant_support import shards_packed_weights
 
         if str(run.quantize) != "none" and str(run.offload) == "params" and not shards_packed_weights(run):
             raise UserError(f"{self.path}: {self.origin('offload')} offloads the parameters of a "
@@ -100,7 +107,6 @@ class Reading:
 
 def load_file(path: str | Path) -> dict:
     """A YAML or JSON file's top-level mapping, or one sentence naming the file."""
-    import yaml
 
     path = user_path(path)
     try:
@@ -221,8 +227,6 @@ class Keys:
         try:
             config = RunConfig.of(**run)
         except UserError as err:
-            import re
-
             said = re.sub(r"--([a-z0-9-]+)", lambda m: self.origins.get(m.group(1).replace("-", "_"), m.group(0)),
                           str(err))
             raise UserError(f"{self.path}: {said}") from None
@@ -240,7 +244,6 @@ def model_name(keys: Keys, key: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise keys.error(key, f"{value!r} is not a model name or path.")
-    from memfit.spec.model import is_preset, load_presets
 
     if is_preset(value):
         return value.lower()
@@ -266,7 +269,6 @@ def _base_name(repo_id: str) -> str:
 
 def check_model(reading: Reading, trust_remote_code: bool = False):
     """The reading's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
-    from memfit.spec.model import load_spec
 
     if reading.model is None:
         raise UserError(f"{reading.path} names no base model ({reading.model_key}); give MODEL too.")
@@ -312,8 +314,6 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
     if isinstance(value, str):
         found = [p for p in (Path(keys.path).parent / value, user_path(value)) if p.is_file()]
         if not found:
-            import re
-
             named = re.search(r"z(?:ero)?[_-]?([0-3])(?![0-9])", Path(value).name.lower())  # ds_z3_config, zero2
             stage = int(named.group(1)) if named else None
             if stage is None:
@@ -359,7 +359,6 @@ _LAUNCH = r"^\s*#.*(?:--nproc[_-]per[_-]node|--num[_-]processes|NPROC_PER_NODE)[
 
 def stated_processes(path: str) -> int | None:
     """The process count a launch command in the file's comments gives (one such count only), else None."""
-    import re
 
     try:
         text = user_path(path).read_text(encoding="utf-8")
@@ -372,7 +371,6 @@ def stated_processes(path: str) -> int | None:
 def comment_words(path: str) -> set[str]:
     """The words of the file's comments (a launch command there names the recipe or trainer it runs:
     ``tune run full_dpo_distributed``, ``trl dpo``), lower case."""
-    import re
 
     try:
         text = user_path(path).read_text(encoding="utf-8")
@@ -462,7 +460,8 @@ TRAINER_OPTIMIZERS = {
 def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
     """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
     but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
-    from transformers.training_args import OptimizerNames
+    from transformers.training_args import OptimizerNames  # see the note at the top of this module
+
 
     value = str(keys.get(key, default)).lower()
     if value in TRAINER_OPTIMIZERS:
@@ -482,7 +481,6 @@ def flash_attention(keys: Keys, key: str) -> str:
     """``flash_attention_2`` where the flash-attn package is installed here, else SDPA with a sentence: memfit
     refuses to price flash-attn without it, and SDPA's CUDA flash backend saves the same tensors (the output and
     its log-sum-exp per head), so the number is the same to within the kernel's workspace."""
-    import importlib.util
 
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"

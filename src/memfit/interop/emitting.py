@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.interop.common import Reading
+from memfit.spec.model import is_preset, load_presets
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: memfit's optimizer -> transformers' ``TrainingArguments.optim`` name (Axolotl, LLaMA-Factory and TRL write it).
@@ -34,7 +35,6 @@ def model_id(model: str, source: Reading | None) -> str:
         written = source.data.get(source.model_key)
         if isinstance(written, str) and written.strip():
             return written
-    from memfit.spec.model import is_preset, load_presets
 
     if is_preset(model):
         return load_presets()[model.lower()].get("source") or model

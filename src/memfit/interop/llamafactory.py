@@ -28,6 +28,7 @@ from memfit.interop.common import (
     preference,
     trainer_optimizer,
 )
+from memfit.interop.emitting import OPTIMIZER_NAMES, merged
 
 NAME = "llamafactory"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config).
@@ -172,14 +173,12 @@ GROUPS = (
 
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as a LLaMA-Factory training YAML: a source LLaMA-Factory file with only what the plan changed."""
-    from memfit.interop.emitting import merged
 
     return merged(source, NAME, "model_name_or_path", model, run, _settings, GROUPS)
 
 
 def _settings(run) -> dict[str, Any]:
     """LLaMA-Factory's keys for ``run``."""
-    from memfit.interop.emitting import OPTIMIZER_NAMES
 
     method = str(run.method)
     out: dict[str, Any] = {

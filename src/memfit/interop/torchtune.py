@@ -17,8 +17,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.interop.common import Keys, Reading, comment_words, preference
+from memfit.interop.emitting import changed_only
 
 NAME = "torchtune"
 #: No sharding of this tool runs through DeepSpeed (its distributed recipes are FSDP2).
@@ -227,7 +229,6 @@ GROUPS = ((("model",), ()), (("loss",), ()))
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as a torchtune recipe config: a source torchtune file with only what the plan changed
     (``emitting.changed_only``); the recipe it runs (distributed when sharded) is in ``launch``."""
-    from memfit.interop.emitting import changed_only
 
     same = source is not None and source.tool == NAME
     old = source.data.get("optimizer") if same else None
@@ -292,8 +293,6 @@ def _builder(model: str, source: Reading | None) -> tuple[str, str]:
         return module, re.sub(r"^(q?lora)_", "", name)
     preset = {v: k for k, v in BUILDERS.items()}.get(model)
     if preset is None:
-        from memfit.errors import UserError
-
         raise UserError(f"{model} has no torchtune builder memfit knows; torchtune builds "
                         f"{', '.join(sorted(set(BUILDERS.values())))}.")
     return f"torchtune.models.{_family(preset)}", preset

@@ -18,6 +18,8 @@ How the tools run a step, where it differs from memfit's own trainer:
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
@@ -34,6 +36,7 @@ from memfit.interop.common import (
     preference,
     trainer_optimizer,
 )
+from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name, merged
 
 NAME = "trl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
@@ -97,8 +100,6 @@ def trainer(path: str, data: dict) -> tuple[str, str]:
     """(TRL's trainer, what says so) of a file: the ``trl CMD`` launch command in its comments, a CPO
     ``loss_type: simpo``, the recipe's name or folder (alignment-handbook's ``recipes/MODEL/orpo/``), a key only
     the preference configs have, a key only SFTConfig has; else ``trainer`` (plain ``TrainingArguments``)."""
-    import re
-    from pathlib import Path
 
     words = comment_words(path)
     if "trl" in words:
@@ -278,14 +279,12 @@ GROUPS = (
 
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as a TRL config (``trl sft|dpo|orpo --config``): a source TRL file with only what the plan changed."""
-    from memfit.interop.emitting import merged
 
     return merged(source, NAME, "model_name_or_path", model, run, _settings, GROUPS)
 
 
 def _settings(run) -> dict[str, Any]:
     """TRL's keys for ``run`` (SFTConfig or DPOConfig, with ModelConfig's)."""
-    from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name
 
     out: dict[str, Any] = {
         "dtype": dtype_name(run.dtype),

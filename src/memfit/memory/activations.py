@@ -24,11 +24,21 @@ Size: over 500 lines because it is the one table of per-family activation formul
 measured error); a family's terms are read side by side with the others' when a new family is added.
 """
 
+# Inside a function: spec.losses, which imports torch (2.6 s; python -X importtime, 2026-12-06, this shared 2-core
+# machine): the analytic estimator imports no torch (`memfit serve` starts without it).
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory.preference_terms import preference_logits_terms
+from memfit.memory.quantized import (
+    dequantized_transient,
+    int8_input_groups,
+    projection_output_bytes,
+    unquantized_bytes,
+)
 from memfit.memory.selective_ac import KeptOutputs, attention_kept, kept_outputs
+from memfit.memory.trl_head import trl_logits_terms
 from memfit.settings.config import Attention, Offload, Packing, Quantize, RunConfig
 from memfit.settings.stack import Stack
 
@@ -57,7 +67,6 @@ class Precisions:
             # input's dtype; a bf16 ``--dtype`` with full upcast enters only the dequantized weight). Under
             # autocast the fp32 adapters' linears and SDPA cast to the autocast dtype, as in LoRA; what the
             # quantized projections return is ``memory.quantized.projection_output_bytes``.
-            from memfit.memory.quantized import unquantized_bytes
 
             w = unquantized_bytes(run)
             c = 2 if str(run.mixed_precision) in ("bf16", "fp16") else w
@@ -106,8 +115,6 @@ class _Ctx:
         CUDA a half input reaches ``lora_A`` as is (shared with whoever saved it); on the CPU it is cast to
         fp32 and back to the autocast dtype, a copy of its own."""
         if run.quantize is not Quantize.NONE:
-            from memfit.memory.quantized import projection_output_bytes
-
             self.proj = projection_output_bytes(run, prec.c, device)
             self.bnb_keeps_half_input = device == "cuda"
         hf = spec.hf_config
@@ -390,7 +397,6 @@ def int8_held(ctx: _Ctx, checkpointed: bool) -> tuple[int, int]:
     autocast a half input, which PEFT's bitsandbytes layer passes uncast), so it adds nothing but is
     still kept until the end; q/k/v's input in LoRA's first layer needs no gradient, so no node holds it.
     """
-    from memfit.memory.quantized import int8_input_groups
 
     groups = int8_input_groups(ctx.spec, ctx.run, ctx.prec, ctx.device, ctx.stack.keeps_4bit_input())
     extra = held = 0
@@ -429,7 +435,6 @@ def quantized_mlp_moment(ctx: _Ctx) -> int:
     Measured on real tensors (bench/quant_memory.py, 4-bit and 8-bit, fp32 and bf16 autocast).
     ``_recompute_grads``' H w + 2 I c (a plain LoRA's moment) was +3.8% on the 4-bit fp32 --quick backward.
     """
-    from memfit.memory.quantized import dequantized_transient
 
     spec, run, prec, bt = ctx.spec, ctx.run, ctx.prec, ctx.bt
     i = spec.intermediate_size
@@ -631,15 +636,11 @@ def logits_terms(spec, run: RunConfig, prec: Precisions, device: str = "cuda") -
     Checked against the exact tracer to the byte (transformers 5.24, torch 2.13).
     """
     if str(run.loss) == "trl":  # TRL's SFTTrainer: its fused LM head (memory/trl_head.py)
-        from memfit.memory.trl_head import trl_logits_terms
-
         forward, backward = trl_logits_terms(spec, run, prec, device)
         return LogitsTerms(forward=forward, backward=backward)
     if str(run.loss) != "standard":
         return chunked_logits_terms(spec, run, prec)
     if str(run.method) != "sft":  # the preference loss reads the logits itself (memory/preference_terms.py)
-        from memfit.memory.preference_terms import preference_logits_terms
-
         forward, backward = preference_logits_terms(spec, run, prec)
         return LogitsTerms(forward=forward, backward=backward)
     n = run.micro_batch * run.seq_len * spec.vocab_size
@@ -664,7 +665,7 @@ def chunked_logits_terms(spec, run: RunConfig, prec: Precisions) -> LogitsTerms:
     trained head the chunk's (V, H) weight-gradient product in c before it is added to the fp32 buffer.
     Exact on the tracer (every tensor is explicit); what CUDA kernels allocate inside matmuls is not counted.
     """
-    from memfit.spec.losses import chunk_tokens
+    from memfit.spec.losses import chunk_tokens  # see the note at the top of this module
 
     tokens = run.micro_batch * run.seq_len
     n = chunk_tokens(tokens, spec.vocab_size, spec.hidden_size)

@@ -25,6 +25,8 @@ import itertools
 import weakref
 from dataclasses import dataclass
 
+import torch
+
 from memfit.memory.allocator import AllocatorStats, CachingAllocator
 from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
 from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES
@@ -37,7 +39,6 @@ def stream_recorder(mode_base, storages_of, leaves):
     """A ``TorchDispatchMode`` (``mode_base``, from ``memory/trace.py``'s door) recording allocations and
     frees of storages while ``recording`` is set; ``storages_of(tensor)`` gives a tensor's untyped storages,
     ``leaves(output)`` the tensors of an operator's output (torch's pytree, through the same door)."""
-    import torch
 
     class StreamRecorder(mode_base):
         def __init__(self) -> None:

@@ -26,6 +26,16 @@ leaves at eager's, are larger there); eager 32.84 vs 32.85 MiB. Known error: wit
 
 from __future__ import annotations
 
+from dataclasses import replace
+from unittest import mock
+
+import torch
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from transformers import masking_utils
+
+from memfit.memory.activations import MASKED_PACKING
 from memfit.settings.config import RunConfig
 
 
@@ -37,9 +47,6 @@ def compiled_saved_bytes(net, fake_mode, inputs: dict, mask_path) -> int:
     is compiled with it); ``mask_path``: the attention path to trace under (``mask_path``). Called by
     ``memory.trace.trace`` for ``--compile``.
     """
-    import torch
-    from torch._functorch.aot_autograd import aot_function
-    from torch._inductor.decomposition import select_decomp_table
 
     named = dict(net.named_parameters()) | dict(net.named_buffers())
     names, tensors = list(named), list(named.values())
@@ -64,18 +71,13 @@ def mask_path(run: RunConfig, otherwise):
     ``find_packed_sequence_indices`` skips its data-dependent "nothing packed" check when compiling and returns
     the sequence indices, so the block-causal mask is always built; the stand-in does the same (the check
     cannot run on fake tensors under AOTAutograd's tracing). Otherwise ``otherwise`` (the exact trace's path)."""
-    from unittest import mock
 
-    from transformers import masking_utils
 
-    from memfit.memory.activations import MASKED_PACKING
 
     if run.packing not in MASKED_PACKING:
         return otherwise
 
     def indices(position_ids):
-        import torch
-
         first = position_ids[:, :1] - 1
         return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
 
@@ -88,7 +90,6 @@ def _keep(graph_module, _example_inputs):
 
 def _partition(captured: list, joint, joint_inputs, **kwargs):
     """Inductor's partition of the joint graph; records the saved bytes of the backward graph's inputs."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
     captured.append(saved_bytes(joint, bw))
@@ -98,7 +99,6 @@ def _partition(captured: list, joint, joint_inputs, **kwargs):
 def saved_bytes(joint, bw) -> int:
     """Bytes of the distinct storages ``bw`` takes as saved inputs (not tangents), less the joint graph's
     inputs' (parameters, buffers, the batch: resident, not saved activations)."""
-    import torch
 
     def storage_key(value):
         return value.untyped_storage()._cdata
@@ -127,7 +127,6 @@ def with_compiled_saved_set(breakdown, timeline, saved: int):
     not inductor's; the backward-start peak, where the whole saved set and the logits' gradients meet, is
     the one this is right for.
     """
-    from dataclasses import replace
 
     forward = [i for i, phase in enumerate(timeline.phases) if phase == "forward"]
     if not forward:

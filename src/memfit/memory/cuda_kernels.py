@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from unittest import mock
+
+import torch
 
 #: Rows of the memory-efficient kernel's log-sum-exp are padded to a multiple of this
 #: (``_scaled_dot_product_efficient_attention``'s meta registration: ``ceil_div(T, 32) * 32``).
@@ -57,8 +60,6 @@ def sdpa_backend(dtype_bytes: int, has_mask: bool, head_dim: int) -> str:
 
 
 def _sdpa_function():
-    import torch
-
     class CudaSdpa(torch.autograd.Function):
         """Allocation-only stand-in for CUDA's flash / memory-efficient SDPA (module docstring)."""
 
@@ -86,7 +87,6 @@ def _sdpa_function():
 
 def _additive_mask(mask, dtype):
     """The mask the memory-efficient kernel keeps: additive in the query dtype, last dim padded to 16."""
-    import torch
 
     shape = list(mask.shape)
     pad = -shape[-1] % EFFICIENT_MASK_ALIGN
@@ -132,9 +132,6 @@ def cuda_kernels(enabled: bool, substituted: Substitutions):
     if not enabled:
         yield
         return
-    from unittest import mock
-
-    import torch
 
     functional = torch.nn.functional
     dropout = functional.dropout
@@ -149,7 +146,6 @@ def _attention(function, substituted: Substitutions, query, key, value, attn_mas
                is_causal=False, scale=None, enable_gqa=False):
     """SDPA as CUDA runs it: autocast's cast of fp32 inputs (SDPA is on CUDA autocast's half list), then the
     backend's saved set."""
-    import torch
 
     if torch.is_autocast_enabled("cpu") and query.dtype == torch.float32:
         half = torch.get_autocast_dtype("cpu")
@@ -163,7 +159,6 @@ def _attention(function, substituted: Substitutions, query, key, value, attn_mas
 
 def _dropout(func, substituted: Substitutions, input, p=0.5, training=True, inplace=False):
     """``F.dropout`` in training as CUDA's fused kernel: ``native_dropout`` (bool mask saved)."""
-    import torch
 
     if not training or p <= 0 or inplace:
         return func(input, p, training, inplace)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from memfit.settings.config import Offload, Precision, Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
+from memfit.spec.optimizers import row
 
 ENGINES = ("fsdp2", "deepspeed")
 """The sharding engines the estimator models: FSDP2 (memfit's default) and DeepSpeed (a DeepSpeed launch)."""
@@ -97,7 +98,6 @@ def step_temporary(run: RunConfig, part: int, device: str) -> int:
     ZeRO-3 steps sub-groups of at most ``sub_group_size`` elements. Measured (tiny, 2 ranks, single-tensor
     AdamW): 3 partition-sized tensors above the resident ones, ZeRO-2 and ZeRO-3 alike.
     """
-    from memfit.spec.optimizers import row
 
     kind = row(run.optimizer).step_temporary_on(device)
     adam = {"group": 1, "largest-x2": 2, "per-tensor": 2}.get(kind, 0)

@@ -3,6 +3,7 @@ allocator's overhead (``cuda_other``; ``memory/fragmentation.py``). The analytic
 documented constants, so that the two differ only in tensor bytes.
 """
 
+# Inside a function: memory.allocator_config, read only for a CUDA breakdown's reserved memory.
 from __future__ import annotations
 
 from memfit.memory import fragmentation

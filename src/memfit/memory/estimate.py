@@ -47,6 +47,7 @@ from memfit.memory.autocast import (
 )
 from memfit.memory.breakdown import MemoryBreakdown
 from memfit.memory.deepspeed_layout import ENGINES
+from memfit.memory.derive import derived_estimate, hand_written_family
 from memfit.memory.notes import notes
 from memfit.memory.resident import resident_states, stack_notes
 from memfit.memory.states import (
@@ -93,7 +94,6 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
     # answer trace, plan and train use. From here on ``run`` names what is built.
     resolved = resolve(spec, run, device)
     run = resolved.run
-    from memfit.memory.derive import derived_estimate, hand_written_family
 
     family = hand_written_family(spec, run, device)
     if derived is None and versions.unverified():

@@ -15,14 +15,17 @@ largest slice) grows; an expert that gets no token skips its weight copy under A
 every expert's). The per-expert index tensors are int64 pairs as in eager (``torch.where``'s outputs).
 """
 
+# Inside a function, in a try: transformers.integrations.moe (a transformers without MoE kernels has nothing to replace).
 from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.nn.functional as F
+
 
 def _linear(x, weight, bias, transposed: bool):
     """One expert's projection as the eager loops write it: ``x @ W`` for (in, out) weights, else ``F.linear``."""
-    import torch.nn.functional as F
 
     out = x @ weight if transposed else F.linear(x, weight)
     return out + bias if bias is not None else out
@@ -32,7 +35,6 @@ def balanced_eager_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' eager experts loop over a balanced routing (module docstring). ``self``: a module
     built by transformers' ``use_experts_implementation`` (its ``has_gate``/``has_bias``/``is_transposed``
     flags and ``_apply_gate`` say how its stacked weights are applied)."""
-    import torch
 
     num_experts = self.num_experts
     num_top_k = top_k_index.size(-1)

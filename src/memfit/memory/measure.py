@@ -21,16 +21,24 @@ holds beyond them (activations, logits, temporaries) cannot be told apart from a
 so it is reported as ``activations`` with a note saying so.
 """
 
+# Inside a function, in a try: torch._inductor.codecache, a private module (a torch without it: nothing to wrap).
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil  # an Accelerate dependency
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.integrations.quant_support import quant_state_tensors
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.trace import dispatch_mode_base
 
 
 @dataclass
@@ -87,19 +95,13 @@ def cpu_peak_rss() -> int:
 def reset_peak(device_type: str) -> None:
     """Start a fresh CUDA peak (CPU peak RSS cannot be reset: it covers the whole process)."""
     if device_type == "cuda":
-        import torch
-
         torch.cuda.reset_peak_memory_stats()
 
 
 def in_use(device_type: str) -> int:
     """Bytes in use now: CUDA memory allocated, or the process's current RSS on CPU."""
     if device_type == "cuda":
-        import torch
-
         return int(torch.cuda.memory_allocated())
-    import psutil  # an Accelerate dependency
-
     return int(psutil.Process().memory_info().rss)
 
 
@@ -109,8 +111,6 @@ def peak(device_type: str, step_peak: StepPeak | None = None) -> PeakMemory:
         out.cpu_tensor_peak, out.cpu_tensor_peak_step = step_peak.peak_bytes, step_peak.measured_step
         out.cpu_tensor_peak_rows = step_peak.rows
     if device_type == "cuda":
-        import torch
-
         out.cuda_max_allocated = int(torch.cuda.max_memory_allocated())
         out.cuda_max_reserved = int(torch.cuda.max_memory_reserved())
     return out
@@ -124,7 +124,6 @@ def _tensor_bytes(tensors) -> int:
 
 def state_bytes(model, optimizer) -> tuple[int, int, int]:
     """(weights incl. buffers, gradients, optimizer state) bytes held by live tensors now."""
-    import torch
 
     weights = _tensor_bytes(p for p in model.parameters()) + _tensor_bytes(model.buffers())
     grads = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -171,7 +170,6 @@ def measured_breakdown(peak_mem: PeakMemory, model, optimizer, *, trainable_para
 # ------------------------------------------------------------------------------------------------
 def _tensors(obj) -> Iterator:
     """The tensors in an operator's output (a tensor, or tuples/lists/dicts of them)."""
-    import torch
 
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -198,8 +196,6 @@ class _LiveBytes:
     """
 
     def __init__(self) -> None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
         self.seen = WeakIdKeyDictionary()  # storage -> (its counted bytes in a 1-list, weakref)
         self.current = 0
         self.peak = 0
@@ -242,9 +238,6 @@ class _LiveBytes:
 def _following_resizes(live: _LiveBytes) -> Iterator[None]:
     """Route ``torch.UntypedStorage.resize_`` through ``live.resized`` while the block runs (as torch's
     MemTracker does: the dispatch mode does not see storage resizes)."""
-    import functools
-
-    import torch
 
     original = torch.UntypedStorage.resize_
 
@@ -294,7 +287,6 @@ def _counting_mode(live: _LiveBytes, compiled: bool = False):
     ``compiled``: the mode says it ignores compile internals; otherwise Dynamo, finding a dispatch mode on the
     stack, runs a compiled model eagerly (torch 2.13 ``convert_frame``), and an eager step would be counted.
     """
-    from memfit.memory.trace import dispatch_mode_base
 
     base = dispatch_mode_base()
     if base is None:
@@ -426,14 +418,12 @@ def resident_tensors(model, optimizer, extra=()) -> list:
     """What a training process holds between steps: parameters (and any gradients left), buffers, the
     quantization state of a bitsandbytes base, the optimizer's state tensors (a ZeRO optimizer's flat
     partitions and buffers), and ``extra`` (e.g. the rollback snapshot's host buffers)."""
-    import torch
 
     inner = getattr(optimizer, "optimizer", optimizer)
     out = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     # a ZeRO-3 parameter's own partition (a frozen one's lies outside the optimizer's flat groups: a LoRA base)
     out += [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
     out += [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    from memfit.integrations.quant_support import quant_state_tensors
 
     out += quant_state_tensors(model)  # bitsandbytes' quantization state lives beside the packed weights
     if type(inner).__module__.startswith("deepspeed."):  # a ZeRO optimizer's flat partitions and buffers
@@ -455,7 +445,6 @@ def _zero_held(optimizer) -> list:
     reduce bucket there, 37.4 MiB per rank on the tiny preset over 2 ranks, which an earlier walk of the
     torch optimizer alone left out of the measured peak.
     """
-    import torch
 
     zero = optimizer
     while not type(zero).__module__.startswith("deepspeed.") and hasattr(zero, "optimizer"):

@@ -21,6 +21,7 @@ per row) at the compute bytes; the eager loop's other per-expert tensors are sav
 
 from __future__ import annotations
 
+from memfit.spec.resolved import experts
 from memfit.units import fmt_bytes
 
 
@@ -37,7 +38,6 @@ def routing_margin(spec, run, compute_bytes: int | None = None) -> int:
 
     Source: transformers' eager experts loop (``MixtralExperts.forward``: one slice of routed rows per
     expert, nothing dropped). Known error: the loop's other per-expert tensors are saved either way."""
-    from memfit.spec.resolved import experts
 
     if not spec.num_experts or experts(spec, str(run.experts_implementation), str(run.dtype)) != "eager":
         return 0

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 
 @contextlib.contextmanager
 def saved_tensors_off_device() -> Iterator[None]:
     """Forward's saved tensors leave the (traced) device and come back, one use at a time, in backward."""
-    import torch
 
     def pack(tensor: torch.Tensor):
         return tuple(tensor.size()), tensor.dtype  # the host copy: not device memory

@@ -41,10 +41,20 @@ checkpoint is predicted whether or not the run saves one (the default, sharded D
 measurable on CPU). Not yet checked on a GPU.
 """
 
+# Inside a function: spec.model's load_spec, in a try: a model it cannot describe is no prediction, never a failure.
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory.activations import Precisions, logits_terms
+from memfit.memory.snapshot import rollback_copy
+from memfit.memory.states import (
+    base_weight_bytes,
+    gathered_layer_bytes,
+    model_states,
+    optimizer_state_bytes,
+    unquantized_param_bytes,
+)
 from memfit.settings.config import Quantize, RunConfig, Sharding
 
 #: The sample budget of ``training.samples`` (a plain-text prompt's characters, the tokens generated),
@@ -125,8 +135,6 @@ class OutsideStep:
 
 def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device)."""
-    from memfit.memory.activations import Precisions
-    from memfit.memory.states import base_weight_bytes, model_states, optimizer_state_bytes
     cpu = device == "cpu"
     prec = Precisions.of(run)
     states = model_states(spec, run, device)
@@ -166,7 +174,6 @@ def predicted_outside(model, run: RunConfig, device: str) -> OutsideStep | None:
 
 def _cpu_snapshot(spec, run: RunConfig, cpu: bool) -> int:
     """The rollback snapshot's buffers, kept for the run (``memory.snapshot``), where the host is the device."""
-    from memfit.memory.snapshot import rollback_copy
 
     kind, copy = rollback_copy(spec, run)
     return copy if cpu and kind == "every-step" else 0
@@ -177,8 +184,6 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
     the moment a layer is gathered (FSDP2's gathered units ``G`` + the residual stream and a layer input,
     ``2 B T H``), the moment a layer computes (its own parameters when sharded + ``3 B T I + 4 B T H``) and
     the head's (the tail unit twice when sharded + the logits and loss)."""
-    from memfit.memory.activations import logits_terms
-    from memfit.memory.states import gathered_layer_bytes, unquantized_param_bytes
 
     tokens = run.micro_batch * run.seq_len
     layer_compute = (3 * spec.intermediate_size + 4 * spec.hidden_size) * tokens * prec.c
@@ -198,7 +203,6 @@ def _eval_transient(spec, run: RunConfig, prec) -> int:
 
 def largest_tensor_bytes(spec, run: RunConfig) -> int:
     """Bytes of the model's largest parameter tensor in the weights' dtype (one gathered or broadcast at a time)."""
-    from memfit.memory.activations import Precisions
 
     return _largest_tensor(spec) * Precisions.of(run).w
 

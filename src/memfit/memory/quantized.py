@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 
+from memfit.integrations.quant_support import compute_bytes
+from memfit.integrations.quant_support import unquantized_bytes as rule
 from memfit.settings.config import Quantize
+from memfit.spec.linears import ATTN_IN
 
 #: bitsandbytes' NF4 block: one absmax per 64 weights (``BitsAndBytesConfig`` -> ``Linear4bit``'s default
 #: ``blocksize=64``; ``functional.quantize_4bit``).
@@ -68,7 +71,6 @@ def unquantized_bytes(run) -> int:
     """Bytes per element of what a quantized base keeps unquantized (embeddings, norms, head, biases), hence of
     its residual stream: the one rule, ``quant_support.unquantized_dtype`` (fp32 under ``--qlora-upcast full``,
     PEFT's kbit cast; ``--dtype`` under the lean default), which the builder applies too."""
-    from memfit.integrations.quant_support import unquantized_bytes as rule
 
     return rule(run)
 
@@ -115,7 +117,6 @@ def int8_input_groups(spec, run, prec, device: str,
     """
     if run.quantize is Quantize.NONE or (run.quantize is Quantize.Q4 and not keeps_4bit_input):
         return {}
-    from memfit.spec.linears import ATTN_IN
 
     groups: dict[str, tuple[int, int, tuple[str, ...]]] = {}
     for lin in spec.linears:
@@ -165,7 +166,6 @@ def dequantized_transient(spec, run, phase: str = "backward") -> int:
         return 0
     lin = max(spec.linears, key=lambda x: x.in_features * x.out_features)
     numel = lin.in_features * lin.out_features
-    from memfit.integrations.quant_support import compute_bytes
 
     c = compute_bytes(run)
     if run.quantize is Quantize.Q4:

@@ -33,9 +33,16 @@ the weight in ``QuantState.dtype``) and ``.to(grad_output.dtype)``, ops the trac
 traced (``Linear8bitLt`` keeps its inputs as ``ctx`` attributes on the CPU and runs int8 kernels on CUDA).
 """
 
+# Inside functions: bitsandbytes (optional: the quant extra; 6.7 s to import; python -X importtime, 2026-12-06, this shared 2-core machine).
 from __future__ import annotations
 
 import contextlib
+
+import torch
+from transformers.quantizers import AutoHfQuantizer
+
+from memfit.builder.parts import torch_dtype
+from memfit.integrations.quant_support import bnb_config, quant_state_tensors
 
 #: The buffer names ``hold_quant_state`` gives the quantization state's tensors (prefix + index).
 _HELD = "_memfit_quant_state_"
@@ -45,10 +52,6 @@ def quantize_on_meta(model, run):
     """Replace ``model``'s quantizable ``Linear`` modules (meta device) by bitsandbytes' ``Linear4bit``,
     as ``from_pretrained(quantization_config=...)`` does before it loads the weights; unquantized parameters
     the new modules bring (biases) get ``--dtype``, as a load gives them."""
-    from transformers.quantizers import AutoHfQuantizer
-
-    from memfit.builder.parts import torch_dtype
-    from memfit.integrations.quant_support import bnb_config
 
     quantizer = AutoHfQuantizer.from_config(bnb_config(run), pre_quantized=False)
     quantizer.preprocess_model(model, device_map=None, dtype=torch_dtype(run))
@@ -78,7 +81,6 @@ def fake_params4bit(param, dtype):
     subclass), so the result is what ``nn.Parameter`` makes of a fake tensor (the fake tensor itself, marked a
     parameter) carrying ``Params4bit``'s attributes: everything ``Linear4bit.forward`` and ``MatMul4Bit`` read
     (``quant_state`` and the quantization settings)."""
-    import torch
     from bitsandbytes.functional import quantize_4bit
 
     weight = torch.empty(param.shape, dtype=dtype)  # (out, in): what from_pretrained hands bitsandbytes
@@ -117,7 +119,6 @@ def dynamic_map_for(fake_mode):
 def hold_quant_state(model) -> int:
     """Register each 4-bit layer's quantization-state tensors as non-persistent buffers of the layer, so the
     memory tracker counts them as weights (module docstring); returns their bytes (each storage once)."""
-    from memfit.integrations.quant_support import quant_state_tensors
 
     held: dict[int, int] = {}
     for module in model.modules():
@@ -138,7 +139,6 @@ def gemm_4bit_steps(enabled: bool, mode_base):
     if not enabled:
         yield
         return
-    import torch
     from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
 
     gemm = torch.ops.bitsandbytes.gemm_4bit.default

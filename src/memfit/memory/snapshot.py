@@ -30,11 +30,17 @@ first step's, which is exact for fused AdamW (its state is allocated inside that
 and reports the rise under ``optimizer``.
 """
 
+# Inside a function: memory.trace (5.5 s to import, python -X importtime, 2026-12-06, this shared 2-core machine), only
+# for a --compile run: an analytic estimate never loads torch's tracing.
 from __future__ import annotations
 
 import dataclasses
 
+from memfit.memory.estimate import estimate, rollback_snapshot_bytes
+from memfit.memory.states import model_states, quant_state_bytes
 from memfit.settings.config import Offload, RunConfig
+from memfit.spec.engines import estimator_engine
+from memfit.spec.optimizers import row
 from memfit.units import fmt_bytes
 
 
@@ -42,8 +48,6 @@ def rollback_copy(spec, run: RunConfig, engine: str = "fsdp2") -> tuple[str, int
     """The rollback snapshot ``run`` keeps (module docstring): its kind (the optimizer row's ``rollback``,
     ``never`` where no snapshot is taken: optimizer-in-backward, the DeepSpeed engine) and its bytes per rank
     (``every-step``: parameters and state; ``first-step``: the parameters)."""
-    from memfit.memory.estimate import rollback_snapshot_bytes
-    from memfit.spec.optimizers import row
 
     kind = row(run.optimizer).rollback
     if kind == "never" or run.optimizer_in_backward or engine == "deepspeed":
@@ -62,7 +66,6 @@ def host_bytes(spec, run: RunConfig) -> int:
     embeddings and head): whether a workstation holds it decides between them. Ignores: activation offload's copies, pinned staging buffers, the Python/torch runtime
     and the dataset (a few GB per process).
     """
-    from memfit.memory.states import model_states, quant_state_bytes
 
     on_device = model_states(spec, run.replace(offload=Offload.NONE), "cuda")
     per_rank = 0
@@ -81,11 +84,8 @@ def device_estimate(spec, run: RunConfig, device: str, engine: str | None = None
     ``engine`` None: the launch's (``engines.estimator_engine``). ``--compile``: the exact trace with the
     compiled graph's saved set (``memory/compiled.py``; the analytic recipes price eager autograd). ``derived``:
     ``estimate``'s choice of recipe (None: its own)."""
-    from memfit.memory.estimate import estimate
 
     if engine is None:
-        from memfit.spec.engines import estimator_engine
-
         engine = estimator_engine()
     held = run.replace(offload=Offload.NONE) if device == "cpu" and run.offload in (
         Offload.PARAMS, Offload.OPTIMIZER) else run

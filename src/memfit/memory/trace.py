@@ -46,22 +46,46 @@ version-sensitive surface in one place; the recorder's dispatch handler reads as
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
+
+import torch
+from accelerate.utils import convert_outputs_to_fp32
+from transformers import AutoModelForCausalLM, PretrainedConfig, masking_utils
 
 from memfit.builder import parts as build
+from memfit.builder import preference
 from memfit.errors import UserError
 from memfit.integrations import versions
+from memfit.integrations.quant_support import check, logical_numel
+from memfit.memory import preference_terms as pref
+from memfit.memory.activations import MASKED_PACKING
+from memfit.memory.alloc_stream import WORKSPACE, predicted_reserved, stream_recorder
+from memfit.memory.allocator_config import settings_from_env
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
+from memfit.memory.compiled import compiled_saved_bytes, mask_path, with_compiled_saved_set
 from memfit.memory.cuda_kernels import Substitutions, cuda_kernels
 from memfit.memory.device_terms import cuda_other
 from memfit.memory.experts_trace import traceable_experts
-from memfit.memory.quantized_trace import gemm_4bit_steps, hold_quant_state
+from memfit.memory.offload_trace import saved_tensors_off_device
+from memfit.memory.preference_terms import reference_policy
+from memfit.memory.quantized_trace import (
+    dynamic_map_for,
+    fake_params4bit,
+    gemm_4bit_steps,
+    hold_quant_state,
+    is_params4bit,
+    quantize_on_meta,
+)
+from memfit.memory.stack_terms import notes as stack_notes
 from memfit.settings.config import (
     Attention,
+    Loss,
     Offload,
     OptimSettings,
     Packing,
@@ -70,9 +94,11 @@ from memfit.settings.config import (
     RunConfig,
     Sharding,
 )
-from memfit.spec.model import check_seq_len
+from memfit.spec.losses import chunk_tokens, chunked_micro_loss
+from memfit.spec.model import ModelSpec, check_causal_lm, check_seq_len, resolve_config, spec_from_config
 from memfit.spec.optimizers import row
 from memfit.spec.resolved import ResolvedRun, resolve
+from memfit.units import fmt_bytes
 
 #: The learning rate the traced optimizer is built with: any positive value allocates the same.
 _TRACE_LR = 1e-4
@@ -148,8 +174,6 @@ def _private_api() -> dict[str, Any]:
             "tree_leaves": importlib.import_module("torch.utils._pytree").tree_leaves,
         }
     except (ImportError, AttributeError) as err:
-        import torch
-
         raise UserError(
             f"--exact needs torch's FakeTensorMode and MemTracker, which torch {torch.__version__} lacks "
             f"({err}); install torch >= 2.5 or use the analytic estimate."
@@ -171,9 +195,6 @@ def dispatch_mode_base():
 # ------------------------------------------------------------------------------------------------
 def _hf_config(model: Any):
     """A transformers ``PretrainedConfig`` from a preset name/path, a ``ModelSpec`` or a config."""
-    from transformers import PretrainedConfig
-
-    from memfit.spec.model import check_causal_lm, resolve_config
 
     if isinstance(model, PretrainedConfig):
         check_causal_lm(model, getattr(model, "model_type", "model"))
@@ -189,7 +210,6 @@ def _hf_config(model: Any):
 
 def _spec(model: Any, config):
     """The ``ModelSpec`` of what is traced (given, or counted from the config on the meta device)."""
-    from memfit.spec.model import ModelSpec, spec_from_config
 
     if isinstance(model, ModelSpec):
         return model
@@ -203,8 +223,6 @@ def check_supported(run: RunConfig, device: str = "cpu") -> None:
         raise UserError("--quantize 8bit is not supported in exact mode (its layers keep their inputs outside "
                         "autograd's saved tensors and run int8 kernels on CUDA); use the analytic estimate, or 4bit.")
     if run.quantize is Quantize.Q4:
-        from memfit.integrations.quant_support import check
-
         check("cpu", "--quantize 4bit --exact")  # bitsandbytes' ops (and their fake kernels) are imported
     if not row(run.optimizer).traceable:
         raise UserError(f"--optimizer {run.optimizer.value} is not supported in exact mode (its kernels cannot run "
@@ -236,10 +254,6 @@ def _build_model(config, resolved: ResolvedRun):
     and buffer a fake CPU storage. The attention is the resolved one, except that flash attention (a
     CUDA kernel) is traced as SDPA, which saves the same tensors (output + logsumexp).
     """
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
 
     run = resolved.run
     attn = "sdpa" if run.attn_implementation is Attention.FLASH else run.attn_implementation.value
@@ -247,8 +261,6 @@ def _build_model(config, resolved: ResolvedRun):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                  **build.model_kwargs(run, attn, resolved.experts))
         if run.quantize is Quantize.Q4:  # as from_pretrained quantizes: before checkpointing and PEFT
-            from memfit.memory.quantized_trace import quantize_on_meta
-
             model = quantize_on_meta(model, run)
         return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())
 
@@ -256,9 +268,6 @@ def _build_model(config, resolved: ResolvedRun):
 def _to_fake(model, fake_mode, run: RunConfig) -> None:
     """Replace every meta parameter/buffer by a fake CPU tensor of the same shape/dtype (ties kept); a 4-bit
     weight is quantized by bitsandbytes from a fake ``--dtype`` weight (``memory/quantized_trace.py``)."""
-    import torch
-
-    from memfit.memory.quantized_trace import dynamic_map_for, fake_params4bit, is_params4bit
 
     done: dict[int, Any] = {}
     quantized = run.quantize is Quantize.Q4
@@ -321,7 +330,6 @@ def _make_recorder(api: dict[str, Any], tracker, shape: tuple[int, int], head_we
     computed from the head's weight (or its autocast copy) or from a logits tensor. Autocast weight
     copies are ``aten._to_copy`` outputs whose input is a parameter.
     """
-    import torch
 
     ref = api["RefType"]
     storages_of = api["get_untyped_storages"]
@@ -478,8 +486,6 @@ def _autocast_forward(model, run: RunConfig):
     (so ``outputs.logits`` gets an fp32 copy). The trace runs CPU kernels, hence ``autocast("cpu")``:
     on a CPU-only torch ``autocast("cuda")`` is inert (see DESIGN.md).
     """
-    import torch
-    from accelerate.utils import convert_outputs_to_fp32
 
     if run.mixed_precision is Precision.NO:
         return model.forward
@@ -489,7 +495,6 @@ def _autocast_forward(model, run: RunConfig):
 
 def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> None:
     """Forward, loss, backward for each micro-batch, then optimizer step and zero_grad."""
-    import torch
 
     rec = t.recorder
     for _ in range(micro_batches):
@@ -516,7 +521,6 @@ def _one_step(t: _Traced, micro_batches: int, optimizer_step: bool = True) -> No
 
 def _watch_input_leaves(model, leaves: list) -> None:
     """Append (weakly) the input embeddings' output of each forward to ``leaves``, for ``_release_input_leaves``."""
-    import weakref
 
     def remember(_module, _args, output) -> None:
         leaves.append(weakref.ref(output))
@@ -576,21 +580,17 @@ def _freed_grads_unseen(run: RunConfig):
 def _saved_tensors_place(run: RunConfig):
     """``--offload activations``: saved tensors off the device while saved (``memory/offload_trace.py``)."""
     if run.offload is Offload.ACTIVATIONS:
-        from memfit.memory.offload_trace import saved_tensors_off_device
-
         return saved_tensors_off_device()
     return contextlib.nullcontext()
 
 
 def _micro_loss(t: _Traced, input_ids, labels):
     """The loss as ``training/step.py`` computes it: the model's own, or (``--loss chunked``) memfit's."""
-    import torch
 
     if t.run.method.value != "sft":
         return _preference_loss(t, input_ids, labels)
     if t.run.loss.value == "standard":
         return t.forward(input_ids=input_ids, labels=labels, use_cache=False, **_packed_positions(t.run)).loss
-    from memfit.spec.losses import chunked_micro_loss
 
     autocast = contextlib.nullcontext
     if t.run.mixed_precision is not Precision.NO:
@@ -608,7 +608,6 @@ def _loss_rows(run: RunConfig, vocab: int, hidden: int) -> frozenset:
     """Token rows of one chunk's logits (the last chunk may be shorter); empty for the standard loss."""
     if run.loss.value == "standard":
         return frozenset()
-    from memfit.spec.losses import chunk_tokens
 
     tokens = run.micro_batch * run.seq_len
     chunk = chunk_tokens(tokens, vocab, hidden)
@@ -617,7 +616,6 @@ def _loss_rows(run: RunConfig, vocab: int, hidden: int) -> frozenset:
 
 def _state_bytes(optimizer, storages_of) -> int:
     """Bytes of the tensors in ``optimizer.state`` (moments, step counters), each storage once."""
-    import torch
 
     seen: dict[int, int] = {}
     for state in optimizer.state.values():
@@ -655,7 +653,6 @@ def _mark_layers(model, recorder) -> None:
     """Mark each decoder layer's forward (module hooks) and the start of its backward: a hook on the
     gradient of its output, which allocates nothing (it returns None) and fires once that gradient is
     complete, after the layers above finished their backward."""
-    import torch
 
     def after_forward(i: int, output) -> None:
         recorder.mark(i, "post")
@@ -709,7 +706,6 @@ def _allocation_stream(api: dict[str, Any], tracker, device: str, steps: int):
     holding the weights and buffers MemTracker tracks (in its order: the model's) and cuBLAS's workspace."""
     if device != "cuda" or steps < 2:
         return _NoStream()
-    from memfit.memory.alloc_stream import WORKSPACE, stream_recorder
 
     stream = stream_recorder(api["TorchDispatchMode"], api["get_untyped_storages"], api["tree_leaves"])
     stream.recording = stream.recorded = True
@@ -723,9 +719,6 @@ def _with_reserved(breakdown: MemoryBreakdown, events) -> None:
     """Fill ``breakdown``'s predicted reserved memory from the replay of ``events`` (None: not recorded)."""
     if events is None:
         return
-    from memfit.memory.alloc_stream import predicted_reserved
-    from memfit.memory.allocator_config import settings_from_env
-    from memfit.units import fmt_bytes
 
     settings = settings_from_env()
     result = predicted_reserved(events, settings)
@@ -756,7 +749,6 @@ def other_bytes(tensor_peak: int, device: str) -> int:
 
 def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBreakdown:
     """The peak sample of the traced step as a ``MemoryBreakdown`` (method ``exact``)."""
-    from memfit.integrations.quant_support import logical_numel
 
     peak = timeline.peak_index()
     sample = timeline.samples[peak] if timeline.samples else dict.fromkeys(CATEGORIES[:-1], 0)
@@ -793,9 +785,6 @@ def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBrea
 
 def _compiled_saved(config, resolved: ResolvedRun, api: dict) -> int:
     """``--compile``: what the compiled forward saves (``memory.compiled``), on a fresh fake model of the run."""
-    import torch
-
-    from memfit.memory.compiled import compiled_saved_bytes, mask_path
 
     run = resolved.run
     net = _build_model(config, resolved)
@@ -813,9 +802,6 @@ def _traced_loss(resolved: ResolvedRun, device: str, substituted: Substitutions)
     run here). The analytic estimate prices all three alike (``activations.chunked_logits_terms``); Liger
     differs in when it allocates (the gradients of the hidden states and the head's weight in forward, not
     backward): docs/exact.md, "What only a GPU can check"."""
-    from dataclasses import replace
-
-    from memfit.settings.config import Loss
 
     if device != "cuda" or resolved.run.loss not in (Loss.LIGER, Loss.CCE):
         return resolved
@@ -829,7 +815,6 @@ def _packed_positions(run: RunConfig) -> dict:
     (positions restart at 0; no attention mask), so transformers takes its packed-sequence path; the
     split point does not matter, only that the rows hold more than one document. Other packing modes
     pass none (the model numbers positions 0..T-1 itself)."""
-    import torch
 
     if run.packing is not Packing.DOCUMENTS or run.seq_len < 2:
         return {}
@@ -843,7 +828,6 @@ def _attention_path(run: RunConfig):
     """The attention mask of the real run's peak: a (B, 1, T, T) mask for ``activations.MASKED_PACKING``
     (packed rows: transformers builds a block-causal one; padded rows: a padding one of the same shape,
     which the fake-tensor path's "packed" answer gives too), else ``_unpacked_sequences``."""
-    from memfit.memory.activations import MASKED_PACKING
 
     if run.packing in MASKED_PACKING:
         yield
@@ -862,9 +846,6 @@ def _unpacked_sequences():
     would report "packed" and build a (B, 1, T, T) mask that the real run never has. Saying "no packed
     sequences" restores the real path. Eager attention builds its mask either way, as on the device.
     """
-    from unittest import mock
-
-    from transformers import masking_utils
 
     with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
         yield
@@ -876,10 +857,6 @@ def _preference_loss(t: _Traced, input_ids, labels):
     DPO's reference forward runs under ``no_grad`` first: through the adapter switched off (LoRA), else
     through the traced model itself, standing in for the frozen copy (the same code and transient; the
     copy's weights are added by ``trace``); precomputed log-probabilities are a (2B,) tensor."""
-    import torch
-
-    from memfit.builder import preference
-    from memfit.memory.preference_terms import reference_policy
 
     spec = preference.PreferenceLoss(t.run.method)
     policy = reference_policy(t.run)
@@ -935,7 +912,6 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     resolved = resolve(spec, run)  # the run estimate and train build, asked once
     substituted = Substitutions()
     resolved = _traced_loss(resolved, device, substituted)
-    from memfit.memory import preference_terms as pref
 
     run = pref.pair_forward_run(resolved.run)  # a preference method: one forward of chosen and rejected
     fake_mode = api["FakeTensorMode"](allow_non_fake_inputs=False)
@@ -1000,10 +976,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         breakdown.notes.insert(2, "4-bit base: bitsandbytes' Linear4bit and its ops traced on fake tensors, the "
                                "forward's gemm_4bit as dequantize + linear (memory/quantized_trace.py).")
     if run.compile:
-        from memfit.memory.compiled import with_compiled_saved_set
-
         breakdown = with_compiled_saved_set(breakdown, line, _compiled_saved(config, resolved, api))
-    from memfit.memory.stack_terms import notes as stack_notes
 
     breakdown.notes += stack_notes(stack, derived=True, traced=True) if stack is not None else []
     return (breakdown, line) if timeline else breakdown

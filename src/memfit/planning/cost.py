@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from memfit.memory.activations import Precisions, layer_activations
+from memfit.memory.preference_terms import pair_forward_run, reference_policy
 from memfit.planning.gpus import GPU
 from memfit.planning.internode import comm_seconds, gradient_bytes
 from memfit.settings.config import DType, Offload, Precision, Quantize, RunConfig
@@ -146,7 +148,6 @@ def _weight_bytes_per_pass(spec, run: RunConfig) -> float:
 
 def micro_batch_seconds(spec, run: RunConfig, gpu: GPU) -> tuple[float, float, float]:
     """``(compute, memory, launch)`` seconds of one micro-batch's forward + backward (items 1-4)."""
-    from memfit.memory.preference_terms import pair_forward_run, reference_policy
 
     policy = reference_policy(run)
     run = pair_forward_run(run)  # a preference method: 2B sequences (chosen and rejected) per forward
@@ -222,7 +223,6 @@ def _trainable_tensors(spec, run: RunConfig) -> int:
 def _activation_offload_seconds(spec, run: RunConfig, gpu: GPU) -> float:
     """``--offload activations``: every saved tensor goes down to pinned host memory in forward and up
     in backward, per micro-batch, over PCIe (not overlapped with compute here: pessimistic)."""
-    from memfit.memory.activations import Precisions, layer_activations
 
     saved = layer_activations(spec, run, Precisions.of(run), "cuda").all_layers
     return run.grad_accum * 2 * saved / (gpu.bytes_per_s("host") * BANDWIDTH_EFFICIENCY)

@@ -5,6 +5,7 @@ memory among the variants of one family), and ``smallest_fitting`` answers "whic
 this fit on".
 """
 
+# Inside a function: torch (2.6 s to import; python -X importtime, 2026-12-06, this shared 2-core machine): `memfit presets` lists the GPU table without it.
 from __future__ import annotations
 
 import difflib

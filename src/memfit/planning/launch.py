@@ -10,10 +10,14 @@ printed with it always agree.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
+
+import yaml
 
 from memfit.files import write_text_atomic
 from memfit.settings.config import Offload, RunConfig, Sharding
+from memfit.spec.engines import reshard_after_forward
 
 #: The config file name the printed command uses unless the user names another.
 DEFAULT_CONFIG_FILE = "accelerate_config.yaml"
@@ -31,7 +35,6 @@ def accelerate_config(run: RunConfig, machine_rank: int = 0, main_ip: str = MAIN
     ``num_processes`` counts all of them); on several, the one for ``machine_rank``, with the first machine's
     address and port as the rendezvous (``main_process_ip``/``main_process_port``, static rendezvous: machine
     ranks as given). ``--sharding hybrid`` adds Accelerate's ``parallelism_config`` (replicas x shards)."""
-    from memfit.spec.engines import reshard_after_forward
 
     n = run.num_processes
     distributed = "FSDP" if run.sharding is not Sharding.DDP else ("MULTI_GPU" if n > 1 else "NO")
@@ -68,7 +71,6 @@ def launch_command(model: str, run: RunConfig, config_file: str = DEFAULT_CONFIG
                    revision: str | None = None) -> str:
     """The shell command that runs ``run``: ``accelerate launch --config_file FILE -m memfit train ...``
     (plain ``memfit train`` for one process without sharding). ``--data`` is the user's to add."""
-    import shlex
 
     train = " ".join(shlex.quote(f) for f in train_flags(model, run, revision))
     if run.num_processes == 1 and run.sharding is Sharding.DDP:
@@ -84,7 +86,6 @@ def torchrun_command(model: str, run: RunConfig, node_rank: int | str, *, main_i
     """The same run under plain torchrun on node ``node_rank`` (``--nnodes``, ``--nproc_per_node``,
     ``--node_rank``, static rendezvous at ``--rdzv-endpoint`` on the first node): memfit builds the FSDP2
     plugin (and hybrid's device mesh) from its own flags, so no Accelerate config is needed."""
-    import shlex
 
     train = " ".join(shlex.quote(f) for f in train_flags(model, run, revision))
     return (f"torchrun --nnodes {run.nodes} --nproc_per_node {run.processes_per_node()} --node_rank {node_rank} "
@@ -98,7 +99,6 @@ def node_config_file(path: Path, machine_rank: int, nodes: int) -> Path:
 
 def write_accelerate_config(run: RunConfig, path: Path) -> list[Path]:
     """Write ``accelerate_config(run)`` as YAML, atomically: one file, or one per node (``node_config_file``)."""
-    import yaml
 
     text = "# Written by memfit plan; launch with the command it printed.\n"
     written = []

@@ -29,6 +29,7 @@ from memfit.planning.search import (
     resolve_target,
 )
 from memfit.planning.space import Constraints, candidates
+from memfit.spec.engines import refusal
 from memfit.units import fmt_gib
 
 #: What ``--maximize`` can maximize: the flag's value -> the ``RunConfig`` field.
@@ -104,7 +105,6 @@ def maximize(model, budget_bytes, target: str, *, seq_len: int, num_processes: i
 def _techniques(seq_len: int, batch: int, num_processes: int, c: Constraints, bf16_ok: bool) -> list:
     """The candidates of ``space`` at one micro-batch per step: each a technique, the maximized value free.
     What ``memfit train`` would refuse on a GPU (``engines.refusal``) is left out, as ``plan`` leaves it."""
-    from memfit.spec.engines import refusal
 
     return [run for run in candidates(seq_len, batch, num_processes, c, bf16_ok=bf16_ok)
             if not refusal(run, cuda=True)]

@@ -18,13 +18,18 @@ from typing import Any
 from memfit.errors import NothingFitsError, UserError
 from memfit.memory import derive
 from memfit.memory.breakdown import MemoryBreakdown
+from memfit.memory.moe import routing_margin
 from memfit.memory.phases import DevicePhases
+from memfit.memory.snapshot import device_estimate, host_bytes
 from memfit.planning.cost import StepTime, step_time
 from memfit.planning.fit import SAFETY_MARGIN, decide, fits, margin_note
 from memfit.planning.gpus import GPU, REFERENCE_GPU, gpu_by_name, smallest_fitting
+from memfit.planning.moe import moe_plan_lines
 from memfit.planning.space import Constraints, candidates, micro_batches
 from memfit.report.runs import describe
 from memfit.settings.config import Optimizer, RunConfig
+from memfit.spec.engines import refusal
+from memfit.spec.model import load_spec
 from memfit.spec.resolved import attention
 from memfit.units import fmt_gib, parse_size
 
@@ -140,8 +145,6 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     """Estimate and time one configuration; ``cpu``: the budget is a CPU's memory (CPU kernels, no CUDA
     context, and ``memfit train``'s rollback snapshot counts: ``memory.snapshot``); ``derived``: ``estimate``'s
     choice of recipe (False: a proxy, ``Plan.proxy``); ``stack``: the trainer that runs it (``settings.stack``)."""
-    from memfit.memory.moe import routing_margin
-    from memfit.memory.snapshot import device_estimate
 
     breakdown = device_estimate(spec, run, "cpu" if cpu else "cuda", engine, derived, stack)
     t = step_time(spec, run, gpu)
@@ -167,7 +170,6 @@ def rank(plans: list[Plan]) -> list[Plan]:
 def resolve_target(model, gpu: GPU | str | None, budget_bytes) -> tuple[Any, GPU, int]:
     """``(spec, gpu, budget_bytes)``: the model (a name is loaded), the GPU (a name is looked up; None: the
     reference GPU) and the budget (None: that GPU's memory), as ``plan`` and ``maximize`` search them."""
-    from memfit.spec.model import load_spec
 
     spec = load_spec(model) if isinstance(model, str) else model
     if isinstance(gpu, str):
@@ -232,7 +234,6 @@ def plan(model, budget_bytes: int | str | None, *, seq_len: int, batch: int, num
     result = PlanResult(budget, safety_margin, ranked, 0, getattr(spec, "name", str(model)), device, spec, cpu)
     if not ranked[0].fits:
         raise NothingFitsError(nothing_fits_message(result))
-    from memfit.planning.moe import moe_plan_lines
 
     result.notes = moe_plan_lines(result, lambda r: evaluate(spec, r, device, budget, safety_margin, cpu=cpu))
     result.notes.append(margin_note(result.best.phases, budget, safety_margin))  # what the decision read, what is left
@@ -255,9 +256,6 @@ def _evaluate_all(spec, runs: list[RunConfig], gpu: GPU, budget: int, margin: fl
     """Evaluate every candidate; ones the estimator refuses (a combination it knows cannot run) are
     skipped, and if it refuses them all its first reason is the error. ``host_memory``: candidates whose
     host RAM (``memory.snapshot.host_bytes``) exceeds it are skipped too."""
-    from memfit.memory.snapshot import host_bytes
-    from memfit.spec.engines import refusal
-    from memfit.units import fmt_gib
 
     plans, refused, deferred = [], [], []
     plain_plans: dict[RunConfig, Plan] = {}

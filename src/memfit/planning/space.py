@@ -19,6 +19,7 @@ A candidate is a ``RunConfig``. The grid is the product of
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -71,7 +72,9 @@ class Constraints:
     One field per setting the planner chooses (``memfit.settings.schema.searched``: every ``RunConfig`` setting
     but the sequence length, the processes and the method, which are the problem it is given), named by its flat
     key (``lora_r``) and typed as that setting or ``None``; then what only the planner is told. A setting added to
-    ``RunConfig`` with ``plan="searched"`` needs its field here: ``tests/test_schema.py`` fails until it has one.
+    ``RunConfig`` with ``plan="searched"`` needs its field here: ``tests/test_schema.py`` fails until it has one;
+    ``candidates`` then passes it through (pinned, else ``RunConfig``'s default) unless ``ENUMERATED`` lists it.
+    The other places a new setting may need are listed in docs/settings.md ("Adding a setting").
     ``--lora-r 0`` or ``full=True`` pins a full fine-tune; ``quantize="none"`` forbids quantization, like
     ``allow_quantize=False``.
     """
@@ -209,6 +212,21 @@ def _shardings(num_processes: int, nodes: int) -> tuple[Sharding, ...]:
     return tuple(s for s in Sharding if s is not Sharding.HYBRID or hybrid)
 
 
+#: The searched settings ``candidates`` enumerates (each candidate sets them); every other searched setting is passed
+#: through: the value the user pinned, else ``RunConfig``'s default. A setting added with ``plan="searched"`` needs
+#: only its ``Constraints`` field to be pinnable in plan (``tests/test_plan.py`` pins each one).
+ENUMERATED = ("micro_batch", "grad_accum", "mixed_precision", "dtype", "grad_checkpointing", "quantize", "optimizer",
+              "offload", "sharding", "loss", "precompute_reference", "optimizer_in_backward",
+              "lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def passed_through(c: Constraints) -> dict[str, Any]:
+    """The searched settings the grid does not enumerate, as pinned (``{key: value}``; unpinned: left out, so the
+    candidates take ``RunConfig``'s default)."""
+    return {s.key: getattr(c, s.key) for s in searched(RunConfig)
+            if s.key not in ENUMERATED and getattr(c, s.key) is not None}
+
+
 def _choices(pinned, default: tuple) -> tuple:
     return (pinned,) if pinned is not None else default
 
@@ -231,6 +249,7 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
     lora_common = LoraSettings(r=c.lora_r or LORA_RANK, **pinned_lora)  # the rest: LoraSettings' defaults
     no_lora = LoraSettings()
     shardings = _choices(c.sharding, _shardings(num_processes, nodes))
+    base = RunConfig.of(seq_len=seq_len, num_processes=num_processes, nodes=nodes, method=method, **passed_through(c))
     out = []
     for regime in (r for r in regimes(bf16_ok, cpu) if _regime_allowed(r, c)):
         # LoRA's optimizer state is small: only its frozen base is worth offloading (FSDP2's parameter offload,
@@ -251,14 +270,10 @@ def candidates(seq_len: int, batch: int, num_processes: int = 1, constraints: Co
                     and (regime.quantize is Quantize.Q8 or sharding is Sharding.DDP)):
                 continue  # bitsandbytes' weights stay on the GPU unless FSDP2 shards a 4-bit base
             lora = lora_common if regime.lora else no_lora
-            out += [RunConfig(
-                seq_len=seq_len, micro_batch=micro, grad_accum=accum, num_processes=num_processes, nodes=nodes,
-                mixed_precision=regime.mixed_precision, dtype=regime.dtype, grad_checkpointing=gc,
-                quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
-                attn_implementation=c.attn_implementation or Attention.AUTO, loss=loss,
-                packing=c.packing or Packing.DOCUMENTS, method=method, precompute_reference=pre,
-                qlora_upcast=c.qlora_upcast or QloraUpcast.LEAN,
-                optimizer_in_backward=in_bw, lora=lora) for pre in precompute]
+            out += [dataclasses.replace(
+                base, micro_batch=micro, grad_accum=accum, mixed_precision=regime.mixed_precision, dtype=regime.dtype,
+                grad_checkpointing=gc, quantize=regime.quantize, optimizer=opt, offload=offload, sharding=sharding,
+                loss=loss, precompute_reference=pre, optimizer_in_backward=in_bw, lora=lora) for pre in precompute]
     if not out:
         raise NoCandidatesError("The pinned settings leave no configuration to try; drop one of the constraints.")
     return out

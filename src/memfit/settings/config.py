@@ -24,6 +24,7 @@ from typing import Any
 from memfit.errors import UserError
 from memfit.integrations.trackers import TRACKERS
 from memfit.settings import validate
+from memfit.settings.config_file import read_settings
 from memfit.settings.defaults import (
     DEMO_LR,
     DEMO_MICRO_BATCH,
@@ -789,6 +790,5 @@ class TrainConfig:
 def read_config_file(path) -> dict[str, Any]:
     """The settings of a ``--config`` YAML file (``memfit.settings.config_file.read_settings``: UTF-8 checked,
     ``no``/``off`` kept as words, nested ``config:`` refused)."""
-    from memfit.settings.config_file import read_settings
 
     return read_settings(path)

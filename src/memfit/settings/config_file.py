@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from memfit import textfiles
 from memfit.errors import UserError
 from memfit.files import user_path
 
@@ -40,7 +41,6 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         UserError: a missing or unreadable file, one that is not UTF-8 (line and byte named), not YAML,
             not a mapping, or that nests its settings under ``config:``.
     """
-    from memfit import textfiles
 
     file = user_path(path)
     if not file.is_file():

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 DEMO_SEQ_LEN = 128
 DEMO_MICRO_BATCH = 4
 DEMO_LR = 1e-3
@@ -108,8 +110,6 @@ def seq_len_from_lengths(lengths, context: int | None) -> SeqLenChoice | None:
     ``SEQ_LEN_MULTIPLE`` and capped by ``context`` (the model's ``max_position_embeddings``; None or 0:
     no limit known). Example: 100 records of 10..109 tokens: the 99th shortest is 108, so 128.
     """
-    import numpy as np
-
     lengths = np.asarray(lengths, dtype=np.int64)
     if not lengths.size:
         return None

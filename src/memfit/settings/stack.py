@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 from memfit.errors import UserError
 from memfit.settings.zero3 import Coordinator
 
@@ -239,8 +241,6 @@ class Stack:
 
 
 def _release(version: str) -> tuple[int, ...]:
-    from packaging.version import InvalidVersion, Version
-
     try:
         return Version(version).release
     except InvalidVersion:

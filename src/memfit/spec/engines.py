@@ -6,6 +6,7 @@ They live here, below ``memory/``, ``planning/`` and ``training/``, because all 
 ``training.sharding``, DeepSpeed in ``training.deepspeed_engine``) say why each rule holds.
 """
 
+# Inside a function: accelerate.utils (accelerate: 2.5 s to import; python -X importtime, 2026-12-06, this shared 2-core machine): spec/ is on torch-free paths.
 from __future__ import annotations
 
 import os

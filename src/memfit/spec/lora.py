@@ -2,6 +2,7 @@
 ``--exact``) and by the spec's trainable counts (a mixture-of-experts model's adapters are PEFT's own count).
 """
 
+# Inside functions: peft (11.7 s to import; python -X importtime, 2026-12-06, this shared 2-core machine), only when an adapter is built.
 from __future__ import annotations
 
 from memfit.errors import UserError

@@ -24,16 +24,21 @@ over all micro-batches and ranks), exactly what ``ForCausalLMLoss(..., num_items
 so the exact accumulation of ``training/step.py`` is unchanged.
 """
 
+# Inside functions: liger-kernel and cut-cross-entropy, optional extras (--loss liger|cce).
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import importlib.util
+import inspect
 import math
 from dataclasses import dataclass
 
+import torch
+
 from memfit.errors import UserError
 from memfit.settings.config import Loss, RunConfig
+from memfit.spec.batch import model_inputs  # a packed batch goes with its position ids, not its mask
 
 IGNORE_INDEX = -100
 
@@ -139,8 +144,6 @@ def _logsumexp(z):
 
 
 def _make_function():
-    import torch
-
     class ChunkedLinearCrossEntropy(torch.autograd.Function):
         """``sum_i CE(h_i W^T + b, y_i) / num_items`` over chunks; logits recomputed per chunk in backward."""
 
@@ -221,7 +224,6 @@ def chunked_linear_cross_entropy(hidden, weight, bias, labels, num_items, *, sof
         softcap: Gemma 2's ``final_logit_softcapping`` (applied per chunk), or None.
         chunk: tokens per chunk; default ``chunk_tokens``.
     """
-    import torch
 
     global _FUNCTION
     if _FUNCTION is None:
@@ -251,7 +253,6 @@ def _inner(model):
 
 def head_of(model):
     """``(weight, bias, softcap)`` of the model's output head; refuses a head LoRA adapts."""
-    import torch
 
     net = _inner(model)
     head = net.get_output_embeddings()
@@ -265,7 +266,6 @@ def head_of(model):
 
 def check_model_supports(model) -> None:
     """Refuse, in one sentence, a model whose forward cannot skip its logits (no ``logits_to_keep``)."""
-    import inspect
 
     net = _inner(model)
     if "logits_to_keep" not in inspect.signature(net.forward).parameters:
@@ -284,7 +284,6 @@ def final_hidden_states(model, batch: dict):
     ``base_model`` (OPT's and the BART family's causal LMs call ``model.decoder`` directly, so a hook on
     ``base_model`` never fired: ``KeyError: 'h'``).
     """
-    import torch
 
     net = _inner(model)
     body = net.get_decoder() if callable(getattr(net, "get_decoder", None)) else None
@@ -297,8 +296,6 @@ def final_hidden_states(model, batch: dict):
     handle = body.register_forward_hook(hook)
     try:
         nothing = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-        from memfit.spec.batch import model_inputs  # a packed batch goes with its position ids, not its mask
-
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         model(**inputs, logits_to_keep=nothing, use_cache=False)
     finally:
@@ -325,7 +322,6 @@ def _fused_kernel_loss(loss: Loss, hidden, weight, bias, labels, num_items, soft
 
     Not exercised by the CPU tests (both need Triton on CUDA); ``check_loss_runnable`` refuses them elsewhere.
     """
-    import torch
 
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)  # (B*T,)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)

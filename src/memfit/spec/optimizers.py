@@ -10,6 +10,8 @@ Sources of the numbers are on each builder/row; bytes are for one trainable para
 ``p`` bytes (LoRA adapters: 4, PEFT keeps them fp32).
 """
 
+# Inside functions: bitsandbytes (optional), torch (2.6 s) and transformers.optimization (python -X importtime, 2026-12-06, this shared 2-core machine): the
+# optimizer table is read on torch-free paths.
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -24,9 +24,14 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from memfit.errors import UserError
 from memfit.settings import validate
 from memfit.settings.config import Attention, Experts, LoraSettings, RunConfig
+from memfit.spec.linears import LinearShape
+from memfit.spec.lora import wrap_lora
 from memfit.spec.optimizers import OptimizerRow, check_device, row
 
 #: PEFT's shorthand for every Linear/Conv1D but the output head (``peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND``).
@@ -106,7 +111,6 @@ def _match(spec, targets: tuple[str, ...]) -> LoraTargets:
 
 def _grouped(spec, shapes: tuple[tuple[str, int, int], ...]) -> tuple[Any, ...]:
     """``shapes`` as ``LinearShape`` groups (last name component, in, out), with their bias from ``spec``."""
-    from memfit.spec.linears import LinearShape
 
     counts: dict[tuple[str, int, int], int] = {}
     for name, fan_in, fan_out in shapes:
@@ -135,10 +139,6 @@ def peft_adapter_params(spec, targets: tuple[str, ...]) -> int:
     targets). Every adapter matrix has one side of length r (r x in, out x r; PEFT's ``ParamWrapper``
     for a stacked (E, out, in) expert weight: r E x in and out x r E), so the count at rank r is r times
     this."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from memfit.spec.lora import wrap_lora
 
     _held, answers = _ADAPTERS.setdefault(id(spec), (spec, {}))
     if targets not in answers:
@@ -186,9 +186,6 @@ def attention(spec, requested: Attention | str, compute_dtype: str = "bf16") -> 
 
 
 def _ask_transformers(spec, config, requested: Attention) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     wanted = None if requested is Attention.AUTO else requested.value
     try:
         with torch.device("meta"):
@@ -261,9 +258,6 @@ def experts(spec, requested: Experts | str, weight_dtype: str) -> str:
 
 
 def _ask_experts(spec, config, requested: Experts) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation=requested.value)

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.errors import UserError
+from memfit.builder import optim_in_backward
+from memfit.errors import NoCandidatesError, NothingFitsError, UserError
+from memfit.integrations import quant_support
+from memfit.planning.gpus import detect_gpu
+from memfit.planning.search import plan
+from memfit.planning.space import Constraints
+from memfit.report.runs import describe
 from memfit.settings.config import Quantize, RunConfig, TrainConfig
+from memfit.spec.model import source_spec
+from memfit.training.setup import cuda_available, preflight
+from memfit.units import fmt_count, fmt_gib
 
 # Settings that define the effective batch or the launch, not a choice the planner is bound by.
 _NOT_PINNED = {"micro_batch", "grad_accum", "num_processes", "seq_len"}
@@ -19,8 +28,6 @@ def constraints_for(config: TrainConfig, run: RunConfig) -> dict[str, Any]:
     only when typed (``config.pinned``). memfit train runs DDP without offload, and quantization where
     bitsandbytes runs (``memfit.integrations.quant_support.runs_on``: CUDA, or the CPU from bitsandbytes 0.50). The effective batch and the sequence length are passed to the planner separately.
     """
-    from memfit.integrations import quant_support
-    from memfit.training.setup import cuda_available
 
     flat = run.to_flat()  # by key (lora_r), values plain (enums' names)
     pinned = {k: flat[k] for k in config.pinned if k in flat and k not in _NOT_PINNED}
@@ -54,9 +61,6 @@ def plan_run(config: TrainConfig, run: RunConfig) -> tuple[RunConfig, Any]:
     Raises:
         NothingFitsError: the planner's sentence (smallest peak reached, smallest GPU that holds it).
     """
-    from memfit.errors import NoCandidatesError, NothingFitsError
-    from memfit.planning.gpus import detect_gpu
-    from memfit.training.setup import cuda_available
 
     flat = constraints_for(config, run)
     gpu = detect_gpu() if cuda_available() else None
@@ -80,11 +84,6 @@ class NoTrainablePlan(UserError):
 
 def _plan_once(config: TrainConfig, run: RunConfig, flat: dict[str, Any], gpu) -> tuple[RunConfig, Any]:
     """``plan_run`` under the constraints ``flat`` (train-flag keys): the first fitting plan this machine trains."""
-    from memfit.builder import optim_in_backward
-    from memfit.planning.search import plan
-    from memfit.planning.space import Constraints
-    from memfit.spec.model import source_spec
-    from memfit.training.setup import preflight
 
     spec = source_spec(config.source)  # a Hub id: its pinned commit
     result = plan(spec, config.budget, seq_len=run.seq_len, batch=run.effective_batch(),
@@ -110,7 +109,6 @@ def _plan_once(config: TrainConfig, run: RunConfig, flat: dict[str, Any], gpu) -
 
 def plan_record(config: TrainConfig, result) -> dict[str, Any]:
     """What ``run.json`` keeps of the plan: the budget, the device ranked for, the chosen plan, one line."""
-    from memfit.report.runs import describe
 
     chosen = result.best
     return {"budget": config.budget, "budget_bytes": int(result.budget_bytes),
@@ -121,7 +119,6 @@ def plan_record(config: TrainConfig, result) -> dict[str, Any]:
 
 def plan_line(config: TrainConfig, result, cuda: bool) -> str:
     """The one line shown before training: the chosen plan, its predicted peak and speed."""
-    from memfit.units import fmt_count, fmt_gib
 
     record = plan_record(config, result)
     pins, chosen = cpu_pins(config, cuda), result.best.config.to_flat()

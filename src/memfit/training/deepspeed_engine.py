@@ -52,7 +52,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
+from transformers.integrations import unset_hf_deepspeed_config
+
 from memfit.errors import UserError
+from memfit.memory.deepspeed_layout import zero_sizes
 from memfit.settings.config import Precision, RunConfig
 from memfit.spec.engines import DEEPSPEED_STAGES, deepspeed_requested
 
@@ -62,7 +66,6 @@ MARKER = "deepspeed.json"
 
 def active(accelerator) -> bool:
     """Whether ``accelerator`` runs DeepSpeed (its distributed type is ``DEEPSPEED``)."""
-    from accelerate.utils import DistributedType
 
     return getattr(accelerator, "distributed_type", None) is DistributedType.DEEPSPEED
 
@@ -96,7 +99,6 @@ def ds_config(run: RunConfig, *, max_grad_norm: float, hidden_size: int | None =
     elements kept whole on every rank), the sizes Accelerate would fill in for a model it is given, from
     ``memory.deepspeed_layout.zero_sizes``: the numbers the estimator reads too.
     """
-    from memfit.memory.deepspeed_layout import zero_sizes
 
     stage = DEEPSPEED_STAGES[run.sharding]
     zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False}
@@ -134,7 +136,6 @@ def plugin(run: RunConfig):
     (``DeepSpeedPlugin._deepspeed_config_checks``: a ValueError). ``check_launch`` holds those fields to the
     flags, and memfit's config is built from the same flags, so the list is dropped for this process.
     """
-    from accelerate.utils import DeepSpeedPlugin
 
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     return DeepSpeedPlugin(hf_ds_config=ds_config(run, max_grad_norm=0.0), zero3_init_flag=False)
@@ -145,8 +146,6 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
     backend named (see the module docstring); on a GPU the plain Accelerate DeepSpeed path."""
     kwargs: dict = {"deepspeed_plugin": plugin(run), "cpu": False}
     if not cuda:
-        from accelerate.utils import InitProcessGroupKwargs
-
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     return kwargs
 
@@ -164,8 +163,6 @@ def build_models_whole(accelerator) -> None:
     Cost: each rank holds the whole model on its host until ``prepare``, like the FSDP2 path's rank 0.
     """
     if active(accelerator):
-        from transformers.integrations import unset_hf_deepspeed_config
-
         unset_hf_deepspeed_config()
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
+import torch
+
 from memfit.errors import UserError
 from memfit.settings.config import TrainConfig
+from memfit.training.loop import run_training
 
 
 def _splits(config: TrainConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -26,9 +29,6 @@ def _splits(config: TrainConfig) -> tuple[tuple[int, int], tuple[int, int]]:
 
 def check_equivalence(config: TrainConfig, steps: int = 3) -> dict[str, Any]:
     """Train ``steps`` optimizer steps both ways and compare; returns the differences found."""
-    import torch
-
-    from memfit.training.loop import run_training
 
     big, small = _splits(config)
     if big == small:  # an effective batch of 1 has one split only: the run would be compared with itself

@@ -19,6 +19,7 @@ from memfit.files import write_atomic
 from memfit.integrations.versions import MEMFIT
 from memfit.memory import measure
 from memfit.memory.outside import predicted_outside
+from memfit.memory.phases import phase_figures  # every phase's reserved memory, loading to the last save
 from memfit.report.train_plots import plot_loss
 from memfit.settings.config import TrainConfig
 from memfit.training import sharding
@@ -35,36 +36,36 @@ from memfit.training.summary import RunSummary
 
 def finish(s: TrainSession) -> tuple[RunSummary, object]:
     """Export, samples, summary and run files; returns the summary and the unwrapped model."""
-    peak_mem = measure.peak(s.device, s.tensor_peak)
+    peak_mem = measure.peak(s.device, s.parts.tensor_peak)
     rank_peaks = sharding.rank_peaks(s.accelerator, peak_mem.peak_bytes)
     net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)  # --compile: the module itself
     measured = measure.measured_breakdown(peak_mem, net, s.optimizer, trainable_params=s.bundle.trainable_params)
-    own, held = net, (s.model, s.optimizer)  # what the phases after the step start from (+ the snapshot's buffers)
-    with not_a_batch_problem("saving the model"), s.phase_peaks.watch("export", *held, s.snapshot.buffers()):
+    own, held, phases = net, (s.model, s.optimizer), s.report.phase_peaks  # the phases after the step start from held
+    with not_a_batch_problem("saving the model"), phases.watch("export", *held, s.parts.snapshot.buffers()):
         # Sharded: rank 0 exports (and samples from) a plain copy holding the gathered full weights.
         net = sharding.gathered_model(s.accelerator, s.run, s.model,
                                       lambda: build_model(s.config, s.run, s.source).model) or net
         checkpoint.export(s.accelerator, net, s.bundle.tokenizer, s.output, merge=s.config.merge,
-                          base_is_preset=s.bundle.random_init, tag=s.guard.tag if s.guard else None,
-                          record=s.guard.record if s.guard else None)
+                          base_is_preset=s.bundle.random_init, tag=s.folder.guard.tag, record=s.folder.guard.record)
     plain = [] if net is own else [*net.parameters(), *net.buffers()]  # sharded: rank 0's plain copy
-    with s.phase_peaks.watch("samples", *held, [*s.snapshot.buffers(), *plain], when=s.is_main and s.config.cadence.samples > 0):
+    with phases.watch("samples", *held, [*s.parts.snapshot.buffers(), *plain],
+                      when=s.is_main and s.config.cadence.samples > 0):
         sampled = samples(s, net)
     summary = RunSummary(
         steps=s.state.step, sequences=s.state.samples, final_train_loss=s.state.last_loss,
-        final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.data.unigram,
+        final_eval_loss=s.state.last_eval, best_eval_loss=s.state.best_eval, unigram_loss=s.held_out.unigram,
         tokens_per_s=s.state.tokens / max(s.state.train_s, 1e-9), train_s=s.state.train_s,
-        wall_s=time.perf_counter() - s.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
-        measured=measured, predicted=s.predicted, predicted_at_measured_rows=_predicted_at_rows(s, peak_mem),
-        plan=plan_record(s.config, s.plan_result) if s.plan_result is not None else None,
+        wall_s=time.perf_counter() - s.report.t_start, skipped_steps=s.state.skipped_steps, peak_memory=peak_mem,
+        measured=measured, predicted=s.planned.predicted, predicted_at_measured_rows=_predicted_at_rows(s, peak_mem),
+        plan=plan_record(s.config, s.planned.plan_result) if s.planned.plan_result is not None else None,
         fallbacks=list(s.state.fallbacks), num_processes=s.accelerator.num_processes, rank_peak_bytes=rank_peaks, resumes=list(s.state.resumes),
-        initial_run=s.initial_run,
+        initial_run=s.planned.initial_run,
         run=s.run, uses_model_loss=s.bundle.uses_model_loss, params=s.bundle.params,
         trainable_params=s.bundle.trainable_params, output=str(s.output), samples=sampled,
         attn_implementation=s.bundle.attention, lora_targets=tuple(s.bundle.lora_targets),
-        outside_step=_outside(s), measured_phases=s.phase_peaks.to_dict(),
+        outside_step=_outside(s), measured_phases=phases.to_dict(),
         hub=s.source.hub.to_dict() if s.source.hub is not None else None,
-        process_wall_s=time.perf_counter() - (s.t_process or s.t_start),
+        process_wall_s=time.perf_counter() - s.report.t_process,
         preference=({"method": str(s.run.method), "first": s.state.preference_first,
                      "last": pool_preference(s.state.preference_recent)} if s.state.preference_recent else None),
     )
@@ -79,7 +80,7 @@ def _predicted_at_rows(s: TrainSession, peak_mem: measure.PeakMemory) -> int | N
     run's full ``micro-batch x seq-len`` (rows are padded to the micro-batch's longest document, not to
     ``--seq-len``); None where they were full, nothing was measured on tensors, or the estimator refused."""
     rows = peak_mem.cpu_tensor_peak_rows
-    if s.predicted is None or not rows or tuple(rows) == (s.run.micro_batch, s.run.seq_len):
+    if s.planned.predicted is None or not rows or tuple(rows) == (s.run.micro_batch, s.run.seq_len):
         return None
     at_rows = predict(s.source.spec, s.run.replace(micro_batch=rows[0], seq_len=rows[1]), s.device)
     return at_rows.peak_bytes if at_rows is not None else None
@@ -90,9 +91,8 @@ def _outside(s: TrainSession) -> dict | None:
     outside = predicted_outside(s.source.spec, s.run, s.device)
     if outside is None:
         return None
-    from memfit.memory.phases import phase_figures  # every phase's reserved memory, loading to the last save
-
-    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, s.predicted, s.device) if s.predicted else {})}
+    predicted = s.planned.predicted
+    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device) if predicted else {})}
 
 
 def samples(s: TrainSession, net) -> list[dict[str, str]]:
@@ -100,7 +100,7 @@ def samples(s: TrainSession, net) -> list[dict[str, str]]:
     if not s.is_main or s.config.cadence.samples <= 0:
         return []
     with not_a_batch_problem("generating samples"):
-        return generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs,
+        return generate_samples(s.accelerator, net, s.bundle.tokenizer, s.held_out.prompt_docs,
                                 count=s.config.cadence.samples,
                                 seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
 

@@ -7,6 +7,9 @@ same checks the loaders make (``spec.model.model_kind``, ``data.sources.check_da
 
 from __future__ import annotations
 
+from memfit.data.sources import check_data_path
+from memfit.spec.model import model_kind
+
 
 def check_inputs(model: str, data: str | None, revision: str | None = None) -> None:
     """Refuse, in one sentence, a ``--model`` that is no preset, config.json, model folder or Hub id, and a
@@ -15,8 +18,6 @@ def check_inputs(model: str, data: str | None, revision: str | None = None) -> N
     Raises:
         UserError: the loader's own sentence for the first of these problems.
     """
-    from memfit.data.sources import check_data_path
-    from memfit.spec.model import model_kind
 
     model_kind(model, revision)
     check_data_path(data)

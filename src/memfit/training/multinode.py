@@ -19,6 +19,8 @@ import contextlib
 import os
 import warnings
 
+from accelerate.parallelism_config import ParallelismConfig
+
 from memfit.errors import UserError
 from memfit.settings.config import RunConfig, Sharding
 
@@ -71,7 +73,6 @@ def hybrid_parallelism(run: RunConfig, env=None):
     if per_node < 2:
         raise UserError(f"--sharding hybrid shards within a node, but {nodes} nodes of 1 process each leave nothing "
                         "to shard; run 2 or more processes per node, or use --sharding fsdp.")
-    from accelerate.parallelism_config import ParallelismConfig
 
     return ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=per_node)
 

@@ -23,8 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
+from accelerate.utils.memory import should_reduce_batch_size
+
 from memfit.errors import UserError
+from memfit.integrations.hf_compat import enable_checkpointing
+from memfit.planning.search import fallbacks
 from memfit.settings.config import Optimizer, RunConfig
+from memfit.spec.optimizers import inner_optimizer
 
 #: Optimizers whose step allocates parameter-sized temporaries, and the in-place implementation that does not.
 LOWER_TEMPORARY_OPTIMIZER = {Optimizer.ADAMW: Optimizer.ADAMW_FUSED, Optimizer.ADAMW_FOREACH: Optimizer.ADAMW_FUSED}
@@ -44,8 +50,6 @@ def is_oom(err: BaseException) -> bool:
     " out of memory.", MPS, "DefaultCPUAllocator: can't allocate memory", HPU, and cuDNN's "not
     supported", which a smaller batch also cures); ``MemoryError`` is Python's own.
     """
-    import torch
-    from accelerate.utils.memory import should_reduce_batch_size
 
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
@@ -126,7 +130,6 @@ def planned_fallbacks(plan_result, run: RunConfig) -> list[RunConfig] | None:
     """``memfit.planning.search.fallbacks`` for a planned run (``--budget``), else None."""
     if plan_result is None:
         return None
-    from memfit.planning.search import fallbacks
 
     return list(fallbacks(plan_result, run, live_only=True))  # the loop switches these without a rebuild
 
@@ -135,8 +138,6 @@ def switch_live(accelerator, model, optimizer, before: RunConfig, after: RunConf
     """Apply ``after`` to the running objects: accumulation, checkpointing, the optimizer implementation."""
     accelerator.gradient_accumulation_steps = after.grad_accum
     if after.grad_checkpointing and not before.grad_checkpointing:
-        from memfit.integrations.hf_compat import enable_checkpointing
-
         enable_checkpointing(accelerator.unwrap_model(model))
     if after.optimizer is Optimizer.ADAMW_FUSED and before.optimizer is not Optimizer.ADAMW_FUSED:
         use_fused_adamw(optimizer)
@@ -149,9 +150,6 @@ def use_fused_adamw(optimizer) -> None:
     on the parameter's device as float32; ``Optimizer.load_state_dict`` converts the steps the same
     way when a fused optimizer loads a foreach one's state.
     """
-    import torch
-
-    from memfit.spec.optimizers import inner_optimizer
 
     opt = inner_optimizer(optimizer)
     for group in opt.param_groups:

@@ -29,6 +29,7 @@ from rich.progress import Progress, ProgressColumn
 from rich.text import Text
 
 from memfit.report.summary import known
+from memfit.training.threads import LoadWatch
 from memfit.units import fmt_bytes, fmt_count
 
 #: Separator between the progress line's fields.
@@ -163,8 +164,6 @@ class LiveProgress:
 
     def __init__(self, total: int, start: int, enabled: bool, console: Console | None = None, *,
                  log_every: int = 1, live: bool | None = None) -> None:
-        from memfit.training.threads import LoadWatch
-
         self.enabled = enabled
         self.console = console or Console(stderr=True)
         self.live = enabled and (self.console.is_interactive if live is None else live)

@@ -41,8 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import release_memory
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from memfit.spec.optimizers import inner_optimizer
+from memfit.settings.config import Optimizer
+from memfit.spec.optimizers import inner_optimizer, row
 from memfit.training.oom import is_oom
 
 
@@ -162,8 +165,6 @@ def rollback_kind(opt) -> str:
     """The optimizer table's ``rollback`` for the live torch optimizer ``opt``: fused AdamW's row when every
     group is fused (``oom.use_fused_adamw`` may switch a run to it), SGD's when no group has momentum or
     weight decay (then nothing is allocated inside its step); ``"every-step"`` for anything else."""
-    from memfit.settings.config import Optimizer
-    from memfit.spec.optimizers import row
 
     groups = opt.param_groups
     if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and groups and all(g.get("fused") for g in groups):
@@ -212,7 +213,6 @@ def undo_step(accelerator, model, optimizer) -> None:
     it unscaled this optimizer (else the redo's ``unscale_`` raises) and Accelerate's ``step`` patch
     around it is undone; the scale itself only changes in ``update()``, after a successful step.
     """
-    from accelerate.utils import release_memory
 
     opt = inner_optimizer(optimizer)
     opt.zero_grad(set_to_none=True)
@@ -220,8 +220,6 @@ def undo_step(accelerator, model, optimizer) -> None:
     accelerator.step = 0
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None:
-        from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
         scaler._per_optimizer_states.clear()  # private: GradScaler.update() does the same after a step
         scaler._per_optimizer_states.default_factory = _refresh_per_optimizer_state
     original = getattr(optimizer, "_optimizer_original_step_method", None)

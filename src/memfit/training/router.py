@@ -10,21 +10,21 @@ the balanced routing and its notes state the worst case (``memory/moe.py``): the
 
 from __future__ import annotations
 
+import torch
+
+from memfit.spec.model import expert_modules
+
 
 class RouterBalance:
     """Counts of routed tokens per expert per MoE layer since the last ``take()``."""
 
     def __init__(self, model) -> None:
-        from memfit.spec.model import expert_modules
-
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.counts: dict[int, object] = {}
         self.handles = [m.register_forward_pre_hook(self._counter(i)) for i, m in enumerate(expert_modules(base))]
 
     def _counter(self, layer: int):
         def count(module, args, kwargs=None) -> None:
-            import torch
-
             index = args[1] if len(args) > 1 else None
             if not isinstance(index, torch.Tensor):
                 return
@@ -48,7 +48,6 @@ class RouterBalance:
 
 def router_balance(model) -> RouterBalance | None:
     """A ``RouterBalance`` for a model with MoE layers, else None."""
-    from memfit.spec.model import expert_modules
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return RouterBalance(model) if expert_modules(base) else None

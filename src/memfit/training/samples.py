@@ -11,7 +11,7 @@ temperature, so a run's samples are reproducible and still differ when prompts c
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from memfit.files import append_line
 from memfit.memory.outside import MAX_NEW_TOKENS, PROMPT_CHARS  # the generation's KV cache is predicted there
 from memfit.spec.engines import is_sharded
 from memfit.training.rollback import RngState
+
+if TYPE_CHECKING:  # the session imports what imports this module (training.finish): a type only
+    from memfit.training.session import TrainSession
 
 TEMPERATURE = 0.6
 
@@ -93,7 +96,7 @@ SAMPLES_FILE = "samples.jsonl"
 """Samples taken during the run (``--eval-samples``), one JSON object per sample, appended."""
 
 
-def samples_at_eval(s) -> list[dict[str, Any]]:
+def samples_at_eval(s: TrainSession) -> list[dict[str, Any]]:
     """``--eval-samples N``: after an evaluation, N samples from the same held-out prompts as the end-of-run
     samples (conversations through the chat template), appended to ``samples.jsonl`` as
     ``{"step", "prompt", "completion"}`` (and ``"reply": true`` for a conversation's answer) and shown above the progress bar; the same seed each time, so
@@ -109,7 +112,7 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
     net = s.accelerator.unwrap_model(s.model, keep_torch_compile=False)
     rng = RngState.capture()  # sampling seeds the generators; training goes on with the state it had
     try:
-        out = generate_samples(s.accelerator, net, s.bundle.tokenizer, s.data.prompt_docs, count=count,
+        out = generate_samples(s.accelerator, net, s.bundle.tokenizer, s.held_out.prompt_docs, count=count,
                                seed=s.config.seed, max_positions=getattr(net.config, "max_position_embeddings", None))
     finally:
         rng.restore()
@@ -117,5 +120,5 @@ def samples_at_eval(s) -> list[dict[str, Any]]:
     for sample in out:
         append_line(s.output / SAMPLES_FILE, json.dumps({"step": s.state.step, **sample}))
     for sample in out:
-        s.bar.note(f"sample at step {s.state.step}: {sample['prompt']!r} -> {sample['completion']!r}")
+        s.report.bar.note(f"sample at step {s.state.step}: {sample['prompt']!r} -> {sample['completion']!r}")
     return out

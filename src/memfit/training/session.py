@@ -1,23 +1,20 @@
 """Building a training run: everything the loop needs, in one typed ``TrainSession``.
 
-``build_session`` runs the builders of ``training.setup`` in order (Accelerator, run settings, model
-source, data, output folder, model, optimizer, schedule, resume), so ``training.loop`` only runs
-steps and ``training.finish`` only reports. Everything a user can get wrong (model, tokenizer, data,
-length) is checked before the output folder is created, so a bad input leaves nothing behind.
-
-Size: ``build_session`` is over 60 lines because it is the ordered list of builders itself; the order
-is the contract (nothing is written before every user input is checked) and reads best in one place.
+``build_session`` settles the run first (``settle``: every input checked, ``--batch`` and ``--budget``
+applied), then runs the builders of ``training.setup`` in order (Accelerator, model source, data, output
+folder, model, optimizer, schedule, resume: ``resumed_state``) and shows what it built (``announce``), so
+``training.loop`` only runs steps and ``training.finish`` only reports. Everything a user can get wrong
+(model, tokenizer, data, length) is checked before the output folder is created, so a bad input leaves
+nothing behind. The groups ``fit`` takes (loaders, run folder, step parts) are ``training.parts``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,20 +26,19 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from memfit.builder import optim_in_backward, preference
 from memfit.errors import UserError
-from memfit.files import append_line
+from memfit.integrations.hub import HubModel
 from memfit.integrations.trackers import check_tracker, local_init_kwargs
 from memfit.memory import measure
-from memfit.memory.breakdown import MemoryBreakdown
 from memfit.settings.config import Method, RunConfig, TrainConfig
 from memfit.spec.resolved import experts_reason
 from memfit.training import deepspeed_engine, derived, resume, sharding
 from memfit.training.budget import plan_line, plan_run
 from memfit.training.guard import RunGuard
 from memfit.training.multinode import refuse_one_of_several, with_launched_nodes
+from memfit.training.parts import HeldOut, MetricsLog, Planned, Reporting, RunOutput, StepParts, TrainLoader
 from memfit.training.phase_peaks import PhasePeaks
 from memfit.training.progress import LiveProgress
-from memfit.training.rollback import OptimizerSnapshot
-from memfit.training.router import RouterBalance, router_balance
+from memfit.training.router import router_balance
 from memfit.training.runfolder import checkpoint
 from memfit.training.sampler import StepSchedule
 from memfit.training.setup import (
@@ -61,7 +57,7 @@ from memfit.training.setup import (
 )
 from memfit.training.step import PreferenceRun
 from memfit.training.summary import FallbackRecord
-from memfit.training.threads import apply_threads
+from memfit.training.threads import ThreadChoice, apply_threads
 from memfit.units import fmt_count
 
 if TYPE_CHECKING:  # planning.search takes ~0.85 s to import (python -X importtime, this machine): --budget's alone
@@ -105,57 +101,36 @@ class LoopState:
 
 @dataclass
 class TrainSession:
-    """One run, built: the Accelerate-prepared objects, the data, the settings and the live state."""
+    """One run, built: the settings in force, the Accelerate-prepared objects, and the named groups ``fit`` and
+    ``finish`` read (the data, the run folder, the step's parts, the plan, the progress) with the live state."""
 
     config: TrainConfig
-    accelerator: Accelerator
     run: RunConfig
     """The settings in force; an OOM fallback replaces it."""
-    initial_run: RunConfig
-    plan_result: PlanResult | None
-    """The planner's result for ``--budget``, else None."""
-    bundle: ModelBundle
-    data: DataBundle
-    schedule: StepSchedule
-    total_steps: int
+    accelerator: Accelerator
     model: torch.nn.Module
     """Prepared by Accelerate (DDP-wrapped under data parallelism)."""
     optimizer: torch.optim.Optimizer
     """Accelerate's ``AcceleratedOptimizer`` around the torch optimizer."""
     scheduler: AcceleratedScheduler
-    state: LoopState
-    predicted: MemoryBreakdown | None
-    """The estimator's ``MemoryBreakdown`` for ``run`` on this device, or None."""
-    bar: LiveProgress
-    metrics: MetricsLog
-    t_start: float
-    guard: RunGuard | None = None
-    """Ctrl-C, non-finite steps, failing writes, the run folder's lock."""
-    tensor_peak: measure.StepPeak | None = None
-    """On CPU, the live tensor bytes of one training step (compared with the prediction)."""
-    in_backward: torch.optim.Optimizer | None = None
-    """The optimizer when it steps inside backward (``--optimizer-in-backward``): no clipping, no step."""
-    source: ResolvedModel | None = None
+    source: ResolvedModel
     """What the model was built from (a sharded run rebuilds a plain copy to export)."""
-    save_state: Callable[[str], None] | None = None
-    """``sharding.state_saver``: how a sharded run writes its checkpoint state (None: Accelerate's ``save_state``)."""
-    batches: Iterator[dict[str, torch.Tensor]] | None = None
-    """This rank's micro-batch iterator from the current position (``loop.micro_batches``)."""
-    snapshot: OptimizerSnapshot = field(default_factory=OptimizerSnapshot)
-    """Undoes an optimizer step that runs out of memory half way (reused host buffers)."""
-    preference: PreferenceRun | None = None
-    """The loss of ``--method dpo|orpo|simpo`` (``training.step``); None for sft."""
-    t_process: float | None = None
-    """``time.perf_counter()`` when this process began the run; ``t_start`` is earlier by the wall time of
-    the parts a resumed run continues, so the summary reports both."""
-    router: RouterBalance | None = None
-    """The routing balance of a mixture-of-experts model (``training.router``; None for a dense one), logged."""
-    phase_peaks: PhasePeaks = field(default_factory=PhasePeaks.disabled)
-    """On CPU, the tensor peak of each phase outside the step, measured the first time it runs."""
+    bundle: ModelBundle
+    train: TrainLoader
+    held_out: HeldOut
+    folder: RunOutput
+    parts: StepParts
+    planned: Planned
+    report: Reporting
+    state: LoopState
+
+    @property
+    def total_steps(self) -> int:
+        return self.train.total_steps
 
     @property
     def output(self) -> Path:
-        return Path(self.config.folder.output)
+        return self.folder.path
 
     @property
     def device(self) -> str:
@@ -174,13 +149,23 @@ class TrainSession:
         return self.accelerator.unwrap_model(self.model).config.vocab_size
 
 
-def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) -> TrainSession:
-    """Check the inputs, create the output folder, build and prepare everything, resume if asked.
+@dataclass
+class Settled:
+    """A run's inputs checked and its settings chosen (``settle``), before anything is built or written."""
 
-    Everything the user can get wrong (model, tokenizer, data, length, a resume that does not match its
-    run) is checked before the output folder is created, so a bad input leaves nothing behind.
-    """
-    t_start = t_process = time.perf_counter()
+    config: TrainConfig
+    run: RunConfig
+    plan_result: PlanResult | None
+    resume_point: resume.ResumePoint | None
+    hub_model: HubModel | None
+    threads: ThreadChoice
+    seq_len_note: str | None
+
+
+def settle(config: TrainConfig, guard: RunGuard, show: bool) -> Settled:
+    """Check everything the user can get wrong before anything is built, and choose the run (``--batch``,
+    ``--budget``'s plan): the Accelerator's autocast, accumulation and sharding are then the planned run's,
+    never the flags' the plan replaced."""
     guard.lock_existing(config, is_main=_launched_as_main())  # before anything in --output is read or removed
     config, resume_point = resume.restore(config)  # --resume: the run's own settings, from its newest intact checkpoint
     if config.merge and not config.run.is_lora():  # after restore: a resumed LoRA run knows its own --lora-r
@@ -197,11 +182,21 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
         config, hub_model = fetch_hub_model(config, progress=show and not config.json and processes.is_main_process)
         # --seq-len from the data, unless given: the main process tokenizes, the others read datasets' cache
         config, seq_len_note = derived.with_seq_len(config, resumed=resumed, hub_model=hub_model)
-    # The run is settled (--batch, --budget's plan) before anything is built from it: the Accelerator's autocast,
-    # accumulation and sharding are the planned run's, never the flags' the plan replaced.
     run, plan_result = resolve_run(config, processes.num_processes)
+    return Settled(config, run, plan_result, resume_point, hub_model, threads, seq_len_note)
+
+
+def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) -> TrainSession:
+    """Check the inputs and settle the run, create the output folder, build and prepare everything, resume if asked.
+
+    Everything the user can get wrong (model, tokenizer, data, length, a resume that does not match its
+    run) is checked before the output folder is created, so a bad input leaves nothing behind.
+    """
+    t_process = time.perf_counter()
+    settled = settle(config, guard, show)
+    config, run, resume_point = settled.config, settled.run, settled.resume_point
     accelerator = build_accelerator(run, config)
-    source = resolve_model(config, run, hub_model)
+    source = resolve_model(config, run, settled.hub_model)
     config, lr_note = derived.with_lr(config, random_init=source.random_init, lora=run.is_lora())
     deepspeed_engine.configure(accelerator, run, config, getattr(source.hf_config, "hidden_size", None))
     resume.check_belongs(resume_point, config, run, source.hf_config)  # before anything is loaded
@@ -209,11 +204,7 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     schedule = StepSchedule(len(data.train), run.effective_batch(), config.seed)
     total_steps, steps_note = derived.total_steps(config, schedule.steps_per_epoch())
     resume.check_extension(resume_point, config, total_steps)  # a finished run trained on: only when asked
-    output = Path(config.folder.output)
-    data_fp = resume.data_now(resume_point, config) if accelerator.is_main_process else None
-    guard.open_folder(config, accelerator, is_main=accelerator.is_main_process, data=data_fp,
-                      run_id=resume_point.state.get("run_id") if resume_point is not None else None)
-    accelerator.wait_for_everyone()
+    folder = open_run_folder(config, guard, accelerator, resume_point)
     phase_peaks = PhasePeaks(accelerator.device.type)  # CPU: loading, wrapping, ... measured (memory.phases')
     with phase_peaks.watch("loading"):
         bundle = build_model(config, run, source, device=accelerator.device,
@@ -224,53 +215,86 @@ def build_session(config: TrainConfig, guard: RunGuard, *, show: bool = True) ->
     optimizer = build_optimizer(bundle.model, run, config)
     scheduler = build_scheduler(optimizer, config, total_steps)
     model, optimizer, scheduler = sharding.prepare(accelerator, run, bundle.model, optimizer, scheduler)
-    state = LoopState()
-    lrs = None  # the resumed step's learning rate: as saved, and on this run's schedule
-    if config.folder.resume:
-        state = LoopState.from_dict(checkpoint.load_checkpoint(
-            accelerator, output, resume_point.path, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
-        state.resumes.append(resume.note_resume(output, resume_point, accelerator.is_main_process))
-        guard.last_checkpoint = resume_point.path
-        t_start -= state.wall_s  # wall times add up over the parts of a resumed run
-        lrs = _reapply_schedule(optimizer, scheduler)
+    folder.save_state = sharding.state_saver(accelerator, run, model, optimizer, scheduler, config.checkpoints.state_dict)
+    state, lrs = resumed_state(config, run, accelerator, folder, resume_point, (model, optimizer, scheduler))
     if config.tracker:
         accelerator.init_trackers("memfit", config=_tracker_config(config, run),
-                                  init_kwargs=local_init_kwargs(config.tracker, output))
-    bar = LiveProgress(total_steps, state.step, show and accelerator.is_main_process,
-                       log_every=config.cadence.log_every)
-    if plan_result is not None:
-        bar.note(plan_line(config, plan_result, cuda=accelerator.device.type == "cuda"))
-    if source.hub is not None:
-        bar.note(source.hub.describe())
-    bar.note(_preamble(config, run, bundle, data, schedule, total_steps, accelerator))
-    notes = [note for note in (seq_len_note, lr_note, steps_note) if note]
+                                  init_kwargs=local_init_kwargs(config.tracker, folder.path))
+    pad_id = bundle.tokenizer.pad_token_id
+    s = TrainSession(
+        config=config, run=run, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+        source=source, bundle=bundle, state=state, folder=folder,
+        train=TrainLoader(data.train, schedule, total_steps, pad_id, pairs=pref is not None, accelerator=accelerator),
+        held_out=HeldOut(data.eval, data.prompt_docs, pad_id, data.unigram),
+        parts=StepParts(measure.StepPeak(accelerator.device.type, total_steps - state.step, run.compile),
+                        in_backward=optimizer if run.optimizer_in_backward else None, preference=pref),
+        planned=Planned(run, settled.plan_result),
+        report=Reporting(LiveProgress(total_steps, state.step, show and accelerator.is_main_process,
+                                      log_every=config.cadence.log_every),
+                         t_start=t_process - state.wall_s,  # wall times add up over the parts of a resumed run
+                         t_process=t_process, router=router_balance(model), phase_peaks=phase_peaks))
+    announce(s, settled, [settled.seq_len_note, lr_note, steps_note], data.note, lrs)
+    return s
+
+
+def open_run_folder(config: TrainConfig, guard: RunGuard, accelerator: Accelerator,
+                    resume_point: resume.ResumePoint | None) -> RunOutput:
+    """Claim ``--output`` for this run (``guard.open_folder``: its lock and manifest, the data's fingerprint), once
+    every input is checked; every rank waits for it."""
+    data_fp = resume.data_now(resume_point, config) if accelerator.is_main_process else None
+    guard.open_folder(config, accelerator, is_main=accelerator.is_main_process, data=data_fp,
+                      run_id=resume_point.state.get("run_id") if resume_point is not None else None)
+    accelerator.wait_for_everyone()
+    output = Path(config.folder.output)
+    return RunOutput(output, guard, MetricsLog(output / "metrics.jsonl", accelerator.is_main_process))
+
+
+def resumed_state(config: TrainConfig, run: RunConfig, accelerator: Accelerator, folder: RunOutput,
+                  resume_point: resume.ResumePoint | None,
+                  prepared: tuple[torch.nn.Module, torch.optim.Optimizer, AcceleratedScheduler],
+                  ) -> tuple[LoopState, tuple[list[float], list[float]] | None]:
+    """A fresh ``LoopState``, or with ``--resume`` the checkpoint's, loaded into the prepared model, optimizer and
+    schedule; with the resumed step's learning rates (as saved, and on this run's schedule)."""
+    if not config.folder.resume:
+        return LoopState(), None
+    model, optimizer, scheduler = prepared
+    state = LoopState.from_dict(checkpoint.load_checkpoint(
+        accelerator, folder.path, resume_point.path, sharding.state_loader(accelerator, run, model, optimizer, scheduler)))
+    state.resumes.append(resume.note_resume(folder.path, resume_point, accelerator.is_main_process))
+    folder.guard.last_checkpoint = resume_point.path
+    return state, _reapply_schedule(optimizer, scheduler)
+
+
+def announce(s: TrainSession, settled: Settled, defaults: list[str | None], data_note: str,
+             lrs: tuple[list[float], list[float]] | None) -> None:
+    """The lines shown before the first step: the plan, the model, the derived numbers and defaults, the resume, and
+    the estimate for this run (kept in ``s.planned.predicted``)."""
+    bar, resume_point = s.report.bar, settled.resume_point
+    if s.planned.plan_result is not None:
+        bar.note(plan_line(s.config, s.planned.plan_result, cuda=s.device == "cuda"))
+    if s.source.hub is not None:
+        bar.note(s.source.hub.describe())
+    bar.note(_preamble(s))
+    notes = [note for note in defaults if note]
     if notes:  # the defaults derived from the data and the method, each with its reason
         bar.note("\n".join(f"default {note}" for note in notes))
-    bar.note(threads.describe())
-    if data.note:
-        bar.note(data.note)
+    bar.note(settled.threads.describe())
+    if data_note:
+        bar.note(data_note)
     if resume_point is not None and resume_point.note:
         bar.note(resume_point.note)
     if resume_point is not None:
-        bar.note(resume.resumed_line(resume_point, total_steps))
-        schedule_note = resume.schedule_note(resume_point, total_steps, *lrs)
+        bar.note(resume.resumed_line(resume_point, s.total_steps))
+        schedule_note = resume.schedule_note(resume_point, s.total_steps, *lrs)
         if schedule_note:
             bar.note(schedule_note)
-    predicted, why = predict_or_why(source.spec, run, accelerator.device.type)
-    bar.note(sharding.per_rank_line(source.spec, run, predicted, accelerator.device.type, why=why))
-    return TrainSession(config=config, accelerator=accelerator, run=run, initial_run=run, plan_result=plan_result,
-                        bundle=bundle, data=data, schedule=schedule, total_steps=total_steps, model=model,
-                        optimizer=optimizer, scheduler=scheduler, state=state,
-                        predicted=predicted, bar=bar, source=source, guard=guard,
-                        tensor_peak=measure.StepPeak(accelerator.device.type, total_steps - state.step, run.compile),
-                        in_backward=optimizer if run.optimizer_in_backward else None,
-                        save_state=sharding.state_saver(accelerator, run, model, optimizer, scheduler,
-                                                        config.checkpoints.state_dict),
-                        metrics=MetricsLog(output / "metrics.jsonl", accelerator.is_main_process), t_start=t_start,
-                        t_process=t_process, preference=pref, router=router_balance(model), phase_peaks=phase_peaks)
+    predicted, why = predict_or_why(s.source.spec, s.run, s.device)
+    s.planned.predicted = predicted
+    bar.note(sharding.per_rank_line(s.source.spec, s.run, predicted, s.device, why=why))
 
 
-def preference_run(config: TrainConfig, run: RunConfig, bundle, data, accelerator):
+def preference_run(config: TrainConfig, run: RunConfig, bundle: ModelBundle, data: DataBundle,
+                   accelerator: Accelerator) -> PreferenceRun | None:
     """The ``PreferenceRun`` of a preference method (None for sft), built from the base weights.
 
     DPO's reference: ``--precompute-reference`` writes each pair's reference log-probabilities into its
@@ -389,36 +413,26 @@ def predict_or_why(model_name, run: RunConfig, device: str = "cuda"):
         return None, first[:200].rstrip(".")
 
 
-class MetricsLog:
-    """``metrics.jsonl``: one JSON object per logged step (appended, so a resumed run continues it)."""
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            append_line(self.path, json.dumps(record))  # never through a link planted as metrics.jsonl
-
-
-def _preamble(config, run, bundle, data, schedule, total_steps, accelerator) -> str:
+def _preamble(s: TrainSession) -> str:
     """Derived numbers shown before the long work starts."""
+    run, bundle = s.run, s.bundle
     sft = str(run.method) == "sft"  # a preference step runs both sides of its pairs: 2B sequences per micro-batch
     unit = "sequences" if sft else "pairs"
     pairs = "" if sft else f" pairs ({run.forward_sequences() * run.grad_accum * run.num_processes} sequences)"
-    return (f"model {config.source.model}: {fmt_count(bundle.params)} params, "
+    return (f"model {s.config.source.model}: {fmt_count(bundle.params)} params, "
             f"{fmt_count(bundle.trainable_params)} trainable | "
-            f"{len(data.train):,} train / {len(data.eval):,} held-out {unit} of <= {run.seq_len} tokens\n"
+            f"{len(s.train.rows):,} train / {len(s.held_out.rows):,} held-out {unit} of <= {run.seq_len} tokens\n"
             f"effective batch {run.effective_batch()}{pairs} = micro-batch {run.micro_batch} x accumulation "
             f"{run.grad_accum} x {run.num_processes} process(es); tokens per optimizer step: "
-            f"{run.tokens_per_step():,} (padding included); {total_steps} step(s) "
-            f"({schedule.steps_per_epoch()} per epoch) on {accelerator.device.type}, "
+            f"{run.tokens_per_step():,} (padding included); {s.total_steps} step(s) "
+            f"({s.train.schedule.steps_per_epoch()} per epoch) on {s.device}, "
             f"mixed precision {run.mixed_precision}, weights {run.dtype}\n"
             f"attention {bundle.attention or '?'} (asked of transformers)"
             + (f"; experts {bundle.experts} ({_experts_why(bundle, run)})" if bundle.experts else "")
             + (f"; LoRA targets {', '.join(bundle.lora_targets)}" if bundle.lora_targets else ""))
 
 
-def _experts_why(bundle, run: RunConfig) -> str:
+def _experts_why(bundle: ModelBundle, run: RunConfig) -> str:
     return experts_reason(bundle.experts, run.experts_implementation, str(run.dtype))
 
 

@@ -10,27 +10,56 @@ Size: ``build_model`` is over 60 lines because it carries the load options of ev
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from accelerate import Accelerator, init_empty_weights
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import GradientAccumulationPlugin
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
 from memfit.builder import parts as build
+from memfit.data import dataset as data
+from memfit.data.pairs import load_pair_rows, prompt_example
+from memfit.data.prep import data_note, load_for_run, run_tokenizer
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations import hub, quant_support
 from memfit.integrations.hf_compat import no_loading_bar
+from memfit.integrations.hub import HubModel
+from memfit.integrations.quant_support import (
+    accept_own_quant_state,
+    bnb_config,
+    keep_training_path,
+    logical_numel,
+    quantized_copy,
+)
+from memfit.integrations.trackers import check_tracker
 from memfit.settings import validate
 from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig, TrainConfig
+from memfit.settings.defaults import default_lr
+from memfit.spec import model as modelspec
+from memfit.spec.losses import check_loss_runnable, check_model_supports
+from memfit.spec.model import ModelSpec
 from memfit.spec.optimizers import check_device, row
+from memfit.spec.resolved import ResolvedRun, resolve
+from memfit.training import deepspeed_engine, sharding
+from memfit.training.weights import check_weights, loading
+from memfit.units import dtype_bytes
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def default_precision() -> Precision:
     """What a run uses when the user did not choose: bf16 autocast on a GPU that supports it, else none."""
-    import torch
 
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return Precision.BF16
@@ -49,7 +78,6 @@ def preflight(run: RunConfig) -> None:
                         "use --mixed-precision bf16 on this machine.")
     if cuda and Precision.BF16 in (run.mixed_precision, run.dtype) and not _bf16_ok():
         raise UserError("This GPU does not support bf16; use --mixed-precision fp16 with --dtype fp32.")
-    from memfit.integrations import quant_support
 
     if run.quantize is not Quantize.NONE:
         quant_support.check("cuda" if cuda else "cpu", f"--quantize {run.quantize}")
@@ -58,19 +86,15 @@ def preflight(run: RunConfig) -> None:
     if str(run.offload) == "activations" and not cuda:
         raise UserError("--offload activations moves saved tensors to pinned CPU memory, which only helps (and "
                         "only runs) on a CUDA GPU; drop it on this machine.")
-    from memfit.spec.losses import check_loss_runnable
 
     check_loss_runnable(run, cuda)
 
     check_device(run.optimizer, "cuda" if cuda else "cpu")
-    from memfit.training import sharding
 
     sharding.check_run(run, cuda=cuda)
 
 
 def _bf16_ok() -> bool:
-    import torch
-
     return torch.cuda.is_bf16_supported()
 
 
@@ -83,17 +107,11 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
     optimizer step itself (Accelerate would step it ``num_processes`` times), and not after an fp16
     step the scaler skipped.
     """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import GradientAccumulationPlugin
-
-    from memfit.integrations.trackers import check_tracker
 
     check_tracker(config.tracker)  # before anything is built: a missing package is one sentence
     # One process may train twice (tests, --check-equivalence): forget the previous run's precision.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    from memfit.training import deepspeed_engine, sharding
 
     cuda = cuda_available()
     kwargs = {"cpu": not cuda, **sharding.accelerator_kwargs(run, cuda=cuda)}  # DeepSpeed on CPU: cpu=False, gloo
@@ -116,8 +134,10 @@ def build_accelerator(run: RunConfig, config: TrainConfig):
 
 @dataclass
 class ModelBundle:
-    model: object
-    tokenizer: object
+    """The built model (checkpointing and LoRA applied, not yet prepared by Accelerate) and what the run reports of it."""
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
     random_init: bool
     """Built from a config (preset or config.json) with random weights, not loaded from a checkpoint."""
     trainable_params: int
@@ -136,17 +156,17 @@ class ModelBundle:
 class ResolvedModel:
     """What a run's model is, resolved before anything heavy is built or any folder is written."""
 
-    hf_config: object
-    tokenizer: object
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
     random_init: bool
     """A preset or a bare config.json: the architecture only, built with random weights."""
-    resolved: object = None
+    resolved: ResolvedRun | None = None
     """``memfit.spec.resolved.ResolvedRun``: the LoRA modules, attention and optimizer row estimate also uses."""
     path: Path | None = None
     """The local folder the weights and tokenizer load from: ``--model``, or a Hub model's cached snapshot."""
-    hub: object = None
+    hub: HubModel | None = None
     """``memfit.integrations.hub.HubModel`` when ``--model`` is a Hub id (the id, the commit, the snapshot folder)."""
-    spec: object = None
+    spec: ModelSpec | None = None
     """The ``ModelSpec`` every prediction of the run reads (resolved once, here)."""
 
     @property
@@ -166,8 +186,6 @@ def fetch_hub_model(config: TrainConfig, *, progress: bool = True):
     ``config.source.revision`` is pinned to the commit it resolved to: checkpoints save it, so ``--resume`` builds
     the same base, offline from the cache. ``progress``: huggingface_hub's bars on stderr (a terminal only).
     """
-    from memfit.integrations import hub
-    from memfit.spec import model as modelspec
 
     source = config.source
     hub.check_revision(source.model, source.revision)
@@ -187,8 +205,6 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
     ``--tokenizer`` or ``--seq-len`` leaves nothing behind. ``hub_model``: the snapshot ``fetch_hub_model``
     resolved a Hub id to (fetched here when not given).
     """
-    from memfit.data.prep import run_tokenizer
-    from memfit.spec import model as modelspec
 
     if hub_model is None:
         config, hub_model = fetch_hub_model(config)
@@ -201,13 +217,9 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
     hf_config.use_cache = False  # training: no KV cache
     random_init = modelspec.is_preset(source.model) or folder.is_file() or source.init == "random"
     if not random_init:
-        from memfit.training.weights import check_weights
-
         check_weights(folder)  # a config-only folder or truncated weights: one sentence
     # The same resolution estimate and trace use: bad LoRA targets or an attention the model cannot run
     # are refused here, before the output folder exists.
-    from memfit.spec.resolved import resolve
-
     spec = modelspec.source_spec(source)
     _check_buildable(spec, run)
     return ResolvedModel(hf_config, tokenizer, random_init, resolve(spec, run), path=folder, hub=hub_model, spec=spec)
@@ -215,7 +227,6 @@ def resolve_model(config: TrainConfig, run: RunConfig, hub_model=None) -> Resolv
 
 def _check_buildable(spec, run: RunConfig) -> None:
     """The weights in the dtype (or quantization) they are built in must fit this machine (``validate.check_buildable``)."""
-    from memfit.units import dtype_bytes
 
     per_param = {Quantize.Q4: 0.5, Quantize.Q8: 1.0}.get(run.quantize, dtype_bytes(str(run.dtype)))
     what = str(run.dtype) if run.quantize is Quantize.NONE else str(run.quantize)
@@ -233,8 +244,6 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     ``init_empty_weights``), no weights read: a rank that receives its shards from rank 0
     (``training.sharding.builds_empty``).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
 
     source = source or resolve_model(config, run)
     resolved = source.resolved
@@ -242,33 +251,24 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     kwargs = build.model_kwargs(run, resolved.attention, resolved.experts)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
-        from accelerate import init_empty_weights
-
         with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(source.hf_config,
                                                      trust_remote_code=config.source.trust_remote_code,
                                                      **kwargs)
         if run.quantize is not Quantize.NONE:
-            from memfit.integrations.quant_support import quantized_copy
-
             model = quantized_copy(model, run, device=device if on_gpu else None)  # from_config cannot quantize
     else:
         if run.quantize is not Quantize.NONE:
-            from memfit.integrations.quant_support import bnb_config
-
             kwargs["quantization_config"] = bnb_config(run)
         if on_gpu:
             kwargs["device_map"] = {"": torch.device(device)}
         if source.hub is not None and not config.source.allow_pickle_weights:
             kwargs["use_safetensors"] = True  # a pickle another tool cached next to them is never unpickled
-        from memfit.training.weights import loading
 
         with loading(source.path), no_loading_bar():
             model = AutoModelForCausalLM.from_pretrained(source.path, config=source.hf_config, local_files_only=True,
                                                          trust_remote_code=config.source.trust_remote_code, **kwargs)
     if run.quantize is not Quantize.NONE:
-        from memfit.integrations.quant_support import accept_own_quant_state, keep_training_path
-
         accept_own_quant_state(model)  # --resume: a strict load of the checkpoint's 4-bit quantization state
         keep_training_path(model)  # evaluation and samples on training's path: bitsandbytes' CPU one fails late
     # Checkpointing, LoRA and training mode: the steps --exact's trace takes too (memfit.builder.parts).
@@ -277,12 +277,9 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     if run.is_lora():
         _name_base(model, source.base_name)
     if str(run.loss) != "standard":
-        from memfit.spec.losses import check_model_supports
-
         check_model_supports(model)  # a head chunked CE can use, and a forward that can skip the logits
     uses_model_loss = _accepts_loss_kwargs(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from memfit.integrations.quant_support import logical_numel
 
     total = sum(logical_numel(p) for p in model.parameters())
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -309,7 +306,6 @@ def _accepts_loss_kwargs(model) -> bool:
     Mistral, Gemma, Phi-3, GPT-NeoX and most others in transformers 5) does; for the rest memfit
     computes the same loss from the logits with ``transformers.loss.loss_utils.ForCausalLMLoss``.
     """
-    import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "accepts_loss_kwargs"):
@@ -334,8 +330,6 @@ class DataBundle:
 
 def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     """Load, check and tokenize the data (every data error surfaces here, before the output folder exists)."""
-    from memfit.data import dataset as data
-    from memfit.data.prep import load_for_run
 
     if run.method is not Method.SFT:
         return _pair_data(config, run, tokenizer)
@@ -343,7 +337,6 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     train_idx, held = data.split_indices(len(examples), config.eval_fraction, config.seed)  # tokenize's split
     count = max(config.cadence.samples, config.cadence.eval_samples)
     docs = [examples[int(i)] for i in spread(held if len(held) else train_idx, count)]
-    from memfit.data.prep import data_note
 
     return DataBundle(tokenized.train, tokenized.eval, data.unigram_loss(tokenized), docs,
                       note=data_note(tokenized, run, config.truncate))
@@ -351,8 +344,6 @@ def build_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
 
 def _pair_data(config: TrainConfig, run: RunConfig, tokenizer) -> DataBundle:
     """The preference pairs of ``--method dpo|orpo|simpo`` (``memfit.data.pairs``): one row per pair."""
-    from memfit.data import dataset as data
-    from memfit.data.pairs import load_pair_rows, prompt_example
 
     pairs, train, held_rows, held = load_pair_rows(config, run, tokenizer)
     if not train:
@@ -382,14 +373,15 @@ def build_optimizer(model, run: RunConfig, config: TrainConfig):
     torch picks the implementation for the device the parameters are on."""
     lr = config.optim.lr
     if lr is None:  # a library caller that builds without a session (which derives it): the method's default
-        from memfit.settings.defaults import default_lr
-
         lr = default_lr(random_init=False, lora=run.is_lora())[0]
     return build.make_optimizer(run, build.parameter_groups(model, config.optim.weight_decay), lr)
 
 
 def build_scheduler(optimizer, config: TrainConfig, total_steps: int):
     """Linear warmup then cosine decay to 0 over the run (transformers' schedule)."""
+    # imported here: transformers.optimization imports transformers.trainer_utils, which imports PEFT and with it
+    # bitsandbytes (13 s in all; python -X importtime, 2026-12-06), whose import-time notice must come inside the
+    # run's quiet_import_notices (training.loop.built)
     from transformers import get_cosine_schedule_with_warmup
 
     warmup = min(config.optim.warmup_steps, max(total_steps - 1, 0))

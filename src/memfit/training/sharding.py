@@ -38,15 +38,40 @@ generation then use.
 
 from __future__ import annotations
 
+import json
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    gather_object,
+)
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+
 from memfit.errors import UserError
+from memfit.memory.outside import outside_step
 from memfit.settings.config import Offload, Quantize, RunConfig
 from memfit.spec.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
+from memfit.spec.model import load_spec
 from memfit.training import deepspeed_engine, multinode
+from memfit.units import fmt_bytes
 
 DCP_DIR = "dcp"
 SHARDED_MARKER = "sharded.json"
@@ -101,8 +126,6 @@ def fsdp2_plugin(run: RunConfig, *, cuda: bool, ram_efficient: bool = False):
     """Accelerate's FSDP2 plugin for ``run``: transformer-layer auto-wrap (``_no_split_modules``),
     ``reshard_after_forward`` from the sharding, CPU offload of parameters (with their gradients and
     optimizer state) for ``--offload params``; pinned host memory only where there is a GPU."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     offload = CPUOffloadPolicy(pin_memory=cuda) if run.offload is Offload.PARAMS else OffloadPolicy()
     extra = {"cpu_ram_efficient_loading": True} if ram_efficient else {}
@@ -131,14 +154,12 @@ def accelerator_kwargs(run: RunConfig, *, cuda: bool) -> dict:
         hybrid = multinode.hybrid_parallelism(run) if cuda else None
         return {"fsdp_plugin": fsdp2_plugin(run, cuda=True), **({"parallelism_config": hybrid} if hybrid else {})} \
             if cuda else {}
-    from accelerate.utils import DistributedDataParallelKwargs
 
     return {"kwargs_handlers": [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]}
 
 
 def shards_itself(accelerator, run: RunConfig) -> bool:
     """True where memfit applies FSDP2 itself (a sharded run Accelerate does not shard: CPU; DeepSpeed shards its own)."""
-    from accelerate.utils import DistributedType
 
     return is_sharded(run) and accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
@@ -181,7 +202,6 @@ def filled_from_rank0(module, accelerator, run: RunConfig):
     buffers, in the same order on every rank). Elsewhere ``module`` is returned as it is."""
     if weight_holders(accelerator, run) == accelerator.num_processes:
         return module
-    import torch.distributed as dist
 
     if not accelerator.is_main_process:
         module = module.to_empty(device=accelerator.device)
@@ -208,7 +228,6 @@ def shard_model(model, run: RunConfig, accelerator):
     """
     if not shards_itself(accelerator, run):
         return model
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     _layer_types(model)  # a model without decoder-layer classes: one sentence, not Accelerate's ValueError
     parallelism, mesh = multinode.hybrid_mesh(run, "cpu")  # None, None unless hybrid on 2+ nodes
@@ -244,10 +263,6 @@ def reshard_all(model) -> None:
     the tiny preset, ZeRO-2 on 2 CPU ranks, every layer's parameters (+25 MB) still held by the save that
     follows. The next forward gathers them again as it would anyway.
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -260,14 +275,10 @@ class _ModelAndOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
@@ -291,11 +302,6 @@ def state_saver(accelerator, run: RunConfig, model, optimizer, scheduler,
         return lambda folder: _save_full(folder, accelerator, model, optimizer, scheduler)
 
     def save(folder: str) -> None:
-        import json
-
-        import torch.distributed.checkpoint as dcp
-        from accelerate.checkpointing import save_accelerator_state
-
         dcp.save({"app": _ModelAndOptimizer(model, _inner(optimizer))}, checkpoint_id=str(Path(folder) / DCP_DIR))
         save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step)
         if accelerator.is_main_process:
@@ -324,10 +330,6 @@ def _save_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     RNG file. An unsharded run resumes it with ``accelerator.load_state``; a sharded one with
     ``_load_full`` (any number of ranks).
     """
-    from collections import OrderedDict
-
-    from accelerate.checkpointing import save_accelerator_state
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, _inner(optimizer), options=options)
@@ -365,10 +367,6 @@ def _load_full(folder: str, accelerator, model, optimizer, scheduler) -> None:
     on any number of ranks: every rank reads the full files and ``set_state_dict(full_state_dict=True)``
     keeps its own shard of each tensor; then the scheduler and this rank's RNG (a rank the saving run
     did not have keeps its own: Accelerate skips a missing RNG file)."""
-    import torch
-    from accelerate.checkpointing import load_accelerator_state
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     opt = _inner(optimizer)
     model_sd = load_file(str(Path(folder) / "model.safetensors"))
@@ -405,8 +403,6 @@ def state_loader(accelerator, run: RunConfig, model, optimizer, scheduler) -> Ca
         if not saved_sharded:
             _load_full(folder, accelerator, model, optimizer, scheduler)
             return
-        import torch.distributed.checkpoint as dcp
-        from accelerate.checkpointing import load_accelerator_state
 
         dcp.load({"app": _ModelAndOptimizer(model, _inner(optimizer))}, checkpoint_id=str(Path(folder) / DCP_DIR))
         load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
@@ -425,8 +421,6 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     if deepspeed_engine.active(accelerator):
         full = deepspeed_engine.full_state_dict(accelerator, model)
     else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not accelerator.is_main_process:
         return None
@@ -438,9 +432,6 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
 def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", why: str = "") -> str:
     """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
     is more than one (several processes, or a sharded run); one process says "predicted peak"."""
-    from memfit.memory.outside import outside_step
-    from memfit.spec.model import load_spec
-    from memfit.units import fmt_bytes
 
     several = run.num_processes > 1 or is_sharded(run)
     label = "predicted per-rank peak" if several else "predicted peak"
@@ -469,7 +460,6 @@ def rank_peaks(accelerator, peak_bytes: int) -> list[int]:
     """Every rank's measured peak, in rank order (a collective: all ranks call it)."""
     if accelerator.num_processes == 1:
         return [int(peak_bytes)]
-    from accelerate.utils import gather_object
 
     return [int(v) for v in gather_object([int(peak_bytes)])]
 

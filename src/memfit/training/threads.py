@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from memfit.errors import UserError
 
 #: How long the idle-core sample watches /proc/stat.
@@ -134,7 +136,6 @@ def choose_threads(requested: int | None = None) -> ThreadChoice:
 
 def apply_threads(requested: int | None = None) -> ThreadChoice:
     """Choose the thread count and give it to torch."""
-    import torch
 
     choice = choose_threads(requested)
     torch.set_num_threads(choice.threads)

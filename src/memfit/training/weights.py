@@ -8,10 +8,14 @@ headers are read (no tensor data) so a truncated or emptied file is refused befo
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import safe_open
+
 from memfit.errors import UserError
+from memfit.training.oom import is_oom
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model*.bin.index.json")
 
@@ -27,7 +31,6 @@ def check_weights(folder: Path) -> None:
         raise UserError(f"{folder} has a config.json but no weights (model.safetensors or pytorch_model.bin); "
                         "pass --init random to train this architecture from random weights, or point --model "
                         "at a folder with weights.")
-    from safetensors import safe_open
 
     for path in files:
         if path.suffix != ".safetensors":
@@ -42,7 +45,6 @@ def check_weights(folder: Path) -> None:
 @contextmanager
 def loading(folder: Path):
     """One sentence for weights ``from_pretrained`` cannot load (damaged, missing shards, wrong shapes)."""
-    import pickle
 
     try:
         yield
@@ -61,8 +63,6 @@ def loading(folder: Path):
 
 
 def _is_oom(err: BaseException) -> bool:
-    from memfit.training.oom import is_oom
-
     return is_oom(err)
 
 

@@ -15,10 +15,13 @@ with its state in the URL; a plain page over a JSON API does that with two small
 layout to its components (docs/serve.md compares them).
 """
 
+# Inside functions: starlette and uvicorn, the web extra (memfit[web]); without it `memfit serve` says which extra to install.
 from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import webbrowser
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -120,8 +123,5 @@ def serve(host: str = "127.0.0.1", port: int = 7860, open_browser: bool = False)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
     print(f"memfit serve: {url} (Ctrl-C to stop)", flush=True)
     if open_browser:
-        import threading
-        import webbrowser
-
         threading.Timer(1.0, webbrowser.open, [url]).start()
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -35,6 +35,8 @@ from memfit.planning.launch import launch_command
 from memfit.planning.search import SAFETY_MARGIN, fits
 from memfit.planning.search import plan as search_plans
 from memfit.planning.space import Constraints
+from memfit.report.plan_table import emit_header
+from memfit.report.timeline import plot_timeline
 from memfit.settings.config import RunConfig, check_lora_options
 from memfit.settings.defaults import DEMO_MICRO_BATCH
 from memfit.settings.schema import own_defaults
@@ -200,7 +202,6 @@ def exact(request: dict[str, Any]) -> dict[str, Any]:
     so the page runs it as a job (``memfit.web.jobs``), never on the request path."""
     # torch's private tracing APIs (memory/trace.py) are opened only when a trace is asked for
     from memfit.memory.trace import trace
-    from memfit.report.timeline import plot_timeline
 
     source, typed = Source.from_dict(request.get("model")), typed_settings(request.get("settings"))
     with resolved(source) as model:
@@ -250,7 +251,6 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
 
 def _emitted(tool: str, result, model: Model) -> dict[str, str]:
     """The chosen plan as ``tool``'s config file: its name and text (``memfit plan --emit TOOL FILE``)."""
-    from memfit.report.plan_table import emit_header
 
     filename = f"{tool}.yaml"
     with tempfile.TemporaryDirectory(prefix="memfit-serve-") as folder:

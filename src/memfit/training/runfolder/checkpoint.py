@@ -23,6 +23,7 @@ final export is written to ``.tmp-export-<tag>`` and moved into place file by fi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -33,10 +34,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from transformers.utils import logging as hf_logging
+
 from memfit.errors import UserError
 from memfit.files import check_no_links, user_path
 from memfit.integrations.hf_compat import quiet_4bit_merge, quiet_tied_weight_save
 from memfit.training.runfolder import manifest
+from memfit.training.runfolder.folder import remove_entry
 from memfit.training.runfolder.layout import STATE_FILE, STEP_RE, checkpoints_dir, step_folders
 
 
@@ -116,7 +120,6 @@ def remove_old(output: Path, *, keep: int, newest: Path) -> None:
     for path in complete[max(keep, 1):]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)
-    from memfit.training.runfolder.folder import remove_entry
 
     for leftover in checkpoints_dir(output).glob(".tmp-step-*"):  # the lock holder's call: none is in use
         remove_entry(leftover)
@@ -195,7 +198,6 @@ def _check_kind(output: Path, name: Path) -> None:
 @contextmanager
 def _quiet_transformers():
     """No "Writing model shards" bar under memfit's own output (transformers' bars are a global switch)."""
-    from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -248,8 +250,6 @@ def _export_lora(model, output: Path, *, merge: bool, base_is_preset: bool, fina
             cfg.base_model_name_or_path = doc["base_model_name_or_path"]
     written.append("adapter_model.safetensors")
     if merge:
-        import copy
-
         with quiet_4bit_merge():  # a 4-bit base is quantized again after the merge: the docs say so
             merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(output / "merged")

@@ -31,6 +31,7 @@ Rules (issue 14):
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -223,8 +224,6 @@ class RunFolder:
             remove_entry(leftover)
 
     def _lock(self) -> None:
-        import fcntl
-
         if self.holds_lock:
             return
         path = self.output / MARKER
@@ -256,8 +255,6 @@ class RunFolder:
         if failed and held and not self.started and self._made_marker and not self.created:
             (self.output / MARKER).unlink(missing_ok=True)  # a refused run leaves the folder as it found it
         if self._lock_fd is not None:
-            import fcntl
-
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None

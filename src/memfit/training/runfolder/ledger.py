@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.files import user_path
+from memfit.files import user_path, write_atomic
 from memfit.training.runfolder.layout import STATE_FILE, checkpoints_dir, step_folders
 
 LEDGER = ".memfit-files.json"
@@ -118,8 +118,6 @@ def _relative(name: str) -> bool:
 
 
 def write(output: Path, doc: dict[str, Any]) -> None:
-    from memfit.files import write_atomic
-
     write_atomic(Path(output) / LEDGER, json.dumps(doc, indent=1), root=Path(output), user_error=False)
 
 

@@ -19,10 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from memfit.errors import UserError
+from memfit.files import write_atomic
 from memfit.training.runfolder import readback
 from memfit.training.runfolder.layout import STATE_FILE, checkpoints_dir, step_folders
 
@@ -47,7 +51,6 @@ def fsync_dir(path: Path) -> None:
 def write_file(path: Path, text: str) -> None:
     """``memfit.files.write_atomic``: the final name only ever holds a complete file, never written through a
     link; a failing write raises its ``OSError`` (``training.guard`` names the intact checkpoint)."""
-    from memfit.files import write_atomic
 
     write_atomic(path, text, user_error=False)
 
@@ -137,7 +140,6 @@ def _structure_problem(folder: Path) -> str | None:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights and not list(folder.glob("pytorch_model*.bin")):
         return "holds no model weights"
-    from safetensors import safe_open
 
     for path in weights:
         try:
@@ -194,7 +196,6 @@ def pick_intact(output: Path) -> tuple[Path, str | None]:
 
 def load_error(folder: Path, err: BaseException) -> UserError:
     """One sentence for a checkpoint that verified but still would not load."""
-    import pickle
 
     if isinstance(err, pickle.UnpicklingError) or "weights only load failed" in str(err).lower():
         return UserError(f"{folder} holds a pickle with Python objects other than tensors and plain data; memfit "

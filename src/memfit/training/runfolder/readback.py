@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import load
+
 from memfit.errors import UserError
+from memfit.training.runfolder.ledger import valid_fingerprint
 
 _COUNT = "a whole number >= 0"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -63,8 +67,6 @@ def state_problem(state: Any) -> str | None:
             return f"has {key} = {_show(state[key])}, not {want}"
     fp = state.get("data_fingerprint")
     if fp is not None:
-        from memfit.training.runfolder.ledger import valid_fingerprint
-
         if not valid_fingerprint(fp):
             return f"has data_fingerprint = {_show(fp)}, not a data fingerprint"
     return None
@@ -135,9 +137,6 @@ def rng_problem(path: Path) -> str | None:
     (dropout, sampling) than the run had. Loaded as Accelerate loads it (``weights_only``)."""
     if not path.is_file():
         return f"lacks {path.name}"
-    import warnings
-
-    from accelerate.utils import load
 
     try:
         with warnings.catch_warnings():  # torch's note on a foreign pickle precedes the refusal anyway

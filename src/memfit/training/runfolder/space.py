@@ -14,10 +14,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate import Accelerator
 
 from memfit.errors import UserError
 from memfit.training.runfolder.layout import checkpoints_dir, step_folders
+from memfit.training.runfolder.manifest import MANIFEST
 from memfit.units import MiB, fmt_bytes
+
+if TYPE_CHECKING:  # training.parts imports the guard, which imports this package: a type only
+    from memfit.training.parts import RunOutput
 
 MARGIN = 1.02
 SLACK = 1 * MiB
@@ -29,8 +37,6 @@ def free_bytes(path: Path) -> int:
 
 def known_size(output: Path) -> tuple[int, str] | None:
     """``(bytes, checkpoint name)`` of the newest checkpoint with a readable manifest."""
-    from memfit.training.runfolder.manifest import MANIFEST
-
     for _, folder in step_folders(output):
         try:
             files = json.loads((folder / MANIFEST).read_bytes())["files"]
@@ -41,10 +47,8 @@ def known_size(output: Path) -> tuple[int, str] | None:
     return None
 
 
-def _state_bytes(model, optimizer) -> int:
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors a save writes on this process: model state dict plus optimizer state."""
-    import torch
-
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
     for state in getattr(optimizer, "state", {}).values():
         for value in state.values():
@@ -53,31 +57,31 @@ def _state_bytes(model, optimizer) -> int:
     return total
 
 
-def needed(s) -> tuple[int, str]:
+def needed(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           output: Path) -> tuple[int, str]:
     """The bytes the next checkpoint needs and where that figure comes from."""
-    known = known_size(s.output)
+    known = known_size(output)
     if known is not None:
         return known[0], f"the size of {known[1]}"
     try:
-        return _state_bytes(s.accelerator.unwrap_model(s.model), s.optimizer), "the model and optimizer state"
+        return _state_bytes(accelerator.unwrap_model(model), optimizer), "the model and optimizer state"
     except Exception:  # noqa: BLE001 - an estimate that cannot be made must not stop the run
         return 0, ""
 
 
-def check_before_save(s) -> None:
-    """Stop with one sentence when the file system under the checkpoints has no room for the next one."""
-    need, source = needed(s)
+def check_before_save(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      folder: RunOutput, step: int) -> None:
+    """Stop with one sentence when the file system under the checkpoints has no room for step ``step``'s."""
+    need, source = needed(accelerator, model, optimizer, folder.path)
     if need <= 0:
         return
-    folder = checkpoints_dir(s.output) if checkpoints_dir(s.output).is_dir() else s.output
-    free = free_bytes(folder)
+    where = checkpoints_dir(folder.path) if checkpoints_dir(folder.path).is_dir() else folder.path
+    free = free_bytes(where)
     short = free < need * MARGIN + SLACK
-    if s.accelerator.num_processes > 1:  # every rank stops at the same save, or none does
-        import torch
-
-        flag = torch.tensor(float(short), device=s.accelerator.device)
-        short = bool(s.accelerator.reduce(flag, reduction="sum").item() > 0)
+    if accelerator.num_processes > 1:  # every rank stops at the same save, or none does
+        flag = torch.tensor(float(short), device=accelerator.device)
+        short = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
     if short:
-        raise UserError(f"Only {fmt_bytes(free)} is free under {folder}, and the checkpoint of step {s.state.step} "
+        raise UserError(f"Only {fmt_bytes(free)} is free under {where}, and the checkpoint of step {step} "
                         f"needs about {fmt_bytes(need * MARGIN + SLACK)} ({source}), so the run stopped before "
-                        f"writing it (free some space, or --save-every 0); {s.guard.saved_sentence()}")
+                        f"writing it (free some space, or --save-every 0); {folder.guard.saved_sentence()}")
