@@ -126,6 +126,13 @@ class CaseRun:
 DRIVER = Path(__file__).resolve().parent / "_launch_driver.py"
 
 
+
+def case_json(gloo_runs, case: str) -> dict:
+    """The last JSON line a shared-launch ``case`` printed (``gloo_runs``), once it exited 0."""
+    proc = gloo_runs[case]
+    assert proc.returncode == 0, proc.failure()
+    return last_json_line(proc.stdout)
+
 def launch_cases(cases: list[dict], folder: Path, *, nproc: int = 2, env: dict | None = None,
                  timeout_per_case: int = 400) -> dict[str, CaseRun]:
     """Run ``cases`` (``{"name", "kind": "memfit"|"script", "argv", "script"?, "env"?, "paths"?}``) one after

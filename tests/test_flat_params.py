@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch_helpers import last_json_line
+from _launch_helpers import case_json
 from memfit.memory import flat_params
 from memfit.memory.estimate import estimate
 from memfit.settings.config import RunConfig
@@ -27,11 +27,6 @@ from memfit.spec.model import load_spec
 TOLERANCE = 0.01
 
 
-def _measured(gloo_runs, case: str) -> dict:
-    proc = gloo_runs[case]
-    assert proc.returncode == 0, proc.failure()
-    return last_json_line(proc.stdout)
-
 
 @pytest.mark.launch_cases("fsdp1-layers", "fsdp1-root", "fsdp1-lora")
 @pytest.mark.parametrize("case", ["fsdp1-layers", "fsdp1-root", "fsdp1-lora"])
@@ -45,7 +40,7 @@ def test_fsdp1_estimate_is_within_1_percent_of_the_measured_tensor_peak(case, gl
     # unsharded (8,389,120 B, since its forward) and the last layer its pre-backward hook prefetched; FSDP2's terms
     # hold the [norm, head] tail and two layers there (-15.3%); with the root left out of that moment, -12.8% (run
     # once: the test failed).
-    got = _measured(gloo_runs, case)
+    got = case_json(gloo_runs, case)
     assert got["processes"] == 2
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:

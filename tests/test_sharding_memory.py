@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch_helpers import last_json_line
+from _launch_helpers import case_json
 from memfit.memory.estimate import estimate
 from memfit.memory.states import model_states
 from memfit.settings.config import RunConfig
@@ -31,12 +31,6 @@ TOLERANCE = 0.03
 ZERO2_TOLERANCE = 0.02
 
 
-def _measured(gloo_runs, case: str) -> dict:
-    """The JSON line of a ``bench/sharding_memory.py --model M --seq-len 32 --steps 3 --sharding S ...`` case."""
-    proc = gloo_runs[case]
-    assert proc.returncode == 0, proc.failure()
-    return last_json_line(proc.stdout)
-
 
 # 3 steps: the steady state. The rollback snapshot's buffers for the optimizer state are allocated in the
 # first step that has state (the second), so with 2 steps forward and backward never see the whole
@@ -45,7 +39,7 @@ def _measured(gloo_runs, case: str) -> dict:
 @pytest.mark.launch_cases("memory-ddp", "memory-fsdp", "memory-zero2")
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp", "zero2"])
 def test_per_rank_prediction_is_within_3_percent_of_the_measured_tensor_peak(sharding, gloo_runs):
-    got = _measured(gloo_runs, f"memory-{sharding}")  # tiny, --sharding SHARDING
+    got = case_json(gloo_runs, f"memory-{sharding}")  # tiny, --sharding SHARDING
     assert got["processes"] == 2 and got["sharding"] == sharding
     # Throughput counts each token once: 3 steps x 1 x 32 tokens on each of 2 ranks (train_step's count is
     # already all-reduced; round 2's table multiplied it by the process count a second time).
@@ -70,7 +64,7 @@ def test_lora_and_qlora_under_fsdp_are_predicted_per_rank(quantize, gloo_runs):
     #   is whole on every rank (the bench adds it to FSDPMemTracker's total, which files it nowhere), and a
     #   layer's backward holds two layers gathered, not the tail (+3.1% with it).
     pytest.importorskip("bitsandbytes") if quantize != "none" else None
-    got = _measured(gloo_runs, {"none": "memory-lora", "4bit": "memory-qlora"}[quantize])  # fsdp --lora-r 8 --quantize Q
+    got = case_json(gloo_runs, {"none": "memory-lora", "4bit": "memory-qlora"}[quantize])  # fsdp --lora-r 8 --quantize Q
     assert got["lora_r"] == 8 and got["quantize"] == quantize
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:
@@ -129,7 +123,7 @@ def test_a_derived_family_with_a_large_untied_embedding_is_predicted_per_rank(gl
     # backward's end), which it once lacked: +4.9% on fsdp, +10.9% on zero2, DDP's buckets missing (-6.6%).
     # The Qwen3 config (hidden 256, intermediate 768, 2 layers, 4 heads / 2 KV heads of 64, vocab 32,768,
     # untied): _gloo_cases._qwen3, launched with --sharding fsdp.
-    got = _measured(gloo_runs, "memory-qwen3")
+    got = case_json(gloo_runs, "memory-qwen3")
     assert load_spec(got["model"]).family == "generic"  # derived, not a hand-written recipe
     predicted = got["predicted_peak_bytes"]
     for measured in got["measured_peak_bytes_per_rank"]:
