@@ -367,3 +367,20 @@ def test_from_memfit_train_to_loss_backward_are_four_frames(tmp_path, monkeypatc
     stack = stacks[0]
     start = max(i for i, f in enumerate(stack) if f.name == "train" and f.filename.endswith("training/loop.py"))
     assert [f.name for f in stack[start:]] == ["train", "fit", "train_step", "backward"]
+
+
+def test_the_session_and_its_parts_are_typed_without_any():
+    """Issue 37: what ``fit`` and ``finish`` read is typed; no field of the session or of its named parts is ``Any``
+    (or ``object``), so a reader can follow each one to its class."""
+    import typing
+
+    from memfit.planning.search import PlanResult
+    from memfit.training import parts
+    from memfit.training.session import TrainSession
+
+    for cls in (TrainSession, parts.RunOutput, parts.TrainLoader, parts.HeldOut, parts.StepParts, parts.Planned,
+                parts.Reporting):
+        hints = typing.get_type_hints(cls, localns={"PlanResult": PlanResult})  # PlanResult: TYPE_CHECKING only
+        assert hints, cls.__name__
+        untyped = {name: hint for name, hint in hints.items() if hint is object or "Any" in str(hint)}
+        assert not untyped, (cls.__name__, untyped)
