@@ -183,3 +183,26 @@ def test_a_deepspeed_plan_emitted_for_trl_reads_back_to_the_same_prediction(tmp_
     assert best["config"]["sharding"] == "zero3" and read(out).engine == "deepspeed"
     estimated = json.loads(_run("estimate", "--from", out, "--num-processes", "4", "--json").output)
     assert estimated["peak_bytes"] == best["peak_bytes"]
+
+
+def test_llamafactory_use_unsloth_is_priced_on_unsloths_stack_with_its_offloaded_checkpoints(tmp_path):
+    """LLaMA-Factory's ``use_unsloth`` loads the model through Unsloth with ``use_gradient_checkpointing="unsloth"``
+    (model_utils/unsloth.py): the unsloth stack and each checkpoint on the host; ``use_unsloth_gc`` alone is that
+    checkpointing on transformers' layers (LLaMA-Factory's stack). Without either the run is priced as written."""
+    from memfit.memory.estimate import estimate
+
+    source = (DATA / "llamafactory_lora_sft.yaml").read_text()
+    plain, unsloth, gc_only = (tmp_path / name for name in ("plain.yaml", "unsloth.yaml", "gc.yaml"))
+    plain.write_text(source)
+    unsloth.write_text(source + "use_unsloth: true\n")
+    gc_only.write_text(source + "use_unsloth_gc: true\n")
+    read_plain, read_unsloth, read_gc = read(plain), read(unsloth), read(gc_only)
+    assert (read_plain.stack.trainer, str(read_plain.run.offload)) == ("llamafactory", "none")
+    assert (read_unsloth.stack.trainer, str(read_unsloth.run.offload)) == ("unsloth", "activations")
+    assert (read_gc.stack.trainer, str(read_gc.run.offload)) == ("llamafactory", "activations")
+    assert any(line.startswith("use_unsloth:") for line in read_unsloth.priced)
+    assert not any("use_unsloth" in line for line in read_unsloth.unmapped)  # no longer "no term for it"
+    spec = read_plain.spec()
+    # the reading's stack is what estimate prices: Unsloth's own terms differ from transformers' for the same flags
+    ours = estimate(spec, read_unsloth.run, stack=read_unsloth.stack).peak_bytes
+    assert ours != estimate(spec, read_unsloth.run, stack=read_gc.stack).peak_bytes

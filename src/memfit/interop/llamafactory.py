@@ -97,13 +97,43 @@ def read(path: str, data: dict) -> Reading:
         keys.price("enable_liger_kernel: Liger's fused linear cross-entropy is patched in; priced as memfit's "
                    "liger loss (its layer kernels are not priced: a slight over-estimate).")
     _stage(keys, run)
-    for key in ("use_galore", "use_apollo", "use_badam", "use_unsloth", "use_unsloth_gc", "upcast_layernorm",
-                "upcast_lmhead_output", "use_dora", "pissa_init"):
+    _unsloth(keys, run)
+    for key in ("use_galore", "use_apollo", "use_badam", "upcast_layernorm", "upcast_lmhead_output", "use_dora",
+                "pissa_init"):
         if keys.bool(key, False):
             keys.not_mapped(key, "memfit has no term for it; the estimate is the run without it.")
     model = model_name(keys, "model_name_or_path")
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model_name_or_path", run)
+
+
+def _unsloth(keys: Keys, run: dict[str, Any]) -> None:
+    """``use_unsloth``: Unsloth loads the model and its LoRA (LLaMA-Factory's ``model/model_utils/unsloth.py``:
+    ``FastLanguageModel.from_pretrained`` / ``get_peft_model``), always with Unsloth's offloaded checkpointing
+    (``_get_unsloth_kwargs`` and ``get_unsloth_peft_model`` pass ``use_gradient_checkpointing="unsloth"``): priced on
+    the unsloth stack (``memory.unsloth_layer``, read off Unsloth 2024.12; transformers' layers where its kernels do
+    not run, said by the estimate). ``use_unsloth_gc`` alone: LLaMA-Factory's copy of that checkpointing on
+    transformers' layers (each checkpointed layer's input copied to the host, "no need to install unsloth"). Either
+    way the checkpoints live on the host: ``--offload activations`` with checkpointing."""
+    unsloth, offloaded = keys.bool("use_unsloth", False), keys.bool("use_unsloth_gc", False)
+    if unsloth:
+        keys.stack["trainer"] = "unsloth"
+        keys.price("use_unsloth: Unsloth's layers, LoRA kernels and loss, priced as Unsloth 2024.12 runs them "
+                   "(memory/unsloth_layer.py); its checkpointing offloads each layer's input to the host.")
+    if unsloth and not run.get("grad_checkpointing"):  # Unsloth's get_peft_model turns its checkpointing on
+        run["grad_checkpointing"] = True
+        keys.price("disable_gradient_checkpointing: Unsloth checkpoints anyway (LLaMA-Factory passes "
+                   "use_gradient_checkpointing=\"unsloth\" to it); priced with checkpointing.")
+    if not (unsloth or offloaded):
+        return
+    if not run.get("grad_checkpointing"):
+        keys.not_mapped("use_unsloth_gc", "gradient checkpointing is off (disable_gradient_checkpointing), so no "
+                        "checkpoint is offloaded.")
+    elif run.get("offload") in (None, "none"):
+        run["offload"] = "activations"
+        if offloaded and not unsloth:
+            keys.price("use_unsloth_gc: each checkpointed layer's input is copied to the host (Unsloth's "
+                       "checkpointing on transformers' layers): priced as --offload activations.")
 
 
 def _stage(keys: Keys, run: dict[str, Any]) -> None:
