@@ -5,7 +5,8 @@ PEFT's FSDP examples) shard with FSDP (1)'s flat parameters, which ``estimate`` 
 (``memory.flat_params``). Launched under torchrun (gloo), every rank builds the model from its transformers config,
 wraps each decoder layer as a unit (``transformer_auto_wrap_policy``, as Accelerate's ``TRANSFORMER_BASED_WRAP`` and
 fsdp_qlora's policy do; the root keeps the embedding, the final norm and the head) with FSDP (1)'s defaults
-(``FULL_SHARD``, ``BACKWARD_PRE``, ``limit_all_gathers``, ``use_orig_params=False``), runs ``--steps`` steps of
+(``FULL_SHARD``, ``BACKWARD_PRE``, ``limit_all_gathers``, ``use_orig_params=False``; ``--no-shard``:
+``ShardingStrategy.NO_SHARD``, which memfit spells ``--sharding ddp`` under ``Stack(fsdp=1)``), runs ``--steps`` steps of
 ``loss = model(input_ids, labels=...).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()`` on random
 tokens, and counts the last step's tensor peak with memfit's own counter (``memory.measure.counted``). Rank 0
 prints one JSON line: every rank's measured peak and ``estimate(..., device="cpu", stack=Stack(fsdp=1))``'s.
@@ -22,10 +23,11 @@ import json
 import torch
 
 
-def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0):
+def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0, no_shard: bool = False):
     """The run, its spec and the model wrapped by FSDP (1) on this rank (CPU, gloo): ``(run, spec, model)``.
     ``lora_r``: LoRA adapters put on by memfit's own builder (``builder.parts.adapt``) and wrapped with PEFT's
-    ``fsdp_auto_wrap_policy`` (each trainable LoRA matrix a unit of its own, as PEFT's FSDP examples and fsdp_qlora)."""
+    ``fsdp_auto_wrap_policy`` (each trainable LoRA matrix a unit of its own, as PEFT's FSDP examples and fsdp_qlora).
+    ``no_shard``: ``ShardingStrategy.NO_SHARD`` (fsdp_qlora's ``--sharding_strategy no_shard``)."""
     from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -36,7 +38,8 @@ def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0):
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
 
-    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw", sharding="fsdp",
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
+                       sharding="ddp" if no_shard else "fsdp",
                        num_processes=torch.distributed.get_world_size(), packing="concat", lora_r=lora_r)
     spec = modelspec.load_spec(model_name)
     resolved = resolve(spec, run, "cpu")  # the attention estimate prices, so the step runs that one
@@ -49,7 +52,8 @@ def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0):
     if lora_r:
         model = adapt(model, resolved.run, resolved.lora.names)
         policy = fsdp_auto_wrap_policy(model)
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.FULL_SHARD,
+    strategy = ShardingStrategy.NO_SHARD if no_shard else ShardingStrategy.FULL_SHARD
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=strategy,
                                        device_id=torch.device("cpu"), use_orig_params=False)
     return resolved.run, spec, wrapped
 
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tune)")
+    parser.add_argument("--no-shard", action="store_true", help="ShardingStrategy.NO_SHARD (default: FULL_SHARD)")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -95,7 +100,7 @@ def main() -> None:
     from memfit.settings.stack import Stack
 
     state = PartialState()  # the process group (gloo under ACCELERATE_USE_CPU), as the other benches start it
-    run, spec, model = build(args.model, args.seq_len, args.micro_batch, args.lora_r)
+    run, spec, model = build(args.model, args.seq_len, args.micro_batch, args.lora_r, args.no_shard)
     measured = measured_peaks(model, spec.vocab_size, run, args.steps)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)

@@ -193,6 +193,18 @@ def test_axolotl_fsdp1_with_cpu_ram_efficient_loading_loads_low_memory(tmp_path)
     assert not read(whole).stack.loads_low_memory()
 
 
+def test_axolotl_fsdp1_no_shard_is_priced_as_its_whole_flat_parameters(tmp_path):
+    """Accelerate's ``fsdp_sharding_strategy: NO_SHARD`` under FSDP (1) keeps every flat parameter whole: memfit spells
+    it ``--sharding ddp`` under ``Stack(fsdp=1)`` (``memory.flat_params``), not ``fsdp``."""
+    from memfit.interop import read
+
+    path = tmp_path / "noshard.yml"
+    path.write_text("base_model: tiny\nmicro_batch_size: 1\nfsdp: [auto_wrap]\nfsdp_config:\n"
+                    "  fsdp_sharding_strategy: NO_SHARD\n")
+    got = read(path)
+    assert (got.run.sharding.value, got.stack.fsdp) == ("ddp", 1)
+
+
 def test_torchaos_nf4_shards_its_scalers_with_its_weights(monkeypatch):
     """torchtune's 4-bit base is torchao's ``NF4Tensor``, which FSDP2 splits, pads and all-gathers with its scalers
     (``_INNER_TENSOR_NAMES_FOR_SHARDING``); bitsandbytes' quantization state is a module attribute, whole on every rank.

@@ -202,8 +202,10 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
     words = " ".join(value if isinstance(value, list) else [str(value or "")]).lower()
     strategy = str(config.get("fsdp_sharding_strategy") or config.get("sharding_strategy") or "").lower()
     reshard = config.get("reshard_after_forward", config.get("fsdp_reshard_after_forward", True))
-    out: dict[str, Any] = {"sharding": "zero2" if "shard_grad_op" in words + strategy or reshard is False
-                           else "fsdp"}
+    sharding = "zero2" if "shard_grad_op" in words + strategy or reshard is False else "fsdp"
+    if "no_shard" in words + strategy and keys.stack.get("fsdp") == 1:
+        sharding = "ddp"  # FSDP (1)'s NO_SHARD: whole flat parameters, priced by memory.flat_params under ddp
+    out: dict[str, Any] = {"sharding": sharding}
     keys.origin("fsdp_config" if config else "fsdp", "sharding")
     offload = next((k for k in ("offload_params", "fsdp_offload_params") if config.get(k)), None)
     if offload or "offload" in words:

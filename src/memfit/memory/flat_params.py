@@ -28,10 +28,20 @@ its frozen base only (``use_orig_params=False``).
   it into a new shard (L890-902 ``new_sharded_grad``) and drops it. The root's gradients (a full fine-tune) are
   concatenated only when the embedding's backward ends. Frozen units have none.
 
+- **NO_SHARD** (``--sharding ddp`` of these stacks, as fsdp_qlora's ``--sharding_strategy no_shard``). Each
+  flat parameter stays whole on every rank (``shard`` L957-958: no ``_get_shard``, no padding) and is never
+  all-gathered (``uses_sharded_strategy`` False, L2689-2690; ``unshard`` a no-op, L1371-1378, ``needs_unshard`` L1387):
+  no unsharded copy beside it. With a param dtype its low-precision copy ``_mp_shard`` is full-size (L1267-1276)
+  and is what computes (L1357), freed at each reshard (``post_reshard`` L1795-1803): the units at once are those
+  above, in that dtype. The post-backward hook all-reduces the flat gradient in place and keeps it
+  (``_runtime_utils.py`` L765-768, L932-946 ``_reduce_grad_no_shard``), so gradients build up unit by unit through
+  backward (not DDP's buckets, resident from the first step) after the same concatenation of the views'
+  gradients; the optimizer steps whole flat parameters.
+
 Known error: the alignment padding of ``use_orig_params=True`` (< 16 bytes per parameter, L609) is left out; a
-``MixedPrecision`` run gathers in the compute dtype here but autocast's weight copies are still priced (over);
-``NO_SHARD`` (``--sharding ddp`` of these stacks) is priced as DDP. Checked on CPU (gloo) against memfit's tensor
-counter: ``tests/test_flat_params.py`` (``bench/fsdp1_memory.py``).
+``MixedPrecision`` run gathers in the compute dtype here but autocast's weight copies are still priced (over).
+Checked on CPU (gloo) against memfit's tensor counter: ``tests/test_flat_params.py`` (``bench/fsdp1_memory.py``,
+FULL_SHARD and ``--no-shard``).
 """
 
 from __future__ import annotations
@@ -64,9 +74,15 @@ LAYERS_IN_UNSHARD_STREAM = 3
 
 
 def applies(run: RunConfig, stack: Stack | None, engine: str = "fsdp2") -> bool:
-    """Whether ``run`` is sharded by FSDP (1)'s flat parameters (``stack.fsdp == 1``, ``--sharding fsdp``, N > 1)."""
-    return (stack is not None and stack.fsdp == 1 and run.sharding is Sharding.FSDP and run.num_processes > 1
-            and engine == "fsdp2")
+    """Whether ``run`` is held in FSDP (1)'s flat parameters (``stack.fsdp == 1``, N > 1): ``--sharding fsdp``
+    (FULL_SHARD) or ``--sharding ddp`` (NO_SHARD, ``no_shard``). memfit's own DDP (no such stack) is not."""
+    return (stack is not None and stack.fsdp == 1 and run.sharding in (Sharding.FSDP, Sharding.DDP)
+            and run.num_processes > 1 and engine == "fsdp2")
+
+
+def no_shard(run: RunConfig) -> bool:
+    """Whether an FSDP (1) run keeps its flat parameters whole (``ShardingStrategy.NO_SHARD``: ``--sharding ddp``)."""
+    return run.sharding is Sharding.DDP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +90,12 @@ class FlatUnits:
     """The units of the transformer-layer wrap policy, in bytes per rank or unsharded (``flat_units``)."""
 
     layer: int
-    """One decoder layer's unsharded padded flat parameter (its base; LoRA matrices are units of their own)."""
+    """One decoder layer's unsharded padded flat parameter (its base; LoRA matrices are units of their own), held
+    beside the shard while it computes; NO_SHARD: its full-size ``_mp_shard`` (0 without a param dtype)."""
     root: int
     """The root's: embedding, final norm and (untied) head."""
     layer_shard: int
-    """One rank's shard of a layer's flat parameter (``ceil(numel / N)`` elements)."""
+    """One rank's shard of a layer's flat parameter (``ceil(numel / N)`` elements; NO_SHARD: all of it)."""
     root_shard: int
     mp_shard: int = 0
     """A layer's ``_mp_shard``: its shard copied to ``MixedPrecision.param_dtype`` before the all-gather (0 without)."""
@@ -110,6 +127,10 @@ def flat_units(spec: ModelSpec, run: RunConfig) -> FlatUnits:
     layer = gathered_layer_bytes(spec, run) - adapters - spread * stored
     root = root_numel * stored
     gathered = gather_bytes(run)
+    if no_shard(run):  # whole, unpadded (L957-958); computed from the full-size _mp_shard, or from itself
+        copy = gathered != stored
+        return FlatUnits(layer=layer * gathered // stored if copy else 0, root=root * gathered // stored if copy else 0,
+                         layer_shard=layer, root_shard=root)
     layer_padded, root_padded = _padded(layer, stored, n), _padded(root, stored, n)
     mp = layer_padded // n * gathered // stored if gathered != stored else 0
     return FlatUnits(layer=layer_padded * gathered // stored, root=root_padded * gathered // stored,
@@ -122,24 +143,28 @@ def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: st
     units = flat_units(spec, run)
     # a full fine-tune's gradients: unsharded in the gathered dtype (MixedPrecision's param dtype), sharded in the
     # stored one (``_cast_grad_to_param_dtype``, _runtime_utils.py L1030-1057); a frozen unit has none (LoRA)
-    n, grad = run.num_processes, 0 if run.is_lora() else weight_bytes(run)
+    n = 1 if no_shard(run) else run.num_processes  # NO_SHARD: each rank's "shard" is the whole flat parameter
+    grad = 0 if run.is_lora() else weight_bytes(run)
     full = gather_bytes(run) if grad else 0
     shards = spec.num_layers * units.layer_shard + units.root_shard
     offloaded = run.offload is Offload.PARAMS  # CPUOffload: the shards and their gradients (``_cpu_grad``) on the host
-    weights = states.weights if offloaded else states.weights - fsdp2_base_shards(spec, run) + shards
-    gradients = shards if grad and not offloaded else states.gradients  # LoRA: the adapters' shards, as FSDP2's
+    # NO_SHARD: the whole units are the states' (DDP's) weights; its gradients are flat ones, not DDP's buckets
+    kept = states.weights if offloaded or no_shard(run) else states.weights - fsdp2_base_shards(spec, run) + shards
+    adapters = states.gradients + states.buckets  # LoRA: the adapters' own units, as FSDP2's (or DDP's buckets)
+    gradients = shards if grad and not offloaded else adapters
     # while a layer computes its backward: the root, that layer and the one prefetched (L693); forward holds one
     # layer (reshard after forward) and at its end, where the logits are, only the root
     layer_moment, backward_start = units.root + 2 * units.layer, units.root + units.layer
     # the end of a unit's backward: its views' gradients and their concatenation (2 x the unit) before the
     # reduce-scatter makes its shard; the root's at backward's end (a full fine-tune: its shard not made yet), the
     # first layer's just before (the root and that layer unsharded, the head's gradient held in the root's split)
-    root_numel, layer_numel = units.root // gather_bytes(run), units.layer // gather_bytes(run)
+    stored = unquantized_param_bytes(run)
+    root_numel, layer_numel = units.root_shard * n // stored, units.layer_shard * n // stored
     end = units.root + 2 * root_numel * full - root_numel // n * grad
     head = (spec.lm_head_params or spec.vocab_size * spec.hidden_size) * full
     late_layer = units.root + units.layer + 2 * layer_numel * full - (layer_numel // n + root_numel // n) * grad + head
     return dataclasses.replace(
-        states, weights=int(weights), gradients=int(gradients),
+        states, weights=int(kept), gradients=int(gradients), buckets=0,
         step_temporary=flat_step_temporary(spec, run, units, states, device),
         gathered=int(backward_start), gathered_forward=int(units.root), gathered_layer=int(layer_moment),
         gathered_entry=0, gathered_first_entry=0, reducing=0, gathered_start=int(backward_start),
@@ -221,6 +246,9 @@ def notes(spec: ModelSpec, run: RunConfig, stack: Stack | None, engine: str = "f
     if not applies(run, stack, engine):
         return []
     units = flat_units(spec, run)
+    if no_shard(run):
+        return ["FSDP (1) NO_SHARD flat parameters (memory/flat_params.py): whole on every rank, never all-gathered; "
+                "flat gradients made unit by unit in backward and all-reduced in place (not DDP's resident buckets)."]
     return [f"FSDP (1) flat parameters (memory/flat_params.py): a layer unit {units.layer / 2**20:,.1f} MiB and the "
             f"root {units.root / 2**20:,.1f} MiB unsharded; the unshard stream's blocks "
             f"({unshard_stream_bytes(spec, run) / 2**20:,.1f} MiB) are added to reserved memory beside "

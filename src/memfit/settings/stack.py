@@ -154,7 +154,7 @@ class Stack:
     fsdp: int = 2
     """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, memfit's own) or 1
     (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``; priced by
-    ``memory.flat_params``)."""
+    ``memory.flat_params``). With 1, ``--sharding ddp`` is its ``NO_SHARD`` (whole flat parameters)."""
     zero3: Coordinator = Coordinator()
     """DeepSpeed ZeRO-3's parameter coordinator settings (the run's DeepSpeed config; ``settings.zero3``)."""
 
@@ -188,7 +188,7 @@ class Stack:
 
     def changes_terms(self) -> bool:
         """Whether this stack holds other tensors than memfit's own (a trait, bitsandbytes' kept inputs, or FSDP (1)'s
-        flat parameters in a ``--sharding fsdp`` run: ``memory.flat_params``)."""
+        flat parameters in a ``--sharding fsdp`` or ``ddp`` (NO_SHARD) run: ``memory.flat_params``)."""
         # how the base is loaded changes the loading and wrapping phases (memory.phases), not the step's tensors
         # nor does zero.Init: it changes DeepSpeed's layout (memory.deepspeed_layout), priced on every recipe
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
@@ -202,8 +202,7 @@ class Stack:
         if self.fsdp == 1:  # its flat parameters are priced (memory.flat_params); what they leave out:
             out.append("FSDP (1) is priced with LoRA matrices as units of their own (PEFT's and fsdp_qlora's wrap "
                        "policy); with use_orig_params and adapters inside a layer's unit it also computes the frozen "
-                       "base's gradients (fully_sharded_data_parallel.py L208-213), not priced; NO_SHARD is priced "
-                       "as DDP.")
+                       "base's gradients (fully_sharded_data_parallel.py L208-213), not priced.")
         return tuple(out)
 
     def describe(self) -> str:
