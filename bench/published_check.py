@@ -38,6 +38,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -164,25 +165,19 @@ def check(path: Path = RUNS_FILE) -> list[Row]:
     return [predict(run, models) for run in runs]
 
 
-def summary(rows: list[Row]) -> dict[str, Any]:
-    """Median and worst absolute error, and the share of runs memfit under-estimates."""
-    errors = [abs(r.error) for r in rows]
-    worst = max(rows, key=lambda r: abs(r.error))
+def summary(rows: list[Row], error: Callable[[Row], float] = lambda r: r.error) -> dict[str, Any]:
+    """Median and worst absolute ``error`` (the row's own by default), and the share of runs memfit under-estimates."""
+    worst = max(rows, key=lambda r: abs(error(r)))
     return {"runs": len(rows), "projects": len({r.project for r in rows}),
-            "median_abs_error": statistics.median(errors), "worst_abs_error": abs(worst.error),
-            "worst_run": worst.id, "under_share": sum(r.error < 0 for r in rows) / len(rows)}
+            "median_abs_error": statistics.median(abs(error(r)) for r in rows), "worst_abs_error": abs(error(worst)),
+            "worst_run": worst.id, "under_share": sum(error(r) < 0 for r in rows) / len(rows)}
 
 
 def step_summary(rows: list[Row]) -> dict[str, Any] | None:
     """``summary`` of the step's own figure (the phases outside it left out) on the rows of ``RESERVED_KINDS``; None
     when there are none."""
     picked = [r for r in rows if r.step_predicted]
-    if not picked:
-        return None
-    worst = max(picked, key=lambda r: abs(r.step_error))
-    return {"runs": len(picked), "median_abs_error": statistics.median(abs(r.step_error) for r in picked),
-            "worst_abs_error": abs(worst.step_error), "worst_run": worst.id,
-            "under_share": sum(r.step_error < 0 for r in picked) / len(picked)}
+    return summary(picked, lambda r: r.step_error) if picked else None
 
 
 def kind_summary(rows: list[Row], kinds: tuple[str, ...] = RESERVED_KINDS) -> dict[str, Any] | None:
