@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.settings.config import Loss, RunConfig
+from memfit.memory.stack_terms import chunked_head_tokens
+from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
 
 #: Bytes per logit at the end of the next forward: the new bf16 chunks, their fp32 copies, the previous fp32 chunks.
@@ -50,10 +51,8 @@ def previous_outputs(spec, run: RunConfig, stack: Stack, held: int) -> PreviousO
     """What ``stack``'s loop still holds of the previous micro-batch at the end of a forward; ``held``: what one
     micro-batch's graph keeps to its end (the layers' and the head's kept inputs). None: a loop that rebinds nothing
     (memfit's, transformers' Trainer: only ``.loss`` is kept), or a run litgpt's LoRA script does not make."""
-    if not stack.traits.keeps_outputs_until_next_forward or not stack.traits.head_chunk_tokens:
-        return None
-    if not run.is_lora() or str(run.method) != "sft" or run.loss is not Loss.STANDARD:
-        return None
+    if not stack.traits.keeps_outputs_until_next_forward or not chunked_head_tokens(run, stack):
+        return None  # litgpt's LoRA script, whose chunked head hands the fp32 chunks back (memory.stack_terms)
     logits = run.micro_batch * run.seq_len * spec.vocab_size
     return PreviousOutputs(held=held, logits=LOGIT_BYTES_AT_CONVERT * logits,
                            logits_in_head=LOGIT_BYTES_IN_HEAD * logits)

@@ -176,6 +176,15 @@ def single_quant_bytes(spec: ModelSpec, run: RunConfig, stack: Stack) -> int:
                             - nf4_bytes(lin.in_features * lin.out_features)) for lin in spec.linears)
 
 
+def chunked_head_tokens(run: RunConfig, stack: Stack) -> int:
+    """Tokens per chunk of the head where the stack's script runs it in chunks (``Trainer.head_chunk_tokens``:
+    litgpt's LoRA fine-tune, SFT with the standard loss), else 0. litgpt's full fine-tune (finetune/full.py L255)
+    runs the whole head and slices its fp32 output: priced as transformers' loss."""
+    if not run.is_lora() or str(run.method) != "sft" or str(run.loss) != "standard":
+        return 0
+    return stack.traits.head_chunk_tokens
+
+
 def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
     """The head and loss of a trainer that runs its head in chunks handed back in fp32 (``head_chunk_tokens``:
     litgpt's LoRA fine-tune); None: memfit's own (``memory.activations.logits_terms``). ``N = B * T * V`` logits, ``n`` of a chunk.
@@ -191,10 +200,8 @@ def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
     copy of a chunk alive while it is converted (2 n). Source: litgpt 00af8b0 ``lora.py`` L550-552,
     ``finetune/lora.py`` L303-308, ``utils.py`` L293-322; Lightning Fabric ``HalfPrecision.convert_output``.
     """
-    chunk = stack.traits.head_chunk_tokens
-    # litgpt's full fine-tune (finetune/full.py L255) runs the whole head and slices its fp32 output: priced as
-    # transformers' loss
-    if not chunk or not run.is_lora() or str(run.method) != "sft" or str(run.loss) != "standard":
+    chunk = chunked_head_tokens(run, stack)
+    if not chunk:
         return None
     n = run.micro_batch * run.seq_len * spec.vocab_size
     n_chunk = run.micro_batch * min(chunk, run.seq_len) * spec.vocab_size
