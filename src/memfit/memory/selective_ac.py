@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 FP32 = 4
 
+
 @dataclass(frozen=True)
 class KeptOutputs:
     """Bytes per token of the outputs one decoder layer keeps under the policy (its input not included)."""
