@@ -28,6 +28,7 @@ import contextlib
 import functools
 import resource
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -265,12 +266,18 @@ def _following_registrations(live: _LiveBytes) -> Iterator[None]:
     the dtype already matches), and ``set_param_for_module`` (L1614) ``setattr``s it as a ``Parameter``. The
     dispatch mode never sees such a storage; here it is counted from the moment it becomes part of the model (it
     was created just before: the known error is that moment). A storage already counted is not counted again.
+    The hooks are process-wide but the dispatch mode is per thread, so only this thread's registrations count, as
+    its operators do: a model another thread builds meanwhile (a web request's trace, a test beside this one) is
+    not this block's work. transformers registers a loaded tensor on the thread that called ``from_pretrained``
+    (``set_param_for_module`` L1996, after its thread pool materialized it).
     """
     from torch.nn.modules.module import register_module_buffer_registration_hook as on_buffer
     from torch.nn.modules.module import register_module_parameter_registration_hook as on_parameter
 
+    owner = threading.get_ident()
+
     def registered(_module, _name, tensor):
-        if tensor is not None:
+        if tensor is not None and threading.get_ident() == owner:
             live.add(tensor)
 
     handles = [on_parameter(registered), on_buffer(registered)]
