@@ -119,7 +119,7 @@ def test_cuda_adds_the_estimators_other_term(tiny, full_fp32):
     assert out.gradients == PARAMS * 4 and out.temporary == (PARAMS - 5 * 64) * 4
     assert out.optimizer == full_fp32[0].optimizer
     tensors = out.weights + out.gradients + out.optimizer + out.temporary
-    assert out.other == cuda_other(tensors)
+    assert out.other == cuda_other(tensors, out.optimizer, out.logits)
     assert out.peak_bytes == tensors + out.other
 
 

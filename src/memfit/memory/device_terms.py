@@ -21,17 +21,18 @@ CUDA_CONTEXT_BYTES = 500 * MiB
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 
 
-
-def cuda_other(allocated_peak: int) -> int:
-    """CUDA context + cuBLAS workspace + the caching allocator's overhead over what tensors hold
+def cuda_other(tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
+    """CUDA context + cuBLAS workspace + the caching allocator's overhead over what tensors hold, for a step whose
+    tensors peak at ``tensor_peak`` with ``optimizer`` bytes of optimizer state and ``logits`` bytes of logits
     (``memory.fragmentation.overhead``, fitted to allocator replays)."""
-    return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(allocated_peak))
+    return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
 
 
-def reserved_from_tensors(tensor_peak: int) -> int:
-    """Predicted ``max_memory_reserved`` of a phase whose tensors peak at ``tensor_peak`` (no replay): the tensors,
-    cuBLAS's workspace and the allocator's fitted overhead (``memory.fragmentation``)."""
-    return int(tensor_peak + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak))
+def reserved_from_tensors(tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
+    """Predicted ``max_memory_reserved`` of a phase whose tensors peak at ``tensor_peak`` (no replay), ``optimizer``
+    and ``logits`` bytes of it optimizer state and logits: the tensors, cuBLAS's workspace and the allocator's
+    fitted overhead (``memory.fragmentation``)."""
+    return int(tensor_peak + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
 
 
 def with_fitted_reserved(breakdown) -> None:
@@ -40,8 +41,8 @@ def with_fitted_reserved(breakdown) -> None:
     from memfit.memory.allocator_config import settings_from_env
 
     tensors = breakdown.peak_bytes
-    breakdown.other = cuda_other(tensors)
-    breakdown.reserved = reserved_from_tensors(tensors)
+    breakdown.other = cuda_other(tensors, breakdown.optimizer, breakdown.logits)
+    breakdown.reserved = reserved_from_tensors(tensors, breakdown.optimizer, breakdown.logits)
     breakdown.reserved_allocated = tensors + CUBLAS_WORKSPACE_BYTES
     breakdown.allocator_settings = f"{settings_from_env().describe()}; fitted term under torch's defaults"
 

@@ -211,13 +211,14 @@ def unshard_stream_bytes(spec: ModelSpec, run: RunConfig) -> int:
     return units.root + LAYERS_IN_UNSHARD_STREAM * units.layer + 2 * units.mp_shard
 
 
-def step_reserved(spec: ModelSpec, run: RunConfig, tensor_peak: int) -> int:
-    """Predicted ``max_memory_reserved`` of an FSDP (1) step whose tensors peak at ``tensor_peak``: the compute
-    stream's share (the peak less the root, which every moment of forward and backward holds unsharded in the unshard
-    stream's blocks) through the fitted allocator overhead (``memory.fragmentation``), plus those blocks
-    (``unshard_stream_bytes``), which the compute stream cannot reuse."""
+def step_reserved(spec: ModelSpec, run: RunConfig, tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
+    """Predicted ``max_memory_reserved`` of an FSDP (1) step whose tensors peak at ``tensor_peak`` (``optimizer`` and
+    ``logits`` bytes of it optimizer state and logits): the compute stream's share (the peak less the root, which
+    every moment of forward and backward holds unsharded in the unshard stream's blocks) through the fitted allocator
+    overhead (``memory.fragmentation``), plus those blocks (``unshard_stream_bytes``), which the compute stream cannot
+    reuse."""
     compute = max(tensor_peak - flat_units(spec, run).root, 0)
-    return int(reserved_from_tensors(compute) + unshard_stream_bytes(spec, run))
+    return int(reserved_from_tensors(compute, optimizer, logits) + unshard_stream_bytes(spec, run))
 
 
 def with_reserved(breakdown, spec: ModelSpec, run: RunConfig, stack: Stack | None,
@@ -229,7 +230,7 @@ def with_reserved(breakdown, spec: ModelSpec, run: RunConfig, stack: Stack | Non
     if not applies(run, stack, engine):
         return
     tensors = breakdown.peak_bytes - breakdown.other
-    breakdown.reserved = step_reserved(spec, run, tensors)
+    breakdown.reserved = step_reserved(spec, run, tensors, breakdown.optimizer, breakdown.logits)
     breakdown.other = CUDA_CONTEXT_BYTES + breakdown.reserved - tensors
 
 

@@ -111,12 +111,16 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
 
     cuda = device == "cuda"
     outside = outside_step(spec, run, device)
+    # Phases outside the step: the tensor-peak share alone; what the step's optimizer state and logits split stays in
+    # the step's reserved memory, which later phases reuse (memory.fragmentation).
     reserve = reserved_from_tensors if cuda else int
     tensors = breakdown.peak_bytes - breakdown.other + extra_step
-    step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors
+    held = (breakdown.optimizer, breakdown.logits)  # what the fitted overhead follows (memory.fragmentation)
+    step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors, *held)) if cuda \
+        else tensors
     earlier = _loading_phases(spec, run, outside, cuda, stack or Stack())
     if cuda and flat_params.applies(run, stack):  # FSDP (1): its unshard stream cannot reuse what earlier phases cached
-        step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors),
+        step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors, *held),
                                                          max(p.reserved for p in earlier))
     phases = [*earlier, Phase("step", tensors, step_reserved)]
     for name, figure in (("evaluation", outside.evaluation), ("checkpoint", max(outside.checkpoint_full)),

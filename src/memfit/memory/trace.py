@@ -734,8 +734,9 @@ def _with_reserved(breakdown: MemoryBreakdown, events) -> None:
         f"replayed through the caching allocator under {settings.describe()} (memory/allocator.py).")
 
 
-def other_bytes(tensor_peak: int, device: str) -> int:
-    """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve).
+def other_bytes(peak_sample: dict[str, int], device: str) -> int:
+    """Bytes the device holds that no tensor does (CUDA context, cuBLAS workspace, allocator reserve), for a step
+    whose peak holds ``peak_sample`` (bytes by category).
 
     ``memfit.memory.device_terms.cuda_other``, the analytic estimator's documented constants, so that the
     trace and the estimate differ only in tensor bytes; 0 for ``device="cpu"``.
@@ -744,7 +745,7 @@ def other_bytes(tensor_peak: int, device: str) -> int:
         return 0
     if device != "cuda":
         raise UserError(f"device must be 'cuda' or 'cpu', got {device!r}.")
-    return int(cuda_other(tensor_peak))
+    return int(cuda_other(sum(peak_sample.values()), peak_sample.get("optimizer", 0), peak_sample.get("logits", 0)))
 
 
 def _breakdown(config, t: _Traced, timeline: Timeline, other: int) -> MemoryBreakdown:
@@ -904,7 +905,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     for what the CPU kernels allocate, to the byte, without allocator rounding.
     """
     check_supported(run, device)
-    other_bytes(0, device)  # validates device before minutes of work
+    other_bytes({}, device)  # validates device before minutes of work
     api = _private_api()
     config = _hf_config(model)
     check_seq_len(run.seq_len, getattr(config, "max_position_embeddings", None))
@@ -961,7 +962,7 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
         recorder.recording = False
     stream.recording = False
     line = recorder.timeline
-    other = other_bytes(max(line.totals(), default=0), device)
+    other = other_bytes(line.samples[line.peak_index()] if line.samples else {}, device)
     line.other = other
     line.allocations = stream.events
     line.title = f"{getattr(config, 'model_type', 'model')}: seq {run.seq_len} x batch {run.micro_batch}"

@@ -8,8 +8,8 @@ CUDA context and NCCL's buffers: what nvidia-smi shows and what an out-of-memory
 peak. On a CPU it is the largest phase's tensor peak.
 
 The margin (``SAFETY_MARGIN``, 5%) sits on top of an estimate that already carries the caching allocator's overhead
-(``memory.fragmentation``, the median of allocator replays): it covers that term's median case, not its worst
-under-prediction of large steps (``fragmentation.SPREAD``, -12.5%), nor the CUDA context's variation (+-200 MiB,
+(``memory.fragmentation``, a least-squares fit to allocator replays): it covers that term's median case, not its
+worst under-prediction of large steps (``fragmentation.SPREAD``, -13.7% with each replay left out of the fit), nor the CUDA context's variation (+-200 MiB,
 ``memory.device_terms``) beyond it; ``margin_note`` states what is left of a budget and whether that covers the
 term's worst case.
 """
