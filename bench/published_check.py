@@ -27,9 +27,14 @@ For the rows whose figure counts more than tensors (``reserved``, ``nvidia-smi``
 gives the step's own figure (tensor peak + cuBLAS workspace + the allocator's fitted overhead, + the context for
 nvidia-smi and fits), with its own summary line: what the phases outside the step add.
 
+``published_heldout.yaml`` holds figures of the same schema that memfit was never tuned on (other sources, other
+runs): ``--runs`` reads it instead, with the same table and summary, an honest figure of the estimator's error on runs
+it has not seen. ``problems`` checks a file of either kind before anything is predicted.
+
     python bench/published_check.py                  # the table, then the summary
     python bench/published_check.py --markdown       # the table as bench/README.md shows it
     python bench/published_check.py --out -          # JSON rows and summary to stdout
+    python bench/published_check.py --runs bench/published_heldout.yaml   # the held-out set
 """
 
 from __future__ import annotations
@@ -85,6 +90,59 @@ def load(path: Path = RUNS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def dropped(path: Path = RUNS_FILE) -> list[dict[str, Any]]:
     """The published rows left out of the set, each with its ``reason``."""
     return yaml.safe_load(Path(path).read_text()).get("dropped") or []
+
+
+def problems(path: Path = RUNS_FILE) -> list[str]:
+    """What is wrong with a runs file, one sentence each; empty when it is sound. Every run names its source (https),
+    GPU, setting and model (a preset or one of the file's ``models``), a kind of figure of ``MEASURED`` in a unit of
+    ``UNITS``, a positive figure, memfit flags ``RunConfig`` takes, a stack memfit knows, corrections that cite a source
+    line (`` L``) and a note; every dropped row its source and reason; no id twice."""
+    from memfit.spec.model import load_presets
+
+    models, runs = load(path)
+    left_out = dropped(path)
+    ids = [str(r.get("id")) for r in [*runs, *left_out]]
+    found = [f"{i}: id used twice" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    known_models = set(models) | set(load_presets())
+    for run in runs:
+        found += _run_problems(run, known_models)
+    for row in left_out:
+        if not str(row.get("source", "")).startswith("https://") or not str(row.get("reason") or "").strip():
+            found.append(f"{row.get('id')}: a dropped row needs its https:// source and a reason")
+    return found
+
+
+def _run_problems(run: dict[str, Any], known_models: set[str]) -> list[str]:
+    """``problems`` of one run (``known_models``: the presets and the file's own models)."""
+    from memfit.errors import UserError
+    from memfit.settings.stack import Stack
+
+    rid = run.get("id")
+    found = [f"{rid}: no {key}" for key in ("gpu", "setting", "model", "memfit", "note")
+             if not str(run.get(key) or "").strip()]
+    if not str(run.get("source", "")).startswith("https://"):
+        found.append(f"{rid}: source must be an https:// address")
+    if run.get("model") and run["model"] not in known_models:
+        found.append(f"{rid}: model {run['model']!r} is neither a preset nor in the file's models")
+    if run.get("measured") not in MEASURED or run.get("unit") not in UNITS:
+        found.append(f"{rid}: measured must be one of {', '.join(MEASURED)} and unit one of {', '.join(UNITS)}")
+    try:
+        if not float(run.get("published", 0)) > 0:
+            found.append(f"{rid}: published must be positive")
+    except (TypeError, ValueError):
+        found.append(f"{rid}: published must be a number")
+    try:
+        if run.get("memfit"):
+            run_config(run)
+    except (ValueError, UserError) as exc:  # run_config's own sentence starts with the run's id
+        found.append(str(exc) if str(exc).startswith(f"{rid}:") else f"{rid}: {exc}")
+    try:
+        Stack.of(run.get("stack"))
+    except UserError as exc:
+        found.append(f"{rid}: {exc}")
+    found += [f"{rid}: a correction cites no source line: {fix[:60]}" for fix in run.get("corrections") or []
+              if " L" not in fix]
+    return found
 
 
 def spec_for(name: str, models: dict[str, Any]):

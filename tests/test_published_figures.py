@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -42,12 +43,31 @@ def test_the_set_stays_broad_and_sourced():
     _, runs = pc.load()
     assert len(runs) >= 20
     assert len({r["project"] for r in runs}) >= 4
-    assert len({r["id"] for r in runs}) == len(runs), "run ids must be unique"
-    for r in runs:
-        assert r["source"].startswith("https://"), r["id"]
-        assert r["gpu"] and r["setting"] and r["model"] and r["memfit"], r["id"]
-        assert r["measured"] in pc.MEASURED and r["unit"] in pc.UNITS, r["id"]
-        assert float(r["published"]) > 0, r["id"]
+    assert pc.problems() == []
+
+
+def test_a_file_with_faults_is_told_what_is_wrong(tmp_path):
+    """``problems`` (the validation both runs files pass) names each fault of a file, one sentence each."""
+    bad = {"runs": [
+        {"id": "a", "source": "http://x", "gpu": "g", "setting": "s", "model": "no-such-model", "memfit": {"seq-len": 8},
+         "measured": "peak", "unit": "GB", "published": 1, "note": "n"},
+        {"id": "b", "source": "https://x", "gpu": "g", "setting": "s", "model": "tiny", "memfit": {"lora-rank": 8},
+         "measured": "allocated", "unit": "GB", "published": 0, "stack": {"trainer": "nobody"},
+         "corrections": ["a fix with no line"], "note": ""},
+        {"id": "b", "source": "https://x", "gpu": "g", "setting": "s", "model": "tiny", "memfit": {"seq-len": 8},
+         "measured": "allocated", "unit": "GB", "published": 1, "note": "n"}],
+        "dropped": [{"id": "c", "source": "https://x", "reason": ""}]}
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    found = pc.problems(path)
+    for fault in ("b: id used twice", "a: source must be", "a: model 'no-such-model'", "a: measured must be",
+                  "b: published must be positive", "b: not memfit memory settings: lora_rank", "b: Unknown trainer",
+                  "b: no note", "b: a correction cites no source line", "c: a dropped row needs"):
+        assert any(f.startswith(fault) for f in found), (fault, found)
+    assert not any(f.startswith("a: id used twice") for f in found)
+    good = {"runs": [bad["runs"][2]]}
+    path.write_text(yaml.safe_dump(good))
+    assert pc.problems(path) == []
 
 
 def test_median_error_does_not_grow_past_the_reported_figure(rows):
