@@ -92,7 +92,9 @@ def test_trainer_args_without_a_model_take_model_argument():
     ("base_model: tiny\nmicro_batch_size: -1\n", "micro_batch_size: -1 is not a whole number"),
     ("base_model: tiny\nmicro_batch_size: 1\noptimizer: adamw_magic\n", "optimizer: 'adamw_magic' is not"),
     ("base_model: nobody/no-such-model-here\nmicro_batch_size: 1\n", "base_model:"),
-    ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\n", "model._component_:"),
+    ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\noptimizer:\n  _component_: torch.optim.AdamW\n",
+     "model._component_:"),
+    ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 1\n", "optimizer: the file names none"),
     ("model_name_or_path: tiny\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
     ("- a list\n", "does not hold a mapping"),
 ])

@@ -231,7 +231,8 @@ def test_emit_to_another_tool_names_the_hub_model_not_a_memfit_preset(tmp_path):
 def test_torchtune_dpo_recipe_without_preference_loss_is_refused(tmp_path):
     path = tmp_path / "dpo.yaml"
     path.write_text("# tune run lora_dpo_single_device --config dpo\nmodel:\n  _component_: "
-                    "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n")
+                    "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n"
+                    "optimizer:\n  _component_: torch.optim.AdamW\n")
     with pytest.raises(UserError, match="loss: torch.nn.CrossEntropyLoss is no preference loss"):
         read(path)
 

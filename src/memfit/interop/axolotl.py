@@ -56,7 +56,36 @@ NO_MEMORY = frozenset({
     "rl_beta", "dpo_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "dpo_loss_type", "dpo_loss_weights",
     "dpo_label_smoothing", "dpo_use_weighting", "dpo_norm_loss", "max_prompt_len", "kto_desirable_weight",
     "kto_undesirable_weight", "rpo_alpha",
+    # the effective batch (gradient_accumulation_steps = batch_size / micro_batch_size): no memory of its own
+    "batch_size", "eot_tokens", "processor_type", "skip_prepare_dataset", "tokenizer_use_mistral_common",
+    "ddp_find_unused_parameters", "save_only_model", "cosine_constant_lr_ratio",
 })
+
+#: Keys that make the run one memfit does not price, whatever else the file says (a value other than false/0/1),
+#: with what the run then is (Axolotl's docs/config-reference.qmd).
+UNPRICED = {
+    "reward_model": "trains a reward model (a sequence-classification head scoring chosen against rejected)",
+    "process_reward_model": "trains a process reward model (a token-classification head)",
+    "gptq": "loads a GPTQ-quantized base (memfit prices bitsandbytes' 4-bit and 8-bit bases only)",
+    "qat": "trains with fake-quantized weights and activations (quantization-aware training)",
+    "context_parallel_size": "splits every sequence over that many ranks (ring attention)",
+    "sequence_parallel_degree": "splits every sequence over that many ranks (ring attention)",
+    "tensor_parallel_size": "splits every weight over that many ranks (tensor parallelism)",
+    "expert_parallel_size": "places the experts over that many ranks (expert parallelism)",
+    "dp_replicate_size": "replicates FSDP's shards over that many groups (HSDP)",
+}
+#: Keys memfit does not price that only save memory: the estimate is an upper bound by what they save.
+SAVES_MEMORY = {
+    "lora_mlp_kernel": "Axolotl's fused LoRA MLP kernel saves fewer activations than PEFT's modules",
+    "lora_qkv_kernel": "Axolotl's fused LoRA QKV kernel saves fewer activations than PEFT's modules",
+    "lora_o_kernel": "Axolotl's fused LoRA output-projection kernel saves fewer activations than PEFT's module",
+    "tiled_mlp": "the MLP runs in sequence tiles, never holding its whole intermediate activation",
+    "fp8": "float8 linears (torchao) save fp8 activations",
+    "unfrozen_parameters": "only the parameters it matches train; priced as a full fine-tune (gradients and "
+                           "optimizer state of every weight)",
+    "lisa_n_layers": "LISA trains a few layers at a time; priced as a full fine-tune",
+    "quantize_moe_experts": "the experts' weights are quantized too; priced with them in the training precision",
+}
 
 #: Axolotl's ``rl`` values memfit prices, as memfit's ``--method`` (``ipo`` is DPO with another loss: the same
 #: tensors); the others (``kto``: unpaired; ``grpo``/``gdpo``/``ebft``: generation in the loop) it does not.
@@ -73,8 +102,36 @@ def detect(data: dict) -> bool:
                                                         "sample_packing", "num_epochs"})
 
 
+def _refuse_unpriced(keys: Keys) -> None:
+    """One sentence naming the key where the file's run is one memfit does not price (``UNPRICED``); a quantized
+    base Axolotl dequantizes on load (``model_quantization_config_kwargs: {dequantize: true}``) is its weights in
+    the training precision."""
+    for key, what in UNPRICED.items():
+        value = keys.get(key)
+        if value is True or (isinstance(value, dict) and value):
+            raise keys.error(key, f"the file {what}, which memfit does not price.")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise keys.error(key, f"{value} {what}, which memfit does not price.")
+    config = keys.get("model_quantization_config")
+    if config is not None:
+        kwargs = keys.get("model_quantization_config_kwargs") or {}
+        if not (isinstance(kwargs, dict) and kwargs.get("dequantize") is True):
+            raise keys.error("model_quantization_config", f"{config} loads a base quantized by transformers, which "
+                             "memfit does not price (it prices bitsandbytes' 4-bit and 8-bit bases).")
+        keys.price(f"model_quantization_config: {config} with dequantize: true loads the weights dequantized, in "
+                   "the training precision.")
+
+
+def _saves_memory(keys: Keys) -> None:
+    for key, what in SAVES_MEMORY.items():
+        if keys.get(key) not in (None, False):
+            keys.not_mapped(key, f"{what}; not priced (the estimate is an upper bound by what it saves).")
+
+
 def read(path: str, data: dict) -> Reading:
     keys = Keys(path, NAME, data)
+    _refuse_unpriced(keys)
+    _saves_memory(keys)
     mixed = precision(keys, bf16_default=False, extra=("auto",))
     if keys.data.get("bf16") == "auto":
         keys.price("bf16: auto is bf16 on a GPU that has it (Ampere and newer); priced as bf16.")

@@ -293,6 +293,8 @@ def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",
     value = keys.get(key)
     if value is None:
         return default
+    if isinstance(value, str) and re.search(r"[\\\[\](){}|*+?]", value):
+        return _regex_targets(keys, key, value)
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
@@ -300,6 +302,23 @@ def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",
     if [v.lower() for v in value] in (["all"], ["all-linear"], ["all_linear"]):
         return ("all-linear",)
     return tuple(value)
+
+
+def _regex_targets(keys: Keys, key: str, pattern: str) -> tuple[str, ...]:
+    """A string ``target_modules`` is a regular expression PEFT matches against whole module paths
+    (``peft/tuners/tuners_utils.py``, ``check_target_module_exists``: ``re.fullmatch``): the projections it names,
+    ``(up|down|gate)_proj`` spelled out, are the modules adapted (its path part keeps them to the decoder)."""
+    names: list[str] = []
+    for group, suffix in re.findall(r"\(([\w|]+)\)(_proj\w*)", pattern):
+        names += [f"{word}{suffix}" for word in group.split("|")]
+    names += re.findall(r"(?<!\w)([a-z][a-z0-9_]*_proj\w*)", pattern)
+    names = list(dict.fromkeys(names))
+    if not names:
+        raise keys.error(key, f"{pattern!r} is a regular expression naming no projection (..._proj) memfit can price "
+                         "adapters on; give --lora-targets.")
+    keys.price(f"{key} is a regular expression PEFT matches against module paths; priced as adapters on the "
+               f"projections it names: {', '.join(names)}.")
+    return tuple(names)
 
 
 def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
