@@ -72,7 +72,7 @@ def _suspicions(path: Path, data: dict, reading, run) -> list[str]:
     if "_distributed" in path.stem or re.search(r"nproc|num_processes|torchrun", text):
         distributed.append("launch")
     said = " ".join(reading.unmapped + reading.priced)
-    if distributed and str(run.sharding) == "ddp" and "ZeRO-1" not in said and "NO_SHARD" not in said:
+    if distributed and str(run.sharding) == "ddp" and not re.search(r"ZeRO-[01]|NO_SHARD", said):
         out.append(f"distributed ({', '.join(distributed)}) priced replicated")
     quantized = [k for k in ("load_in_4bit", "load_in_8bit", "quantization_bit", "quantization_method")
                  if data.get(k)] + (["qlora"] if "qlora" in str(data.get("adapter", "")) else [])

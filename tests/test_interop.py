@@ -95,7 +95,7 @@ def test_trainer_args_without_a_model_take_model_argument():
     ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\noptimizer:\n  _component_: torch.optim.AdamW\n",
      "model._component_:"),
     ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 1\n", "optimizer: the file names none"),
-    ("model_name_or_path: tiny\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
+    ("model_name_or_path: tiny\ndo_train: true\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
     ("- a list\n", "does not hold a mapping"),
 ])
 def test_bad_input_is_one_sentence_naming_file_and_key(tmp_path, text, pattern):

@@ -65,6 +65,19 @@ SHIPPED = {
     "trl_sft_lora.yaml": dict(method="sft", lora_r=32),
     "trl_sft_full_packing.yaml": dict(method="sft", lora_r=0, packing="documents"),
     "trainer_args.json": dict(method="sft", loss="standard"),
+    # issue #35's sweep of every shipped config (bench/interop_sweep.py): a string lora_target_modules is PEFT's
+    # regular expression (the projections it spells out); Trainer's fsdp option in a LLaMA-Factory file; the
+    # Accelerate config a launch command in the comments names (examples/accelerate/fsdp2_config.yaml beside the
+    # file: FSDP2 on 2 processes); torchtune's Gemma 2 attention materializes its soft-capped scores (eager);
+    # torchtune's separate q/k/v and gate/up adapters on transformers' fused Phi-3 projections
+    "axolotl_llava_lora_regex.yaml": dict(method="sft", lora_r=32,
+                                          lora_targets="up_proj,down_proj,gate_proj,q_proj,k_proj,v_proj,o_proj"),
+    "llamafactory_fp8_fsdp.yaml": dict(method="sft", lora_r=0, sharding="fsdp"),
+    "llamafactory_ascend_full_sft_fsdp2.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=2),
+    "torchtune_gemma2_2B_lora.yaml": dict(method="sft", lora_r=64, sharding="fsdp", num_processes=4,
+                                          attn_implementation="eager"),
+    "torchtune_phi3_mini_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2,
+                                          lora_targets="qkv_proj,o_proj,gate_up_proj,down_proj"),
 }
 
 #: Shipped runs memfit does not price: the sentence names the file's key and value.
@@ -72,6 +85,25 @@ REFUSED = {
     "axolotl_kto_qlora_1b.yaml": "rl: kto is not a preference method memfit prices",
     "llamafactory_lora_kto.yaml": "stage: kto is not a training memfit prices",
     "llamafactory_lora_reward.yaml": "stage: rm is not a training memfit prices",
+    # issue #35's sweep: reward models, quantized bases memfit has no layout for, parallelisms beside FSDP, other
+    # engines and recipes, and files that configure no training step at all
+    "axolotl_reward_model_qwen2.yaml": "reward_model: the file trains a reward model",
+    "axolotl_prm_qwen2.yaml": "process_reward_model: the file trains a process reward model",
+    "axolotl_gptq_lora_llama2.yml": "gptq: the file loads a GPTQ-quantized base",
+    "axolotl_alst_fsdp2.yaml": "context_parallel_size: 8 splits every sequence over that many ranks",
+    "axolotl_qat_fsdp2.yaml": "qat: the file trains with fake-quantized weights and activations",
+    "llamafactory_inference.yaml": "do_train: not true, so the file configures no training (inference)",
+    "llamafactory_merge_lora.yaml": "do_train: not true, so the file configures no training (an export (merge))",
+    "llamafactory_v1_lora_sft.yaml": "dist_config: the file is LLaMA-Factory v1's configuration",
+    "llamafactory_megatron_moe.yaml": "tensor_model_parallel_size: the file runs its step on Megatron-Core",
+    "llamafactory_kt_lora.yaml": "use_kt: the file runs its step on KTransformers",
+    "llamafactory_lora_sft_gptq.yaml": "model_name_or_path: TechxGenus/Meta-Llama-3-8B-Instruct-GPTQ names a "
+                                       "checkpoint quantized with GPTQ",
+    "torchtune_1B_full_ppo.yaml": "policy_model: the file configures PPO",
+    "torchtune_3B_full_grpo.yaml": "grpo_samples: the file configures GRPO",
+    "torchtune_KD_lora_distributed.yaml": "teacher_model: the file configures knowledge distillation",
+    "torchtune_evaluation.yaml": "optimizer: the file names none, so it configures no training step",
+    "torchtune_scout_full_tp.yaml": "tensor_parallel_dim: 2 splits every weight over that many ranks",
 }
 
 

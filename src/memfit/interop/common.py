@@ -235,6 +235,12 @@ class Keys:
                        Stack.of(self.stack))
 
 
+#: Checkpoints published already quantized by a method memfit has no weight layout for, named so by convention
+#: (``TechxGenus/Meta-Llama-3-8B-Instruct-GPTQ``, ``...-AWQ``, ``ISTA-DASLab/...-AQLM-2Bit-1x16``): their config.json
+#: carries the ``quantization_config`` that transformers loads them with.
+_PREQUANTIZED = re.compile(r"(?<![a-z])(gptq|awq|aqlm|hqq|eetq|exl2)(?![a-z])")
+
+
 def model_name(keys: Keys, key: str) -> str | None:
     """The base model a file names under ``key``: a preset whose ``source`` has the same repository name (so a
     known model is read offline, mirrors such as ``NousResearch/Llama-3.2-1B`` included), else the value as
@@ -247,6 +253,10 @@ def model_name(keys: Keys, key: str) -> str | None:
 
     if is_preset(value):
         return value.lower()
+    quantized = _PREQUANTIZED.search(value.lower().rsplit("/", 1)[-1])
+    if quantized:
+        raise keys.error(key, f"{value} names a checkpoint quantized with {quantized.group(1).upper()}, whose packed weights "
+                         "memfit does not price (it prices bitsandbytes' 4-bit and 8-bit bases).")
     name = _base_name(value)
     if "/" in value and not user_path(value).exists():
         for preset, entry in load_presets().items():
@@ -345,11 +355,18 @@ def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
             config = load_file(found[0])
     if not isinstance(config, dict):
         raise keys.error(key, f"{value!r} is neither a DeepSpeed config file nor a mapping.")
+    return deepspeed_mapping(keys, key, config)
+
+
+def deepspeed_mapping(keys: Keys, key: str, config: dict) -> dict[str, Any]:
+    """Sharding and offload of a DeepSpeed config's ``zero_optimization`` (``key``: where the file set it)."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise keys.error(key, f"zero_optimization.stage {stage!r} is not 0, 1, 2 or 3.")
     out: dict[str, Any] = {}
+    if stage == 0:
+        keys.price(f"{key}: DeepSpeed ZeRO-0 shards nothing; priced replicated (DDP).")
     if stage == 1:
         keys.not_mapped(key, "ZeRO-1 shards only the optimizer state, which memfit cannot express; priced as "
                         "replicated (DDP), an upper bound by the sharded part of the optimizer state.")
@@ -385,6 +402,53 @@ def stated_processes(path: str) -> int | None:
         return None
     counts = {int(n) for n in re.findall(_LAUNCH, text, flags=re.MULTILINE)}
     return counts.pop() if len(counts) == 1 and min(counts) >= 1 else None
+
+
+def accelerate_launch(keys: Keys) -> dict[str, Any]:
+    """Sharding and offload from the Accelerate config that a launch command in the file's comments names
+    (``accelerate launch --config_file examples/accelerate/fsdp2_config.yaml src/train.py THIS_FILE``, resolved
+    beside the file or from the working folder, as the tools' READMEs run it from their repository's root): its
+    ``distributed_type`` (FSDP, DeepSpeed or DDP), ``fsdp_config`` and ``num_processes`` (Accelerate's
+    ``utils/dataclasses.py`` ``FullyShardedDataParallelPlugin`` reads the same keys)."""
+    try:
+        text = user_path(keys.path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    comments = " ".join(line.split("#", 1)[1] for line in text.splitlines() if line.lstrip().startswith("#"))
+    named = re.search(r"\baccelerate launch\b.*?--config[_-]file[ =]+(\S+\.ya?ml)", comments)
+    found = [p for p in (Path(keys.path).parent / named.group(1), user_path(named.group(1))) if p.is_file()] if named \
+        else []
+    if not found:
+        return {}
+    config, where = load_file(found[0]), named.group(1)
+    if keys.stated_processes is None and isinstance(config.get("num_processes"), int) and config["num_processes"] > 0:
+        keys.stated_processes = config["num_processes"]
+        keys.price(f"processes: {keys.stated_processes}, as {where} (the Accelerate config its launch command names) "
+                   "says (--num-processes overrides).")
+    kind = str(config.get("distributed_type", "")).upper()
+    if kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        zero = {"stage": ds.get("zero_stage", 0),
+                "offload_param": {"device": ds.get("offload_param_device", "none")},
+                "offload_optimizer": {"device": ds.get("offload_optimizer_device", "none")}}
+        return deepspeed_mapping(keys, where, {"zero_optimization": zero})
+    if kind != "FSDP":
+        return {}
+    fsdp_config = config.get("fsdp_config") or {}
+    version = int(fsdp_config.get("fsdp_version", 1))
+    if version == 1:
+        keys.stack["fsdp"] = 1
+        if fsdp_config.get("fsdp_cpu_ram_efficient_loading") is True:
+            keys.stack["low_memory_loading"] = True
+    strategy = str(fsdp_config.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    reshard = fsdp_config.get("fsdp_reshard_after_forward", True)
+    out: dict[str, Any] = {"sharding": "zero2" if "SHARD_GRAD_OP" in strategy or strategy == "2" or reshard is False
+                           else "ddp" if "NO_SHARD" in strategy else "fsdp"}
+    if fsdp_config.get("fsdp_offload_params") is True:
+        out["offload"] = "params"
+    keys.price(f"{where}: the launch command's Accelerate config runs FSDP{' (1)' if version == 1 else '2'}, "
+               f"priced as memfit's {out['sharding']}{' with the parameters offloaded' if 'offload' in out else ''}.")
+    return out
 
 
 def comment_words(path: str) -> set[str]:

@@ -26,6 +26,7 @@ from memfit.errors import UserError
 from memfit.interop.common import (
     Keys,
     Reading,
+    accelerate_launch,
     comment_words,
     deepspeed,
     flash_attention,
@@ -136,6 +137,7 @@ def read(path: str, data: dict) -> Reading:
     _checkpointing_kwargs(keys)
     run.update(_sequence(keys, sft))
     run.update(_model(keys, sft))
+    run.update(accelerate_launch(keys))  # the launch command's Accelerate config; the file's own keys over it
     run.update(fsdp(keys))
     run.update(deepspeed(keys))
     keys.origin("fsdp" if keys.has("fsdp") else "deepspeed", "sharding")
