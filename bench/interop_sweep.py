@@ -58,7 +58,8 @@ def _objective_words(path: Path, data: dict) -> str:
     loss = data.get("loss")
     loss = loss.get("_component_", "") if isinstance(loss, dict) else loss or ""
     said = [str(data.get(k) or "") for k in ("rl", "stage", "loss_type", "pref_loss")]
-    return " ".join([*said, str(loss).rsplit(".", 1)[-1], path.parent.name, path.stem]).lower()
+    name = "" if "sft" in re.split(r"[^a-z0-9]+", path.stem.lower()) else path.stem  # 3B_sft_for_grpo: an SFT run
+    return " ".join([*said, str(loss).rsplit(".", 1)[-1], path.parent.name, name]).lower()
 
 
 def _suspicions(path: Path, data: dict, reading, run) -> list[str]:

@@ -18,7 +18,6 @@ from typing import Any
 from memfit.interop.common import (
     Keys,
     Reading,
-    deepspeed,
     flash_attention,
     lora_targets,
     model_name,
@@ -27,6 +26,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
+from memfit.interop.sharding import deepspeed
 
 NAME = "axolotl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.

@@ -20,10 +20,7 @@ from typing import Any
 from memfit.interop.common import (
     Keys,
     Reading,
-    accelerate_launch,
-    deepspeed,
     flash_attention,
-    fsdp,
     lora_targets,
     model_name,
     precision,
@@ -31,6 +28,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
+from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp
 
 NAME = "llamafactory"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config).

@@ -26,11 +26,8 @@ from memfit.errors import UserError
 from memfit.interop.common import (
     Keys,
     Reading,
-    accelerate_launch,
     comment_words,
-    deepspeed,
     flash_attention,
-    fsdp,
     lora_targets,
     model_name,
     precision,
@@ -38,6 +35,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name, merged
+from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp
 
 NAME = "trl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
