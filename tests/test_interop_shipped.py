@@ -76,6 +76,8 @@ SHIPPED = {
     "llamafactory_ascend_full_sft_fsdp2.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=2),
     "torchtune_gemma2_2B_lora.yaml": dict(method="sft", lora_r=64, sharding="fsdp", num_processes=4,
                                           attn_implementation="eager"),
+    "axolotl_lora_1b_ray.yml": dict(method="sft", lora_r=16, sharding="zero3", num_processes=4),  # ray_num_workers
+    "llamafactory_qlora_bnb_npu.yaml": dict(method="sft", lora_r=8, quantize="4bit"),
     "torchtune_phi3_mini_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2,
                                           lora_targets="qkv_proj,o_proj,gate_up_proj,down_proj"),
 }
@@ -277,3 +279,15 @@ def test_an_sft_run_written_for_another_tool_reads_back_as_sft(tmp_path, tool):
     emit(tool, out, reading.model, reading.run.replace(loss="standard"), reading)
     assert None not in yaml.safe_load(out.read_text()).values()
     assert str(read(out).run.method) == "sft"
+
+
+def test_llamafactory_quantization_method_other_than_bitsandbytes_is_refused_and_single_scales_are_said(tmp_path):
+    """``quantization_method: hqq|eetq`` (the choices LLaMA-Factory's QLoRA example lists) quantizes with a layout
+    memfit has none for; ``double_quantization: false`` (its NPU example) keeps fp32 block scales: said, as the
+    NF4 base memfit prices is double-quantized."""
+    shipped = (DATA / "llamafactory_qlora_bnb_npu.yaml").read_text()
+    assert any(line.startswith("double_quantization: false")
+               for line in read(DATA / "llamafactory_qlora_bnb_npu.yaml").unmapped)
+    hqq = tmp_path / "hqq.yaml"
+    hqq.write_text(shipped.replace("quantization_method: bnb", "quantization_method: hqq"))
+    assert_one_sentence(_run("estimate", "--from", hqq), "quantization_method: hqq quantizes the base with another")

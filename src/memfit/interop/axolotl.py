@@ -26,7 +26,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
-from memfit.interop.sharding import deepspeed
+from memfit.interop.sharding import deepspeed, ray_workers
 
 NAME = "axolotl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
@@ -150,6 +150,7 @@ def read(path: str, data: dict) -> Reading:
     run.update(_packing(keys))
     run.update(_attention(keys))
     activations = run.pop("offload", None)
+    ray_workers(keys, "use_ray")
     run.update(_fsdp(keys))
     run.update(deepspeed(keys))
     _offload(keys, run, activations)

@@ -140,6 +140,13 @@ class Keys:
             self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
                        "(--num-processes overrides).")
 
+    def processes_from(self, count: Any, where: str) -> None:
+        """A process count the file states under ``where`` (the Accelerate config its launch command names, Ray's
+        workers), unless a launch command in its comments gave one."""
+        if self.stated_processes is None and isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            self.stated_processes = count
+            self.price(f"processes: {count}, as {where} says (--num-processes overrides).")
+
     def error(self, key: str, message: str) -> UserError:
         """One sentence naming the file and the key."""
         return UserError(f"{self.path}, {key}: {message}")

@@ -28,7 +28,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
-from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp
+from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp, ray_workers
 
 NAME = "llamafactory"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config).
@@ -46,7 +46,7 @@ NO_MEMORY = frozenset({
     "buffer_size", "mix_strategy", "tokenized_path", "train_on_prompt", "mask_history", "lora_rank_pattern",
     "create_new_adapter", "use_rslora", "pref_beta", "pref_ftx", "simpo_gamma", "dpo_label_smoothing", "pref_bco_weight", "media_dir", "image_max_pixels",
     "video_max_pixels", "freeze_vision_tower", "freeze_multi_modal_projector", "default_system", "enable_thinking",
-    "quantization_method", "quantization_type", "double_quantization", "ddp_find_unused_parameters",
+    "quantization_type", "ddp_find_unused_parameters",
     "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "use_reentrant_gc", "disable_shuffling",
 })
 
@@ -127,6 +127,7 @@ def read(path: str, data: dict) -> Reading:
             keys.get("freeze_trainable_modules")
     run.update(_packing(keys))
     run.update(_attention(keys))
+    ray_workers(keys, None)
     run.update(accelerate_launch(keys))  # the launch command's Accelerate config; the file's own keys over it
     run.update(fsdp(keys))  # Trainer's own fsdp option (LLaMA-Factory passes its Trainer arguments on)
     run.update(deepspeed(keys))
@@ -209,11 +210,24 @@ def _lora(keys: Keys, method: str) -> dict[str, Any]:
     bits = keys.choice("quantization_bit", {"4": "4bit", "8": "8bit"})
     if bits:
         out["quantize"] = bits
+        _quantization_method(keys)
     extra = keys.get("additional_target")
     if extra:
         keys.not_mapped("additional_target", f"{extra} train in full beside the adapters; their gradients and "
                         "optimizer state are not priced (the estimate is low by them).")
     return out
+
+
+def _quantization_method(keys: Keys) -> None:
+    """``quantization_method`` (``ModelArguments``: bnb, hqq, eetq; bitsandbytes by default): memfit prices
+    bitsandbytes' bases, NF4 with double quantization (``double_quantization``, on by default), only."""
+    method = str(keys.get("quantization_method", "bnb")).lower()
+    if method not in ("bnb", "bitsandbytes"):
+        raise keys.error("quantization_method", f"{method} quantizes the base with another layout than bitsandbytes', "
+                         "which memfit does not price (quantization_method: bnb it does).")
+    if keys.bool("double_quantization", True) is False:
+        keys.not_mapped("double_quantization", "false keeps each 64-weight block's scale in fp32, not 8 bits: about "
+                        "0.4 bit per base weight more than the NF4 base memfit prices (an under-estimate).")
 
 
 def _packing(keys: Keys) -> dict[str, Any]:

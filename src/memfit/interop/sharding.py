@@ -88,10 +88,7 @@ def accelerate_launch(keys: Keys) -> dict[str, Any]:
     if not found:
         return {}
     config, where = load_file(found[0]), named.group(1)
-    if keys.stated_processes is None and isinstance(config.get("num_processes"), int) and config["num_processes"] > 0:
-        keys.stated_processes = config["num_processes"]
-        keys.price(f"processes: {keys.stated_processes}, as {where} (the Accelerate config its launch command names) "
-                   "says (--num-processes overrides).")
+    keys.processes_from(config.get("num_processes"), f"{where} (the Accelerate config its launch command names)")
     kind = str(config.get("distributed_type", "")).upper()
     if kind == "DEEPSPEED":
         ds = config.get("deepspeed_config") or {}
@@ -137,3 +134,11 @@ def fsdp(keys: Keys, key: str = "fsdp") -> dict[str, Any]:
     if "offload" in words:
         out["offload"] = "params"
     return out
+
+
+def ray_workers(keys: Keys, switch: str | None) -> None:
+    """``ray_num_workers``: the training workers Ray starts, one GPU each (Axolotl with ``use_ray: true``;
+    LLaMA-Factory's Ray launch, ``switch`` None, reads it whenever the file sets it)."""
+    if switch is not None and not keys.bool(switch, False):
+        return
+    keys.processes_from(keys.get("ray_num_workers"), "ray_num_workers (Ray's training workers, one GPU each)")
