@@ -78,6 +78,7 @@ SHIPPED = {
                                           attn_implementation="eager"),
     "axolotl_lora_1b_ray.yml": dict(method="sft", lora_r=16, sharding="zero3", num_processes=4),  # ray_num_workers
     "llamafactory_qlora_bnb_npu.yaml": dict(method="sft", lora_r=8, quantize="4bit"),
+    "torchtune_8B_qdora_single_device.yaml": dict(method="sft", lora_r=8, quantize="4bit"),  # quantize_base
     "torchtune_phi3_mini_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2,
                                           lora_targets="qkv_proj,o_proj,gate_up_proj,down_proj"),
 }

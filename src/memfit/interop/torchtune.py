@@ -232,8 +232,12 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
         if args.get("apply_lora_to_output"):
             keys.not_mapped("model.apply_lora_to_output", "an adapter on the output projection is not priced "
                             "(its activations and state are small beside the head's).")
-        if name.startswith("qlora_"):
+        if args.get("use_dora") is True:
+            keys.not_mapped("model.use_dora", "DoRA's magnitude vector and the weight norm it computes per adapted "
+                            "linear are not priced (the estimate is low by them).")
+        if name.startswith("qlora_") or args.get("quantize_base") is True:  # qdora: lora_ builder, quantize_base
             run["quantize"] = "4bit"
+            keys.origin("model.quantize_base" if args.get("quantize_base") else "model._component_", "quantize")
             keys.price("QLoRA: torchtune's NF4 base (torchao) is priced as bitsandbytes' 4-bit NF4 base "
                        "(the same 4-bit blocks and scales).")
     checkpoint = (keys.data.get("checkpointer") or {}).get("checkpoint_dir")
