@@ -9,7 +9,8 @@
 FSDP files they name) are copied at the mirror's HEAD into a scratch folder with their paths kept, and read
 from the repository's root, as the tools resolve ``deepspeed: examples/deepspeed/ds_z3_config.json``. Nothing is
 downloaded (``HF_HUB_OFFLINE=1``): a Hub model memfit has no preset for is priced on ``FALLBACK`` instead (the
-run, not the architecture, is what is swept) and counted apart.
+run, not the architecture, is what is swept) and counted apart: a refusal there may be the fallback's (LoRA
+targets of another architecture).
 
 Each file is one of: ``priced``; ``refused`` (a ``memfit.errors.UserError``: one sentence); ``crash`` (any other
 exception: a bug); ``suspect`` (priced, but the file names a preference/RL method priced as SFT, a distributed
@@ -90,7 +91,7 @@ def classify(path: str | Path) -> Outcome:
     import memfit
     from memfit.errors import UserError
     from memfit.interop import read
-    from memfit.interop.common import load_file
+    from memfit.interop.common import check_model, load_file
 
     path = Path(path)
     fallback = False
@@ -98,21 +99,21 @@ def classify(path: str | Path) -> Outcome:
         reading = read(path)
         run = reading.with_flags({})
         try:
-            spec = reading.spec()
+            check_model(reading)
         except UserError:
             if reading.model is None or "/" not in reading.model:
                 raise
-            spec, fallback = memfit.load_spec(FALLBACK), True
-        if not fallback:
-            memfit.check_seq_len(run.seq_len, spec.max_position_embeddings)
+            fallback = True
+        # as estimate --from: what the model cannot run of the file is refused in the file's keys
+        spec = memfit.load_spec(FALLBACK) if fallback else reading.spec(run=run)
         memfit.estimate(spec, run, device="cuda", engine=reading.engine, stack=reading.stack)
     except UserError as err:
         message = str(err)
         one = "\n" not in message.strip() and message.rstrip().endswith((".", ")"))
-        return Outcome("refused" if one else "crash", message if one else f"not one sentence: {message}")
+        return Outcome("refused" if one else "crash", message if one else f"not one sentence: {message}", fallback)
     except Exception as err:  # noqa: BLE001 - every other exception is the bug this sweep looks for
         where = traceback.extract_tb(err.__traceback__)[-1]
-        return Outcome("crash", f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})")
+        return Outcome("crash", f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})", fallback)
     doubts = _suspicions(path, load_file(path), reading, run)
     flat = run.to_flat()
     summary = (f"{reading.tool} {flat['method']} r{flat['lora_r']} q{flat['quantize']} {flat['sharding']}x"

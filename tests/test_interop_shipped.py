@@ -292,3 +292,17 @@ def test_llamafactory_quantization_method_other_than_bitsandbytes_is_refused_and
     hqq = tmp_path / "hqq.yaml"
     hqq.write_text(shipped.replace("quantization_method: bnb", "quantization_method: hqq"))
     assert_one_sentence(_run("estimate", "--from", hqq), "quantization_method: hqq quantizes the base with another")
+
+
+@pytest.mark.parametrize("model, text, typed, said", [
+    ("Llama-3.2-1B", "adapter: lora\nlora_target_modules:\n  - c_fc\n", [],
+     "lora_target_modules c_fc matches no projection"),
+    ("Llama-2-7b-hf", "sequence_len: 8192\n", [], "sequence_len 8192 is beyond the model's 4096 positions"),
+    ("Llama-2-7b-hf", "sequence_len: 512\n", ["--seq-len", "8192"], "--seq-len 8192 is beyond the model's"),
+])
+def test_what_the_model_cannot_run_is_refused_in_the_files_keys(tmp_path, model, text, typed, said):
+    """A refusal the model's architecture makes (LoRA targets, length) names the file's key where the file set the
+    setting, and memfit's flag where the user typed it over the file."""
+    path = tmp_path / "run.yml"
+    path.write_text(f"base_model: meta-llama/{model}\nmicro_batch_size: 1\n" + text)
+    assert_one_sentence(_run("estimate", "--from", path, *typed), said)

@@ -205,6 +205,8 @@ def _adapter(keys: Keys) -> dict[str, Any]:
     out: dict[str, Any] = {"lora_r": keys.int("lora_r", 8), "lora_alpha": keys.float("lora_alpha", 16.0),
                            "lora_dropout": keys.float("lora_dropout", 0.0)}
     linear = keys.bool("lora_target_linear", False)
+    if linear:
+        keys.origin("lora_target_linear", "lora_targets")
     out["lora_targets"] = ("all-linear",) if linear else lora_targets(keys, "lora_target_modules")
     if linear and keys.has("lora_target_modules"):
         keys.get("lora_target_modules")
@@ -228,6 +230,9 @@ def _packing(keys: Keys) -> dict[str, Any]:
 
 
 def _attention(keys: Keys) -> dict[str, Any]:
+    for key in ("flash_attention", "sdp_attention", "eager_attention", "attn_implementation"):
+        if keys.data.get(key) not in (None, False):
+            keys.origin(key, "attn_implementation")
     if keys.bool("flash_attention", False):
         return {"attn_implementation": flash_attention(keys, "flash_attention")}
     if keys.bool("sdp_attention", False):

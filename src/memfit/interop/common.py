@@ -25,7 +25,8 @@ from memfit.files import user_path
 from memfit.integrations.quant_support import shards_packed_weights
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
-from memfit.spec.model import is_preset, load_presets, load_spec
+from memfit.spec.model import check_seq_len, is_preset, load_presets, load_spec
+from memfit.spec.resolved import attention
 
 _MISSING = object()
 
@@ -74,9 +75,32 @@ class Reading:
         """The file's key that set ``setting`` (memfit's flag where the file set none)."""
         return self.origins.get(setting) or "--" + setting.replace("_", "-")
 
-    def spec(self, trust_remote_code: bool = False):
-        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
-        return check_model(self, trust_remote_code)
+    def spec(self, trust_remote_code: bool = False, run: RunConfig | None = None):
+        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key. With ``run`` (the
+        run priced: the file's, flags typed over it), what the model cannot run of it (LoRA targets that match no
+        projection, an attention it does not support, a length beyond its positions) is refused here, naming the
+        file's keys for the settings the file set (``in_file_terms``)."""
+        spec = check_model(self, trust_remote_code)
+        if run is not None:
+            try:
+                spec.check_lora_targets(run)
+                attention(spec, run.attn_implementation, run.compute_dtype())
+                check_seq_len(run.seq_len, spec.max_position_embeddings)
+            except UserError as err:
+                raise UserError(f"{self.path}: {self.in_file_terms(str(err), run)}") from None
+        return spec
+
+    def in_file_terms(self, sentence: str, run: RunConfig) -> str:
+        """``sentence`` with its subject, a memfit flag (``--lora-targets``) the file set and ``run`` keeps as the file
+        has it, written as the file's key (``lora_target_modules``); a flag typed over the file stays as typed, and so
+        does the advice after it (``use --seq-len 4096 or less``: a flag to type over the file)."""
+        mine, file_flat = run.to_flat(), self.run.to_flat()
+
+        def key(match: re.Match) -> str:
+            setting = match.group(1).replace("-", "_")
+            same = setting in file_flat and mine.get(setting) == file_flat[setting]
+            return self.origins[setting] if same and setting in self.origins else match.group(0)
+        return re.sub(r"--([a-z0-9-]+)", key, sentence, count=1)  # the subject; advice stays memfit's flags
 
     def plan_pins(self) -> dict[str, Any]:
         """What ``plan --from`` keeps of the file: the method (full fine-tune, LoRA or QLoRA, with its rank, alpha,
@@ -309,6 +333,7 @@ def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",
     value = keys.get(key)
     if value is None:
         return default
+    keys.origin(key, "lora_targets")
     if isinstance(value, str) and re.search(r"[\\\[\](){}|*+?]", value):
         return _regex_targets(keys, key, value)
     if isinstance(value, str):

@@ -133,6 +133,8 @@ def read(path: str, data: dict) -> Reading:
     run.update(deepspeed(keys))
     keys.origin("fsdp" if keys.has("fsdp") else "deepspeed", "sharding")
     keys.origin("quantization_bit", "quantize")
+    keys.origin("cutoff_len", "seq_len")
+    keys.origin("flash_attn", "attn_implementation")
     if keys.bool("enable_liger_kernel", False):
         run["loss"] = "liger"
         keys.price("enable_liger_kernel: Liger's fused linear cross-entropy is patched in; priced as memfit's "

@@ -34,7 +34,7 @@ BUILDERS = {
     "llama2_70b": "llama-2-70b", "mistral_7b": "mistral-7b", "gemma2_2b": "gemma-2-2b",
     "qwen2_5_0_5b": "qwen2.5-0.5b", "qwen2_5_1_5b_base": "qwen2.5-1.5b", "qwen2_5_1_5b_instruct": "qwen2.5-1.5b",
     "qwen2_5_7b_base": "qwen2.5-7b", "qwen2_5_7b_instruct": "qwen2.5-7b", "phi3_mini": "phi-3-mini",
-    "llama3_1_70b": "llama-3.1-70b", "llama3_3_70b": "llama-3.1-70b", "llama3_1_405b": "llama-3.1-405b",
+    "llama3_70b": "llama-3.1-70b", "llama3_1_70b": "llama-3.1-70b", "llama3_3_70b": "llama-3.1-70b", "llama3_1_405b": "llama-3.1-405b",
 }
 #: Builders whose attention torchtune computes by hand, scores materialized (``torchtune/models/gemma2/
 #: _attention.py`` L24, L313-334: "scaled_dot_product_attention does [not] allow soft capping"): eager attention.
@@ -126,6 +126,7 @@ def read(path: str, data: dict) -> Reading:
     }
     if keys.bool("enable_activation_offloading", False):
         run["offload"] = "activations"
+    keys.origin("model._component_", "attn_implementation")  # torchtune's builder owns its attention
     model = _model(keys, builder, model_args, run)
     run.update(_sequence(keys))
     run["optimizer"] = _optimizer(keys)
@@ -220,6 +221,7 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
         if not isinstance(attn, list) or any(m not in MODULES for m in attn):
             raise keys.error("model.lora_attn_modules", f"{attn!r} is not a list of {', '.join(MODULES)}.")
         targets = [MODULES[m] for m in attn] + (list(MLP) if args.get("apply_lora_to_mlp") else [])
+        keys.origin("model.lora_attn_modules", "lora_targets")
         if set(targets) == set(MODULES.values()) | set(MLP):
             targets = ["all-linear"]  # every linear of the decoder, PEFT's shorthand
         fused = next((table for prefix, table in FUSED.items() if base.startswith(prefix)), None)
@@ -257,6 +259,7 @@ def _sequence(keys: Keys) -> dict[str, Any]:
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise keys.error("tokenizer.max_seq_len", f"{length!r} is not a whole number >= 1.")
         out["seq_len"] = length
+        keys.origin("tokenizer.max_seq_len", "seq_len")
     else:
         keys.not_mapped("tokenizer.max_seq_len", "null: samples are not truncated, so the longest one sets the "
                         "peak; priced at memfit's default length unless --seq-len is given.")
