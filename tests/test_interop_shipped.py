@@ -72,6 +72,9 @@ SHIPPED = {
     # torchtune's separate q/k/v and gate/up adapters on transformers' fused Phi-3 projections
     "axolotl_llava_lora_regex.yaml": dict(method="sft", lora_r=32,
                                           lora_targets="up_proj,down_proj,gate_proj,q_proj,k_proj,v_proj,o_proj"),
+    # dp_shard_size 16 is the world (FSDP2, parameters offloaded); float16: true is pure fp16 (no AMP)
+    "axolotl_gptoss_120b_fsdp2_offload.yaml": dict(method="sft", sharding="fsdp", num_processes=16, offload="params"),
+    "axolotl_openllama_3b_float16.yml": dict(method="sft", lora_r=0, dtype="fp16", mixed_precision="no"),
     "llamafactory_fp8_fsdp.yaml": dict(method="sft", lora_r=0, sharding="fsdp"),
     "llamafactory_ascend_full_sft_fsdp2.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=2),
     "torchtune_gemma2_2B_lora.yaml": dict(method="sft", lora_r=64, sharding="fsdp", num_processes=4,

@@ -136,6 +136,10 @@ def read(path: str, data: dict) -> Reading:
     if keys.data.get("bf16") == "auto":
         keys.price("bf16: auto is bf16 on a GPU that has it (Ampere and newer); priced as bf16.")
     half = {"bf16": "bf16", "fp16": "fp16"}.get(mixed, "fp32")
+    pure = next((key for key in ("bfloat16", "float16") if keys.bool(key, False)), None)
+    if pure and mixed == "no":  # the weights' dtype, no autocast (docs/config-reference.qmd: "No AMP")
+        half = {"bfloat16": "bf16", "float16": "fp16"}[pure]
+        keys.price(f"{pure}: true loads and trains the weights in {half} without autocast; priced as pure {half}.")
     run: dict[str, Any] = {
         "seq_len": keys.int("sequence_len", 2048),
         "micro_batch": keys.int("micro_batch_size", 1),
@@ -197,6 +201,12 @@ def _adapter(keys: Keys) -> dict[str, Any]:
         if four or eight:
             keys.price("load_in_4bit/load_in_8bit without an adapter: Axolotl trains no quantized full model; "
                        "priced as a full fine-tune.")
+        ignored = [key for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                   "lora_target_linear", "lora_target_parameters") if keys.has(key)]
+        for key in ignored:
+            keys.get(key)
+        if ignored:
+            keys.price(f"{', '.join(ignored)}: ignored, as adapter is not set (Axolotl trains the full model).")
         return {}
     if adapter == "qlora" and not four:
         raise keys.error("adapter", "qlora needs load_in_4bit: true.")
@@ -216,6 +226,9 @@ def _adapter(keys: Keys) -> dict[str, Any]:
     if saved:
         keys.not_mapped("lora_modules_to_save", f"{saved} train in full beside the adapters (their weights, "
                         "gradients and optimizer state); memfit prices adapters only, so the estimate is low by them.")
+    if keys.get("lora_target_parameters"):  # PEFT's target_parameters: adapters on MoE experts' 3-D weights
+        keys.not_mapped("lora_target_parameters", "adapters on the experts' parameters are not priced (the "
+                        "estimate is low by their weights, gradients, optimizer state and activations).")
     if keys.bool("peft_use_dora", False):
         keys.not_mapped("peft_use_dora", "DoRA's weight norms per adapted linear are not priced (estimate low).")
     return out
@@ -270,6 +283,10 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
         sharding = "ddp"  # FSDP (1)'s NO_SHARD: whole flat parameters, priced by memory.flat_params under ddp
     out: dict[str, Any] = {"sharding": sharding}
     keys.origin("fsdp_config" if config else "fsdp", "sharding")
+    shards = keys.get("dp_shard_size")
+    if isinstance(shards, int) and shards > 1:  # 1 (or absent): Axolotl infers it from the world size
+        keys.processes_from(shards, "dp_shard_size (FSDP's shard group: the whole world, as no other parallel "
+                            "dimension is set)")
     offload = next((k for k in ("offload_params", "fsdp_offload_params") if config.get(k)), None)
     if offload or "offload" in words:
         out["offload"] = "params"
