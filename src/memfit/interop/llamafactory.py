@@ -208,7 +208,9 @@ def _lora(keys: Keys, method: str) -> dict[str, Any]:
     rank = keys.int("lora_rank", 8)
     out: dict[str, Any] = {"lora_r": rank, "lora_alpha": keys.float("lora_alpha", None) or 2.0 * rank,
                            "lora_dropout": keys.float("lora_dropout", 0.0),
-                           "lora_targets": lora_targets(keys, "lora_target")}
+                           "lora_targets": lora_targets(keys, "oft_target" if method == "oft" else "lora_target")}
+    if method == "oft":
+        keys.get("oft_block_size")  # the blocks' size, whose parameters the rank's adapters stand for
     bits = keys.choice("quantization_bit", {"4": "4bit", "8": "8bit"})
     if bits:
         out["quantize"] = bits
