@@ -208,3 +208,17 @@ def test_llamafactory_use_unsloth_is_priced_on_unsloths_stack_with_its_offloaded
     # the reading's stack is what estimate prices: Unsloth's own terms differ from transformers' for the same flags
     ours = estimate(spec, read_unsloth.run, stack=read_unsloth.stack).peak_bytes
     assert ours != estimate(spec, read_unsloth.run, stack=read_gc.stack).peak_bytes
+
+
+@pytest.mark.parametrize("extra, sharding", [
+    ("", "fsdp"), ("fsdp_reshard_after_forward: false\n", "zero2"), ("tensor_parallel_dim: 1\n", "fsdp"),
+])
+def test_torchtune_distributed_recipe_reshards_as_the_file_says(tmp_path, extra, sharding):
+    """torchtune's distributed recipes shard with FSDP2; ``fsdp_reshard_after_forward: false`` keeps the gathered
+    parameters to backward (memfit's zero2); a tensor-parallel degree of 1 is no tensor parallelism."""
+    path = tmp_path / "8B_full.yaml"
+    path.write_text("# tune run --nproc_per_node 4 full_finetune_distributed --config llama3/8B_full\nmodel:\n"
+                    "  _component_: torchtune.models.llama3.llama3_8b\noptimizer:\n  _component_: torch.optim.AdamW\n"
+                    + extra)
+    run = read(path).run
+    assert (str(run.sharding), run.num_processes) == (sharding, 4)

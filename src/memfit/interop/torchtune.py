@@ -34,7 +34,9 @@ BUILDERS = {
     "llama2_70b": "llama-2-70b", "mistral_7b": "mistral-7b", "gemma2_2b": "gemma-2-2b",
     "qwen2_5_0_5b": "qwen2.5-0.5b", "qwen2_5_1_5b_base": "qwen2.5-1.5b", "qwen2_5_1_5b_instruct": "qwen2.5-1.5b",
     "qwen2_5_7b_base": "qwen2.5-7b", "qwen2_5_7b_instruct": "qwen2.5-7b", "phi3_mini": "phi-3-mini",
-    "llama3_70b": "llama-3.1-70b", "llama3_1_70b": "llama-3.1-70b", "llama3_3_70b": "llama-3.1-70b", "llama3_1_405b": "llama-3.1-405b",
+    # Llama 3, 3.1 and 3.3 70B share every shape (3.1 adds the RoPE scaling for 128K positions)
+    "llama3_70b": "llama-3.1-70b", "llama3_1_70b": "llama-3.1-70b", "llama3_3_70b": "llama-3.1-70b",
+    "llama3_1_405b": "llama-3.1-405b",
 }
 #: Builders whose attention torchtune computes by hand, scores materialized (``torchtune/models/gemma2/
 #: _attention.py`` L24, L313-334: "scaled_dot_product_attention does [not] allow soft capping"): eager attention.
@@ -183,8 +185,8 @@ def _launched_recipes(path: str) -> list[str]:
     except (OSError, UnicodeDecodeError):
         return known
     stem = re.escape(Path(path).stem)
-    this = re.findall(rf"^\s*#.*\btune run\b.*?\b(?:dev/)?([a-z0-9_]+)\s+--config\s+(?:\S*/)?{stem}(?:\.yaml)?(?:\s|$)", text,
-                      flags=re.MULTILINE)
+    launch = rf"^\s*#.*\btune run\b.*?\b(?:dev/)?([a-z0-9_]+)\s+--config\s+(?:\S*/)?{stem}(?:\.yaml)?(?:\s|$)"
+    this = re.findall(launch, text, flags=re.MULTILINE)
     return [r for r in this if r in RECIPES or r in REFUSED_RECIPES] or known
 
 
