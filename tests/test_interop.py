@@ -222,3 +222,16 @@ def test_torchtune_distributed_recipe_reshards_as_the_file_says(tmp_path, extra,
                     + extra)
     run = read(path).run
     assert (str(run.sharding), run.num_processes) == (sharding, 4)
+
+
+@pytest.mark.parametrize("text, optimizer", [
+    ("optimizer: adamw_torch_8bit\n", "adamw-8bit"),  # transformers' name for torchao's AdamW8bit
+    ("optimizer: ao_adamw_8bit\n", "adamw-8bit"),  # Axolotl's own name for it
+    ("optimizer: adamw_torch_4bit\n", "adamw"),  # no row: AdamW, said
+])
+def test_torchaos_8bit_adamw_is_priced_as_the_8bit_adamw(tmp_path, text, optimizer):
+    path = tmp_path / "run.yml"
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nmicro_batch_size: 1\n" + text)
+    reading = read(path)
+    assert str(reading.run.optimizer) == optimizer
+    assert any("torchao's AdamW8bit" in line for line in reading.priced) == (optimizer == "adamw-8bit")

@@ -145,7 +145,8 @@ def read(path: str, data: dict) -> Reading:
         "micro_batch": keys.int("micro_batch_size", 1),
         "grad_accum": keys.int("gradient_accumulation_steps", 1),
         "mixed_precision": mixed, "dtype": half,  # Axolotl loads the weights in the training precision
-        "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS),
+        "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS,
+                                       own={"ao_adamw_8bit": "adamw-8bit"}),
     }
     keys.origin("sequence_len", "seq_len")
     keys.origin("micro_batch_size", "micro_batch")

@@ -443,21 +443,32 @@ TRAINER_OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw-fused", "adamw_apex_fused": "adamw-fused",
     "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
     "paged_adamw_32bit": "adamw", "adafactor": "adafactor", "sgd": "sgd",
+    "adamw_torch_8bit": "adamw-8bit",
 }
+#: torchao's ``AdamW8bit`` (transformers' ``adamw_torch_8bit``, Axolotl's ``ao_adamw_8bit``): 8-bit states with a
+#: scale per block of 256 values, tensors under 4,096 values kept in 32 bits "to follow bitsandbytes"
+#: (pytorch/ao ``torchao/optim/adam.py`` L71-76, L309-320 at 36027d82d1): the bytes of bitsandbytes' 8-bit AdamW.
+TORCHAO_8BIT = ("adamw_torch_8bit", "ao_adamw_8bit")
 
 
-def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
-    """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
-    but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
+def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = (),
+                      own: dict[str, str] | None = None) -> str:
+    """memfit's optimizer for a Trainer ``optim`` name (or one of the tool's own, ``own``: name -> memfit's). A name
+    transformers (or the tool: ``known``) accepts but memfit has no row for is priced as AdamW with a sentence; any
+    other name is an invalid value."""
     from transformers.training_args import OptimizerNames  # see the note at the top of this module
 
 
     value = str(keys.get(key, default)).lower()
-    if value in TRAINER_OPTIMIZERS:
+    table = {**TRAINER_OPTIMIZERS, **(own or {})}
+    if value in table:
         if value.startswith("paged_"):
             keys.price(f"{key} {value}: bitsandbytes pages the state to host memory only when the GPU runs out; "
                        "priced resident on the GPU.")
-        return TRAINER_OPTIMIZERS[value]
+        if value in TORCHAO_8BIT:
+            keys.price(f"{key} {value}: torchao's AdamW8bit (8-bit states, a scale per 256 values, tensors under "
+                       "4,096 values in 32 bits) priced as bitsandbytes' 8-bit AdamW, which keeps the same bytes.")
+        return table[value]
     if value in {o.value for o in OptimizerNames} or value in known:
         keys.not_mapped(key, f"{value} has no row in memfit's optimizer table; priced as AdamW (two fp32 moments "
                         "per trained parameter), so the optimizer state may be over- or under-stated.")
