@@ -111,7 +111,8 @@ def test_a_trainers_zero3_file_reaches_the_layout(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8,
                                                     "stage3_max_reuse_distance": "auto"}}))
     config = tmp_path / "lf.yaml"
-    config.write_text("model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nstage: sft\nfinetuning_type: lora\n"
+    config.write_text("model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nstage: sft\ndo_train: true\n"
+                      "finetuning_type: lora\n"
                       f"lora_target: all\ndeepspeed: {ds.name}\ncutoff_len: 2048\nbf16: true\n"
                       "per_device_train_batch_size: 1\n")
     reading = read(config)

@@ -92,8 +92,10 @@ def test_trainer_args_without_a_model_take_model_argument():
     ("base_model: tiny\nmicro_batch_size: -1\n", "micro_batch_size: -1 is not a whole number"),
     ("base_model: tiny\nmicro_batch_size: 1\noptimizer: adamw_magic\n", "optimizer: 'adamw_magic' is not"),
     ("base_model: nobody/no-such-model-here\nmicro_batch_size: 1\n", "base_model:"),
-    ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\n", "model._component_:"),
-    ("model_name_or_path: tiny\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
+    ("model:\n  _component_: torchtune.models.foo.foo_7b\nbatch_size: 1\noptimizer:\n  _component_: torch.optim.AdamW\n",
+     "model._component_:"),
+    ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_size: 1\n", "optimizer: the file names none"),
+    ("model_name_or_path: tiny\ndo_train: true\nfinetuning_type: lora\nquantization_bit: 3\n", "quantization_bit: 3 is not"),
     ("- a list\n", "does not hold a mapping"),
 ])
 def test_bad_input_is_one_sentence_naming_file_and_key(tmp_path, text, pattern):
@@ -206,3 +208,30 @@ def test_llamafactory_use_unsloth_is_priced_on_unsloths_stack_with_its_offloaded
     # the reading's stack is what estimate prices: Unsloth's own terms differ from transformers' for the same flags
     ours = estimate(spec, read_unsloth.run, stack=read_unsloth.stack).peak_bytes
     assert ours != estimate(spec, read_unsloth.run, stack=read_gc.stack).peak_bytes
+
+
+@pytest.mark.parametrize("extra, sharding", [
+    ("", "fsdp"), ("fsdp_reshard_after_forward: false\n", "zero2"), ("tensor_parallel_dim: 1\n", "fsdp"),
+])
+def test_torchtune_distributed_recipe_reshards_as_the_file_says(tmp_path, extra, sharding):
+    """torchtune's distributed recipes shard with FSDP2; ``fsdp_reshard_after_forward: false`` keeps the gathered
+    parameters to backward (memfit's zero2); a tensor-parallel degree of 1 is no tensor parallelism."""
+    path = tmp_path / "8B_full.yaml"
+    path.write_text("# tune run --nproc_per_node 4 full_finetune_distributed --config llama3/8B_full\nmodel:\n"
+                    "  _component_: torchtune.models.llama3.llama3_8b\noptimizer:\n  _component_: torch.optim.AdamW\n"
+                    + extra)
+    run = read(path).run
+    assert (str(run.sharding), run.num_processes) == (sharding, 4)
+
+
+@pytest.mark.parametrize("text, optimizer", [
+    ("optimizer: adamw_torch_8bit\n", "adamw-8bit"),  # transformers' name for torchao's AdamW8bit
+    ("optimizer: ao_adamw_8bit\n", "adamw-8bit"),  # Axolotl's own name for it
+    ("optimizer: adamw_torch_4bit\n", "adamw"),  # no row: AdamW, said
+])
+def test_torchaos_8bit_adamw_is_priced_as_the_8bit_adamw(tmp_path, text, optimizer):
+    path = tmp_path / "run.yml"
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nmicro_batch_size: 1\n" + text)
+    reading = read(path)
+    assert str(reading.run.optimizer) == optimizer
+    assert any("torchao's AdamW8bit" in line for line in reading.priced) == (optimizer == "adamw-8bit")

@@ -65,6 +65,25 @@ SHIPPED = {
     "trl_sft_lora.yaml": dict(method="sft", lora_r=32),
     "trl_sft_full_packing.yaml": dict(method="sft", lora_r=0, packing="documents"),
     "trainer_args.json": dict(method="sft", loss="standard"),
+    # issue #35's sweep of every shipped config (bench/interop_sweep.py): a string lora_target_modules is PEFT's
+    # regular expression (the projections it spells out); Trainer's fsdp option in a LLaMA-Factory file; the
+    # Accelerate config a launch command in the comments names (examples/accelerate/fsdp2_config.yaml beside the
+    # file: FSDP2 on 2 processes); torchtune's Gemma 2 attention materializes its soft-capped scores (eager);
+    # torchtune's separate q/k/v and gate/up adapters on transformers' fused Phi-3 projections
+    "axolotl_llava_lora_regex.yaml": dict(method="sft", lora_r=32,
+                                          lora_targets="up_proj,down_proj,gate_proj,q_proj,k_proj,v_proj,o_proj"),
+    # dp_shard_size 16 is the world (FSDP2, parameters offloaded); float16: true is pure fp16 (no AMP)
+    "axolotl_gptoss_120b_fsdp2_offload.yaml": dict(method="sft", sharding="fsdp", num_processes=16, offload="params"),
+    "axolotl_openllama_3b_float16.yml": dict(method="sft", lora_r=0, dtype="fp16", mixed_precision="no"),
+    "llamafactory_fp8_fsdp.yaml": dict(method="sft", lora_r=0, sharding="fsdp"),
+    "llamafactory_ascend_full_sft_fsdp2.yaml": dict(method="sft", lora_r=0, sharding="fsdp", num_processes=2),
+    "torchtune_gemma2_2B_lora.yaml": dict(method="sft", lora_r=64, sharding="fsdp", num_processes=4,
+                                          attn_implementation="eager"),
+    "axolotl_lora_1b_ray.yml": dict(method="sft", lora_r=16, sharding="zero3", num_processes=4),  # ray_num_workers
+    "llamafactory_qlora_bnb_npu.yaml": dict(method="sft", lora_r=8, quantize="4bit"),
+    "torchtune_8B_qdora_single_device.yaml": dict(method="sft", lora_r=8, quantize="4bit"),  # quantize_base
+    "torchtune_phi3_mini_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2,
+                                          lora_targets="qkv_proj,o_proj,gate_up_proj,down_proj"),
 }
 
 #: Shipped runs memfit does not price: the sentence names the file's key and value.
@@ -72,6 +91,25 @@ REFUSED = {
     "axolotl_kto_qlora_1b.yaml": "rl: kto is not a preference method memfit prices",
     "llamafactory_lora_kto.yaml": "stage: kto is not a training memfit prices",
     "llamafactory_lora_reward.yaml": "stage: rm is not a training memfit prices",
+    # issue #35's sweep: reward models, quantized bases memfit has no layout for, parallelisms beside FSDP, other
+    # engines and recipes, and files that configure no training step at all
+    "axolotl_reward_model_qwen2.yaml": "reward_model: the file trains a reward model",
+    "axolotl_prm_qwen2.yaml": "process_reward_model: the file trains a process reward model",
+    "axolotl_gptq_lora_llama2.yml": "gptq: the file loads a GPTQ-quantized base",
+    "axolotl_alst_fsdp2.yaml": "context_parallel_size: 8 splits every sequence over that many ranks",
+    "axolotl_qat_fsdp2.yaml": "qat: the file trains with fake-quantized weights and activations",
+    "llamafactory_inference.yaml": "do_train: not true, so the file configures no training (inference)",
+    "llamafactory_merge_lora.yaml": "do_train: not true, so the file configures no training (an export (merge))",
+    "llamafactory_v1_lora_sft.yaml": "dist_config: the file is LLaMA-Factory v1's configuration",
+    "llamafactory_megatron_moe.yaml": "tensor_model_parallel_size: the file runs its step on Megatron-Core",
+    "llamafactory_kt_lora.yaml": "use_kt: the file runs its step on KTransformers",
+    "llamafactory_lora_sft_gptq.yaml": "model_name_or_path: TechxGenus/Meta-Llama-3-8B-Instruct-GPTQ names a "
+                                       "checkpoint quantized with GPTQ",
+    "torchtune_1B_full_ppo.yaml": "policy_model: the file configures PPO",
+    "torchtune_3B_full_grpo.yaml": "grpo_samples: the file configures GRPO",
+    "torchtune_KD_lora_distributed.yaml": "teacher_model: the file configures knowledge distillation",
+    "torchtune_evaluation.yaml": "optimizer: the file names none, so it configures no training step",
+    "torchtune_scout_full_tp.yaml": "tensor_parallel_dim: 2 splits every weight over that many ranks",
 }
 
 
@@ -231,7 +269,8 @@ def test_emit_to_another_tool_names_the_hub_model_not_a_memfit_preset(tmp_path):
 def test_torchtune_dpo_recipe_without_preference_loss_is_refused(tmp_path):
     path = tmp_path / "dpo.yaml"
     path.write_text("# tune run lora_dpo_single_device --config dpo\nmodel:\n  _component_: "
-                    "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n")
+                    "torchtune.models.llama3_2.lora_llama3_2_1b\nloss:\n  _component_: torch.nn.CrossEntropyLoss\n"
+                    "optimizer:\n  _component_: torch.optim.AdamW\n")
     with pytest.raises(UserError, match="loss: torch.nn.CrossEntropyLoss is no preference loss"):
         read(path)
 
@@ -244,3 +283,29 @@ def test_an_sft_run_written_for_another_tool_reads_back_as_sft(tmp_path, tool):
     emit(tool, out, reading.model, reading.run.replace(loss="standard"), reading)
     assert None not in yaml.safe_load(out.read_text()).values()
     assert str(read(out).run.method) == "sft"
+
+
+def test_llamafactory_quantization_method_other_than_bitsandbytes_is_refused_and_single_scales_are_said(tmp_path):
+    """``quantization_method: hqq|eetq`` (the choices LLaMA-Factory's QLoRA example lists) quantizes with a layout
+    memfit has none for; ``double_quantization: false`` (its NPU example) keeps fp32 block scales: said, as the
+    NF4 base memfit prices is double-quantized."""
+    shipped = (DATA / "llamafactory_qlora_bnb_npu.yaml").read_text()
+    assert any(line.startswith("double_quantization: false")
+               for line in read(DATA / "llamafactory_qlora_bnb_npu.yaml").unmapped)
+    hqq = tmp_path / "hqq.yaml"
+    hqq.write_text(shipped.replace("quantization_method: bnb", "quantization_method: hqq"))
+    assert_one_sentence(_run("estimate", "--from", hqq), "quantization_method: hqq quantizes the base with another")
+
+
+@pytest.mark.parametrize("model, text, typed, said", [
+    ("Llama-3.2-1B", "adapter: lora\nlora_target_modules:\n  - c_fc\n", [],
+     "lora_target_modules c_fc matches no projection"),
+    ("Llama-2-7b-hf", "sequence_len: 8192\n", [], "sequence_len 8192 is beyond the model's 4096 positions"),
+    ("Llama-2-7b-hf", "sequence_len: 512\n", ["--seq-len", "8192"], "--seq-len 8192 is beyond the model's"),
+])
+def test_what_the_model_cannot_run_is_refused_in_the_files_keys(tmp_path, model, text, typed, said):
+    """A refusal the model's architecture makes (LoRA targets, length) names the file's key where the file set the
+    setting, and memfit's flag where the user typed it over the file."""
+    path = tmp_path / "run.yml"
+    path.write_text(f"base_model: meta-llama/{model}\nmicro_batch_size: 1\n" + text)
+    assert_one_sentence(_run("estimate", "--from", path, *typed), said)

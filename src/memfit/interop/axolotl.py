@@ -18,7 +18,6 @@ from typing import Any
 from memfit.interop.common import (
     Keys,
     Reading,
-    deepspeed,
     flash_attention,
     lora_targets,
     model_name,
@@ -27,6 +26,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
+from memfit.interop.sharding import deepspeed, ray_workers
 
 NAME = "axolotl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
@@ -56,7 +56,36 @@ NO_MEMORY = frozenset({
     "rl_beta", "dpo_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "dpo_loss_type", "dpo_loss_weights",
     "dpo_label_smoothing", "dpo_use_weighting", "dpo_norm_loss", "max_prompt_len", "kto_desirable_weight",
     "kto_undesirable_weight", "rpo_alpha",
+    # the effective batch (gradient_accumulation_steps = batch_size / micro_batch_size): no memory of its own
+    "batch_size", "eot_tokens", "processor_type", "skip_prepare_dataset", "tokenizer_use_mistral_common",
+    "ddp_find_unused_parameters", "save_only_model", "cosine_constant_lr_ratio",
 })
+
+#: Keys that make the run one memfit does not price, whatever else the file says (a value other than false/0/1),
+#: with what the run then is (Axolotl's docs/config-reference.qmd).
+UNPRICED = {
+    "reward_model": "trains a reward model (a sequence-classification head scoring chosen against rejected)",
+    "process_reward_model": "trains a process reward model (a token-classification head)",
+    "gptq": "loads a GPTQ-quantized base (memfit prices bitsandbytes' 4-bit and 8-bit bases only)",
+    "qat": "trains with fake-quantized weights and activations (quantization-aware training)",
+    "context_parallel_size": "splits every sequence over that many ranks (ring attention)",
+    "sequence_parallel_degree": "splits every sequence over that many ranks (ring attention)",
+    "tensor_parallel_size": "splits every weight over that many ranks (tensor parallelism)",
+    "expert_parallel_size": "places the experts over that many ranks (expert parallelism)",
+    "dp_replicate_size": "replicates FSDP's shards over that many groups (HSDP)",
+}
+#: Keys memfit does not price that only save memory: the estimate is an upper bound by what they save.
+SAVES_MEMORY = {
+    "lora_mlp_kernel": "Axolotl's fused LoRA MLP kernel saves fewer activations than PEFT's modules",
+    "lora_qkv_kernel": "Axolotl's fused LoRA QKV kernel saves fewer activations than PEFT's modules",
+    "lora_o_kernel": "Axolotl's fused LoRA output-projection kernel saves fewer activations than PEFT's module",
+    "tiled_mlp": "the MLP runs in sequence tiles, never holding its whole intermediate activation",
+    "fp8": "float8 linears (torchao) save fp8 activations",
+    "unfrozen_parameters": "only the parameters it matches train; priced as a full fine-tune (gradients and "
+                           "optimizer state of every weight)",
+    "lisa_n_layers": "LISA trains a few layers at a time; priced as a full fine-tune",
+    "quantize_moe_experts": "the experts' weights are quantized too; priced with them in the training precision",
+}
 
 #: Axolotl's ``rl`` values memfit prices, as memfit's ``--method`` (``ipo`` is DPO with another loss: the same
 #: tensors); the others (``kto``: unpaired; ``grpo``/``gdpo``/``ebft``: generation in the loop) it does not.
@@ -73,18 +102,51 @@ def detect(data: dict) -> bool:
                                                         "sample_packing", "num_epochs"})
 
 
+def _refuse_unpriced(keys: Keys) -> None:
+    """One sentence naming the key where the file's run is one memfit does not price (``UNPRICED``); a quantized
+    base Axolotl dequantizes on load (``model_quantization_config_kwargs: {dequantize: true}``) is its weights in
+    the training precision."""
+    for key, what in UNPRICED.items():
+        value = keys.get(key)
+        if value is True or (isinstance(value, dict) and value):
+            raise keys.error(key, f"the file {what}, which memfit does not price.")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise keys.error(key, f"{value} {what}, which memfit does not price.")
+    config = keys.get("model_quantization_config")
+    if config is not None:
+        kwargs = keys.get("model_quantization_config_kwargs") or {}
+        if not (isinstance(kwargs, dict) and kwargs.get("dequantize") is True):
+            raise keys.error("model_quantization_config", f"{config} loads a base quantized by transformers, which "
+                             "memfit does not price (it prices bitsandbytes' 4-bit and 8-bit bases).")
+        keys.price(f"model_quantization_config: {config} with dequantize: true loads the weights dequantized, in "
+                   "the training precision.")
+
+
+def _saves_memory(keys: Keys) -> None:
+    for key, what in SAVES_MEMORY.items():
+        if keys.get(key) not in (None, False):
+            keys.not_mapped(key, f"{what}; not priced (the estimate is an upper bound by what it saves).")
+
+
 def read(path: str, data: dict) -> Reading:
     keys = Keys(path, NAME, data)
+    _refuse_unpriced(keys)
+    _saves_memory(keys)
     mixed = precision(keys, bf16_default=False, extra=("auto",))
     if keys.data.get("bf16") == "auto":
         keys.price("bf16: auto is bf16 on a GPU that has it (Ampere and newer); priced as bf16.")
     half = {"bf16": "bf16", "fp16": "fp16"}.get(mixed, "fp32")
+    pure = next((key for key in ("bfloat16", "float16") if keys.bool(key, False)), None)
+    if pure and mixed == "no":  # the weights' dtype, no autocast (docs/config-reference.qmd: "No AMP")
+        half = {"bfloat16": "bf16", "float16": "fp16"}[pure]
+        keys.price(f"{pure}: true loads and trains the weights in {half} without autocast; priced as pure {half}.")
     run: dict[str, Any] = {
         "seq_len": keys.int("sequence_len", 2048),
         "micro_batch": keys.int("micro_batch_size", 1),
         "grad_accum": keys.int("gradient_accumulation_steps", 1),
         "mixed_precision": mixed, "dtype": half,  # Axolotl loads the weights in the training precision
-        "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS),
+        "optimizer": trainer_optimizer(keys, "optimizer", "adamw_torch_fused", OWN_OPTIMIZERS,
+                                       own={"ao_adamw_8bit": "adamw-8bit"}),
     }
     keys.origin("sequence_len", "seq_len")
     keys.origin("micro_batch_size", "micro_batch")
@@ -93,6 +155,7 @@ def read(path: str, data: dict) -> Reading:
     run.update(_packing(keys))
     run.update(_attention(keys))
     activations = run.pop("offload", None)
+    ray_workers(keys, "use_ray")
     run.update(_fsdp(keys))
     run.update(deepspeed(keys))
     _offload(keys, run, activations)
@@ -139,6 +202,12 @@ def _adapter(keys: Keys) -> dict[str, Any]:
         if four or eight:
             keys.price("load_in_4bit/load_in_8bit without an adapter: Axolotl trains no quantized full model; "
                        "priced as a full fine-tune.")
+        ignored = [key for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                   "lora_target_linear", "lora_target_parameters") if keys.has(key)]
+        for key in ignored:
+            keys.get(key)
+        if ignored:
+            keys.price(f"{', '.join(ignored)}: ignored, as adapter is not set (Axolotl trains the full model).")
         return {}
     if adapter == "qlora" and not four:
         raise keys.error("adapter", "qlora needs load_in_4bit: true.")
@@ -147,6 +216,8 @@ def _adapter(keys: Keys) -> dict[str, Any]:
     out: dict[str, Any] = {"lora_r": keys.int("lora_r", 8), "lora_alpha": keys.float("lora_alpha", 16.0),
                            "lora_dropout": keys.float("lora_dropout", 0.0)}
     linear = keys.bool("lora_target_linear", False)
+    if linear:
+        keys.origin("lora_target_linear", "lora_targets")
     out["lora_targets"] = ("all-linear",) if linear else lora_targets(keys, "lora_target_modules")
     if linear and keys.has("lora_target_modules"):
         keys.get("lora_target_modules")
@@ -156,6 +227,9 @@ def _adapter(keys: Keys) -> dict[str, Any]:
     if saved:
         keys.not_mapped("lora_modules_to_save", f"{saved} train in full beside the adapters (their weights, "
                         "gradients and optimizer state); memfit prices adapters only, so the estimate is low by them.")
+    if keys.get("lora_target_parameters"):  # PEFT's target_parameters: adapters on MoE experts' 3-D weights
+        keys.not_mapped("lora_target_parameters", "adapters on the experts' parameters are not priced (the "
+                        "estimate is low by their weights, gradients, optimizer state and activations).")
     if keys.bool("peft_use_dora", False):
         keys.not_mapped("peft_use_dora", "DoRA's weight norms per adapted linear are not priced (estimate low).")
     return out
@@ -170,6 +244,9 @@ def _packing(keys: Keys) -> dict[str, Any]:
 
 
 def _attention(keys: Keys) -> dict[str, Any]:
+    for key in ("flash_attention", "sdp_attention", "eager_attention", "attn_implementation"):
+        if keys.data.get(key) not in (None, False):
+            keys.origin(key, "attn_implementation")
     if keys.bool("flash_attention", False):
         return {"attn_implementation": flash_attention(keys, "flash_attention")}
     if keys.bool("sdp_attention", False):
@@ -207,6 +284,10 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
         sharding = "ddp"  # FSDP (1)'s NO_SHARD: whole flat parameters, priced by memory.flat_params under ddp
     out: dict[str, Any] = {"sharding": sharding}
     keys.origin("fsdp_config" if config else "fsdp", "sharding")
+    shards = keys.get("dp_shard_size")
+    if isinstance(shards, int) and shards > 1:  # 1 (or absent): Axolotl infers it from the world size
+        keys.processes_from(shards, "dp_shard_size (FSDP's shard group: the whole world, as no other parallel "
+                            "dimension is set)")
     offload = next((k for k in ("offload_params", "fsdp_offload_params") if config.get(k)), None)
     if offload or "offload" in words:
         out["offload"] = "params"

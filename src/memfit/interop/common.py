@@ -24,10 +24,9 @@ from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.integrations.quant_support import shards_packed_weights
 from memfit.settings.config import RunConfig
-from memfit.settings.stack import TRAINERS, Stack
-from memfit.settings.zero3 import KEYS as ZERO3_KEYS
-from memfit.settings.zero3 import Coordinator
-from memfit.spec.model import is_preset, load_presets, load_spec
+from memfit.settings.stack import Stack
+from memfit.spec.model import check_seq_len, is_preset, load_presets, load_spec
+from memfit.spec.resolved import attention
 
 _MISSING = object()
 
@@ -76,9 +75,32 @@ class Reading:
         """The file's key that set ``setting`` (memfit's flag where the file set none)."""
         return self.origins.get(setting) or "--" + setting.replace("_", "-")
 
-    def spec(self, trust_remote_code: bool = False):
-        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
-        return check_model(self, trust_remote_code)
+    def spec(self, trust_remote_code: bool = False, run: RunConfig | None = None):
+        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key. With ``run`` (the
+        run priced: the file's, flags typed over it), what the model cannot run of it (LoRA targets that match no
+        projection, an attention it does not support, a length beyond its positions) is refused here, naming the
+        file's keys for the settings the file set (``in_file_terms``)."""
+        spec = check_model(self, trust_remote_code)
+        if run is not None:
+            try:
+                spec.check_lora_targets(run)
+                attention(spec, run.attn_implementation, run.compute_dtype())
+                check_seq_len(run.seq_len, spec.max_position_embeddings)
+            except UserError as err:
+                raise UserError(f"{self.path}: {self.in_file_terms(str(err), run)}") from None
+        return spec
+
+    def in_file_terms(self, sentence: str, run: RunConfig) -> str:
+        """``sentence`` with its subject, a memfit flag (``--lora-targets``) the file set and ``run`` keeps as the file
+        has it, written as the file's key (``lora_target_modules``); a flag typed over the file stays as typed, and so
+        does the advice after it (``use --seq-len 4096 or less``: a flag to type over the file)."""
+        mine, file_flat = run.to_flat(), self.run.to_flat()
+
+        def key(match: re.Match) -> str:
+            setting = match.group(1).replace("-", "_")
+            same = setting in file_flat and mine.get(setting) == file_flat[setting]
+            return self.origins[setting] if same and setting in self.origins else match.group(0)
+        return re.sub(r"--([a-z0-9-]+)", key, sentence, count=1)  # the subject; advice stays memfit's flags
 
     def plan_pins(self) -> dict[str, Any]:
         """What ``plan --from`` keeps of the file: the method (full fine-tune, LoRA or QLoRA, with its rank, alpha,
@@ -141,6 +163,13 @@ class Keys:
         if self.stated_processes is not None:
             self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
                        "(--num-processes overrides).")
+
+    def processes_from(self, count: Any, where: str) -> None:
+        """A process count the file states under ``where`` (the Accelerate config its launch command names, Ray's
+        workers), unless a launch command in its comments gave one."""
+        if self.stated_processes is None and isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            self.stated_processes = count
+            self.price(f"processes: {count}, as {where} says (--num-processes overrides).")
 
     def error(self, key: str, message: str) -> UserError:
         """One sentence naming the file and the key."""
@@ -235,6 +264,13 @@ class Keys:
                        Stack.of(self.stack))
 
 
+#: Checkpoints published already quantized by a method memfit has no weight layout for, named so by convention
+#: (``TechxGenus/Meta-Llama-3-8B-Instruct-GPTQ``, ``...-AWQ``, ``ISTA-DASLab/...-AQLM-2Bit-1x16``,
+#: ``nvidia/Gemma-4-26B-A4B-NVFP4``, ``Qwen/Qwen3-8B-FP8``): their config.json
+#: carries the ``quantization_config`` that transformers loads them with.
+_PREQUANTIZED = re.compile(r"(?<![a-z])(gptq|awq|aqlm|hqq|eetq|exl2|nvfp4|mxfp4|fp8)(?![a-z0-9])")
+
+
 def model_name(keys: Keys, key: str) -> str | None:
     """The base model a file names under ``key``: a preset whose ``source`` has the same repository name (so a
     known model is read offline, mirrors such as ``NousResearch/Llama-3.2-1B`` included), else the value as
@@ -247,6 +283,10 @@ def model_name(keys: Keys, key: str) -> str | None:
 
     if is_preset(value):
         return value.lower()
+    quantized = _PREQUANTIZED.search(value.lower().rsplit("/", 1)[-1])
+    if quantized:
+        raise keys.error(key, f"{value} names a checkpoint quantized with {quantized.group(1).upper()}, whose packed weights "
+                         "memfit does not price (it prices bitsandbytes' 4-bit and 8-bit bases).")
     name = _base_name(value)
     if "/" in value and not user_path(value).exists():
         for preset, entry in load_presets().items():
@@ -293,6 +333,9 @@ def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",
     value = keys.get(key)
     if value is None:
         return default
+    keys.origin(key, "lora_targets")
+    if isinstance(value, str) and re.search(r"[\\\[\](){}|*+?]", value):
+        return _regex_targets(keys, key, value)
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
@@ -302,54 +345,21 @@ def lora_targets(keys: Keys, key: str, default: tuple[str, ...] = ("all-linear",
     return tuple(value)
 
 
-def deepspeed(keys: Keys, key: str = "deepspeed") -> dict[str, Any]:
-    """Sharding and offload from a DeepSpeed config (a dict, or a JSON file beside the config or by path).
-
-    ZeRO-1 shards only the optimizer state, which memfit has no setting for: priced as ZeRO-2 (gradients
-    sharded too) would understate it, so it is priced as DDP (replicated) with a sentence."""
-    value = keys.get(key)
-    if value is None:
-        return {}
-    config = value
-    if isinstance(value, str):
-        found = [p for p in (Path(keys.path).parent / value, user_path(value)) if p.is_file()]
-        if not found:
-            named = re.search(r"z(?:ero)?[_-]?([0-3])(?![0-9])", Path(value).name.lower())  # ds_z3_config, zero2
-            stage = int(named.group(1)) if named else None
-            if stage is None:
-                keys.not_mapped(key, f"{value} is not found here and its name gives no ZeRO stage; priced without "
-                                "DeepSpeed (replicated states: an upper bound).")
-                return {}
-            keys.price(f"{key}: {value} is not found here; its name reads as ZeRO-{stage}, without offload.")
-            config = {"zero_optimization": {"stage": stage}}
-        else:
-            config = load_file(found[0])
-    if not isinstance(config, dict):
-        raise keys.error(key, f"{value!r} is neither a DeepSpeed config file nor a mapping.")
-    zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise keys.error(key, f"zero_optimization.stage {stage!r} is not 0, 1, 2 or 3.")
-    out: dict[str, Any] = {}
-    if stage == 1:
-        keys.not_mapped(key, "ZeRO-1 shards only the optimizer state, which memfit cannot express; priced as "
-                        "replicated (DDP), an upper bound by the sharded part of the optimizer state.")
-    elif stage in (2, 3):
-        out["sharding"] = f"zero{stage}"
-        keys.engine = "deepspeed"
-        keys.price(f"{key}: DeepSpeed ZeRO-{stage}, estimated with memfit's DeepSpeed layout (flat buffers, an fp32 "
-                   "master partition, buckets at Accelerate's 'auto' sizes: memory/deepspeed_layout.py).")
-    if stage == 3 and TRAINERS[keys.stack.get("trainer", "memfit")].zero3_init:
-        coordinator = Coordinator.of(zero) if any(name in zero for name in ZERO3_KEYS) else Coordinator()
-        keys.stack["zero3"] = coordinator.as_dict()
-        keys.price(f"{key}: transformers builds the model under deepspeed.zero.Init, so ZeRO-3 gathers parameters as "
-                   f"they are used and keeps what its coordinator allows ({coordinator.describe()}).")
-    device = lambda part: str((zero.get(part) or {}).get("device", "none")).lower()  # noqa: E731
-    if device("offload_param") in ("cpu", "nvme"):
-        out["offload"] = "params"
-    elif device("offload_optimizer") in ("cpu", "nvme"):
-        out["offload"] = "optimizer"
-    return out
+def _regex_targets(keys: Keys, key: str, pattern: str) -> tuple[str, ...]:
+    """A string ``target_modules`` is a regular expression PEFT matches against whole module paths
+    (``peft/tuners/tuners_utils.py``, ``check_target_module_exists``: ``re.fullmatch``): the projections it names,
+    ``(up|down|gate)_proj`` spelled out, are the modules adapted (its path part keeps them to the decoder)."""
+    names: list[str] = []
+    for group, suffix in re.findall(r"\(([\w|]+)\)(_proj\w*)", pattern):
+        names += [f"{word}{suffix}" for word in group.split("|")]
+    names += re.findall(r"(?<!\w)([a-z][a-z0-9_]*_proj\w*)", pattern)
+    names = list(dict.fromkeys(names))
+    if not names:
+        raise keys.error(key, f"{pattern!r} is a regular expression naming no projection (..._proj) memfit can price "
+                         "adapters on; give --lora-targets.")
+    keys.price(f"{key} is a regular expression PEFT matches against module paths; priced as adapters on the "
+               f"projections it names: {', '.join(names)}.")
+    return tuple(names)
 
 
 #: A launch command in a config's comments (torchtune's examples start with ``tune run --nproc_per_node 8 ...``;
@@ -425,27 +435,6 @@ def processes_sentence(run: RunConfig, engine: str, fsdp_version: int = 2) -> st
             "or reduced across ranks); --num-processes N gives the per-rank figure of an N-process launch.")
 
 
-def fsdp(keys: Keys, key: str = "fsdp") -> dict[str, Any]:
-    """Sharding and offload from Trainer's ``fsdp`` option string/list (``full_shard auto_wrap offload``)."""
-    value = keys.get(key)
-    if not value:
-        return {}
-    words = value.split() if isinstance(value, str) else value if isinstance(value, list) else None
-    if words is None or not all(isinstance(w, str) for w in words):
-        raise keys.error(key, f"{value!r} is not a list of FSDP options (full_shard, shard_grad_op, offload, ...).")
-    words = [w.lower() for w in words]
-    out: dict[str, Any] = {}
-    if "full_shard" in words or "hybrid_shard" in words:
-        out["sharding"] = "fsdp"
-    elif "shard_grad_op" in words or "hybrid_shard_zero2" in words:
-        out["sharding"] = "zero2"
-    else:
-        keys.not_mapped(key, f"{value!r} names no sharding strategy memfit knows; priced replicated (DDP).")
-    if "offload" in words:
-        out["offload"] = "params"
-    return out
-
-
 #: transformers' ``TrainingArguments.optim`` names memfit prices exactly (Trainer, TRL, Axolotl and LLaMA-Factory
 #: pass them on): torch's AdamW (``adamw_torch``: foreach on CUDA, as memfit's ``adamw``), its fused kernel,
 #: bitsandbytes' 8-bit AdamW (paged or not: paging moves the state to host memory only under pressure), SGD and
@@ -454,21 +443,32 @@ TRAINER_OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw-fused", "adamw_apex_fused": "adamw-fused",
     "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "adamw-8bit",
     "paged_adamw_32bit": "adamw", "adafactor": "adafactor", "sgd": "sgd",
+    "adamw_torch_8bit": "adamw-8bit",
 }
+#: torchao's ``AdamW8bit`` (transformers' ``adamw_torch_8bit``, Axolotl's ``ao_adamw_8bit``): 8-bit states with a
+#: scale per block of 256 values, tensors under 4,096 values kept in 32 bits "to follow bitsandbytes"
+#: (pytorch/ao ``torchao/optim/adam.py`` L71-76, L309-320 at 36027d82d1): the bytes of bitsandbytes' 8-bit AdamW.
+TORCHAO_8BIT = ("adamw_torch_8bit", "ao_adamw_8bit")
 
 
-def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = ()) -> str:
-    """memfit's optimizer for a Trainer ``optim`` name. A name transformers (or the tool: ``known``) accepts
-    but memfit has no row for is priced as AdamW with a sentence; any other name is an invalid value."""
+def trainer_optimizer(keys: Keys, key: str, default: str, known: tuple[str, ...] = (),
+                      own: dict[str, str] | None = None) -> str:
+    """memfit's optimizer for a Trainer ``optim`` name (or one of the tool's own, ``own``: name -> memfit's). A name
+    transformers (or the tool: ``known``) accepts but memfit has no row for is priced as AdamW with a sentence; any
+    other name is an invalid value."""
     from transformers.training_args import OptimizerNames  # see the note at the top of this module
 
 
     value = str(keys.get(key, default)).lower()
-    if value in TRAINER_OPTIMIZERS:
+    table = {**TRAINER_OPTIMIZERS, **(own or {})}
+    if value in table:
         if value.startswith("paged_"):
             keys.price(f"{key} {value}: bitsandbytes pages the state to host memory only when the GPU runs out; "
                        "priced resident on the GPU.")
-        return TRAINER_OPTIMIZERS[value]
+        if value in TORCHAO_8BIT:
+            keys.price(f"{key} {value}: torchao's AdamW8bit (8-bit states, a scale per 256 values, tensors under "
+                       "4,096 values in 32 bits) priced as bitsandbytes' 8-bit AdamW, which keeps the same bytes.")
+        return table[value]
     if value in {o.value for o in OptimizerNames} or value in known:
         keys.not_mapped(key, f"{value} has no row in memfit's optimizer table; priced as AdamW (two fp32 moments "
                         "per trained parameter), so the optimizer state may be over- or under-stated.")

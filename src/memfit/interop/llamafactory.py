@@ -20,7 +20,6 @@ from typing import Any
 from memfit.interop.common import (
     Keys,
     Reading,
-    deepspeed,
     flash_attention,
     lora_targets,
     model_name,
@@ -29,6 +28,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, merged
+from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp, ray_workers
 
 NAME = "llamafactory"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config).
@@ -46,7 +46,7 @@ NO_MEMORY = frozenset({
     "buffer_size", "mix_strategy", "tokenized_path", "train_on_prompt", "mask_history", "lora_rank_pattern",
     "create_new_adapter", "use_rslora", "pref_beta", "pref_ftx", "simpo_gamma", "dpo_label_smoothing", "pref_bco_weight", "media_dir", "image_max_pixels",
     "video_max_pixels", "freeze_vision_tower", "freeze_multi_modal_projector", "default_system", "enable_thinking",
-    "quantization_method", "quantization_type", "double_quantization", "ddp_find_unused_parameters",
+    "quantization_type", "ddp_find_unused_parameters",
     "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "use_reentrant_gc", "disable_shuffling",
 })
 
@@ -58,12 +58,50 @@ REFUSED_STAGES = ("kto", "rm", "ppo")
 NO_REFERENCE = {"orpo": "orpo", "simpo": "simpo"}
 
 
+#: LLaMA-Factory v1's configuration (``examples/v1``: ``model``, ``model_class``, ``dist_config``, ``peft_config``),
+#: another schema than the v0 one this reader reads.
+V1_MARKERS = frozenset({"model_class", "dist_config", "peft_config", "kernel_config", "train_dataset"})
+#: Keys that run the step on another engine than transformers' Trainer, which memfit does not price.
+OTHER_ENGINES = {
+    "tensor_model_parallel_size": "Megatron-Core (LLaMA-Factory's mcore adapter)",
+    "pipeline_model_parallel_size": "Megatron-Core (LLaMA-Factory's mcore adapter)",
+    "expert_model_parallel_size": "Megatron-Core (LLaMA-Factory's mcore adapter)",
+    "use_distributed_optimizer": "Megatron-Core (LLaMA-Factory's mcore adapter)",
+    "use_packed_sequences": "Megatron-Bridge",
+    "use_kt": "KTransformers (the experts on the CPU)",
+}
+#: Optimizers LLaMA-Factory swaps in beside Trainer's ``optim`` (``use_muon``, ``use_adam_mini``), each keeping
+#: less state than AdamW.
+OWN_OPTIMIZERS = {"use_muon": "Muon keeps one momentum per matrix weight (AdamW's fp32 moments elsewhere)",
+                  "use_adam_mini": "Adam-mini keeps one second moment per block, not per weight"}
+
+
 def detect(data: dict) -> bool:
-    return "model_name_or_path" in data and bool(set(data) & MARKERS)
+    return ("model_name_or_path" in data and bool(set(data) & MARKERS)) or (
+        "model" in data and bool(set(data) & V1_MARKERS))
+
+
+def _refuse_unpriced(keys: Keys) -> None:
+    """One sentence naming the key where the file is no training step memfit prices: v1's schema, another engine,
+    or no training at all (inference, export and prediction configs have no ``do_train: true``)."""
+    v1 = sorted(set(keys.data) & V1_MARKERS)
+    if v1 and not keys.has("model_name_or_path"):
+        raise keys.error(v1[0], "the file is LLaMA-Factory v1's configuration (model, model_class, dist_config, "
+                         "peft_config), which memfit does not read (it reads v0's: model_name_or_path, stage, "
+                         "finetuning_type, ...).")
+    for key, engine in OTHER_ENGINES.items():
+        if keys.has(key) and keys.data[key] is not False:
+            raise keys.error(key, f"the file runs its step on {engine}, whose memory memfit does not price.")
+    if keys.bool("do_train", False) is not True:
+        doing = next((k for k in ("infer_backend", "export_dir", "do_predict") if keys.has(k)), None)
+        what = {"infer_backend": "inference", "export_dir": "an export (merge)", "do_predict": "prediction"}
+        raise keys.error("do_train", f"not true, so the file configures no training ({what.get(doing, 'none')}); "
+                         "memfit prices training steps.")
 
 
 def read(path: str, data: dict) -> Reading:
     keys = Keys(path, NAME, data)
+    _refuse_unpriced(keys)
     mixed = precision(keys)
     method = keys.choice("finetuning_type", {"lora": "lora", "full": "full", "freeze": "freeze", "oft": "oft"},
                          "lora")
@@ -89,9 +127,14 @@ def read(path: str, data: dict) -> Reading:
             keys.get("freeze_trainable_modules")
     run.update(_packing(keys))
     run.update(_attention(keys))
+    ray_workers(keys, None)
+    run.update(accelerate_launch(keys))  # the launch command's Accelerate config; the file's own keys over it
+    run.update(fsdp(keys))  # Trainer's own fsdp option (LLaMA-Factory passes its Trainer arguments on)
     run.update(deepspeed(keys))
-    keys.origin("deepspeed", "sharding")
+    keys.origin("fsdp" if keys.has("fsdp") else "deepspeed", "sharding")
     keys.origin("quantization_bit", "quantize")
+    keys.origin("cutoff_len", "seq_len")
+    keys.origin("flash_attn", "attn_implementation")
     if keys.bool("enable_liger_kernel", False):
         run["loss"] = "liger"
         keys.price("enable_liger_kernel: Liger's fused linear cross-entropy is patched in; priced as memfit's "
@@ -99,9 +142,12 @@ def read(path: str, data: dict) -> Reading:
     _stage(keys, run)
     _unsloth(keys, run)
     for key in ("use_galore", "use_apollo", "use_badam", "upcast_layernorm", "upcast_lmhead_output", "use_dora",
-                "pissa_init"):
-        if keys.bool(key, False):
+                "pissa_init", "mixture_of_depths", "fp8"):
+        if keys.get(key) not in (None, False):
             keys.not_mapped(key, "memfit has no term for it; the estimate is the run without it.")
+    for key, what in OWN_OPTIMIZERS.items():
+        if keys.bool(key, False):
+            keys.not_mapped(key, f"{what}; priced as {run['optimizer']} (the optimizer state is over-stated).")
     model = model_name(keys, "model_name_or_path")
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model_name_or_path", run)
@@ -162,15 +208,30 @@ def _lora(keys: Keys, method: str) -> dict[str, Any]:
     rank = keys.int("lora_rank", 8)
     out: dict[str, Any] = {"lora_r": rank, "lora_alpha": keys.float("lora_alpha", None) or 2.0 * rank,
                            "lora_dropout": keys.float("lora_dropout", 0.0),
-                           "lora_targets": lora_targets(keys, "lora_target")}
+                           "lora_targets": lora_targets(keys, "oft_target" if method == "oft" else "lora_target")}
+    if method == "oft":
+        keys.get("oft_block_size")  # the blocks' size, whose parameters the rank's adapters stand for
     bits = keys.choice("quantization_bit", {"4": "4bit", "8": "8bit"})
     if bits:
         out["quantize"] = bits
+        _quantization_method(keys)
     extra = keys.get("additional_target")
     if extra:
         keys.not_mapped("additional_target", f"{extra} train in full beside the adapters; their gradients and "
                         "optimizer state are not priced (the estimate is low by them).")
     return out
+
+
+def _quantization_method(keys: Keys) -> None:
+    """``quantization_method`` (``ModelArguments``: bnb, hqq, eetq; bitsandbytes by default): memfit prices
+    bitsandbytes' bases, NF4 with double quantization (``double_quantization``, on by default), only."""
+    method = str(keys.get("quantization_method", "bnb")).lower()
+    if method not in ("bnb", "bitsandbytes"):
+        raise keys.error("quantization_method", f"{method} quantizes the base with another layout than bitsandbytes', "
+                         "which memfit does not price (quantization_method: bnb it does).")
+    if keys.bool("double_quantization", True) is False:
+        keys.not_mapped("double_quantization", "false keeps each 64-weight block's scale in fp32, not 8 bits: about "
+                        "0.4 bit per base weight more than the NF4 base memfit prices (an under-estimate).")
 
 
 def _packing(keys: Keys) -> dict[str, Any]:

@@ -15,6 +15,7 @@ How torchtune runs a step, where it differs from memfit's own trainer:
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
@@ -33,10 +34,20 @@ BUILDERS = {
     "llama2_70b": "llama-2-70b", "mistral_7b": "mistral-7b", "gemma2_2b": "gemma-2-2b",
     "qwen2_5_0_5b": "qwen2.5-0.5b", "qwen2_5_1_5b_base": "qwen2.5-1.5b", "qwen2_5_1_5b_instruct": "qwen2.5-1.5b",
     "qwen2_5_7b_base": "qwen2.5-7b", "qwen2_5_7b_instruct": "qwen2.5-7b", "phi3_mini": "phi-3-mini",
+    # Llama 3, 3.1 and 3.3 70B share every shape (3.1 adds the RoPE scaling for 128K positions)
+    "llama3_70b": "llama-3.1-70b", "llama3_1_70b": "llama-3.1-70b", "llama3_3_70b": "llama-3.1-70b",
+    "llama3_1_405b": "llama-3.1-405b",
 }
+#: Builders whose attention torchtune computes by hand, scores materialized (``torchtune/models/gemma2/
+#: _attention.py`` L24, L313-334: "scaled_dot_product_attention does [not] allow soft capping"): eager attention.
+EAGER_ATTENTION = ("gemma2_",)
 #: torchtune's module names -> transformers' (Llama-style models).
 MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
+#: transformers' Phi-3 fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``), which torchtune's phi3 builders keep
+#: apart: the adapted modules as transformers names them.
+FUSED = {"phi3_": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                   "up_proj": "gate_up_proj"}}
 
 #: torchtune's recipes memfit prices (``recipes/*.py``); a config names its recipe in the launch command of its
 #: comments (``tune run --nproc_per_node 4 full_finetune_distributed --config ...``).
@@ -54,14 +65,28 @@ NO_MEMORY = frozenset({
     "seed", "shuffle", "lr_scheduler", "epochs", "max_steps_per_epoch", "clip_grad_norm", "device", "metric_logger",
     "log_every_n_steps", "log_peak_memory_stats", "log_level", "profiler", "run_val_every_n_steps",
     "dataset_val", "batch_size_val", "custom_sharded_layers", "fsdp_reshard_after_forward", "cudnn_deterministic_mode",
-    "ac_mode", "ac_option", "tensor_parallel_dim", "tensor_parallel_plan", "data_parallel_shard_dim",
-    "data_parallel_replicate_dim", "context_parallel_dim", "gradient_accumulation_steps", "ref_checkpointer",
+    "ac_mode", "ac_option", "tensor_parallel_plan", "data_parallel_shard_dim", "gradient_accumulation_steps",
+    "ref_checkpointer", "low_cpu_ram",
 })
+#: Parallelisms beside FSDP's data-parallel sharding (``recipes/full_finetune_distributed.py``'s device mesh): each
+#: splits the weights or the sequence over its ranks, which memfit does not price; a value above 1 is refused.
+OTHER_PARALLEL = {"tensor_parallel_dim": "splits every weight over that many ranks (tensor parallelism)",
+                  "context_parallel_dim": "splits every sequence over that many ranks (context parallelism)",
+                  "data_parallel_replicate_dim": "replicates FSDP's shards over that many groups (HSDP)"}
+#: Top-level keys only the configs of recipes memfit does not price hold (``recipes/``: PPO, knowledge
+#: distillation, GRPO), with what the recipe does.
+OTHER_JOBS = {"policy_model": "PPO (policy, reference, reward and value models, with generation)",
+              "reward_and_value_model": "PPO (policy, reference, reward and value models, with generation)",
+              "teacher_model": "knowledge distillation (a frozen teacher model beside the student)",
+              "grpo_samples": "GRPO (generation in the loop, a reference model)"}
 
 
 def detect(data: dict) -> bool:
+    """A ``model`` component, or a torchtune component under another recipe's key (PPO's ``policy_model``)."""
     model = data.get("model")
-    return isinstance(model, dict) and "_component_" in model
+    if isinstance(model, dict) and "_component_" in model:
+        return True
+    return any(isinstance(v, dict) and str(v.get("_component_", "")).startswith("torchtune.") for v in data.values())
 
 
 def _component(keys: Keys, key: str) -> tuple[str, dict]:
@@ -71,8 +96,26 @@ def _component(keys: Keys, key: str) -> tuple[str, dict]:
     return value.get("_component_", ""), value
 
 
+def _refuse_other_jobs(keys: Keys) -> None:
+    """One sentence naming the key where the file is no training step memfit prices: another recipe (PPO,
+    distillation, GRPO), no optimizer (generation, evaluation, quantization configs), or a parallelism beside
+    FSDP."""
+    for key, job in OTHER_JOBS.items():
+        if keys.has(key):
+            raise keys.error(key, f"the file configures {job}, a recipe memfit does not price (it prices full/lora "
+                             "finetune and dpo).")
+    if not keys.has("optimizer"):
+        raise keys.error("optimizer", "the file names none, so it configures no training step (a generation, "
+                         "evaluation or quantization recipe's config); memfit prices training steps.")
+    for key, what in OTHER_PARALLEL.items():
+        value = keys.get(key)
+        if value is not None and value != 1:
+            raise keys.error(key, f"{value} {what}, which memfit does not price (it prices FSDP's sharding alone).")
+
+
 def read(path: str, data: dict) -> Reading:
     keys = Keys(path, NAME, data)
+    _refuse_other_jobs(keys)
     builder, model_args = _component(keys, "model")
     run: dict[str, Any] = {
         "micro_batch": keys.int("batch_size", 2),
@@ -85,15 +128,24 @@ def read(path: str, data: dict) -> Reading:
     }
     if keys.bool("enable_activation_offloading", False):
         run["offload"] = "activations"
+    keys.origin("model._component_", "attn_implementation")  # torchtune's builder owns its attention
     model = _model(keys, builder, model_args, run)
     run.update(_sequence(keys))
     run["optimizer"] = _optimizer(keys)
     run["loss"] = _loss(keys)
     if keys.bool("compile", False):
         keys.not_mapped("compile", "memfit prices the eager model; torch.compile may save fewer activations.")
+    if re.sub(r"^(q?lora)_", "", builder.rsplit(".", 1)[-1]).startswith(EAGER_ATTENTION):
+        run["attn_implementation"] = "eager"
+        keys.price(f"model {builder}: torchtune's own attention materializes the scores to soft-cap them "
+                   "(torchtune/models/gemma2/_attention.py); priced as eager attention.")
     recipe = _recipe(keys, builder)
     if recipe.endswith("_distributed"):
         run["sharding"] = "fsdp"
+        if keys.get("fsdp_reshard_after_forward") is False:  # the parameters stay gathered from forward to backward
+            run["sharding"] = "zero2"
+            keys.price("fsdp_reshard_after_forward: false keeps each layer's gathered parameters from forward to "
+                       "backward; priced as memfit's zero2 (FSDP2 without resharding).")
         keys.origin(recipe, "sharding")
         if keys.bool("fsdp_cpu_offload", False):
             run["offload"] = "params"
@@ -111,7 +163,7 @@ def _recipe(keys: Keys, builder: str) -> str:
     """The recipe that runs the config: the one its launch command names, else (a config without one) a
     distributed recipe where FSDP keys are set, else the single-device one; LoRA or full from the builder,
     fine-tuning or DPO from the loss."""
-    named = [w for w in comment_words(keys.path) if w in RECIPES or w in REFUSED_RECIPES]
+    named = _launched_recipes(keys.path)
     if len(set(named)) == 1:
         if named[0] in REFUSED_RECIPES:
             raise keys.error("model", f"the launch command in the file's comments runs {named[0]}, a recipe memfit "
@@ -122,6 +174,20 @@ def _recipe(keys: Keys, builder: str) -> str:
     job = "dpo" if loss in PREFERENCE_LOSSES else "finetune"
     where = "distributed" if any(k.startswith("fsdp") for k in keys.data) else "single_device"
     return f"{kind}_{job}_{where}"
+
+
+def _launched_recipes(path: str) -> list[str]:
+    """The recipes the launch commands in the file's comments run: those whose ``--config`` is this file where any
+    is (a comment may first run another recipe to prepare a checkpoint), else every recipe named."""
+    known = [w for w in comment_words(path) if w in RECIPES or w in REFUSED_RECIPES]
+    try:
+        text = user_path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return known
+    stem = re.escape(Path(path).stem)
+    launch = rf"^\s*#.*\btune run\b.*?\b(?:dev/)?([a-z0-9_]+)\s+--config\s+(?:\S*/)?{stem}(?:\.yaml)?(?:\s|$)"
+    this = re.findall(launch, text, flags=re.MULTILINE)
+    return [r for r in this if r in RECIPES or r in REFUSED_RECIPES] or known
 
 
 def _dpo(keys: Keys, run: dict[str, Any], recipe: str) -> None:
@@ -157,15 +223,25 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
         if not isinstance(attn, list) or any(m not in MODULES for m in attn):
             raise keys.error("model.lora_attn_modules", f"{attn!r} is not a list of {', '.join(MODULES)}.")
         targets = [MODULES[m] for m in attn] + (list(MLP) if args.get("apply_lora_to_mlp") else [])
+        keys.origin("model.lora_attn_modules", "lora_targets")
         if set(targets) == set(MODULES.values()) | set(MLP):
             targets = ["all-linear"]  # every linear of the decoder, PEFT's shorthand
+        fused = next((table for prefix, table in FUSED.items() if base.startswith(prefix)), None)
+        if fused and targets != ["all-linear"]:
+            targets = list(dict.fromkeys(fused.get(t, t) for t in targets))
+            keys.price(f"model.lora_attn_modules: {builder} splits the projections transformers' model fuses; "
+                       f"priced as adapters on {', '.join(targets)} (one adapter per fused projection).")
         run.update(lora_r=rank, lora_alpha=float(args.get("lora_alpha", 16)),
                    lora_dropout=float(args.get("lora_dropout", 0.0)), lora_targets=tuple(targets))
         if args.get("apply_lora_to_output"):
             keys.not_mapped("model.apply_lora_to_output", "an adapter on the output projection is not priced "
                             "(its activations and state are small beside the head's).")
-        if name.startswith("qlora_"):
+        if args.get("use_dora") is True:
+            keys.not_mapped("model.use_dora", "DoRA's magnitude vector and the weight norm it computes per adapted "
+                            "linear are not priced (the estimate is low by them).")
+        if name.startswith("qlora_") or args.get("quantize_base") is True:  # qdora: lora_ builder, quantize_base
             run["quantize"] = "4bit"
+            keys.origin("model.quantize_base" if args.get("quantize_base") else "model._component_", "quantize")
             keys.price("QLoRA: torchtune's NF4 base (torchao) is priced as bitsandbytes' 4-bit NF4 base "
                        "(the same 4-bit blocks and scales).")
     checkpoint = (keys.data.get("checkpointer") or {}).get("checkpoint_dir")
@@ -185,6 +261,7 @@ def _sequence(keys: Keys) -> dict[str, Any]:
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise keys.error("tokenizer.max_seq_len", f"{length!r} is not a whole number >= 1.")
         out["seq_len"] = length
+        keys.origin("tokenizer.max_seq_len", "seq_len")
     else:
         keys.not_mapped("tokenizer.max_seq_len", "null: samples are not truncated, so the longest one sets the "
                         "peak; priced at memfit's default length unless --seq-len is given.")

@@ -27,9 +27,7 @@ from memfit.interop.common import (
     Keys,
     Reading,
     comment_words,
-    deepspeed,
     flash_attention,
-    fsdp,
     lora_targets,
     model_name,
     precision,
@@ -37,6 +35,7 @@ from memfit.interop.common import (
     trainer_optimizer,
 )
 from memfit.interop.emitting import OPTIMIZER_NAMES, dtype_name, merged
+from memfit.interop.sharding import accelerate_launch, deepspeed, fsdp
 
 NAME = "trl"
 #: The shardings this tool runs through DeepSpeed (``emit`` writes them as a DeepSpeed config); the others FSDP.
@@ -136,6 +135,7 @@ def read(path: str, data: dict) -> Reading:
     _checkpointing_kwargs(keys)
     run.update(_sequence(keys, sft))
     run.update(_model(keys, sft))
+    run.update(accelerate_launch(keys))  # the launch command's Accelerate config; the file's own keys over it
     run.update(fsdp(keys))
     run.update(deepspeed(keys))
     keys.origin("fsdp" if keys.has("fsdp") else "deepspeed", "sharding")
@@ -162,6 +162,7 @@ def _sequence(keys: Keys, sft: bool) -> dict[str, Any]:
     """Sequence length and packing. A TrainingArguments file has no sequence length: memfit's default."""
     out: dict[str, Any] = {}
     length = keys.int("max_length", None) or keys.int("max_seq_length", None)
+    keys.origin("max_length" if keys.has("max_length") else "max_seq_length", "seq_len")
     if length is None and sft:
         length = PREFERENCE_DEFAULT_LENGTH  # SFTConfig's and DPOConfig's default (1024)
     if length is not None:
@@ -199,6 +200,7 @@ def _model(keys: Keys, sft: bool) -> dict[str, Any]:
                         "priced with fp32 weights (bf16 checkpoints take half the weight bytes).")
     attention = keys.get("attn_implementation")
     if attention is not None:
+        keys.origin("attn_implementation", "attn_implementation")
         out["attn_implementation"] = {"flash_attention_2": "flash_attention_2", "sdpa": "sdpa", "eager": "eager",
                                       "kernels-community/flash-attn": "flash_attention_2",
                                       "kernels-community/vllm-flash-attn3": "flash_attention_2"}.get(
