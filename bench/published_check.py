@@ -8,7 +8,9 @@ under-estimates (the unsafe direction: a plan that "fits" and then runs out of m
 What is compared with what (what each kind of figure counts):
 
 - ``allocated`` (``torch.cuda.max_memory_allocated``) and ``unstated``: the step's tensor peak, the estimate without
-  its ``other`` term (CUDA context, cuBLAS workspace, allocator overhead);
+  its ``other`` term (CUDA context, cuBLAS workspace, allocator overhead); where the source reads
+  ``max_memory_allocated`` once at the end of a run that never reset it (``peak_of: run``: litgpt's scripts), the
+  largest tensor peak of the run's phases, loading to the last save (``memory.phases``);
 - ``reserved`` (``max_memory_reserved``): the predicted reserved memory of the run's worst phase, loading to the last
   save (``memory.phases.device_phases``: the caching allocator gives nothing back between phases, so what a trainer
   reads off ``max_memory_reserved`` during training still holds what loading reserved), without the CUDA context;
@@ -53,6 +55,7 @@ import yaml
 RUNS_FILE = Path(__file__).resolve().parent / "published_runs.yaml"
 MEASURED = ("allocated", "reserved", "nvidia-smi", "unstated", "fits")
 RESERVED_KINDS = ("reserved", "nvidia-smi", "fits")  # figures of the run's whole life: every phase's reserved memory
+PEAK_OF = ("step", "run")  # an allocated figure's span: the step (the default), or the run since the process began
 UNITS = {"GB": 10**9, "GiB": 2**30}
 _SPECS: dict[str, Any] = {}  # the file's own models, built once per process (a meta-device model each)
 
@@ -126,6 +129,8 @@ def _run_problems(run: dict[str, Any], known_models: set[str]) -> list[str]:
         found.append(f"{rid}: model {run['model']!r} is neither a preset nor in the file's models")
     if run.get("measured") not in MEASURED or run.get("unit") not in UNITS:
         found.append(f"{rid}: measured must be one of {', '.join(MEASURED)} and unit one of {', '.join(UNITS)}")
+    if run.get("peak_of", "step") not in PEAK_OF or (run.get("peak_of") == "run" and run.get("measured") != "allocated"):
+        found.append(f"{rid}: peak_of must be one of {', '.join(PEAK_OF)}, and 'run' only for an allocated figure")
     try:
         if not float(run.get("published", 0)) > 0:
             found.append(f"{rid}: published must be positive")
@@ -176,10 +181,14 @@ def predicted_bytes(breakdown, measured: str) -> int:
     return breakdown.peak_bytes
 
 
-def run_figure(phases, measured: str) -> int:
-    """What a figure of ``RESERVED_KINDS`` counts of a run's ``phases`` (``memory.phases.DevicePhases``): the worst
-    phase's reserved memory, and for ``nvidia-smi`` and ``fits`` the CUDA context and NCCL's buffers with it."""
-    return phases.worst.reserved if measured == "reserved" else phases.needed()
+def run_figure(phases, measured: str) -> tuple[int, str]:
+    """What a figure of the run's whole life counts of its ``phases`` (``memory.phases.DevicePhases``), and the phase
+    that decides it: for ``allocated`` (``peak_of: run``) the largest tensor peak; for ``reserved`` the worst phase's
+    reserved memory; for ``nvidia-smi`` and ``fits`` that with the CUDA context and NCCL's buffers."""
+    if measured == "allocated":
+        top = max(phases.phases, key=lambda p: p.tensors)
+        return top.tensors, top.name
+    return (phases.worst.reserved if measured == "reserved" else phases.needed()), phases.worst.name
 
 
 def run_config(run: dict[str, Any]):
@@ -207,11 +216,11 @@ def predict(run: dict[str, Any], models: dict[str, Any]) -> Row:
     published = int(round(float(run["published"]) * UNITS[run["unit"]]))
     predicted = step = predicted_bytes(breakdown, run["measured"])
     phase = ""
-    if run["measured"] in RESERVED_KINDS:
+    if run["measured"] in RESERVED_KINDS or run.get("peak_of") == "run":
         from memfit.memory.phases import device_phases
 
         phases = device_phases(spec_for(run["model"], models), run_config(run), breakdown, stack=stack)
-        predicted, phase = run_figure(phases, run["measured"]), phases.worst.name
+        predicted, phase = run_figure(phases, run["measured"])
     return Row(run["id"], run["project"], run["gpu"], run["measured"], published, predicted,
                (predicted - published) / published, list(run.get("missing") or []), run.get("note") or "",
                stack.describe(), step_predicted=step if phase else 0, phase=phase)

@@ -96,11 +96,16 @@ def test_what_each_kind_of_figure_is_compared_with(rows):
     assert pc.predicted_bytes(b, "reserved") == 10 * 2**30 + 2**20
     assert pc.predicted_bytes(b, "nvidia-smi") == pc.predicted_bytes(b, "fits") == b.peak_bytes
     phases = DevicePhases((Phase("loading", 3, 7), Phase("step", 5, 6)), context=100, nccl=1000)
-    assert pc.run_figure(phases, "reserved") == 7  # loading's reserved blocks stay cached through the step
-    assert pc.run_figure(phases, "nvidia-smi") == pc.run_figure(phases, "fits") == 7 + 100 + 1000
+    assert pc.run_figure(phases, "reserved") == (7, "loading")  # loading's reserved blocks stay cached through the step
+    assert pc.run_figure(phases, "nvidia-smi") == pc.run_figure(phases, "fits") == (7 + 100 + 1000, "loading")
+    # an allocated figure read once at the end of a run (peak_of: run) is the largest phase's tensors
+    assert pc.run_figure(phases, "allocated") == (5, "step")
+    assert pc.run_figure(DevicePhases((Phase("loading", 9, 9), Phase("step", 5, 6)), 100, 0), "allocated") == \
+        (9, "loading")
     by_id = {r.id: r for r in rows}
     litgpt = by_id["litgpt-llama-2-7b-lora"]  # max_memory_allocated in GB (1e9), as litgpt divides
-    assert litgpt.published == round(19.77e9) and litgpt.measured == "allocated" and not litgpt.phase
+    # max_memory_allocated in GB (1e9), as litgpt divides, read once at the run's end: every phase counts
+    assert litgpt.published == round(19.77e9) and litgpt.measured == "allocated" and litgpt.phase == "step"
     qlora = by_id["torchtune-llama2-7b-qlora"]  # reserved after loading, before any step (its tutorial)
     assert qlora.phase == "loading" and qlora.predicted > qlora.step_predicted
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from memfit.errors import UserError
 from memfit.interop import read
@@ -226,3 +227,42 @@ def test_torchaos_nf4_shards_its_scalers_with_its_weights(monkeypatch):
     one = _run(quantize="4bit")  # one process: nothing to shard
     assert (estimate("tiny", one, device="cuda", stack=Stack(trainer="torchtune")).weights
             == estimate("tiny", one, device="cuda", stack=Stack(trainer="torchtune-replicated")).weights)
+
+
+def test_reentrant_checkpointing_keeps_a_quantized_layers_ctx_tensors_for_one_layer():
+    """transformers before 5 checkpoints reentrantly when the trainer passes no kwargs (``Stack.checkpoints_reentrant``):
+    each layer's forward runs under ``no_grad``, so bitsandbytes 0.42.0's ``ctx.tensors`` (a 4-bit layer's input) are
+    made only while a layer recomputes. Non-reentrant, every layer keeps them through the step: the attention norm's
+    output (q, k, v's input), the attention output (o's), the MLP norm's output (gate and up's) and the MLP product
+    (down's), (3 x 256 + 768) x 2 B = 3,072 B a token, x 128 tokens x 8 layers = 3,145,728 B more saved at the peak."""
+    run = _run(quantize="4bit", grad_checkpointing=True)
+
+    def held(stack: Stack):
+        b = estimate("tiny", run, device="cuda", stack=stack)
+        return b.activations, b.peak_bytes - b.other
+
+    every = held(Stack(trainer="hf", bitsandbytes="0.42.0"))  # transformers 5 (unnamed): non-reentrant
+    one = held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.40.0"))
+    assert every[0] - one[0] == 3_145_728
+    # the recomputed layer still holds them during its backward: above the bitsandbytes that keeps none
+    assert held(Stack(trainer="hf"))[1] < one[1] < every[1]
+    # the file's own setting wins over the version's default, and transformers 5 is non-reentrant
+    assert held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.40.0", reentrant_checkpointing=False)) == every
+    assert held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="5.1.0")) == every
+    assert Stack(trainer="hf", transformers="4.40.0", reentrant_checkpointing=False).describe() == \
+        "hf, transformers 4.40.0, non-reentrant checkpointing"
+
+
+def test_reentrant_checkpointing_is_read_from_the_file(tmp_path):
+    """LLaMA-Factory checkpoints reentrantly unless ``use_reentrant_gc: false`` (model_args.py L149-151); a TRL file says
+    it in ``gradient_checkpointing_kwargs``."""
+    base = {"model_name_or_path": "tiny", "stage": "sft", "finetuning_type": "lora", "quantization_bit": 8}
+    factory = tmp_path / "factory.yaml"
+    factory.write_text(yaml.safe_dump(base))
+    assert read(str(factory)).stack.checkpoints_reentrant()
+    factory.write_text(yaml.safe_dump({**base, "use_reentrant_gc": False}))
+    assert not read(str(factory)).stack.checkpoints_reentrant()
+    trl = tmp_path / "sft.yaml"
+    trl.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "max_length": 64, "gradient_checkpointing": True,
+                                   "gradient_checkpointing_kwargs": {"use_reentrant": True}}))
+    assert read(str(trl)).stack.checkpoints_reentrant()

@@ -18,6 +18,7 @@ from typing import Any
 from memfit.interop.common import (
     Keys,
     Reading,
+    checkpointing_kwargs,
     flash_attention,
     lora_targets,
     model_name,
@@ -165,6 +166,7 @@ def read(path: str, data: dict) -> Reading:
         keys.not_mapped("torch_compile", "memfit prices the eager model; a compiled one may save fewer activations.")
     model = model_name(keys, "base_model")
     keys.leftovers(NO_MEMORY)
+    checkpointing_kwargs(keys)
     return keys.reading(model, "base_model", run)
 
 

@@ -487,3 +487,15 @@ def flash_attention(keys: Keys, key: str) -> str:
     keys.price(f"{key}: flash-attention is priced as SDPA (flash-attn is not installed here; SDPA's CUDA flash "
                "backend saves the same tensors).")
     return "sdpa"
+
+
+def checkpointing_kwargs(keys: Keys) -> None:
+    """``gradient_checkpointing_kwargs.use_reentrant`` (a TRL/Trainer or Axolotl file), where the file says it, on the
+    stack: reentrant checkpointing keeps a quantized base's ``ctx`` tensors for one recomputed layer only
+    (``Stack.checkpoints_reentrant``)."""
+    kwargs = keys.data.get("gradient_checkpointing_kwargs") or {}
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("use_reentrant"), bool):
+        keys.stack["reentrant_checkpointing"] = kwargs["use_reentrant"]
+    if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is True:
+        keys.price("gradient_checkpointing_kwargs use_reentrant: true: torch's reentrant checkpointing, priced "
+                   "(a quantized base keeps bitsandbytes' saved inputs for one recomputed layer, not every layer).")

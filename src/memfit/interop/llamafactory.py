@@ -47,7 +47,7 @@ NO_MEMORY = frozenset({
     "create_new_adapter", "use_rslora", "pref_beta", "pref_ftx", "simpo_gamma", "dpo_label_smoothing", "pref_bco_weight", "media_dir", "image_max_pixels",
     "video_max_pixels", "freeze_vision_tower", "freeze_multi_modal_projector", "default_system", "enable_thinking",
     "quantization_type", "ddp_find_unused_parameters",
-    "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "use_reentrant_gc", "disable_shuffling",
+    "hub_model_id", "push_to_hub", "include_num_input_tokens_seen", "disable_shuffling",
 })
 
 
@@ -141,6 +141,11 @@ def read(path: str, data: dict) -> Reading:
                    "liger loss (its layer kernels are not priced: a slight over-estimate).")
     _stage(keys, run)
     _unsloth(keys, run)
+    if run["grad_checkpointing"]:
+        # model_args.py L149-151 use_reentrant_gc defaults to True, passed as {"use_reentrant": ...}
+        # (model_utils/checkpointing.py L46); FSDP2 turns it off (L177-182)
+        fsdp2 = run.get("sharding") == "fsdp" and keys.stack.get("fsdp", 2) == 2
+        keys.stack["reentrant_checkpointing"] = keys.bool("use_reentrant_gc", True) and not fsdp2
     for key in ("use_galore", "use_apollo", "use_badam", "upcast_layernorm", "upcast_lmhead_output", "use_dora",
                 "pissa_init", "mixture_of_depths", "fp8"):
         if keys.get(key) not in (None, False):

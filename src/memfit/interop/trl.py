@@ -26,6 +26,7 @@ from memfit.errors import UserError
 from memfit.interop.common import (
     Keys,
     Reading,
+    checkpointing_kwargs,
     comment_words,
     flash_attention,
     lora_targets,
@@ -132,7 +133,7 @@ def read(path: str, data: dict) -> Reading:
         "grad_checkpointing": keys.bool("gradient_checkpointing", sft),
         "optimizer": trainer_optimizer(keys, "optim", "adamw_torch_fused"),
     }
-    _checkpointing_kwargs(keys)
+    checkpointing_kwargs(keys)
     run.update(_sequence(keys, sft))
     run.update(_model(keys, sft))
     run.update(accelerate_launch(keys))  # the launch command's Accelerate config; the file's own keys over it
@@ -149,13 +150,6 @@ def read(path: str, data: dict) -> Reading:
     model = model_name(keys, "model_name_or_path")
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model_name_or_path", run)
-
-
-def _checkpointing_kwargs(keys: Keys) -> None:
-    kwargs = keys.data.get("gradient_checkpointing_kwargs") or {}
-    if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is True:
-        keys.price("gradient_checkpointing_kwargs use_reentrant: true: torch's reentrant checkpointing keeps the "
-                   "same tensors as the non-reentrant one memfit prices (transformers 5's default).")
 
 
 def _sequence(keys: Keys, sft: bool) -> dict[str, Any]:

@@ -350,7 +350,7 @@ def layer_activations(spec, run: RunConfig, prec: Precisions, device: str,
     n = spec.num_layers
     if run.grad_checkpointing:
         held = int8_held(ctx, checkpointed=True)[1] * ctx.bt
-        if ctx.stack.traits.reentrant_checkpointing:
+        if ctx.stack.checkpoints_reentrant():
             # reentrant checkpointing runs the forward under no_grad (no ctx kept) and frees each recomputed
             # graph after its layer's backward: the kept inputs exist for one layer, during its backward
             full, held = full + held, 0

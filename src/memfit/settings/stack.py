@@ -12,7 +12,7 @@ that memfit cannot price yet is said in a sentence (``Stack.unpriced``), never p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from packaging.version import InvalidVersion, Version
 
@@ -23,6 +23,15 @@ from memfit.settings.zero3 import Coordinator
 #: (``dtypes/nf4tensor.py`` L33 ``CHUNK_SIZE``, L645-651); 0.1 compares every weight of a projection with the 16 codes
 #: at once (``quantize_tensor_nearest``: ``(value - nf4).abs()``, 64 bytes per weight in bf16).
 TORCHAO_CHUNKS_NF4 = "0.2.0"
+
+#: The first transformers release whose ``gradient_checkpointing_enable`` checkpoints non-reentrantly when the trainer
+#: passes no ``gradient_checkpointing_kwargs`` (5.25 ``modeling_utils.py`` L3159-3160 ``{"use_reentrant": False}``);
+#: 4.35-4.57 filled ``{"use_reentrant": True}`` there, and earlier ones called ``torch.utils.checkpoint.checkpoint``
+#: with torch's own default, reentrant.
+TRANSFORMERS_NON_REENTRANT = "5.0.0"
+
+#: The trainers whose checkpointing is transformers' ``gradient_checkpointing_enable`` (``Stack.checkpoints_reentrant``).
+HF_TRAINERS = ("hf", "trl", "axolotl", "llamafactory")
 
 #: The first bitsandbytes release whose ``MatMul4Bit`` keeps only the packed weight for backward
 #: (bitsandbytes commit 9e75374, "fix QLoRA mem bug: delete useless buffered activation"); earlier ones
@@ -157,13 +166,21 @@ class Stack:
     ``memory.flat_params``). With 1, ``--sharding ddp`` is its ``NO_SHARD`` (whole flat parameters)."""
     zero3: Coordinator = Coordinator()
     """DeepSpeed ZeRO-3's parameter coordinator settings (the run's DeepSpeed config; ``settings.zero3``)."""
+    transformers: str | None = None
+    """The transformers version a Trainer-based run uses (a release, as pip spells it); None: 5 or later, the
+    installed one's behaviour. Before 5, ``gradient_checkpointing_enable`` checkpoints reentrantly when given no
+    kwargs (``TRANSFORMERS_NON_REENTRANT``)."""
+    reentrant_checkpointing: bool | None = None
+    """Whether checkpointing is reentrant, as the run's config says (``gradient_checkpointing_kwargs.use_reentrant``,
+    LLaMA-Factory's ``use_reentrant_gc``); None: the trainer's and its transformers version's default
+    (``checkpoints_reentrant``)."""
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
             raise UserError(f"Unknown trainer {self.trainer!r}; memfit knows: {', '.join(TRAINERS)}.")
         if self.fsdp not in (1, 2):
             raise UserError(f"FSDP version must be 1 or 2, got {self.fsdp!r}.")
-        for version in (self.bitsandbytes, self.torchao):
+        for version in (self.bitsandbytes, self.torchao, self.transformers):
             if version is not None:
                 _release(version)  # refused here, in one sentence, not at the first estimate
 
@@ -174,6 +191,20 @@ class Stack:
     def keeps_4bit_input(self) -> bool:
         """Whether a 4-bit layer keeps its input until the graph is freed (bitsandbytes < 0.43.2)."""
         return self.bitsandbytes is not None and _release(self.bitsandbytes) < _release(BNB_DROPS_4BIT_INPUT)
+
+    def checkpoints_reentrant(self) -> bool:
+        """Whether activation checkpointing runs ``torch.utils.checkpoint(use_reentrant=True)``: as the config says
+        where it says, else the trainer's trait (fsdp_qlora), else for a transformers Trainer whether its transformers
+        is older than 5 (``TRANSFORMERS_NON_REENTRANT``). It changes what a quantized base keeps: reentrant
+        checkpointing runs each layer's forward under ``no_grad``, so bitsandbytes' ``ctx`` attributes (an 8-bit
+        layer's ``ctx.A``, a 4-bit layer's input before 0.43.2) exist only while one layer recomputes
+        (``memory.activations``)."""
+        if self.reentrant_checkpointing is not None:
+            return self.reentrant_checkpointing
+        if self.traits.reentrant_checkpointing:
+            return True
+        return (self.trainer in HF_TRAINERS and self.transformers is not None
+                and _release(self.transformers) < _release(TRANSFORMERS_NON_REENTRANT))
 
     def nf4_chunked(self) -> bool:
         """Whether torchao's ``to_nf4`` searches the nearest code in chunks (torchao >= 0.2.0, or unnamed)."""
@@ -194,7 +225,7 @@ class Stack:
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
                               nf4_on_build=self.traits.nf4_on_build, zero3_init=self.traits.zero3_init)
         return (self.traits != step_traits or self.keeps_4bit_input()
-                or not self.double_quant or self.fsdp == 1)
+                or not self.double_quant or self.fsdp == 1 or self.checkpoints_reentrant())
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
@@ -212,6 +243,11 @@ class Stack:
             parts.append(f"bitsandbytes {self.bitsandbytes}")
         if self.torchao:
             parts.append(f"torchao {self.torchao}")
+        if self.transformers:
+            parts.append(f"transformers {self.transformers}")
+        if self.reentrant_checkpointing is not None and \
+                self.reentrant_checkpointing != replace(self, reentrant_checkpointing=None).checkpoints_reentrant():
+            parts.append("reentrant checkpointing" if self.reentrant_checkpointing else "non-reentrant checkpointing")
         if not self.double_quant:
             parts.append("NF4 without double quantization")
         if self.fsdp == 1:
@@ -227,16 +263,20 @@ class Stack:
         """From a mapping (``{trainer: litgpt, bitsandbytes: 0.42.0}``); None or empty: memfit's own."""
         if not data:
             return cls()
-        known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading", "zero3")
+        known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading", "zero3",
+                 "transformers", "reentrant_checkpointing")
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise UserError(f"A stack names {', '.join(known)}; not {', '.join(unknown)}.")
         version, torchao, low_memory = data.get("bitsandbytes"), data.get("torchao"), data.get("low_memory_loading")
+        transformers, reentrant = data.get("transformers"), data.get("reentrant_checkpointing")
         return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
                    torchao=None if torchao is None else str(torchao),
                    double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)),
                    low_memory_loading=None if low_memory is None else bool(low_memory),
-                   zero3=Coordinator.of(data["zero3"]) if data.get("zero3") else Coordinator())
+                   zero3=Coordinator.of(data["zero3"]) if data.get("zero3") else Coordinator(),
+                   transformers=None if transformers is None else str(transformers),
+                   reentrant_checkpointing=None if reentrant is None else bool(reentrant))
 
 
 def _release(version: str) -> tuple[int, ...]:
