@@ -256,7 +256,8 @@ def test_reentrant_checkpointing_keeps_a_quantized_layers_ctx_tensors_for_one_la
 def test_reentrant_checkpointing_is_read_from_the_file(tmp_path):
     """LLaMA-Factory checkpoints reentrantly unless ``use_reentrant_gc: false`` (model_args.py L149-151); a TRL file says
     it in ``gradient_checkpointing_kwargs``."""
-    base = {"model_name_or_path": "tiny", "stage": "sft", "finetuning_type": "lora", "quantization_bit": 8}
+    base = {"model_name_or_path": "tiny", "stage": "sft", "do_train": True, "finetuning_type": "lora",
+            "quantization_bit": 8}
     factory = tmp_path / "factory.yaml"
     factory.write_text(yaml.safe_dump(base))
     assert read(str(factory)).stack.checkpoints_reentrant()

@@ -490,9 +490,8 @@ def flash_attention(keys: Keys, key: str) -> str:
 
 
 def checkpointing_kwargs(keys: Keys) -> None:
-    """``gradient_checkpointing_kwargs.use_reentrant`` (a TRL/Trainer or Axolotl file), where the file says it, on the
-    stack: reentrant checkpointing keeps a quantized base's ``ctx`` tensors for one recomputed layer only
-    (``Stack.checkpoints_reentrant``)."""
+    """``gradient_checkpointing_kwargs.use_reentrant`` (TRL/Trainer, Axolotl), where a file says it, on the stack: reentrant
+    checkpointing keeps a quantized base's ``ctx`` tensors for one recomputed layer only (``Stack.checkpoints_reentrant``)."""
     kwargs = keys.data.get("gradient_checkpointing_kwargs") or {}
     if isinstance(kwargs, dict) and isinstance(kwargs.get("use_reentrant"), bool):
         keys.stack["reentrant_checkpointing"] = kwargs["use_reentrant"]
