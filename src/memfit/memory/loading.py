@@ -71,13 +71,13 @@ def _layer_projections(spec) -> list[int]:
     return [lin.in_features * lin.out_features for lin in spec.linears for _ in range(lin.count // layers)]
 
 
-def _other_elements(spec) -> int:
+def other_elements(spec) -> int:
     """Parameters outside the projections, the embedding and the head, per decoder layer (norms, biases)."""
     rest = spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params
     return max(rest, 0) // max(spec.num_layers, 1)
 
 
-def _quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
+def quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
     """A 4-bit projection's events (module docstring, steps 1-4); keeps the packed payload and its state."""
     blocks = math.ceil(numel / NF4_BLOCK)
     weight, absmax, packed, offset, shifted, code, qabsmax, absmax2 = (next(keys) for _ in range(8))
@@ -100,7 +100,7 @@ def quantizer(stack: Stack | None) -> str:
 def _projection_events(numel: int, keys, compute: int, who: str) -> list[tuple]:
     """One 4-bit projection's events: bitsandbytes' (module docstring, steps 1-4) or torchao's ``to_nf4``."""
     if who == "bitsandbytes":
-        return _quantize_events(numel, keys, compute)
+        return quantize_events(numel, keys, compute)
     return to_nf4_events(numel, keys, chunked=who == "torchao")
 
 
@@ -124,7 +124,7 @@ def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = 
     for _ in range(spec.num_layers):
         for numel in _layer_projections(spec):
             events += _projection_events(numel, keys, compute, who) if quantize is Quantize.Q4 else [kept(numel * plain)]
-        events.append(kept(_other_elements(spec) * rest_bytes))
+        events.append(kept(other_elements(spec) * rest_bytes))
     if spec.lm_head_params:
         events.append(kept(spec.lm_head_params * rest_bytes))
     return events

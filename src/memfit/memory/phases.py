@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from memfit.memory import flat_params
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
+from memfit.memory.host_loading import LoadedFrom
 from memfit.settings.config import Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
 from memfit.units import MiB
@@ -103,10 +104,12 @@ def nccl_bytes(run: RunConfig, device: str = "cuda") -> int:
 
 
 def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_step: int = 0,
-                  stack: Stack | None = None) -> DevicePhases:
+                  stack: Stack | None = None, loaded_from: LoadedFrom | None = None) -> DevicePhases:
     """Every phase of ``run`` on one rank (module docstring); ``breakdown`` is the step's estimate or trace for
     ``device``; ``extra_step``: tensor bytes the step may add beyond it (a mixture-of-experts' worst routing);
-    ``stack``: who runs it (None: memfit's own), which decides how the base is loaded and wrapped."""
+    ``stack``: who runs it (None: memfit's own), which decides how the base is loaded and wrapped; ``loaded_from``:
+    the checkpoint's dtype, or random weights, which decide a quantized base's loading on a CPU
+    (``memory.host_loading``; None: a checkpoint in ``--dtype``)."""
     from memfit.memory.outside import outside_step
 
     cuda = device == "cuda"
@@ -114,7 +117,7 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     reserve = reserved_from_tensors if cuda else int
     tensors = breakdown.peak_bytes - breakdown.other + extra_step
     step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors
-    earlier = _loading_phases(spec, run, outside, cuda, stack or Stack())
+    earlier = _loading_phases(spec, run, outside, cuda, stack or Stack(), loaded_from)
     if cuda and flat_params.applies(run, stack):  # FSDP (1): its unshard stream cannot reuse what earlier phases cached
         step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors),
                                                          max(p.reserved for p in earlier))
@@ -125,8 +128,12 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     return DevicePhases(tuple(phases), CUDA_CONTEXT_BYTES if cuda else 0, nccl_bytes(run, device))
 
 
-def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> list[Phase]:
-    """The loading phase, and wrapping's where the run is sharded."""
+def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack,
+                    loaded_from: LoadedFrom | None = None) -> list[Phase]:
+    """The loading phase, and wrapping's where the run is sharded. A quantized base loading on a CPU peaks at the
+    larger of the finished model and the tensor it quantizes on top of what is loaded so far
+    (``memory.host_loading``)."""
+    from memfit.memory.host_loading import host_loading_peak
     from memfit.memory.loading import loading_replay
     from memfit.memory.outside import largest_tensor_bytes
     from memfit.memory.states import model_states
@@ -143,6 +150,8 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> 
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
     else:
         figure = max(outside.loading, shards) if whole else shards
+        if not cuda and whole:
+            figure = max(figure, host_loading_peak(spec, run, loaded_from))
         loading = Phase("loading", figure, reserved_from_tensors(figure) if cuda else figure)
     if not sharded:
         return [loading]
@@ -225,13 +234,14 @@ def largest_unit_bytes(spec, run: RunConfig) -> int:
     return int(max(gathered_layer_bytes(spec, run), root))
 
 
-def phase_figures(spec, run: RunConfig, breakdown, device: str) -> dict[str, int]:
+def phase_figures(spec, run: RunConfig, breakdown, device: str,
+                  loaded_from: LoadedFrom | None = None) -> dict[str, int]:
     """The flat figures ``memfit train``'s summary keeps beside ``memory.outside``'s (``run.json``'s
     ``outside_step``): ``phase_<name>`` (each phase's reserved memory; its tensor peak on a CPU),
     ``device_needed`` (what the fit rule reads) and ``device_context`` (0 on a CPU); empty where the estimator
-    cannot describe the run (a prediction never stops a training run)."""
+    cannot describe the run (a prediction never stops a training run). ``loaded_from``: ``device_phases``'."""
     try:
-        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda")
+        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda", loaded_from=loaded_from)
     except Exception:  # noqa: BLE001
         return {}
     return {**{f"phase_{p.name}": int(p.reserved) for p in phases.phases}, "device_needed": int(phases.needed()),

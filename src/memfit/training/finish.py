@@ -92,7 +92,8 @@ def _outside(s: TrainSession) -> dict | None:
     if outside is None:
         return None
     predicted = s.planned.predicted
-    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device) if predicted else {})}
+    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device, s.source.loaded_from)
+                            if predicted else {})}
 
 
 def samples(s: TrainSession, net) -> list[dict[str, str]]:
