@@ -26,7 +26,9 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
   rank 0's host RAM holds the full model + full optimizer state (checkpoint) or 2 x the full model
   (export: the gathered dict and the plain copy) (``save_host``). On CPU the host is the device: rank 0
   holds resident + that host part, the other ranks resident + the transients. Unsharded runs save from
-  the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra.
+  the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra, but for a quantized base's
+  state dict, which serializes its quantization state anew (``memory.quantized.state_dict_bytes``; sharded runs
+  do not add it: known error, ~1.2 KB per 4-bit projection).
 - **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
   copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
   cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory import quantized
 from memfit.memory.activations import Precisions, logits_terms
 from memfit.memory.snapshot import rollback_copy
 from memfit.memory.states import (
@@ -147,8 +150,9 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     grad_bytes = 4 if run.is_lora() else prec.w
     full_optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     kv = _kv_cache(spec, prec) + _sampling_transients(spec)
-    if not sharded:
-        return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
+    if not sharded:  # a quantized base's state dict packs its quantization state anew
+        saved = resident + quantized.state_dict_bytes(spec, run)
+        return OutsideStep(int(evaluation), (saved, saved), (saved, saved), int(resident + kv), 0)
     transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
     host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
     loading = int(full_weights) if run.quantize is not Quantize.NONE else 0
