@@ -34,6 +34,13 @@ model's (``memory.states.model_states``' weights). Known error: a layer's other 
 ``memory.loading``) are taken as loaded before its projections, where Llama's ``post_attention_layernorm`` comes
 after its MLP's (over by one norm); the final norm is spread over the layers; a checkpoint whose keys are renamed
 as they load (transformers' ``WeightConverter``) keeps the model's order here.
+
+Measured (tests/test_quant_loading_measured.py: a 2-layer hidden-256 Llama, vocabulary 384, saved in 16-17
+safetensors shards, loaded by ``training.setup.build_model`` with LoRA r 8 under ``memory.measure.counted``), peak
+against this prediction: 4-bit, bf16 loaded as bf16 1,287,272 B / 1,282,008 B (the finished model with its adapters
+is the peak: +0.41%, LoRA's initialisation temporaries); fp32 as bf16 1,630,516 / 1,631,796; bf16 as fp32 2,025,268
+/ 2,027,572; fp32 as fp32 1,848,216 / 1,850,456; 8-bit, fp32 as fp32 2,572,288 / 2,574,592 (-0.1% each). The
+finished model alone, the prediction before, was 10% to 27% under (4-bit) and 3% to 14% (8-bit).
 """
 
 from __future__ import annotations

@@ -24,9 +24,13 @@ grouped by name) and its other parameters (norms, biases) as one tensor, the fin
 
 Known error: the checkpoint's tensor order (safetensors files are read in key order, which sorts layer 10
 before layer 2) and transformers' parallel loading (``HF_ENABLE_PARALLEL_LOADING``, off by default) change
-which freed blocks later tensors land in; bitsandbytes' CPU path and LLM.int8()'s quantization (one int8
-copy, row scales) are not modelled (an 8-bit base is replayed as its stored tensors). Not yet checked on a
-GPU (``bench/gpu_allocator_check.py`` measures the step).
+which freed blocks later tensors land in (transformers 5.25 loads in ``dot_natural_key`` order: ``lm_head``
+first, layers by number, a layer's names alphabetically, ``core_model_loading.py`` L1890; ``memory.host_loading``
+follows it on a CPU); LLM.int8()'s quantization (an fp16 copy, the int8 weight, row scales) is not replayed here
+(an 8-bit base is replayed as its stored tensors); a random base memfit builds on the device before it quantizes
+it (``quant_support.quantized_copy``: the whole model in ``--dtype``, freed before loading) is not replayed.
+bitsandbytes' CPU path is ``memory.host_loading``'s, checked against the tensor counter. Not yet checked on a GPU
+(``bench/gpu_allocator_check.py`` measures the step).
 
 A stack whose trainer builds its 4-bit base on the device (torchtune: ``settings.stack.Trainer.nf4_on_build``) runs
 torchao's ``to_nf4`` per projection instead of steps 1-4 (``memory.torchao_nf4``, ``quantizer``); against torchtune's

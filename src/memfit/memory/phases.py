@@ -30,11 +30,15 @@ largest phase's, each phase being taken to reuse the blocks earlier ones cached 
 requests fit none of those blocks reserves more). nvidia-smi adds the CUDA context and, with several processes,
 NCCL's buffers, which NCCL allocates itself, outside torch's allocator: ``NCCL_BYTES`` per rank and process group.
 On a CPU there is no allocator to model: each phase's reserved memory is its tensor peak, and the host is the device
-(a sharded unquantized run's rank 0 holds the whole model while it loads and wraps: ``_host_is_device_phases``).
+(a sharded unquantized run's rank 0 holds the whole model while it loads and wraps: ``_host_is_device_phases``; a
+quantized base peaks while it loads at the tensor being quantized on top of what is loaded so far, with the
+checkpoint's mapped storage where its dtype is not ``--dtype``, or at the random model memfit builds before it saves
+and quantizes it: ``memory.host_loading``).
 ``memfit train`` on a CPU measures each phase it runs with memfit's tensor counter (``training.phase_peaks``) and
 shows it beside this prediction; tests/test_phases_measured.py (loading a safetensors checkpoint, evaluation, the
-checkpoint, the export, the samples: within 1%, a full-length sample within 2%) and tests/test_shard_setup.py
-(loading and wrapping on 2 ranks: within 0.5%) hold them to it.
+checkpoint, the export, the samples: within 1%, a full-length sample within 2%), tests/test_quant_loading_measured.py
+(loading a 4-bit or 8-bit base: within 0.5%; a QLoRA run's loading, checkpoint and export: within 1%) and
+tests/test_shard_setup.py (loading and wrapping on 2 ranks: within 0.5%) hold them to it.
 """
 
 from __future__ import annotations
