@@ -150,17 +150,17 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack,
     if sharded and not whole and not cuda:
         return _host_is_device_phases(spec, run, shards)
     replay = loading_replay(spec, run, stack=stack) if cuda and whole else None
+    held = max(outside.loading, shards) if whole else shards  # what the loaded model holds
     if replay is not None:
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
+        held = replay.allocated_after
     else:
-        figure = max(outside.loading, shards) if whole else shards
-        if not cuda and whole:
-            figure = max(figure, host_loading_peak(spec, run, loaded_from))
-        loading = Phase("loading", figure, reserved_from_tensors(figure) if cuda else figure)
+        peak = max(held, host_loading_peak(spec, run, loaded_from)) if not cuda and whole else held
+        loading = Phase("loading", peak, reserved_from_tensors(peak) if cuda else peak)
     if not sharded:
         return [loading]
     beside = shards if whole else largest_tensor_bytes(spec, run)  # the shards beside the whole base, or a gather
-    wrapped = loading.tensors + beside if whole else shards + beside
+    wrapped = held + beside if whole else shards + beside
     reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
     return [loading, Phase("wrapping", wrapped, reserved)]
 
