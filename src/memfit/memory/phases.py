@@ -117,7 +117,7 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     from memfit.memory.outside import outside_step
 
     cuda = device == "cuda"
-    outside = outside_step(spec, run, device)
+    outside = outside_step(spec, run, device, loaded_from)
     reserve = reserved_from_tensors if cuda else int
     tensors = breakdown.peak_bytes - breakdown.other + extra_step
     step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors)) if cuda else tensors

@@ -88,7 +88,7 @@ def _predicted_at_rows(s: TrainSession, peak_mem: measure.PeakMemory) -> int | N
 
 def _outside(s: TrainSession) -> dict | None:
     """The predicted peaks outside the step for the settings the run ended with (summary and run.json)."""
-    outside = predicted_outside(s.source.spec, s.run, s.device)
+    outside = predicted_outside(s.source.spec, s.run, s.device, s.source.loaded_from)
     if outside is None:
         return None
     predicted = s.planned.predicted
