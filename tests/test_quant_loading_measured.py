@@ -94,10 +94,11 @@ def test_a_qlora_train_run_measures_loading_and_saves_as_predicted(tmp_path):
 def test_a_sharded_qlora_run_loads_wraps_and_exports_as_predicted(gloo_runs):
     """FSDP2 QLoRA on 2 CPU ranks (the launch test_shard_qlora reads: the 2-layer hidden-64 Llama, random weights,
     ``--lora-r 4 --quantize 4bit --sharding fsdp --save-every 2``), rank 0's measured phases within 1% of their
-    prediction. Before: loading +142% and +56% (the random model, as above); wrapping -3.3% (the counter started
-    without the base's quantization state, 14 KB, as held); export +24% (rank 0 rebuilds its plain copy from random
-    weights: their fp32 model beside the gathered dict) and then -1.6% (the gathered dict has no quantization state,
-    16 KB). The checkpoint is left out: the prediction is a ``--state-dict full`` one, this run saves sharded."""
+    prediction. Before (measured 767,696 / 420,171 / 1,266,656 B): loading +170% (the random model held beside its
+    quantized copy); wrapping -3.3% (the counter started without the base's quantization state, 14 KB, as held);
+    export +58% (rank 0 rebuilds its plain copy from random weights: their fp32 model, and before the fix the
+    quantized copy too, beside the gathered dict), then -1.6% (the gathered dict has no quantization state, 16 KB).
+    The checkpoint is left out: the prediction is a ``--state-dict full`` one, this run saves sharded."""
     import json
 
     launched = gloo_runs["qlora-fsdp"]

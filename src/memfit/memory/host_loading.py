@@ -5,16 +5,16 @@ loading phase's tensor peak is what ``memory.measure.counted`` counts (``trainin
 layer is in, that peak is not the loaded model: the tensor being quantized sits on top of what is loaded so far.
 
 transformers 5.25's ``from_pretrained`` with an on-the-fly quantizer loads one checkpoint tensor at a time on the
-calling thread (``core_model_loading.py`` L1866-1876: no thread pool when ``hf_quantizer`` is not pre-quantized),
-in ``dot_natural_key`` order of the checkpoint's keys (L1890, L1498: ``lm_head`` before ``model.*``, layers by
+calling thread (``core_model_loading.py`` L1866-1872: no thread pool when ``hf_quantizer`` is not pre-quantized),
+in ``dot_natural_key`` order of the checkpoint's keys (L1885, L1498: ``lm_head`` before ``model.*``, layers by
 number, names alphabetically within a layer: Llama's ``mlp.*`` before ``self_attn.*``). Per tensor of ``n``
 elements:
 
 1. safetensors maps it (``safe_open(...).get_slice(key)[...]``, ``_materialize_copy`` L1464): a storage over the
    file of ``n s`` bytes (``s``: the checkpoint's dtype), which the counter sees (``aten.set_``);
 2. ``.to(dtype)`` (L1466): where the checkpoint's dtype is not the target, a copy of ``n t`` bytes, and the mapped
-   storage is freed as ``_materialize_copy`` returns. The target is ``--dtype`` for a quantized projection (L1908:
-   ``_dtype = dtype`` when the parameter needs quantization) and for the rest (the meta model's dtype, L1912);
+   storage is freed as ``_materialize_copy`` returns. The target is ``--dtype`` for a quantized projection (L1919:
+   ``_dtype = dtype`` when the parameter needs quantization) and for the rest (the meta model's dtype, L1926);
 3. a 4-bit projection: ``Bnb4bitQuantize.convert`` (``integrations/bitsandbytes.py`` L58) wraps it in
    ``Params4bit`` and ``.to(cpu)`` quantizes it (bitsandbytes 0.50.2 ``nn/modules.py`` L381 ``_quantize``,
    ``functional.quantize_4bit`` L929-951): ``memory.loading``'s steps 2-4 (the CPU op returns the packed payload and

@@ -25,7 +25,7 @@ grouped by name) and its other parameters (norms, biases) as one tensor, the fin
 Known error: the checkpoint's tensor order (safetensors files are read in key order, which sorts layer 10
 before layer 2) and transformers' parallel loading (``HF_ENABLE_PARALLEL_LOADING``, off by default) change
 which freed blocks later tensors land in (transformers 5.25 loads in ``dot_natural_key`` order: ``lm_head``
-first, layers by number, a layer's names alphabetically, ``core_model_loading.py`` L1890; ``memory.host_loading``
+first, layers by number, a layer's names alphabetically, ``core_model_loading.py`` L1885; ``memory.host_loading``
 follows it on a CPU); LLM.int8()'s quantization (an fp16 copy, the int8 weight, row scales) is not replayed here
 (an 8-bit base is replayed as its stored tensors); a random base memfit builds on the device before it quantizes
 it (``quant_support.quantized_copy``: the whole model in ``--dtype``, freed before loading) is not replayed.
