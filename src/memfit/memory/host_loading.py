@@ -30,7 +30,9 @@ CPU against CUDA: on CUDA the mapped storage stays in host memory and only the `
 
 Before the first tensor the model's buffers exist (rotary ``inv_freq``, built with the model); after the last, memfit
 adds the LoRA adapters (``builder.parts.adapt``): the phase's peak is the larger of this stream's and the finished
-model's (``memory.states.model_states``' weights). Known error: a layer's other parameters (norms, biases: summed,
+model's (``memory.states.model_states``' weights). Random weights (a preset, a bare config.json) come from a model
+memfit builds whole in ``--dtype``, saves in ``--dtype`` and drops before loading it back quantized
+(``quant_support.quantized_copy``): the larger of that model and the stream. Known error: a layer's other parameters (norms, biases: summed,
 ``memory.loading``) are taken as loaded before its projections, where Llama's ``post_attention_layernorm`` comes
 after its MLP's (over by one norm); the final norm is spread over the layers; a checkpoint whose keys are renamed
 as they load (transformers' ``WeightConverter``) keeps the model's order here.
@@ -45,6 +47,7 @@ finished model alone, the prediction before, was 10% to 27% under (4-bit) and 3%
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -72,7 +75,12 @@ def host_loading_events(spec, run: RunConfig, stored: str | None = None) -> list
     """The live-tensor stream of loading ``spec``'s checkpoint quantized for ``run`` on a CPU (module docstring):
     ``("alloc", key, bytes)`` and ``("free", key)``; ``stored``: the checkpoint's dtype (None: ``--dtype``, as
     memfit's own copy of a random base is saved, ``quant_support.quantized_copy``)."""
-    load = int(dtype_bytes(str(run.dtype)))
+    return _events(spec, run.quantize, str(run.dtype), stored)
+
+
+def _events(spec, quantize: Quantize, dtype: str, stored: str | None) -> list[tuple]:
+    """``host_loading_events`` from what decides it: the quantization, ``--dtype`` and the checkpoint's dtype."""
+    load = int(dtype_bytes(dtype))
     file = int(dtype_bytes(stored)) if stored else load
     keys = itertools.count()
     events: list[tuple] = [("alloc", next(keys), int(spec.buffer_bytes))]
@@ -87,7 +95,7 @@ def host_loading_events(spec, run: RunConfig, stored: str | None = None) -> list
         plain(other_elements(spec))
         for numel, out_features in layer_projections_in_order(spec):
             mapped, weight = _materialized(numel, file, load, keys)
-            events += mapped + _quantized(run, numel, out_features, weight, keys)
+            events += mapped + _quantized(quantize, dtype, numel, out_features, weight, keys)
     return events
 
 
@@ -102,13 +110,12 @@ def _materialized(numel: int, file: int, target: int, keys) -> tuple[list[tuple]
     return events + [("alloc", copy, numel * target), ("free", mapped)], copy
 
 
-def _quantized(run: RunConfig, numel: int, out_features: int, weight: int, keys) -> list[tuple]:
-    """Step 3 for one projection whose ``--dtype`` weight is ``weight`` (already counted)."""
-    load = int(dtype_bytes(str(run.dtype)))
-    if run.quantize is Quantize.Q4:
-        stream = quantize_events(numel, keys, load)[1:]  # its first event is the weight, here already counted
+def _quantized(quantize: Quantize, dtype: str, numel: int, out_features: int, weight: int, keys) -> list[tuple]:
+    """Step 3 for one projection whose ``dtype`` weight is ``weight`` (already counted)."""
+    if quantize is Quantize.Q4:
+        stream = quantize_events(numel, keys, int(dtype_bytes(dtype)))[1:]  # its first event, the weight: counted
         return stream[:-1] + [("alloc", next(keys), NF4_CODE_BYTES), ("free", weight)]
-    fp16 = weight if str(run.dtype) == "fp16" else next(keys)  # ``.to(dtype=torch.float16)``: no copy when fp16
+    fp16 = weight if dtype == "fp16" else next(keys)  # ``.to(dtype=torch.float16)``: no copy when fp16
     as_fp16 = [] if fp16 == weight else [("alloc", fp16, numel * 2)]
     return [*as_fp16, ("alloc", next(keys), numel), ("alloc", next(keys), 4 * out_features),
             ("free", fp16), ("free", weight)]
@@ -155,6 +162,13 @@ def host_loading_peak(spec, run: RunConfig, loaded_from: LoadedFrom | None = Non
     if run.quantize is Quantize.NONE:
         return 0
     loaded_from = loaded_from or LoadedFrom()
-    stream = tensor_peak(host_loading_events(spec, run, loaded_from.dtype))[0]
+    stream = _stream_peak(spec, run.quantize, str(run.dtype), loaded_from.dtype)
     built = spec.params * int(dtype_bytes(str(run.dtype))) + spec.buffer_bytes if loaded_from.random else 0
     return max(stream, built)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_peak(spec, quantize: Quantize, dtype: str, stored: str | None) -> int:
+    """Cached per model and what decides the stream: the planner prices every sharded 4-bit candidate's export with
+    it (``memory.outside``), 43 ms a call for an 80-layer model."""
+    return tensor_peak(_events(spec, quantize, dtype, stored))[0]
