@@ -28,8 +28,8 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
   (``save_host``). On CPU the host is the device: rank 0
   holds resident + that host part, the other ranks resident + the transients. Unsharded runs save from
   the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra, but for a quantized base's
-  state dict, which serializes its quantization state anew (``memory.quantized.state_dict_bytes``; sharded runs
-  do not add it: known error, ~1.2 KB per 4-bit projection).
+  state dict, which serializes its quantization state anew (``memory.quantized.state_dict_bytes``); a sharded
+  4-bit base's gathered dict holds none (``_state_not_gathered``).
 - **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
   copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
   cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul

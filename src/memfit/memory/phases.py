@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from memfit.memory import flat_params
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
-from memfit.memory.host_loading import LoadedFrom
+from memfit.memory.host_loading import LoadedFrom, host_loading_peak
 from memfit.settings.config import Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
 from memfit.units import MiB
@@ -137,7 +137,6 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack,
     """The loading phase, and wrapping's where the run is sharded. A quantized base loading on a CPU peaks at the
     larger of the finished model and the tensor it quantizes on top of what is loaded so far
     (``memory.host_loading``)."""
-    from memfit.memory.host_loading import host_loading_peak
     from memfit.memory.loading import loading_replay
     from memfit.memory.outside import largest_tensor_bytes
     from memfit.memory.states import model_states
