@@ -129,7 +129,7 @@ def test_planner_keeps_the_peaks_outside_the_step_under_the_budget(tiny, monkeyp
     assert real.device_peak() + step.breakdown.other < step.peak_bytes  # tiny: the step is the peak
     big = outside.OutsideStep(evaluation=real.evaluation, checkpoint_full=(step.peak_bytes + 2**30, 0),
                               export=real.export, generation=real.generation, save_host=0)
-    monkeypatch.setattr(outside, "outside_step", lambda spec, run, device="cuda": big)
+    monkeypatch.setattr(outside, "outside_step", lambda spec, run, device="cuda", loaded_from=None: big)
     assert not evaluate(tiny, run, a100, budget).fits
 
 

@@ -171,27 +171,32 @@ def bnb_config(run):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def quantized_copy(model, run, device=None):
-    """``model`` (random weights, built from a config) with its projections quantized for ``run``.
+def quantized_copy(build, run, device=None):
+    """The model ``build()`` returns (random weights, built from a config) with its projections quantized for ``run``.
 
     transformers quantizes only in ``from_pretrained`` (``from_config`` refuses ``quantization_config``), so
     the random model is saved to a temporary folder and loaded back through bitsandbytes: the same path, and
     the same quantized weights, as a checkpoint on disk (on every rank of a DDP run: each quantizes the same
-    seeded weights the same way). ``device``: a CUDA device to load onto (else CPU).
+    seeded weights the same way). It is built here and dropped once saved, so it is never held beside the
+    quantized copy as it loads (the loading phase is then a checkpoint's: ``memory.host_loading``, and on CUDA
+    ``memory.loading``). ``device``: a CUDA device to load onto (else CPU).
     """
 
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="memfit-qlora-") as folder, no_loading_bar():
+        model = build()
         # Written by hand, not with save_pretrained: under torch.distributed transformers writes only on rank 0
         # (distributed/mixin.py should_save_on_this_rank), and every rank needs its own copy here.
         model.config.save_pretrained(folder)
         save_model(model, f"{folder}/model.safetensors", metadata={"format": "pt"})  # tied weights once
         kwargs = {"device_map": {"": device}} if device is not None else {}
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        attention = model.config._attn_implementation
+        del model  # the last reference: its weights are freed before the quantized copy loads
         return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
-                                                    attn_implementation=model.config._attn_implementation,
+                                                    attn_implementation=attention,
                                                     quantization_config=bnb_config(run), **kwargs)
 
 

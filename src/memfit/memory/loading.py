@@ -24,9 +24,13 @@ grouped by name) and its other parameters (norms, biases) as one tensor, the fin
 
 Known error: the checkpoint's tensor order (safetensors files are read in key order, which sorts layer 10
 before layer 2) and transformers' parallel loading (``HF_ENABLE_PARALLEL_LOADING``, off by default) change
-which freed blocks later tensors land in; bitsandbytes' CPU path and LLM.int8()'s quantization (one int8
-copy, row scales) are not modelled (an 8-bit base is replayed as its stored tensors). Not yet checked on a
-GPU (``bench/gpu_allocator_check.py`` measures the step).
+which freed blocks later tensors land in (transformers 5.25 loads in ``dot_natural_key`` order: ``lm_head``
+first, layers by number, a layer's names alphabetically, ``core_model_loading.py`` L1885; ``memory.host_loading``
+follows it on a CPU); LLM.int8()'s quantization (an fp16 copy, the int8 weight, row scales) is not replayed here
+(an 8-bit base is replayed as its stored tensors); a random base memfit builds on the device before it quantizes
+it (``quant_support.quantized_copy``: the whole model in ``--dtype``, freed before loading) is not replayed.
+bitsandbytes' CPU path is ``memory.host_loading``'s, checked against the tensor counter. Not yet checked on a GPU
+(``bench/gpu_allocator_check.py`` measures the step).
 
 A stack whose trainer builds its 4-bit base on the device (torchtune: ``settings.stack.Trainer.nf4_on_build``) runs
 torchao's ``to_nf4`` per projection instead of steps 1-4 (``memory.torchao_nf4``, ``quantizer``); against torchtune's
@@ -71,13 +75,13 @@ def _layer_projections(spec) -> list[int]:
     return [lin.in_features * lin.out_features for lin in spec.linears for _ in range(lin.count // layers)]
 
 
-def _other_elements(spec) -> int:
+def other_elements(spec) -> int:
     """Parameters outside the projections, the embedding and the head, per decoder layer (norms, biases)."""
     rest = spec.params - spec.linear_params - spec.embedding_params - spec.lm_head_params
     return max(rest, 0) // max(spec.num_layers, 1)
 
 
-def _quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
+def quantize_events(numel: int, keys, compute_bytes: int) -> list[tuple]:
     """A 4-bit projection's events (module docstring, steps 1-4); keeps the packed payload and its state."""
     blocks = math.ceil(numel / NF4_BLOCK)
     weight, absmax, packed, offset, shifted, code, qabsmax, absmax2 = (next(keys) for _ in range(8))
@@ -100,7 +104,7 @@ def quantizer(stack: Stack | None) -> str:
 def _projection_events(numel: int, keys, compute: int, who: str) -> list[tuple]:
     """One 4-bit projection's events: bitsandbytes' (module docstring, steps 1-4) or torchao's ``to_nf4``."""
     if who == "bitsandbytes":
-        return _quantize_events(numel, keys, compute)
+        return quantize_events(numel, keys, compute)
     return to_nf4_events(numel, keys, chunked=who == "torchao")
 
 
@@ -124,7 +128,7 @@ def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = 
     for _ in range(spec.num_layers):
         for numel in _layer_projections(spec):
             events += _projection_events(numel, keys, compute, who) if quantize is Quantize.Q4 else [kept(numel * plain)]
-        events.append(kept(_other_elements(spec) * rest_bytes))
+        events.append(kept(other_elements(spec) * rest_bytes))
     if spec.lm_head_params:
         events.append(kept(spec.lm_head_params * rest_bytes))
     return events

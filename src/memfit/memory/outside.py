@@ -24,9 +24,12 @@ host is the device, ``memfit train``'s rollback snapshot (``memory.snapshot``). 
   and copied to rank 0's host. On a GPU the device holds resident + the gather's transients: the largest
   parameter tensor gathered, ``GATHER_COPIES`` copies at once;
   rank 0's host RAM holds the full model + full optimizer state (checkpoint) or 2 x the full model
-  (export: the gathered dict and the plain copy) (``save_host``). On CPU the host is the device: rank 0
+  (export: the gathered dict and the plain copy, or more while a quantized base's copy loads: ``_rebuilt_copy``)
+  (``save_host``). On CPU the host is the device: rank 0
   holds resident + that host part, the other ranks resident + the transients. Unsharded runs save from
-  the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra.
+  the resident tensors (Accelerate's ``save_state``, ``save_pretrained``): no extra, but for a quantized base's
+  state dict, which serializes its quantization state anew (``memory.quantized.state_dict_bytes``); a sharded
+  4-bit base's gathered dict holds none (``_state_not_gathered``).
 - **generation** (rank 0; ``training.samples``): on the model the step uses (unsharded), or on the plain
   copy rank 0 built on its CPU (sharded: host RAM on a GPU; on CPU resident + the full model): + the KV
   cache of one sample, ``(2 x layers + 1) x kv_heads x head_dim x positions`` elements at the matmul
@@ -46,7 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.memory import quantized
 from memfit.memory.activations import Precisions, logits_terms
+from memfit.memory.host_loading import LoadedFrom, host_loading_peak
 from memfit.memory.snapshot import rollback_copy
 from memfit.memory.states import (
     base_weight_bytes,
@@ -77,7 +82,14 @@ RANK0_GATHER_COPIES = 2
 at the end of the gather (FSDP2, 2 CPU ranks): the full state + 2 x the last tensor gathered (the head's second
 AdamW moment: 2 x 98,304 B on a hidden-64 Llama, 2 x 393,216 B on the tiny preset). The largest tensor is taken,
 for any gather order: known error, + 2 x (largest - last) where the largest is not gathered last (tiny preset:
-+786,432 B, +0.5%)."""
++786,432 B, +0.5%).
+
+The model is gathered before the optimizer (``get_state_dict``), so the peak is the larger of the weights gathered
+with the model's last tensor in flight and the weights with the full optimizer state and its last tensor in flight;
+the first wins for LoRA, whose adapters' moments are small (taken as none in flight: known error, 2 x the largest
+adapter's moment). Measured (FSDP2 QLoRA, 2 CPU ranks, hidden-64 Llama, ``--state-dict full``): rank 0 696,592 B,
+the head (384 x 64 fp32) in flight twice beside the gathered weights; this gives 696,656 B (761,936 B with the
+optimizer state and the head both counted)."""
 
 
 def eval_batch(run: RunConfig) -> int:
@@ -133,8 +145,10 @@ class OutsideStep:
                 for rank in range(n)]
 
 
-def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
-    """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device)."""
+def outside_step(spec, run: RunConfig, device: str = "cuda", loaded_from: LoadedFrom | None = None) -> OutsideStep:
+    """``OutsideStep`` for ``run`` on ``device`` (``cuda`` or ``cpu``: the host is the device); ``loaded_from``:
+    where a quantized base comes from, which decides what rebuilding it for a sharded export holds
+    (``_rebuilt_copy``)."""
     cpu = device == "cpu"
     prec = Precisions.of(run)
     states = model_states(spec, run, device)
@@ -147,27 +161,51 @@ def outside_step(spec, run: RunConfig, device: str = "cuda") -> OutsideStep:
     grad_bytes = 4 if run.is_lora() else prec.w
     full_optimizer = optimizer_state_bytes(spec, run, trainable, grad_bytes)
     kv = _kv_cache(spec, prec) + _sampling_transients(spec)
-    if not sharded:
-        return OutsideStep(int(evaluation), (resident, resident), (resident, resident), int(resident + kv), 0)
+    if not sharded:  # a quantized base's state dict packs its quantization state anew
+        saved = resident + quantized.state_dict_bytes(spec, run)
+        return OutsideStep(int(evaluation), (saved, saved), (saved, saved), int(resident + kv), 0)
     transient = GATHER_COPIES * _largest_tensor(spec) * prec.w
-    host_checkpoint, host_export = full_weights + full_optimizer, 2 * full_weights
+    gathered = full_weights - _state_not_gathered(spec, run)
+    host_checkpoint = gathered + full_optimizer
+    host_export = gathered + _rebuilt_copy(spec, run, full_weights, loaded_from)
     loading = int(full_weights) if run.quantize is not Quantize.NONE else 0
     if cpu:
         in_flight = RANK0_GATHER_COPIES * _largest_tensor(spec) * prec.w  # rank 0 keeps what it gathers
-        return OutsideStep(int(evaluation), (resident + host_checkpoint + in_flight, resident + transient),
+        gather = gathered + max(in_flight, full_optimizer + (0 if run.is_lora() else in_flight))  # RANK0_GATHER_COPIES
+        return OutsideStep(int(evaluation), (resident + gather, resident + transient),
                            (resident + host_export, resident + transient), int(resident + full_weights + kv), 0,
                            loading)
     return OutsideStep(int(evaluation), (resident + transient,) * 2, (resident + transient,) * 2, int(resident),
                        int(max(host_checkpoint, host_export)), loading)
 
 
-def predicted_outside(model, run: RunConfig, device: str) -> OutsideStep | None:
+def _state_not_gathered(spec, run: RunConfig) -> int:
+    """Bytes of a sharded 4-bit base's quantization state (absmax, codes: ``quantized.packed_bytes -
+    quantized.storage_bytes``), which a gathered full state dict leaves out: under FSDP2 the weight is a DTensor
+    that has lost its ``quant_state`` (the module keeps it), and ``Linear4bit._save_to_state_dict`` (bitsandbytes
+    0.50.2 ``nn/modules.py`` L598-607) writes the state only from ``self.weight.quant_state``. Measured (FSDP2, 2 CPU
+    ranks, tiny Llama, QLoRA): the export's gathered dict held 16,304 B less than the full weights; this is 16,496.
+    Known error: DeepSpeed's gather is taken to leave it out too."""
+    if run.quantize is not Quantize.Q4:
+        return 0
+    return quantized.packed_bytes(spec, run) - quantized.storage_bytes(spec, run)
+
+
+def _rebuilt_copy(spec, run: RunConfig, full_weights: int, loaded_from: LoadedFrom | None) -> int:
+    """What rank 0's plain copy holds at most while it is built for a sharded export, beside the gathered state
+    dict (``training.sharding.gathered_model``: ``get_model_state_dict`` first, then ``build_model``, then
+    ``load_state_dict``): the full weights, or more while a quantized base loads, on the host
+    (``memory.host_loading``: a random base's unquantized model, or the tensor being quantized)."""
+    return max(full_weights, host_loading_peak(spec, run, loaded_from))
+
+
+def predicted_outside(model, run: RunConfig, device: str, loaded_from: LoadedFrom | None = None) -> OutsideStep | None:
     """``outside_step`` for a model name (or a ``ModelSpec``), or None where the estimator cannot describe
     the model (a prediction never stops a training run)."""
     try:
         from memfit.spec.model import load_spec
 
-        return outside_step(load_spec(model), run, "cpu" if device == "cpu" else "cuda")
+        return outside_step(load_spec(model), run, "cpu" if device == "cpu" else "cuda", loaded_from)
     except Exception:  # noqa: BLE001
         return None
 

@@ -30,11 +30,15 @@ largest phase's, each phase being taken to reuse the blocks earlier ones cached 
 requests fit none of those blocks reserves more). nvidia-smi adds the CUDA context and, with several processes,
 NCCL's buffers, which NCCL allocates itself, outside torch's allocator: ``NCCL_BYTES`` per rank and process group.
 On a CPU there is no allocator to model: each phase's reserved memory is its tensor peak, and the host is the device
-(a sharded unquantized run's rank 0 holds the whole model while it loads and wraps: ``_host_is_device_phases``).
+(a sharded unquantized run's rank 0 holds the whole model while it loads and wraps: ``_host_is_device_phases``; a
+quantized base peaks while it loads at the tensor being quantized on top of what is loaded so far, with the
+checkpoint's mapped storage where its dtype is not ``--dtype``, or at the random model memfit builds before it saves
+and quantizes it: ``memory.host_loading``).
 ``memfit train`` on a CPU measures each phase it runs with memfit's tensor counter (``training.phase_peaks``) and
 shows it beside this prediction; tests/test_phases_measured.py (loading a safetensors checkpoint, evaluation, the
-checkpoint, the export, the samples: within 1%, a full-length sample within 2%) and tests/test_shard_setup.py
-(loading and wrapping on 2 ranks: within 0.5%) hold them to it.
+checkpoint, the export, the samples: within 1%, a full-length sample within 2%), tests/test_quant_loading_measured.py
+(loading a 4-bit or 8-bit base: within 0.5%; a QLoRA run's loading, checkpoint and export: within 1%) and
+tests/test_shard_setup.py (loading and wrapping on 2 ranks: within 0.5%) hold them to it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 
 from memfit.memory import flat_params
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
+from memfit.memory.host_loading import LoadedFrom, host_loading_peak
 from memfit.settings.config import Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
 from memfit.units import MiB
@@ -103,14 +108,16 @@ def nccl_bytes(run: RunConfig, device: str = "cuda") -> int:
 
 
 def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_step: int = 0,
-                  stack: Stack | None = None) -> DevicePhases:
+                  stack: Stack | None = None, loaded_from: LoadedFrom | None = None) -> DevicePhases:
     """Every phase of ``run`` on one rank (module docstring); ``breakdown`` is the step's estimate or trace for
     ``device``; ``extra_step``: tensor bytes the step may add beyond it (a mixture-of-experts' worst routing);
-    ``stack``: who runs it (None: memfit's own), which decides how the base is loaded and wrapped."""
+    ``stack``: who runs it (None: memfit's own), which decides how the base is loaded and wrapped; ``loaded_from``:
+    the checkpoint's dtype, or random weights, which decide a quantized base's loading on a CPU
+    (``memory.host_loading``; None: a checkpoint in ``--dtype``)."""
     from memfit.memory.outside import outside_step
 
     cuda = device == "cuda"
-    outside = outside_step(spec, run, device)
+    outside = outside_step(spec, run, device, loaded_from)
     # Phases outside the step: the tensor-peak share alone; what the step's optimizer state and logits split stays in
     # the step's reserved memory, which later phases reuse (memory.fragmentation).
     reserve = reserved_from_tensors if cuda else int
@@ -118,7 +125,7 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     held = (breakdown.optimizer, breakdown.logits)  # what the fitted overhead follows (memory.fragmentation)
     step_reserved = (breakdown.reserved + extra_step if breakdown.reserved else reserve(tensors, *held)) if cuda \
         else tensors
-    earlier = _loading_phases(spec, run, outside, cuda, stack or Stack())
+    earlier = _loading_phases(spec, run, outside, cuda, stack or Stack(), loaded_from)
     if cuda and flat_params.applies(run, stack):  # FSDP (1): its unshard stream cannot reuse what earlier phases cached
         step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors, *held),
                                                          max(p.reserved for p in earlier))
@@ -129,8 +136,11 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
     return DevicePhases(tuple(phases), CUDA_CONTEXT_BYTES if cuda else 0, nccl_bytes(run, device))
 
 
-def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> list[Phase]:
-    """The loading phase, and wrapping's where the run is sharded."""
+def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack,
+                    loaded_from: LoadedFrom | None = None) -> list[Phase]:
+    """The loading phase, and wrapping's where the run is sharded. A quantized base loading on a CPU peaks at the
+    larger of the finished model and the tensor it quantizes on top of what is loaded so far
+    (``memory.host_loading``)."""
     from memfit.memory.loading import loading_replay
     from memfit.memory.outside import largest_tensor_bytes
     from memfit.memory.states import model_states
@@ -143,15 +153,17 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack) -> 
     if sharded and not whole and not cuda:
         return _host_is_device_phases(spec, run, shards)
     replay = loading_replay(spec, run, stack=stack) if cuda and whole else None
+    held = max(outside.loading, shards) if whole else shards  # what the loaded model holds
     if replay is not None:
         loading = Phase("loading", replay.allocated_after, replay.peak_reserved)
+        held = replay.allocated_after
     else:
-        figure = max(outside.loading, shards) if whole else shards
-        loading = Phase("loading", figure, reserved_from_tensors(figure) if cuda else figure)
+        peak = max(held, host_loading_peak(spec, run, loaded_from)) if not cuda and whole else held
+        loading = Phase("loading", peak, reserved_from_tensors(peak) if cuda else peak)
     if not sharded:
         return [loading]
     beside = shards if whole else largest_tensor_bytes(spec, run)  # the shards beside the whole base, or a gather
-    wrapped = loading.tensors + beside if whole else shards + beside
+    wrapped = held + beside if whole else shards + beside
     reserved = loading.reserved + beside if whole and cuda else (reserved_from_tensors(wrapped) if cuda else wrapped)
     return [loading, Phase("wrapping", wrapped, reserved)]
 
@@ -229,13 +241,14 @@ def largest_unit_bytes(spec, run: RunConfig) -> int:
     return int(max(gathered_layer_bytes(spec, run), root))
 
 
-def phase_figures(spec, run: RunConfig, breakdown, device: str) -> dict[str, int]:
+def phase_figures(spec, run: RunConfig, breakdown, device: str,
+                  loaded_from: LoadedFrom | None = None) -> dict[str, int]:
     """The flat figures ``memfit train``'s summary keeps beside ``memory.outside``'s (``run.json``'s
     ``outside_step``): ``phase_<name>`` (each phase's reserved memory; its tensor peak on a CPU),
     ``device_needed`` (what the fit rule reads) and ``device_context`` (0 on a CPU); empty where the estimator
-    cannot describe the run (a prediction never stops a training run)."""
+    cannot describe the run (a prediction never stops a training run). ``loaded_from``: ``device_phases``'."""
     try:
-        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda")
+        phases = device_phases(spec, run, breakdown, "cpu" if device == "cpu" else "cuda", loaded_from=loaded_from)
     except Exception:  # noqa: BLE001
         return {}
     return {**{f"phase_{p.name}": int(p.reserved) for p in phases.phases}, "device_needed": int(phases.needed()),

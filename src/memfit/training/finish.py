@@ -88,11 +88,12 @@ def _predicted_at_rows(s: TrainSession, peak_mem: measure.PeakMemory) -> int | N
 
 def _outside(s: TrainSession) -> dict | None:
     """The predicted peaks outside the step for the settings the run ended with (summary and run.json)."""
-    outside = predicted_outside(s.source.spec, s.run, s.device)
+    outside = predicted_outside(s.source.spec, s.run, s.device, s.source.loaded_from)
     if outside is None:
         return None
     predicted = s.planned.predicted
-    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device) if predicted else {})}
+    return {**outside.to_dict(), **(phase_figures(s.source.spec, s.run, predicted, s.device, s.source.loaded_from)
+                            if predicted else {})}
 
 
 def samples(s: TrainSession, net) -> list[dict[str, str]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from memfit.integrations.quant_support import quant_state_tensors
 from memfit.memory.measure import counted, resident_tensors
 
 
@@ -35,8 +36,8 @@ class PhasePeaks:
     @contextlib.contextmanager
     def watch(self, name: str, model=None, optimizer=None, extra=(), *, when: bool = True) -> Iterator[None]:
         """Count the block as phase ``name`` (once, on a CPU, ``when`` it is that phase), from the tensors
-        ``model`` and ``optimizer`` hold (``resident_tensors``; a model alone: its parameters and buffers) and
-        ``extra`` (the rollback snapshot's buffers, a second model)."""
+        ``model`` and ``optimizer`` hold (``resident_tensors``; a model alone: its parameters, buffers and quantization
+        state) and ``extra`` (the rollback snapshot's buffers, a second model)."""
         if not (self.enabled and when) or name in self.peaks:
             yield
             return
@@ -52,4 +53,7 @@ class PhasePeaks:
 def _held(model, optimizer, extra: list) -> list:
     if optimizer is not None:
         return resident_tensors(model, optimizer, extra)
-    return [*model.parameters(), *model.buffers(), *extra] if model is not None else extra
+    if model is None:
+        return extra
+    # a quantized base's absmax and codes are held beside its packed weights, which parameters() does not list
+    return [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *extra]

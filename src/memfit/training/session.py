@@ -290,7 +290,7 @@ def announce(s: TrainSession, settled: Settled, defaults: list[str | None], data
             bar.note(schedule_note)
     predicted, why = predict_or_why(s.source.spec, s.run, s.device)
     s.planned.predicted = predicted
-    bar.note(sharding.per_rank_line(s.source.spec, s.run, predicted, s.device, why=why))
+    bar.note(sharding.per_rank_line(s.source.spec, s.run, predicted, s.device, why=why, loaded_from=s.source.loaded_from))
 
 
 def preference_run(config: TrainConfig, run: RunConfig, bundle: ModelBundle, data: DataBundle,

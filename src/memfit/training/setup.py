@@ -41,6 +41,7 @@ from memfit.integrations.quant_support import (
     quantized_copy,
 )
 from memfit.integrations.trackers import check_tracker
+from memfit.memory.host_loading import LoadedFrom
 from memfit.settings import validate
 from memfit.settings.config import DType, Method, Precision, Quantize, RunConfig, TrainConfig
 from memfit.settings.defaults import default_lr
@@ -51,7 +52,7 @@ from memfit.spec.optimizers import check_device, row
 from memfit.spec.resolved import ResolvedRun, resolve
 from memfit.training import deepspeed_engine, sharding
 from memfit.training.weights import check_weights, loading
-from memfit.units import dtype_bytes
+from memfit.units import DTYPE_BYTES, dtype_bytes
 
 
 def cuda_available() -> bool:
@@ -177,6 +178,16 @@ class ResolvedModel:
             return None
         return self.hub.repo_id if self.hub is not None else str(self.path.resolve())
 
+    @property
+    def loaded_from(self) -> LoadedFrom:
+        """What a quantized base's loading on a CPU holds (``memory.host_loading``): random weights, or a checkpoint
+        in the dtype its config.json names (``save_pretrained`` writes the weights' own; a dtype memfit does not
+        price, or none: ``--dtype``)."""
+        if self.random_init:
+            return LoadedFrom(random=True)
+        name = str(getattr(self.hf_config, "dtype", None)).removeprefix("torch.")
+        return LoadedFrom(dtype=name if name in DTYPE_BYTES else None)
+
 
 def fetch_hub_model(config: TrainConfig, *, progress: bool = True):
     """``(config, HubModel)`` for a Hub ``--model`` (org/name), ``(config, None)`` for presets and folders.
@@ -251,12 +262,15 @@ def build_model(config: TrainConfig, run: RunConfig, source: ResolvedModel | Non
     kwargs = build.model_kwargs(run, resolved.attention, resolved.experts)
     torch.manual_seed(config.seed)  # presets: the same random init on every rank and every run
     if source.random_init or empty:
-        with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(source.hf_config,
-                                                     trust_remote_code=config.source.trust_remote_code,
-                                                     **kwargs)
-        if run.quantize is not Quantize.NONE:
-            model = quantized_copy(model, run, device=device if on_gpu else None)  # from_config cannot quantize
+        def random_model():
+            with init_empty_weights() if empty else torch.device(device) if on_gpu else contextlib.nullcontext():
+                return AutoModelForCausalLM.from_config(source.hf_config,
+                                                        trust_remote_code=config.source.trust_remote_code, **kwargs)
+
+        if run.quantize is not Quantize.NONE:  # from_config cannot quantize: saved, dropped, loaded quantized
+            model = quantized_copy(random_model, run, device=device if on_gpu else None)
+        else:
+            model = random_model()
     else:
         if run.quantize is not Quantize.NONE:
             kwargs["quantization_config"] = bnb_config(run)

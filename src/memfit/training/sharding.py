@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from memfit.errors import UserError
+from memfit.memory.host_loading import LoadedFrom
 from memfit.memory.outside import outside_step
 from memfit.settings.config import Offload, Quantize, RunConfig
 from memfit.spec.engines import deepspeed_requested, is_sharded, refusal, reshard_after_forward
@@ -429,9 +430,11 @@ def gathered_model(accelerator, run: RunConfig, model, build_plain: Callable[[],
     return plain
 
 
-def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", why: str = "") -> str:
+def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", why: str = "",
+                  loaded_from: LoadedFrom | None = None) -> str:
     """The preamble's prediction: the step's peak and the peaks outside it, "per rank" only where there
-    is more than one (several processes, or a sharded run); one process says "predicted peak"."""
+    is more than one (several processes, or a sharded run); one process says "predicted peak". ``loaded_from``:
+    where a quantized base comes from (``memory.outside.outside_step``'s)."""
 
     several = run.num_processes > 1 or is_sharded(run)
     label = "predicted per-rank peak" if several else "predicted peak"
@@ -445,7 +448,7 @@ def per_rank_line(model_name, run: RunConfig, predicted, device: str = "cuda", w
         line += f"; {run.sharding}{engine} over {spread}" if is_sharded(run) else f"; {spread}, unsharded"
     line += ")"
     try:
-        outside = outside_step(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda")
+        outside = outside_step(load_spec(model_name), run, "cpu" if device == "cpu" else "cuda", loaded_from)
     except Exception:  # noqa: BLE001 - a prediction must never stop a training run
         return line
     line += f"; evaluation {fmt_bytes(outside.evaluation)}"
