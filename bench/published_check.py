@@ -25,9 +25,10 @@ would be told for that run, and each run's ``note`` says in a sentence why it is
 row). Corrections of the set itself cite their source line (``corrections``); rows a source contradicts
 are listed under ``dropped`` with the reason. The estimator is never tuned to these figures.
 
-For the rows whose figure counts more than tensors (``reserved``, ``nvidia-smi``, ``fits``) the column "step alone"
-gives the step's own figure (tensor peak + cuBLAS workspace + the allocator's fitted overhead, + the context for
-nvidia-smi and fits), with its own summary line: what the phases outside the step add.
+For the rows whose figure spans the run (``reserved``, ``nvidia-smi``, ``fits``; ``allocated`` with ``peak_of: run``)
+the column "step alone" gives the step's own figure (the tensor peak; + cuBLAS workspace + the allocator's fitted
+overhead for reserved, + the context for nvidia-smi and fits), with its own summary line over the reserved kinds:
+what the phases outside the step add.
 
 ``published_heldout.yaml`` holds figures of the same schema that memfit was never tuned on (other sources, other
 runs): ``--runs`` reads it instead, with the same table and summary, an honest figure of the estimator's error on runs
@@ -243,7 +244,7 @@ def summary(rows: list[Row], error: Callable[[Row], float] = lambda r: r.error) 
 def step_summary(rows: list[Row]) -> dict[str, Any] | None:
     """``summary`` of the step's own figure (the phases outside it left out) on the rows of ``RESERVED_KINDS``; None
     when there are none."""
-    picked = [r for r in rows if r.step_predicted]
+    picked = [r for r in rows if r.step_predicted and r.measured in RESERVED_KINDS]
     return summary(picked, lambda r: r.step_error) if picked else None
 
 
