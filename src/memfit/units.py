@@ -30,6 +30,15 @@ DTYPE_BYTES: dict[str, float] = {
     "int64": 8,
 }
 
+#: memfit's weight dtypes (``--dtype``) by torch's names for them (``torch.bfloat16``, a config's ``torch_dtype``).
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype_name(dtype) -> str:
+    """torch's name of a memfit weight dtype (``bf16`` -> ``bfloat16``)."""
+    return TORCH_DTYPE_NAMES[str(dtype)]
+
+
 _UNITS = {
     "b": 1,
     "kb": KB,

@@ -23,15 +23,13 @@ from memfit.integrations.hf_compat import default_causal_loss, enable_checkpoint
 from memfit.settings.config import RunConfig
 from memfit.spec.lora import wrap_lora
 from memfit.spec.optimizers import row
-
-#: ``--dtype`` -> the torch dtype name the weights are built in.
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from memfit.units import torch_dtype_name
 
 
 def torch_dtype(run: RunConfig):
     """The torch dtype of the weights (``from_pretrained(dtype=...)``: rotary buffers stay fp32)."""
 
-    return getattr(torch, TORCH_DTYPES[str(run.dtype)])
+    return getattr(torch, torch_dtype_name(run.dtype))
 
 
 def model_kwargs(run: RunConfig, attention: str, experts: str = "") -> dict[str, Any]:

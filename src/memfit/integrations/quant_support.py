@@ -37,6 +37,7 @@ import tempfile
 from memfit.errors import UserError
 from memfit.integrations.hf_compat import no_loading_bar
 from memfit.integrations.versions import installed_version as version_of
+from memfit.units import torch_dtype_name
 
 #: The extra that installs bitsandbytes (``pyproject.toml``: ``quant``; ``cuda`` is kept as an alias).
 EXTRA = "quant"
@@ -164,10 +165,10 @@ def bnb_config(run):
     from transformers import BitsAndBytesConfig
 
     if str(run.quantize) == "4bit":
-        names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        storage = names[compute_dtype(run)] if shards_packed_weights(run) else torch.uint8
+        compute = getattr(torch, torch_dtype_name(compute_dtype(run)))
+        storage = compute if shards_packed_weights(run) else torch.uint8
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=names[compute_dtype(run)], bnb_4bit_quant_storage=storage)
+                                  bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
     return BitsAndBytesConfig(load_in_8bit=True)
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from memfit.interop.common import Reading
 from memfit.spec.model import is_preset, load_presets
+from memfit.units import torch_dtype_name
 
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: memfit's optimizer -> transformers' ``TrainingArguments.optim`` name (Axolotl, LLaMA-Factory and TRL write it).
 OPTIMIZER_NAMES = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused", "adamw-foreach": "adamw_torch",
                    "adamw-8bit": "adamw_8bit", "sgd": "sgd", "adafactor": "adafactor"}
@@ -24,8 +24,8 @@ Groups = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
 
 
 def dtype_name(dtype) -> str:
-    """torch's name of a memfit weight dtype (``bf16`` -> ``bfloat16``)."""
-    return DTYPE_NAMES[str(dtype)]
+    """torch's name of a memfit weight dtype (``bf16`` -> ``bfloat16``: ``memfit.units.torch_dtype_name``)."""
+    return torch_dtype_name(dtype)
 
 
 def model_id(model: str, source: Reading | None) -> str:

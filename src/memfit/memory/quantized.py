@@ -15,6 +15,7 @@ from memfit.integrations.quant_support import compute_bytes
 from memfit.integrations.quant_support import unquantized_bytes as rule
 from memfit.settings.config import Quantize
 from memfit.spec.linears import ATTN_IN
+from memfit.units import torch_dtype_name
 
 #: bitsandbytes' NF4 block: one absmax per 64 weights (``BitsAndBytesConfig`` -> ``Linear4bit``'s default
 #: ``blocksize=64``; ``functional.quantize_4bit``).
@@ -83,7 +84,7 @@ def state_dict_bytes(spec, run) -> int:
         return 0
     if run.quantize is Quantize.Q8:
         return sum(lin.count for lin in spec.linears)
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(str(run.dtype), "float32")
+    dtype = torch_dtype_name(run.dtype)
     total = 0
     for lin in spec.linears:
         items = {**PACKED_STATE_ITEMS, "dtype": dtype, "shape": [lin.out_features, lin.in_features]}
