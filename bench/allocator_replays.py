@@ -151,6 +151,19 @@ def fit(rows: list[dict]) -> dict:
             "loo_median_abs": statistics.median(abs(e) for e in loo)}
 
 
+def _earlier_rows(parser: argparse.ArgumentParser, path: str) -> list[dict]:
+    """The rows of an earlier ``--out`` file; a missing or malformed one ends in one sentence (``parser.error``)."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--refit {path}: not an allocator_replays.py --out file ({exc.__class__.__name__}).")
+    keys = ("tensor_peak", "reserved", "overhead", "overhead_share", "optimizer", "logits")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in keys)
+                                                        for r in rows):
+        parser.error(f"--refit {path}: its rows lack {', '.join(keys)} (written before round 16? trace again).")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two small configs only")
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.units import fmt_bytes
 
     grid = QUICK_GRID if args.quick else FAMILY_GRID + (() if args.no_presets else PRESET_GRID)
-    earlier = json.loads(Path(args.refit).read_text())["rows"] if args.refit else None
+    earlier = _earlier_rows(parser, args.refit) if args.refit else None
     rows = []
     print("model          regime     T x B      tensor peak    reserved      overhead (share of T)")
     for row in earlier if earlier is not None else (replay_row(*point) for point in grid):

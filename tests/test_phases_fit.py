@@ -81,6 +81,26 @@ def test_fitted_overhead_formula():
     assert 0.2 < fragmentation.PER_OPTIMIZER < 0.45 and 0.15 < fragmentation.PER_LOGIT < 0.4
 
 
+def test_the_replay_fit_recovers_the_terms_it_is_built_from():
+    """bench/allocator_replays.py's ``fit`` on rows whose overhead is exactly 0.3 x optimizer state + 0.2 x logits
+    (three large rows, the two terms in different proportions): the least squares give back 0.3 and 0.2, and
+    ``fraction`` is the median of their shares of the tensor peak, 0.8/8, 0.9/10 and 1.1/12 GiB: the third's."""
+    from allocator_replays import fit
+
+    def row(tensors, optimizer, logits):
+        overhead = int(0.3 * optimizer + 0.2 * logits)
+        return {"tensor_peak": tensors, "optimizer": optimizer, "logits": logits, "overhead": overhead,
+                "overhead_share": overhead / tensors, "reserved": tensors + CUBLAS_WORKSPACE_BYTES + overhead}
+
+    rows = [row(8 * GiB, 2 * GiB, 1 * GiB), row(10 * GiB, GiB * 5 // 3, 2 * GiB), row(12 * GiB, GiB, 4 * GiB),
+            row(GiB // 2, 0, 0)]
+    result = fit(rows)
+    assert result["per_optimizer"] == pytest.approx(0.3, rel=1e-6)
+    assert result["per_logit"] == pytest.approx(0.2, rel=1e-6)
+    assert result["fraction"] == pytest.approx(rows[2]["overhead_share"])
+    assert result["large_rows"] == 3 and result["rows"] == 4
+
+
 def _replay_row(point):
     from allocator_replays import replay_row
 
