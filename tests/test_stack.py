@@ -140,14 +140,14 @@ def test_litgpts_lora_loss_holds_fp32_chunks():
     ``F.cross_entropy`` per chunk: N = 2 x 64 x 384 = 49,152 logits (one chunk here: T is 64 < 128). Forward's
     end: fp32 logits + fp32 log_softmax output = 8 N = 393,216 B; backward's start: + one chunk's two fp32
     gradients and its bf16 cast (10 N) = 884,736 B; the loop's ``logits`` still holds 4 N = 196,608 B after."""
-    from memfit.memory.activations import LogitsTerms
+    from memfit.memory.activations import LogitsTerms, Precisions
     from memfit.memory.stack_terms import logits
     from memfit.spec.model import load_spec
 
-    spec = load_spec("tiny")
-    assert logits(spec, _run(), Stack(trainer="litgpt")) == LogitsTerms(393_216, 884_736, 196_608)
-    assert logits(spec, _run(lora_r=0), Stack(trainer="litgpt")) is None  # finetune/full.py: the whole head
-    assert logits(spec, _run(), Stack(trainer="torchtune")) is None
+    spec, prec = load_spec("tiny"), Precisions.of(_run())
+    assert logits(spec, _run(), prec, Stack(trainer="litgpt")) == LogitsTerms(393_216, 884_736, 196_608)
+    assert logits(spec, _run(lora_r=0), prec, Stack(trainer="litgpt")) is None  # finetune/full.py: the whole head
+    assert logits(spec, _run(), prec, Stack(trainer="torchtune")) is None
 
 
 def test_a_trainer_that_runs_as_memfit_adds_no_note():

@@ -215,7 +215,7 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
     return StepTerms(acts=acts, outside=outside, activations=activations + head.held,
                      at_end=outside + acts.held_all_layers + head.held, head_dequant=head.transient,
                      logit=(kernels.logits if kernels else
-                            stacks.logits(spec, run, stack or Stack()) or logits_terms(spec, run, prec, device)),
+                            stacks.logits(spec, run, prec, stack or Stack()) or logits_terms(spec, run, prec, device)),
                      head_side=kernels.head_side if kernels else head_side_activations(spec, run, prec, device),
                      copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),

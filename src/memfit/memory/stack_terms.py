@@ -8,6 +8,7 @@ its source, read by ``memory.estimate`` once the stack is resolved:
 - ``adapter_states``: their weights, gradients and AdamW moments in that dtype too;
 - ``quantized_head``: litgpt's 4-bit base quantizes the head, dequantized at every call;
 - ``sharded_quant_state``: torchao's NF4 base (torchtune) shards its quantization state with its weights;
+- ``logits``: litgpt's chunked head, or an older transformers release's head and loss (``memory.transformers_loss``);
 - ``gathered_in_compute_dtype``: FSDP2's ``MixedPrecisionPolicy`` gathers half parameters (torchtitan), not fp32;
 - the outputs torchtitan's per-op checkpointing keeps are priced by ``memory.activations`` (``memory.selective_ac``);
 - the layers' kept 4-bit inputs (bitsandbytes < 0.43.2) are priced by ``memory.activations`` through
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from memfit.memory import transformers_loss
 from memfit.memory.activations import LogitsTerms, Precisions
 from memfit.memory.quantized import nf4_bytes
 from memfit.memory.states import ModelStates, model_states, quant_state_bytes
@@ -185,9 +187,10 @@ def chunked_head_tokens(run: RunConfig, stack: Stack) -> int:
     return stack.traits.head_chunk_tokens
 
 
-def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
-    """The head and loss of a trainer that runs its head in chunks handed back in fp32 (``head_chunk_tokens``:
-    litgpt's LoRA fine-tune); None: memfit's own (``memory.activations.logits_terms``). ``N = B * T * V`` logits, ``n`` of a chunk.
+def logits(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> LogitsTerms | None:
+    """The head and loss of ``stack`` where they differ from memfit's own (None: ``memory.activations.logits_terms``):
+    a transformers release before 4.49 (``memory.transformers_loss``), or a trainer that runs its head in chunks
+    handed back in fp32 (``head_chunk_tokens``: litgpt's LoRA fine-tune). ``N = B * T * V`` logits, ``n`` of a chunk.
 
     - forward's end: the fp32 logits (Fabric's ``convert_output`` copies each bf16 chunk to fp32 and the bf16
       one dies with it) and ``log_softmax``'s saved fp32 output: 8 N bytes;
@@ -202,7 +205,7 @@ def logits(spec: ModelSpec, run: RunConfig, stack: Stack) -> LogitsTerms | None:
     """
     chunk = chunked_head_tokens(run, stack)
     if not chunk:
-        return None
+        return transformers_loss.logits_terms(spec, run, prec, stack)
     n = run.micro_batch * run.seq_len * spec.vocab_size
     n_chunk = run.micro_batch * min(chunk, run.seq_len) * spec.vocab_size
     return LogitsTerms(forward=8 * n, backward=8 * n + 10 * n_chunk, retained=4 * n)

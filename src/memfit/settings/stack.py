@@ -12,6 +12,7 @@ that memfit cannot price yet is said in a sentence (``Stack.unpriced``), never p
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 
 from packaging.version import InvalidVersion, Version
@@ -32,6 +33,23 @@ TRANSFORMERS_NON_REENTRANT = "5.0.0"
 
 #: The trainers whose checkpointing is transformers' ``gradient_checkpointing_enable`` (``Stack.checkpoints_reentrant``).
 HF_TRAINERS = ("hf", "trl", "axolotl", "llamafactory")
+
+#: The trainers that run transformers' causal-LM classes, head and loss included (``Stack.loss_era``).
+TRANSFORMERS_MODEL_TRAINERS = HF_TRAINERS + ("answerai-fsdp-qlora",)
+
+#: The first transformers release whose Llama returns the logits in fp32 and shifts a contiguous copy for the loss
+#: (4.31.0 ``modeling_llama.py`` L825 ``logits = logits.float()``); the first whose ``ForCausalLMLoss`` makes that
+#: copy instead (4.46.0 ``loss/loss_utils.py`` L36-38); the first that pads the labels, shifting nothing (4.49.0 L39).
+TRANSFORMERS_FP32_LOGITS, TRANSFORMERS_LOSS_FUNCTION, TRANSFORMERS_PADS_LABELS = "4.31.0", "4.46.0", "4.49.0"
+
+
+class LossEra(enum.Enum):
+    """How a transformers release before 4.49 runs the causal-LM head and loss (``memory.transformers_loss``)."""
+
+    FP32_LOGITS = "fp32-logits"
+    """Before 4.46: fp32 logits returned, the loss on a shifted contiguous copy (priced from 4.31 on)."""
+    SHIFTED_COPY = "shifted-copy"
+    """4.46-4.48: the head's logits returned; ``ForCausalLMLoss`` upcasts and shifts a contiguous copy."""
 
 #: The first bitsandbytes release whose ``MatMul4Bit`` keeps only the packed weight for backward
 #: (bitsandbytes commit 9e75374, "fix QLoRA mem bug: delete useless buffered activation"); earlier ones
@@ -85,6 +103,10 @@ class Trainer:
     it, and computes with no autocast: activations, gathered parameters and their unsharded gradients in that dtype
     (torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: ``memory.stack_terms.gathered_in_compute_dtype``);
     False: autocast's half copies of gathered fp32 parameters, as Accelerate runs it."""
+    keeps_output_through_backward: bool = False
+    """The loop binds the model's output (its logits) through ``loss.backward()`` and until the next forward returns
+    (fsdp_qlora e877dda ``train.py`` L841 ``output = model(...)``, L863 ``loss.backward()``); transformers'
+    ``Trainer.compute_loss`` returns the loss alone (``memory.transformers_loss``)."""
     unsloth_kernels: bool = False
     """Unsloth's own Llama layer, LoRA autograd functions, checkpointing and loss (``memory.unsloth_layer``), where
     they run; elsewhere transformers' layer is priced and the estimate says so."""
@@ -123,7 +145,7 @@ TRAINERS: dict[str, Trainer] = {
     # e877dda L1011 ``low_memory: bool_arg = True``: L628 quantizes each layer on the GPU then moves it to the CPU on
     # rank 0, to meta elsewhere; L733-735 FSDP(sync_module_states=True, param_init_fn=to_empty on cuda))
     "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True,
-                                   low_memory_loading=True),
+                                   low_memory_loading=True, keeps_output_through_backward=True),
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
     # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op";
     # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
@@ -206,6 +228,17 @@ class Stack:
         return (self.trainer in HF_TRAINERS and self.transformers is not None
                 and _release(self.transformers) < _release(TRANSFORMERS_NON_REENTRANT))
 
+    def loss_era(self) -> LossEra | None:
+        """How the run's transformers release holds the head's logits and the loss, where it is older than 4.49 and
+        the trainer runs transformers' classes (``TRANSFORMERS_MODEL_TRAINERS``); None: the installed release's
+        pricing."""
+        if self.trainer not in TRANSFORMERS_MODEL_TRAINERS or self.transformers is None:
+            return None
+        release = _release(self.transformers)
+        if release >= _release(TRANSFORMERS_PADS_LABELS):
+            return None
+        return LossEra.SHIFTED_COPY if release >= _release(TRANSFORMERS_LOSS_FUNCTION) else LossEra.FP32_LOGITS
+
     def nf4_chunked(self) -> bool:
         """Whether torchao's ``to_nf4`` searches the nearest code in chunks (torchao >= 0.2.0, or unnamed)."""
         return self.torchao is None or _release(self.torchao) >= _release(TORCHAO_CHUNKS_NF4)
@@ -225,7 +258,8 @@ class Stack:
         step_traits = Trainer(unpriced=self.traits.unpriced, low_memory_loading=self.traits.low_memory_loading,
                               nf4_on_build=self.traits.nf4_on_build, zero3_init=self.traits.zero3_init)
         return (self.traits != step_traits or self.keeps_4bit_input()
-                or not self.double_quant or self.fsdp == 1 or self.checkpoints_reentrant())
+                or not self.double_quant or self.fsdp == 1 or self.checkpoints_reentrant()
+                or self.loss_era() is not None)
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
