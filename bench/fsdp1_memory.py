@@ -17,17 +17,22 @@ prints one JSON line: every rank's measured peak and ``estimate(..., device="cpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 
 import torch
 
 
-def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0, no_shard: bool = False):
+def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0, no_shard: bool = False,
+          orig_params: bool = False, accumulate: int = 1):
     """The run, its spec and the model wrapped by FSDP (1) on this rank (CPU, gloo): ``(run, spec, model)``.
     ``lora_r``: LoRA adapters put on by memfit's own builder (``builder.parts.adapt``) and wrapped with PEFT's
     ``fsdp_auto_wrap_policy`` (each trainable LoRA matrix a unit of its own, as PEFT's FSDP examples and fsdp_qlora).
-    ``no_shard``: ``ShardingStrategy.NO_SHARD`` (fsdp_qlora's ``--sharding_strategy no_shard``)."""
+    ``no_shard``: ``ShardingStrategy.NO_SHARD`` (fsdp_qlora's ``--sharding_strategy no_shard``).
+    ``orig_params``: the adapters stay inside their layer's unit, wrapped with ``use_orig_params=True`` (Lightning
+    Fabric's ``FSDPStrategy`` default with litgpt's ``auto_wrap_policy={Block}``). ``accumulate``: micro-batches per
+    step (the run's ``grad_accum``)."""
     from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -38,7 +43,7 @@ def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0, no_s
     from memfit.spec import model as modelspec
     from memfit.spec.resolved import resolve
 
-    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=1, optimizer="adamw",
+    run = RunConfig.of(seq_len=seq_len, micro_batch=micro_batch, grad_accum=accumulate, optimizer="adamw",
                        sharding="ddp" if no_shard else "fsdp",
                        num_processes=torch.distributed.get_world_size(), packing="concat", lora_r=lora_r)
     spec = modelspec.load_spec(model_name)
@@ -51,14 +56,17 @@ def build(model_name: str, seq_len: int, micro_batch: int, lora_r: int = 0, no_s
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
     if lora_r:
         model = adapt(model, resolved.run, resolved.lora.names)
-        policy = fsdp_auto_wrap_policy(model)
+        if not orig_params:
+            policy = fsdp_auto_wrap_policy(model)
     strategy = ShardingStrategy.NO_SHARD if no_shard else ShardingStrategy.FULL_SHARD
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, sharding_strategy=strategy,
-                                       device_id=torch.device("cpu"), use_orig_params=False)
+                                       device_id=torch.device("cpu"), use_orig_params=orig_params)
     return resolved.run, spec, wrapped
 
 
 def measured_peaks(model, vocab_size: int, run, steps: int) -> list[int]:
+    # ``run.grad_accum`` micro-batches a step, all but the last under ``no_sync`` (as Accelerate's ``accumulate``,
+    # Lightning Fabric's ``no_backward_sync`` and litgpt's loop run them)
     """The tensor peak of each step from the third on (the first creates AdamW's state), counted by memfit's counter
     from what is resident when it starts (the flat shards, the optimizer state, the batch).
 
@@ -73,10 +81,15 @@ def measured_peaks(model, vocab_size: int, run, steps: int) -> list[int]:
     gen = torch.Generator().manual_seed(torch.distributed.get_rank())
     peaks = []
     for _ in range(steps):
-        ids = torch.randint(3, vocab_size, (run.micro_batch, run.seq_len), generator=gen)
-        batch = {"input_ids": ids, "labels": ids.clone()}  # whole rows, no mask: packing concat
-        with counted(resident_tensors(model, optimizer, list(batch.values()))) as live:
-            model(**batch).loss.backward()
+        batches = []
+        for _ in range(run.grad_accum):
+            ids = torch.randint(3, vocab_size, (run.micro_batch, run.seq_len), generator=gen)
+            batches.append({"input_ids": ids, "labels": ids.clone()})  # whole rows, no mask: packing concat
+        held = [t for batch in batches for t in batch.values()]
+        with counted(resident_tensors(model, optimizer, held)) as live:
+            for i, batch in enumerate(batches):
+                with model.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                    model(**batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         peaks.append(live.peak)
@@ -91,6 +104,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     parser.add_argument("--no-shard", action="store_true", help="ShardingStrategy.NO_SHARD (default: FULL_SHARD)")
+    parser.add_argument("--orig-params", action="store_true",
+                        help="LoRA inside each layer's unit with use_orig_params=True (litgpt's Fabric FSDP)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step, the first ones under no_sync")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -100,12 +116,13 @@ def main() -> None:
     from memfit.settings.stack import Stack
 
     state = PartialState()  # the process group (gloo under ACCELERATE_USE_CPU), as the other benches start it
-    run, spec, model = build(args.model, args.seq_len, args.micro_batch, args.lora_r, args.no_shard)
+    run, spec, model = build(args.model, args.seq_len, args.micro_batch, args.lora_r, args.no_shard, args.orig_params,
+                             args.accumulate)
     measured = measured_peaks(model, spec.vocab_size, run, args.steps)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
     if dist.get_rank() == 0:
-        predicted = estimate(spec, run, device="cpu", stack=Stack(fsdp=1))
+        predicted = estimate(spec, run, device="cpu", stack=Stack(fsdp=1, lora_in_layer_units=args.orig_params))
         fsdp2 = estimate(spec, run, device="cpu")
         print(json.dumps({"model": args.model, "processes": dist.get_world_size(), "seq_len": run.seq_len,
                           "micro_batch": run.micro_batch, "steps": args.steps,

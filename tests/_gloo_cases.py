@@ -109,6 +109,9 @@ CASES = {
     "fsdp1-lora": lambda root: _fsdp1_memory(root / "model", 8192, 2, "--lora-r", "8"),
     "fsdp1-noshard": lambda root: _fsdp1_memory(root / "model", 8192, 2, "--no-shard"),
     "fsdp1-noshard-backward": lambda root: _fsdp1_memory(root / "model", 2048, 4, "--no-shard", "--seq-len", "256"),
+    "fsdp1-accumulate": lambda root: _fsdp1_memory(root / "model", 2048, 4, "--accumulate", "3"),
+    "fsdp1-lora-in-units": lambda root: _fsdp1_memory(root / "model", 2048, 4, "--lora-r", "8", "--orig-params",
+                                                      "--accumulate", "3"),
     # test_train_dp: DDP, 22 samples, effective batch 4 (the 6th step holds 2), a checkpoint at step 3
     "dp": lambda root: _train(root, 22, [*TRAIN_ARGS[:TRAIN_ARGS.index("--no-packing")], "--packing", "none",
                                          *TRAIN_ARGS[TRAIN_ARGS.index("--no-packing") + 1:], "--save-every", "3"]),

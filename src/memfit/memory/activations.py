@@ -100,6 +100,8 @@ class _Ctx:
         """The trainer and versions (``memfit.settings.stack``): which inputs a 4-bit base keeps, LoRA's dropout."""
         self.bt = run.micro_batch * run.seq_len
         self.full = not run.is_lora()
+        self.trained_base = self.full or self.stack.trains_whole_layers(run)
+        """Every layer parameter gets a gradient: a full fine-tune, or LoRA in FSDP (1) units shared with the base."""
         self.lora = set()
         if run.is_lora():
             self.lora = {lin.name for lin in spec.lora_linears(run.lora.targets)}
@@ -132,13 +134,14 @@ class _Ctx:
         projection and an fp32 input is shared. ``lora_A``'s r-wide output is saved by ``lora_B``.
         """
         p, run = self.prec, self.run
+        base = 0
+        if self.trained_base:  # the projections' own weights get gradients: each saves its input
+            base = len(names) * p.c * dim if p.amp and src != p.c else (0 if already else src * dim)
         if self.full:
-            if p.amp and src != p.c:
-                return len(names) * p.c * dim
-            return 0 if already else src * dim
+            return base
         adapted = [n for n in names if n in self.lora]
         if not adapted:
-            return 0
+            return base
         # the fp32 adapters are cast under autocast whatever the base's dtype (a bf16 base too: p.amp is False)
         cast = self.autocast and p.adapter != p.c
         if cast and self.bnb_keeps_half_input and src == p.c:
@@ -149,8 +152,10 @@ class _Ctx:
             per_input, shared, mid = p.adapter * dim, 0, p.adapter * run.lora.r
         else:
             per_input, shared, mid = 0, (0 if already else src * dim), p.adapter * run.lora.r
+        if base:  # lora_A's uncast input is the tensor the base projection saved
+            shared = 0
         if run.lora.dropout <= 0:
-            return len(adapted) * (per_input + mid) + shared
+            return len(adapted) * (per_input + mid) + shared + base
         # nn.Dropout on the adapter input: lora_A saves the dropped tensor (a new one per dropout, in the dtype
         # the input reaches it: the cast copy's, else the input's), and the dropout its mask (bool on CUDA's
         # fused kernel, the input dtype on CPU). litgpt's fused qkv LoRA drops its input once for q, k and v
@@ -159,7 +164,7 @@ class _Ctx:
         if self.stack.traits.shared_qkv_dropout and set(adapted) <= QKV:
             dropouts = 1
         mask = 1 if self.device == "cuda" else (p.c if cast else p.adapter)
-        return len(adapted) * mid + dropouts * ((per_input or src * dim) + mask * dim)
+        return len(adapted) * mid + dropouts * ((per_input or src * dim) + mask * dim) + base
 
     def rms_norm(self, hidden: int, stream: int, gemma: bool = False, xin: bool = True) -> int:
         """Bytes per token an RMSNorm saves.
@@ -168,11 +173,11 @@ class _Ctx:
         ``1 + weight`` is taken in fp32. ``pow`` saves the fp32 x (the input itself when the stream is
         fp32, else its fp32 copy), ``rsqrt`` its fp32 output (1/token), and the weight's product saves the
         normalised h (Llama: cast back to the stream dtype; Gemma: fp32) only when the weight is trained.
-        Nothing when neither the input nor the weight needs a gradient (LoRA's first layer).
+        Nothing when neither the input nor the weight needs a gradient (LoRA's first layer, its base frozen).
         """
+        h = (FP32 if gemma else stream) * hidden if self.trained_base else 0
         if not xin and not self.full:
-            return 0
-        h = (FP32 if gemma else stream) * hidden if self.full else 0
+            return h  # the frozen embedding's output needs no gradient; a trained weight still saves h
         return FP32 * hidden + FP32 + h
 
     def dropout_mask(self, dim: int, dtype: int, p: float) -> int:
@@ -304,7 +309,7 @@ def gpt2_layer(ctx: _Ctx) -> int:
     s, p = ctx.spec, ctx.prec
     h, i = s.hidden_size, s.intermediate_size
     n_t = s.num_heads * ctx.run.seq_len
-    ln_in = (p.w * h + 2 * p.w) if (ctx.xin or ctx.full) else 0  # input, mean, rstd in the stream dtype
+    ln_in = (p.w * h + 2 * p.w) if (ctx.xin or ctx.trained_base) else 0  # input, mean, rstd in the stream dtype
     total = ln_in
     total += ctx.linear_inputs(h, ("c_attn",), p.w)
     if ctx.device == "cpu" and ctx.attn_dropout > 0:

@@ -219,7 +219,8 @@ def step_terms(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelS
                      head_side=kernels.head_side if kernels else head_side_activations(spec, run, prec, device),
                      copies=copies, in_loss=final_hidden_in_loss(spec, run, prec),
                      dequant=quantized.dequantized_transient(spec, run, "forward"),
-                     accumulated=states.gradients if run.grad_accum > 1 else 0,
+                     accumulated=(states.gradients if states.accumulated is None else states.accumulated)
+                     if run.grad_accum > 1 else 0,
                      reference=pref.reference_transient(spec, run, prec),
                      previous=litgpt_loop.previous_outputs(spec, run, stack or Stack(),
                                                            acts.held_all_layers + head.held))

@@ -28,6 +28,18 @@ its frozen base only (``use_orig_params=False``).
   it into a new shard (L890-902 ``new_sharded_grad``) and drops it. The root's gradients (a full fine-tune) are
   concatenated only when the embedding's backward ends. Frozen units have none.
 
+- **Adapters inside layer units** (``Stack.trains_whole_layers``: Lightning Fabric's ``use_orig_params=True`` with
+  litgpt's ``auto_wrap_policy={Block}``). A layer's flat parameter holds its frozen base and its LoRA matrices, in
+  one dtype, and requires a gradient as a whole (``fully_sharded_data_parallel.py`` L208-213: "higher than expected
+  gradient memory usage"): every layer parameter gets a gradient, so the layer's unit gradients are a full
+  fine-tune's and the layer saves what a full fine-tune saves (``memory.activations``); the root (embedding, norm,
+  head) stays frozen. The optimizer steps only the adapters (the original parameters' views).
+- **Accumulation under ``no_sync``** (``Trainer.fsdp_no_sync_accumulation``: Accelerate, transformers' Trainer,
+  Lightning Fabric). The micro-batches before the last skip the reduce-scatter (``_runtime_utils.py``
+  ``_post_backward_hook`` returns while ``_sync_gradients`` is False), so every trainable unit keeps its unsharded
+  flat gradient into the next micro-batch (``no_sync``: "FSDP will accumulate the full model gradients (instead of
+  gradient shards)"): the model's whole gradient on every rank in a full fine-tune or with adapters inside layer
+  units (``ModelStates.accumulated``).
 - **NO_SHARD** (``--sharding ddp`` of these stacks, as fsdp_qlora's ``--sharding_strategy no_shard``). Each
   flat parameter stays whole on every rank (``shard`` L957-958: no ``_get_shard``, no padding) and is never
   all-gathered (``uses_sharded_strategy`` False, L2689-2690; ``unshard`` a no-op, L1371-1378, ``needs_unshard`` L1387):
@@ -41,7 +53,7 @@ its frozen base only (``use_orig_params=False``).
 Known error: the alignment padding of ``use_orig_params=True`` (< 16 bytes per parameter, L609) is left out; a
 ``MixedPrecision`` run gathers in the compute dtype here but autocast's weight copies are still priced (over).
 Checked on CPU (gloo) against memfit's tensor counter: ``tests/test_flat_params.py`` (``bench/fsdp1_memory.py``,
-FULL_SHARD and ``--no-shard``).
+FULL_SHARD, ``--no-shard``, ``--accumulate`` and ``--orig-params``).
 """
 
 from __future__ import annotations
@@ -114,11 +126,15 @@ def gather_bytes(run: RunConfig) -> int:
     return 2 if narrower else stored
 
 
-def flat_units(spec: ModelSpec, run: RunConfig) -> FlatUnits:
-    """Per-unit bytes of ``run``'s model under FSDP (1) over ``run.num_processes`` ranks (module docstring)."""
+def flat_units(spec: ModelSpec, run: RunConfig, mixed: bool = False) -> FlatUnits:
+    """Per-unit bytes of ``run``'s model under FSDP (1) over ``run.num_processes`` ranks (module docstring);
+    ``mixed``: the adapters inside their layer's unit (``Stack.trains_whole_layers``), in its stored dtype (a flat
+    parameter has one dtype), else units of their own."""
     n, stored = run.num_processes, unquantized_param_bytes(run)
     layers = max(spec.num_layers, 1)
     adapters = spec.lora_params(run) * 4 // layers if run.is_lora() else 0
+    if mixed:
+        adapters -= spec.lora_params(run) * stored // layers
     # the root's own parameters: embedding, head, and the final norm's weight (H: a LayerNorm's bias is left in the
     # layers, H / L elements each); ``gathered_layer_bytes`` spreads the final norm over the layers instead
     root_numel = spec.embedding_params + spec.lm_head_params + spec.hidden_size
@@ -137,21 +153,30 @@ def flat_units(spec: ModelSpec, run: RunConfig) -> FlatUnits:
                      layer_shard=layer_padded // n, root_shard=root_padded // n, mp_shard=mp)
 
 
-def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: str = "cuda") -> ModelStates:
-    """``states`` (memfit's FSDP2 terms of ``run``) as FSDP (1) holds them: its padded shards, its unsharded units at
-    each moment the estimate models, its flat gradients, and the optimizer step over flat shards."""
-    units = flat_units(spec, run)
+def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: str = "cuda",
+                stack: Stack | None = None) -> ModelStates:
+    """``states`` (memfit's FSDP2 terms of ``run``, the adapters at the stack's dtype) as FSDP (1) holds them: its
+    padded shards, its unsharded units at each moment the estimate models, its flat gradients, the optimizer step
+    over flat shards, and what gradient accumulation keeps (``accumulated``)."""
+    mixed = stack is not None and stack.trains_whole_layers(run)
+    units = flat_units(spec, run, mixed)
     # a full fine-tune's gradients: unsharded in the gathered dtype (MixedPrecision's param dtype), sharded in the
-    # stored one (``_cast_grad_to_param_dtype``, _runtime_utils.py L1030-1057); a frozen unit has none (LoRA)
+    # stored one (``_cast_grad_to_param_dtype``, _runtime_utils.py L1030-1057); a frozen unit has none (LoRA); a
+    # unit mixing frozen and trainable parameters has its whole flat gradient (``fully_sharded_data_parallel.py``
+    # L208-213: "higher than expected gradient memory usage"), the root (frozen) none
     n = 1 if no_shard(run) else run.num_processes  # NO_SHARD: each rank's "shard" is the whole flat parameter
-    grad = 0 if run.is_lora() else weight_bytes(run)
+    grad = weight_bytes(run) if not run.is_lora() or mixed else 0
+    root_grad = 0 if run.is_lora() else grad
     full = gather_bytes(run) if grad else 0
     shards = spec.num_layers * units.layer_shard + units.root_shard
     offloaded = run.offload is Offload.PARAMS  # CPUOffload: the shards and their gradients (``_cpu_grad``) on the host
     # NO_SHARD: the whole units are the states' (DDP's) weights; its gradients are flat ones, not DDP's buckets
-    kept = states.weights if offloaded or no_shard(run) else states.weights - fsdp2_base_shards(spec, run) + shards
+    in_units = spec.lora_params(run) * unquantized_param_bytes(run) // n if mixed else 0  # already in the shards
+    kept = (states.weights if offloaded or no_shard(run)
+            else states.weights - in_units - fsdp2_base_shards(spec, run) + shards)
     adapters = states.gradients + states.buckets  # LoRA: the adapters' own units, as FSDP2's (or DDP's buckets)
-    gradients = shards if grad and not offloaded else adapters
+    trainable_shards = spec.num_layers * units.layer_shard + (units.root_shard if root_grad else 0)
+    gradients = trainable_shards if grad and not offloaded else adapters
     # while a layer computes its backward: the root, that layer and the one prefetched (L693); forward holds one
     # layer (reshard after forward) and at its end, where the logits are, only the root
     layer_moment, backward_start = units.root + 2 * units.layer, units.root + units.layer
@@ -160,16 +185,35 @@ def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: st
     # first layer's just before (the root and that layer unsharded, the head's gradient held in the root's split)
     stored = unquantized_param_bytes(run)
     root_numel, layer_numel = units.root_shard * n // stored, units.layer_shard * n // stored
-    end = units.root + 2 * root_numel * full - root_numel // n * grad
-    head = (spec.lm_head_params or spec.vocab_size * spec.hidden_size) * full
-    late_layer = units.root + units.layer + 2 * layer_numel * full - (layer_numel // n + root_numel // n) * grad + head
+    root_full = full if root_grad else 0
+    end = units.root + 2 * root_numel * root_full - root_numel // n * root_grad
+    head = (spec.lm_head_params or spec.vocab_size * spec.hidden_size) * root_full
+    late_layer = (units.root + units.layer + 2 * layer_numel * full - (layer_numel // n + root_numel // n * bool(root_grad))
+                  * grad + head)
     return dataclasses.replace(
         states, weights=int(kept), gradients=int(gradients), buckets=0,
         step_temporary=flat_step_temporary(spec, run, units, states, device),
         gathered=int(backward_start), gathered_forward=int(units.root), gathered_layer=int(layer_moment),
         gathered_entry=0, gathered_first_entry=0, reducing=0, gathered_start=int(backward_start),
         gathered_end=int(max(end, late_layer)), released_per_layer=0,
-        unit_gradients=int(head + 2 * layer_numel * full))
+        unit_gradients=int(head + 2 * layer_numel * full),
+        accumulated=no_sync_gradients(spec, run, units, stack, root_full, full, adapters))
+
+
+def no_sync_gradients(spec: ModelSpec, run: RunConfig, units: FlatUnits, stack: Stack | None, root_full: int,
+                      full: int, adapters: int) -> int | None:
+    """The gradients a micro-batch before the last keeps under ``no_sync`` (``Trainer.fsdp_no_sync_accumulation``):
+    every trainable unit's unsharded flat gradient, in the gathered dtype (``fully_sharded_data_parallel.py``
+    ``no_sync``: "FSDP will accumulate the full model gradients (instead of gradient shards) until the eventual
+    sync"; ``_runtime_utils.py`` ``_post_backward_hook`` returns before the reduce-scatter); the adapters' own units
+    whole (N x their shards). None: as the sharded gradients (one micro-batch, NO_SHARD, or a loop that syncs each)."""
+    if run.grad_accum <= 1 or no_shard(run) or stack is None or not stack.traits.fsdp_no_sync_accumulation:
+        return None
+    if not full:
+        return int(adapters * run.num_processes)
+    stored = unquantized_param_bytes(run)
+    layers = spec.num_layers * units.layer // gather_bytes(run) * full if units.layer else 0
+    return int(layers + units.root // stored * root_full)
 
 
 def fsdp2_base_shards(spec: ModelSpec, run: RunConfig) -> int:

@@ -27,10 +27,10 @@ def resident_states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: s
     dtype, a quantized head, a sharded quantization state, Unsloth's rotary caches), DPO's reference copy included;
     and Unsloth's own layer and loss terms where they run (``memory.unsloth_layer``)."""
     states = model_states(spec, run, device, engine, rank, stack)
-    if flat_params.applies(run, stack, engine):  # FSDP (1)'s flat parameters instead of FSDP2's shards
-        states = flat_params.flat_states(spec, run, states, device)
-    states = stacks.gathered_in_compute_dtype(spec, run, states, stack, device, engine, rank)
     states = stacks.adapter_states(spec, run, prec, states, stack)
+    if flat_params.applies(run, stack, engine):  # FSDP (1)'s flat parameters instead of FSDP2's shards
+        states = flat_params.flat_states(spec, run, states, device, stack)
+    states = stacks.gathered_in_compute_dtype(spec, run, states, stack, device, engine, rank)
     states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     kernels = unsloth_layer.terms(spec, run, prec, stack)

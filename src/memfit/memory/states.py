@@ -72,6 +72,10 @@ class ModelStates:
     unit_gradients: int = 0
     """FSDP (1): the gradients alive as the top layer's flat gradient is concatenated (its views' and the
     concatenation, the head's held beside them; ``memory.flat_params``); 0: no such moment."""
+    accumulated: int | None = None
+    """The gradients a micro-batch keeps for the next under gradient accumulation, where they are not ``gradients``
+    (FSDP (1) under ``no_sync``: every trainable unit's unsharded flat gradient, ``memory.flat_params``); None:
+    ``gradients``."""
 
     @property
     def from_backward_start(self) -> int:

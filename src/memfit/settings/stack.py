@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from packaging.version import InvalidVersion, Version
 
 from memfit.errors import UserError
+from memfit.settings.config import RunConfig, Sharding
 from memfit.settings.zero3 import Coordinator
 
 #: The first torchao release whose ``to_nf4`` searches the nearest NF4 code in chunks of ``1024**2`` weights
@@ -103,6 +104,15 @@ class Trainer:
     it, and computes with no autocast: activations, gathered parameters and their unsharded gradients in that dtype
     (torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: ``memory.stack_terms.gathered_in_compute_dtype``);
     False: autocast's half copies of gathered fp32 parameters, as Accelerate runs it."""
+    lora_in_fsdp_layer_units: bool = False
+    """Under FSDP (1) the LoRA matrices share their layer's flat parameter with the frozen base (``use_orig_params=True``
+    and a layer-only wrap policy: Lightning Fabric's ``FSDPStrategy`` default, litgpt ``finetune/lora.py``
+    ``auto_wrap_policy={Block}``), so the whole layer gets a gradient (``memory.flat_params``); False: each LoRA
+    matrix a unit of its own (PEFT's ``fsdp_auto_wrap_policy``, fsdp_qlora's)."""
+    fsdp_no_sync_accumulation: bool = True
+    """Under FSDP (1) the micro-batches before the last of an accumulated step run in ``no_sync`` (Accelerate's
+    ``accumulate``, transformers' Trainer, Lightning Fabric's ``no_backward_sync``), keeping unsharded gradients;
+    False: each micro-batch reduce-scatters (fsdp_qlora without ``--no_sync``, train.py L821-824)."""
     keeps_output_through_backward: bool = False
     """The loop binds the model's output (its logits) through ``loss.backward()`` and until the next forward returns
     (fsdp_qlora e877dda ``train.py`` L841 ``output = model(...)``, L863 ``loss.backward()``); transformers'
@@ -139,13 +149,14 @@ TRAINERS: dict[str, Trainer] = {
                          shards_quant_state=True),
     # litgpt: the model under Fabric's bf16-true precision (adapters too), fused qkv (litgpt/lora.py L233, L426)
     "litgpt": Trainer(adapters_in_compute_dtype=True, shared_qkv_dropout=True, quantizes_head=True,
-                      head_chunk_tokens=128, keeps_outputs_until_next_forward=True),
+                      head_chunk_tokens=128, keeps_outputs_until_next_forward=True, lora_in_fsdp_layer_units=True),
     # Answer.AI's fsdp_qlora: PEFT's LoRA on a bitsandbytes or custom base, wrapped by FSDP (1)
     # (train.py --precision bf16 casts every parameter, the adapters too, to bf16; --reentrant_checkpointing True;
     # e877dda L1011 ``low_memory: bool_arg = True``: L628 quantizes each layer on the GPU then moves it to the CPU on
     # rank 0, to meta elsewhere; L733-735 FSDP(sync_module_states=True, param_init_fn=to_empty on cuda))
     "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True,
-                                   low_memory_loading=True, keeps_output_through_backward=True),
+                                   low_memory_loading=True, keeps_output_through_backward=True,
+                                   fsdp_no_sync_accumulation=False),
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
     # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op";
     # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
@@ -172,6 +183,9 @@ class Stack:
     double_quant: bool = True
     """Whether a 4-bit base quantizes its absmax statistics again (bitsandbytes' ``compress_statistics``, memfit's
     setting); litgpt's ``quantize: bnb.nf4`` does not (``bnb.nf4-dq`` does)."""
+    lora_in_layer_units: bool | None = None
+    """Whether FSDP (1) wraps the LoRA matrices inside their layer's unit (``Trainer.lora_in_fsdp_layer_units``); None:
+    the trainer's own policy."""
     low_memory_loading: bool | None = None
     """Whether a sharded run loads its base low-memory (``Trainer.low_memory_loading``); None: the trainer's own
     way. transformers' Trainer does where Accelerate's config asks for it: ``fsdp_cpu_ram_efficient_loading: true``
@@ -243,6 +257,18 @@ class Stack:
         """Whether torchao's ``to_nf4`` searches the nearest code in chunks (torchao >= 0.2.0, or unnamed)."""
         return self.torchao is None or _release(self.torchao) >= _release(TORCHAO_CHUNKS_NF4)
 
+    def lora_shares_layer_units(self) -> bool:
+        """Whether FSDP (1) puts the LoRA matrices in their layer's flat parameter (``lora_in_layer_units``)."""
+        return self.traits.lora_in_fsdp_layer_units if self.lora_in_layer_units is None else self.lora_in_layer_units
+
+    def trains_whole_layers(self, run: RunConfig) -> bool:
+        """Whether a LoRA ``run`` gives every decoder-layer parameter a gradient: FSDP (1) over several ranks with the
+        adapters inside their layer's flat parameter (``lora_shares_layer_units``), which then requires a gradient as a
+        whole, so the frozen base's weights get theirs and each layer saves what a full fine-tune saves (the base
+        projections' inputs, the norms' normalised input). Read by ``memory.flat_params`` and ``memory.activations``."""
+        return (run.is_lora() and self.fsdp == 1 and self.lora_shares_layer_units() and run.num_processes > 1
+                and run.sharding in (Sharding.FSDP, Sharding.DDP))
+
     def loads_low_memory(self) -> bool:
         """Whether a sharded run's base reaches the device one unit at a time (``low_memory_loading``)."""
         return self.traits.low_memory_loading if self.low_memory_loading is None else self.low_memory_loading
@@ -264,10 +290,9 @@ class Stack:
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
         out = list(self.traits.unpriced)
-        if self.fsdp == 1:  # its flat parameters are priced (memory.flat_params); what they leave out:
-            out.append("FSDP (1) is priced with LoRA matrices as units of their own (PEFT's and fsdp_qlora's wrap "
-                       "policy); with use_orig_params and adapters inside a layer's unit it also computes the frozen "
-                       "base's gradients (fully_sharded_data_parallel.py L208-213), not priced.")
+        if self.fsdp == 1 and self.lora_shares_layer_units():  # flat parameters priced (memory.flat_params) but:
+            out.append("FSDP (1) with the adapters inside layer units: their AdamW state is priced split evenly over "
+                       "the ranks; each rank holds that of the adapters its shard covers.")
         return tuple(out)
 
     def describe(self) -> str:
@@ -288,6 +313,8 @@ class Stack:
             parts.append("FSDP (1)")
         if self.zero3 != Coordinator():
             parts.append(self.zero3.describe())
+        if self.lora_in_layer_units is not None and self.lora_in_layer_units != self.traits.lora_in_fsdp_layer_units:
+            parts.append("LoRA inside the layers' FSDP units" if self.lora_in_layer_units else "LoRA as FSDP units")
         if self.low_memory_loading is not None and self.low_memory_loading != self.traits.low_memory_loading:
             parts.append("low-memory loading" if self.low_memory_loading else "whole-base loading")
         return ", ".join(parts)
