@@ -94,11 +94,14 @@ def test_a_stack_is_checked_in_one_sentence():
 
 def test_from_sets_the_stack_from_the_file():
     """The tool runs the file (torchtune: bf16 adapters); Axolotl's FSDP without ``fsdp_version: 2`` is
-    Accelerate's FSDP (1), priced by its flat parameters (memory.flat_params), what that leaves out said."""
+    Accelerate's FSDP (1), priced by its flat parameters (memory.flat_params) with PEFT's policy (each LoRA matrix a
+    unit): nothing left unpriced. With the adapters inside the layers' units (litgpt's Fabric) the per-rank split of
+    their AdamW state is said."""
     assert read(DATA / "torchtune_1B_lora_single_device.yaml").stack == Stack(trainer="torchtune")
     axolotl = read(DATA / "axolotl_qlora_fsdp_llama2.yml").stack
     assert axolotl.trainer == "axolotl" and axolotl.fsdp == 1
-    assert any("FSDP (1)" in s for s in axolotl.unpriced())
+    assert axolotl.unpriced() == ()
+    assert any("FSDP (1)" in s for s in Stack(trainer="litgpt", fsdp=1).unpriced())
 
 
 def test_litgpts_nf4_keeps_fp32_absmax():
