@@ -195,7 +195,9 @@ def test_mixed_precision_policy_gathers_half_parameters():
     parameters are 256 x (256 + 128 + 128 + 256) + 3 x 256 x 768 + 2 x 256 = 786,944, + 32 (memfit spreads the
     final norm's 256 over the 8 layers); two layers gathered while one computes: 1,573,952 parameters, 3,147,904 B
     at bf16 against 6,295,808 at fp32. The stream is bf16 (``Precisions.w`` 2) and autocast keeps no weight copies;
-    the shards' bytes are unchanged; unsharded, memfit's autocast pricing stays."""
+    the shards' bytes are unchanged; unsharded, memfit's autocast pricing stays. The layer above's reduce-scatter
+    input, in flight while a layer computes its backward, stays fp32 (``reduce_dtype``): 786,976 x 4 = 3,147,904 B,
+    not the 1,573,952 B of bf16."""
     spec = load_spec("tiny")
     run = RunConfig.of(seq_len=64, micro_batch=2, num_processes=2, sharding="fsdp", mixed_precision="bf16",
                        optimizer="adamw", grad_checkpointing=True)
@@ -203,6 +205,7 @@ def test_mixed_precision_policy_gathers_half_parameters():
     titan = gathered_in_compute_dtype(spec, run, own, TORCHTITAN, "cuda", "fsdp2", None)
     assert own.gathered_layer == 6_295_808 and titan.gathered_layer == 3_147_904
     assert (titan.weights, titan.gradients, titan.optimizer) == (own.weights, own.gradients, own.optimizer)
+    assert titan.reducing == 3_147_904
     prec = precisions(Precisions.of(run), run, TORCHTITAN)
     assert (prec.w, prec.c, prec.amp) == (2, 2, False)
     assert autocast_weight_copies(spec, run, prec) == 0 < autocast_weight_copies(spec, run, Precisions.of(run))

@@ -66,15 +66,15 @@ def gathered_in_compute_dtype(spec: ModelSpec, run: RunConfig, states: ModelStat
     the gathered parameters and their unsharded gradients in the compute dtype, read off ``memory.states.model_states``
     of the same run with half weights; the rest (fp32 shards, their fp32 gradients, AdamW's moments) kept.
 
-    Known error: the reduce-scatter input is fp32 (``reduce_dtype``: torch 2.13 ``_fsdp_collectives.py`` L599
-    allocates it in ``reduce_dtype`` and copies the half gradients in), priced at half: at most one layer's
-    parameters x 2 B too few while a layer's gradients are reduced (0.41 GiB on Llama 3.1 8B).
+    The reduce-scatter input stays fp32 (``reduce_dtype``: torch 2.13 ``_fsdp_collectives.py`` L597-603 allocates it
+    in ``reduce_dtype`` and copies the half gradients in): the layer above's, held while a layer computes its
+    backward (``reducing``), is one layer's parameters x 4 B (1.63 GiB on Llama 3.1 8B, 0.41 GiB more than at half).
     """
     if not computes_in_param_dtype(run, Precisions.of(run), stack):
         return states
     half = model_states(spec, run.replace(dtype=str(run.mixed_precision)), device, engine, rank)
     fields = ("gathered", "gathered_end", "gathered_forward", "gathered_layer", "gathered_entry",
-              "gathered_first_entry", "reducing", "gathered_start", "released_per_layer")
+              "gathered_first_entry", "gathered_start", "released_per_layer")
     return dataclasses.replace(states, **{name: getattr(half, name) for name in fields})
 
 
