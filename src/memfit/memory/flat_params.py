@@ -126,10 +126,11 @@ def gather_bytes(run: RunConfig) -> int:
     return 2 if narrower else stored
 
 
-def flat_units(spec: ModelSpec, run: RunConfig, mixed: bool = False) -> FlatUnits:
-    """Per-unit bytes of ``run``'s model under FSDP (1) over ``run.num_processes`` ranks (module docstring);
-    ``mixed``: the adapters inside their layer's unit (``Stack.trains_whole_layers``), in its stored dtype (a flat
-    parameter has one dtype), else units of their own."""
+def flat_units(spec: ModelSpec, run: RunConfig, stack: Stack | None = None) -> FlatUnits:
+    """Per-unit bytes of ``run``'s model under FSDP (1) over ``run.num_processes`` ranks (module docstring); the
+    adapters inside their layer's unit where ``stack`` puts them there (``Stack.trains_whole_layers``), in its stored
+    dtype (a flat parameter has one dtype), else units of their own."""
+    mixed = stack is not None and stack.trains_whole_layers(run)
     n, stored = run.num_processes, unquantized_param_bytes(run)
     layers = max(spec.num_layers, 1)
     adapters = spec.lora_params(run) * 4 // layers if run.is_lora() else 0
@@ -159,7 +160,7 @@ def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: st
     padded shards, its unsharded units at each moment the estimate models, its flat gradients, the optimizer step
     over flat shards, and what gradient accumulation keeps (``accumulated``)."""
     mixed = stack is not None and stack.trains_whole_layers(run)
-    units = flat_units(spec, run, mixed)
+    units = flat_units(spec, run, stack)
     # a full fine-tune's gradients: unsharded in the gathered dtype (MixedPrecision's param dtype), sharded in the
     # stored one (``_cast_grad_to_param_dtype``, _runtime_utils.py L1030-1057); a frozen unit has none (LoRA); a
     # unit mixing frozen and trainable parameters has its whole flat gradient (``fully_sharded_data_parallel.py``
@@ -237,7 +238,7 @@ def flat_step_temporary(spec: ModelSpec, run: RunConfig, units: FlatUnits, state
     return max(prev + 2 * cur for prev, cur in zip([0, *sizes], sizes, strict=False))
 
 
-def unshard_stream_bytes(spec: ModelSpec, run: RunConfig) -> int:
+def unshard_stream_bytes(spec: ModelSpec, run: RunConfig, stack: Stack | None = None) -> int:
     """Bytes the caching allocator keeps in blocks of FSDP (1)'s unshard and pre-unshard streams (CUDA).
 
     The all-gather output is allocated under ``with state._device_handle.stream(unshard_stream)``
@@ -251,18 +252,19 @@ def unshard_stream_bytes(spec: ModelSpec, run: RunConfig) -> int:
     pre-unshard stream (``_flat_param.py`` L1337, 1/N of a layer) and the post-backward stream's reduce-scatter
     buffers (a LoRA matrix's, or a full fine-tune's unit gradient, ``_runtime_utils.py`` L753-774) are left out.
     """
-    units = flat_units(spec, run)
+    units = flat_units(spec, run, stack)
     return units.root + LAYERS_IN_UNSHARD_STREAM * units.layer + 2 * units.mp_shard
 
 
-def step_reserved(spec: ModelSpec, run: RunConfig, tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
+def step_reserved(spec: ModelSpec, run: RunConfig, tensor_peak: int, optimizer: int = 0, logits: int = 0,
+                  stack: Stack | None = None) -> int:
     """Predicted ``max_memory_reserved`` of an FSDP (1) step whose tensors peak at ``tensor_peak`` (``optimizer`` and
     ``logits`` bytes of it optimizer state and logits): the compute stream's share (the peak less the root, which
     every moment of forward and backward holds unsharded in the unshard stream's blocks) through the fitted allocator
     overhead (``memory.fragmentation``), plus those blocks (``unshard_stream_bytes``), which the compute stream cannot
     reuse."""
-    compute = max(tensor_peak - flat_units(spec, run).root, 0)
-    return int(reserved_from_tensors(compute, optimizer, logits) + unshard_stream_bytes(spec, run))
+    compute = max(tensor_peak - flat_units(spec, run, stack).root, 0)
+    return int(reserved_from_tensors(compute, optimizer, logits) + unshard_stream_bytes(spec, run, stack))
 
 
 def with_reserved(breakdown, spec: ModelSpec, run: RunConfig, stack: Stack | None,
@@ -274,27 +276,35 @@ def with_reserved(breakdown, spec: ModelSpec, run: RunConfig, stack: Stack | Non
     if not applies(run, stack, engine):
         return
     tensors = breakdown.peak_bytes - breakdown.other
-    breakdown.reserved = step_reserved(spec, run, tensors, breakdown.optimizer, breakdown.logits)
+    breakdown.reserved = step_reserved(spec, run, tensors, breakdown.optimizer, breakdown.logits, stack)
     breakdown.other = CUDA_CONTEXT_BYTES + breakdown.reserved - tensors
 
 
-def after_earlier_phases(spec: ModelSpec, run: RunConfig, step_reserved_bytes: int, earlier_reserved: int) -> int:
+def after_earlier_phases(spec: ModelSpec, run: RunConfig, step_reserved_bytes: int, earlier_reserved: int,
+                         stack: Stack | None = None) -> int:
     """The step's reserved memory after phases that reserved ``earlier_reserved`` on the compute (default) stream
     (loading, wrapping): the compute stream reuses those cached blocks, the unshard stream's cannot
     (``unshard_stream_bytes``), so they add to the larger of the two."""
-    pool = unshard_stream_bytes(spec, run)
+    pool = unshard_stream_bytes(spec, run, stack)
     return int(max(step_reserved_bytes - pool, earlier_reserved) + pool)
 
 
-def notes(spec: ModelSpec, run: RunConfig, stack: Stack | None, engine: str = "fsdp2") -> list[str]:
-    """The note under an estimate priced with FSDP (1)'s flat parameters (none where ``applies`` is False)."""
+def notes(spec: ModelSpec, run: RunConfig, stack: Stack | None, engine: str = "fsdp2",
+          accumulated: int | None = None) -> list[str]:
+    """The note under an estimate priced with FSDP (1)'s flat parameters (none where ``applies`` is False);
+    ``accumulated``: the states' ``ModelStates.accumulated``, said where no_sync keeps unsharded gradients."""
     if not applies(run, stack, engine):
         return []
-    units = flat_units(spec, run)
+    units = flat_units(spec, run, stack)
+    kept = ""
+    if accumulated is not None:
+        kept = (f" Under gradient accumulation each trainable unit keeps its unsharded flat gradient between "
+                f"micro-batches (no_sync): {accumulated / 2**20:,.1f} MiB.")
     if no_shard(run):
         return ["FSDP (1) NO_SHARD flat parameters (memory/flat_params.py): whole on every rank, never all-gathered; "
-                "flat gradients made unit by unit in backward and all-reduced in place (not DDP's resident buckets)."]
+                "flat gradients made unit by unit in backward and all-reduced in place (not DDP's resident buckets)."
+                + kept]
     return [f"FSDP (1) flat parameters (memory/flat_params.py): a layer unit {units.layer / 2**20:,.1f} MiB and the "
             f"root {units.root / 2**20:,.1f} MiB unsharded; the unshard stream's blocks "
             f"({unshard_stream_bytes(spec, run) / 2**20:,.1f} MiB) are added to reserved memory beside "
-            f"{fragmentation.describe()} on a GPU."]
+            f"{fragmentation.describe()} on a GPU." + kept]

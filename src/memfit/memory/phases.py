@@ -127,8 +127,9 @@ def device_phases(spec, run: RunConfig, breakdown, device: str = "cuda", extra_s
         else tensors
     earlier = _loading_phases(spec, run, outside, cuda, stack or Stack(), loaded_from)
     if cuda and flat_params.applies(run, stack):  # FSDP (1): its unshard stream cannot reuse what earlier phases cached
-        step_reserved = flat_params.after_earlier_phases(spec, run, flat_params.step_reserved(spec, run, tensors, *held),
-                                                         max(p.reserved for p in earlier))
+        step_reserved = flat_params.after_earlier_phases(
+            spec, run, flat_params.step_reserved(spec, run, tensors, *held, stack=stack),
+            max(p.reserved for p in earlier), stack)
     phases = [*earlier, Phase("step", tensors, step_reserved)]
     for name, figure in (("evaluation", outside.evaluation), ("checkpoint", max(outside.checkpoint_full)),
                          ("export", max(outside.export)), ("samples", outside.generation)):

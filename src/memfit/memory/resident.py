@@ -42,4 +42,6 @@ def resident_states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: s
 
 def stack_notes(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack, engine: str) -> list[str]:
     """What an analytic estimate says about its stack: which one it priced and what of it memfit does not price."""
-    return stacks.notes(stack) + flat_params.notes(spec, run, stack, engine) + unsloth_layer.notes(spec, run, prec, stack)
+    accumulated = resident_states(spec, run, prec, "cuda", engine, None, stack)[0].accumulated
+    return (stacks.notes(stack) + flat_params.notes(spec, run, stack, engine, accumulated)
+            + unsloth_layer.notes(spec, run, prec, stack))
