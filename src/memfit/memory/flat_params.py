@@ -207,11 +207,15 @@ def no_sync_gradients(spec: ModelSpec, run: RunConfig, units: FlatUnits, stack: 
     every trainable unit's unsharded flat gradient, in the gathered dtype (``fully_sharded_data_parallel.py``
     ``no_sync``: "FSDP will accumulate the full model gradients (instead of gradient shards) until the eventual
     sync"; ``_runtime_utils.py`` ``_post_backward_hook`` returns before the reduce-scatter); the adapters' own units
-    whole (N x their shards). None: as the sharded gradients (one micro-batch, NO_SHARD, or a loop that syncs each)."""
+    whole (N x their shards), on the device even with CPU offload ("the gradients will not be offloaded to CPU when
+    inside the context manager"). None: as the sharded gradients (one micro-batch, NO_SHARD, or a loop that syncs
+    each). Known error: the adapters' are priced at their sharded gradients' bytes (PEFT's fp32); under a
+    ``MixedPrecision`` param dtype FSDP (1) makes them in that dtype (over by half of them)."""
     if run.grad_accum <= 1 or no_shard(run) or stack is None or not stack.traits.fsdp_no_sync_accumulation:
         return None
     if not full:
-        return int(adapters * run.num_processes)
+        offloaded = run.offload is Offload.PARAMS  # the sharded gradients went to the host: PEFT's fp32 adapters
+        return int(spec.lora_params(run) * 4 if offloaded else adapters * run.num_processes)
     stored = unquantized_param_bytes(run)
     layers = spec.num_layers * units.layer // gather_bytes(run) * full if units.layer else 0
     return int(layers + units.root // stored * root_full)
