@@ -85,7 +85,7 @@ def _fsdp1_memory(root: Path, vocab: int, layers: int, *extra: str) -> dict:
 
     LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(root)
-    return _bench("fsdp1_memory.py", "--model", str(root), "--seq-len", "32", "--micro-batch", "2", "--steps", "4",
+    return _bench("fsdp1_memory.py", "--model", str(root), "--seq-len", "32", "--micro-batch", "2", "--steps", "6",
                   *extra)
 
 
