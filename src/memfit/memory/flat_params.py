@@ -189,8 +189,8 @@ def flat_states(spec: ModelSpec, run: RunConfig, states: ModelStates, device: st
     root_full = full if root_grad else 0
     end = units.root + 2 * root_numel * root_full - root_numel // n * root_grad
     head = (spec.lm_head_params or spec.vocab_size * spec.hidden_size) * root_full
-    late_layer = (units.root + units.layer + 2 * layer_numel * full - (layer_numel // n + root_numel // n * bool(root_grad))
-                  * grad + head)
+    late_layer = (units.root + units.layer + 2 * layer_numel * full - layer_numel // n * grad
+                  - root_numel // n * root_grad + head)
     return dataclasses.replace(
         states, weights=int(kept), gradients=int(gradients), buckets=0,
         step_temporary=flat_step_temporary(spec, run, units, states, device),
@@ -216,9 +216,8 @@ def no_sync_gradients(spec: ModelSpec, run: RunConfig, units: FlatUnits, stack: 
     if not full:
         offloaded = run.offload is Offload.PARAMS  # the sharded gradients went to the host: PEFT's fp32 adapters
         return int(spec.lora_params(run) * 4 if offloaded else adapters * run.num_processes)
-    stored = unquantized_param_bytes(run)
-    layers = spec.num_layers * units.layer // gather_bytes(run) * full if units.layer else 0
-    return int(layers + units.root // stored * root_full)
+    gathered = gather_bytes(run)  # the units' unsharded bytes are in it: each unit's elements x the gradient's bytes
+    return int(spec.num_layers * units.layer // gathered * full + units.root // gathered * root_full)
 
 
 def fsdp2_base_shards(spec: ModelSpec, run: RunConfig) -> int:
