@@ -270,3 +270,18 @@ def test_reentrant_checkpointing_is_read_from_the_file(tmp_path):
     trl.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "max_length": 64, "gradient_checkpointing": True,
                                    "gradient_checkpointing_kwargs": {"use_reentrant": True}}))
     assert read(str(trl)).stack.checkpoints_reentrant()
+
+
+def test_axolotl_fsdp1_accumulation_keeps_the_adapters_whole_gradients_on_the_device():
+    """axolotl's examples/llama-2/qlora-fsdp.yml: FSDP (1) with fsdp_offload_params, 4 micro-batches a step. The three
+    before the last run under no_sync (transformers' Trainer through Accelerate), which keeps each LoRA unit's
+    unsharded gradient on the device, offload or not. LoRA r 32 on every linear of Llama 2 7B, per layer: q, k, v, o
+    32 x (4,096 + 4,096) = 262,144 each; gate, up, down 32 x (4,096 + 11,008) = 483,328 each: 2,498,560; 32 layers:
+    79,953,920 fp32 gradients, 319,815,680 B (305.0 MiB), said under the estimate."""
+    from memfit.interop import read
+
+    got = read(DATA / "axolotl_qlora_fsdp_llama2.yml")
+    assert (got.run.grad_accum, got.run.offload.value, got.stack.fsdp) == (4, "params", 1)
+    # the file names no process count (a launch does): priced on 2
+    notes = estimate(got.model, got.run.replace(num_processes=2), stack=got.stack).notes
+    assert any("(no_sync): 305.0 MiB." in n for n in notes), notes
