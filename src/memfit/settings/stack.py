@@ -38,10 +38,10 @@ HF_TRAINERS = ("hf", "trl", "axolotl", "llamafactory")
 #: The trainers that run transformers' causal-LM classes, head and loss included (``Stack.loss_era``).
 TRANSFORMERS_MODEL_TRAINERS = HF_TRAINERS + ("answerai-fsdp-qlora",)
 
-#: The first transformers release whose Llama returns the logits in fp32 and shifts a contiguous copy for the loss
-#: (4.31.0 ``modeling_llama.py`` L825 ``logits = logits.float()``); the first whose ``ForCausalLMLoss`` makes that
-#: copy instead (4.46.0 ``loss/loss_utils.py`` L36-38); the first that pads the labels, shifting nothing (4.49.0 L39).
-TRANSFORMERS_FP32_LOGITS, TRANSFORMERS_LOSS_FUNCTION, TRANSFORMERS_PADS_LABELS = "4.31.0", "4.46.0", "4.49.0"
+#: The first transformers release whose ``ForCausalLMLoss`` upcasts and shifts a contiguous copy of the head's logits
+#: (4.46.0 ``loss/loss_utils.py`` L36-38; from 4.31.0, ``modeling_llama.py`` L825, Llama returned them in fp32 and
+#: shifted the copy itself), and the first that pads the labels instead, shifting nothing (4.49.0 L39).
+TRANSFORMERS_LOSS_FUNCTION, TRANSFORMERS_PADS_LABELS = "4.46.0", "4.49.0"
 
 
 class LossEra(enum.Enum):
