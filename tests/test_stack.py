@@ -93,11 +93,12 @@ def test_a_stack_is_checked_in_one_sentence():
 
 
 def test_from_sets_the_stack_from_the_file():
-    """The tool runs the file (torchtune: bf16 adapters); Axolotl's FSDP without ``fsdp_version: 2`` is
+    """The tool runs the file (torchtune: bf16 adapters, its chunked-output loss); Axolotl's FSDP without ``fsdp_version: 2`` is
     Accelerate's FSDP (1), priced by its flat parameters (memory.flat_params) with PEFT's policy (each LoRA matrix a
     unit): nothing left unpriced. With the adapters inside the layers' units (litgpt's Fabric) the per-rank split of
     their AdamW state is said."""
-    assert read(DATA / "torchtune_1B_lora_single_device.yaml").stack == Stack(trainer="torchtune")
+    torchtune = Stack(trainer="torchtune", chunked_output_loss=True)  # the file's loss: CEWithChunkedOutputLoss
+    assert read(DATA / "torchtune_1B_lora_single_device.yaml").stack == torchtune
     axolotl = read(DATA / "axolotl_qlora_fsdp_llama2.yml").stack
     assert axolotl.trainer == "axolotl" and axolotl.fsdp == 1
     assert axolotl.unpriced() == ()
@@ -127,7 +128,8 @@ def test_the_planner_prices_a_tools_candidates_on_its_stack():
     plan = evaluate(memfit.load_spec("tiny"), run, gpu, 2**34, stack=stack)
     assert plan.breakdown.peak_bytes == estimate("tiny", run, device="cuda", stack=stack).peak_bytes
     assert plan.breakdown.peak_bytes != estimate("tiny", run, device="cuda").peak_bytes
-    assert memfit.config_stack("torchtune", read(DATA / "torchtune_1B_lora_single_device.yaml")) == stack
+    assert memfit.config_stack("torchtune", read(DATA / "torchtune_1B_lora_single_device.yaml")) == Stack(
+        trainer="torchtune", chunked_output_loss=True)  # the file's CEWithChunkedOutputLoss (memory.stack_terms)
     assert memfit.config_stack("axolotl") == Stack(trainer="axolotl")
 
 

@@ -6,8 +6,8 @@ How torchtune runs a step, where it differs from memfit's own trainer:
 - no autocast: ``dtype: bf16`` stores and computes everything in bf16 (memfit's pure bf16), LoRA adapters
   included (memfit's LoRA keeps PEFT's fp32 adapters: a few MB more);
 - ``LinearCrossEntropyLoss`` (the default) projects and scores the hidden states in chunks, never the full
-  logits; ``CEWithChunkedOutputLoss`` chunks the logits and upcasts one chunk at a time: both priced as
-  memfit's chunked loss;
+  logits: priced as memfit's chunked loss; ``CEWithChunkedOutputLoss`` makes every chunk of the logits and keeps
+  each for backward (``Stack.chunked_output_loss``, ``memory.stack_terms.chunked_output_logits``);
 - the model builder names the architecture; a ``checkpointer.checkpoint_dir`` holding a Hugging Face
   config.json is read instead where it exists (the exact model).
 """
@@ -290,8 +290,13 @@ def _loss(keys: Keys) -> str:
     name = component.rsplit(".", 1)[-1]
     if name in PREFERENCE_LOSSES:  # a DPO recipe's: read by _dpo
         return "standard"
-    if name in ("LinearCrossEntropyLoss", "CEWithChunkedOutputLoss"):
-        keys.price(f"loss {name}: never the full fp32 logits; priced as memfit's chunked loss (chunk sizes differ).")
+    if name == "LinearCrossEntropyLoss":
+        keys.price(f"loss {name}: never the full logits; priced as memfit's chunked loss (chunk sizes differ).")
+        return "chunked"
+    if name == "CEWithChunkedOutputLoss":  # every chunk of the head's output kept to the loss (memory.stack_terms)
+        keys.stack["chunked_output_loss"] = True
+        keys.price(f"loss {name}: the head's output in chunks, each kept for backward (fp32 log-probabilities, or the "
+                   "chunk itself where compile is on); priced as torchtune runs it.")
         return "chunked"
     if name == "CrossEntropyLoss" or not component:
         return "standard"

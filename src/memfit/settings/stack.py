@@ -183,6 +183,10 @@ class Stack:
     double_quant: bool = True
     """Whether a 4-bit base quantizes its absmax statistics again (bitsandbytes' ``compress_statistics``, memfit's
     setting); litgpt's ``quantize: bnb.nf4`` does not (``bnb.nf4-dq`` does)."""
+    chunked_output_loss: bool = False
+    """Whether ``--loss chunked`` is torchtune's ``CEWithChunkedOutputLoss``: the head's output made in chunks that
+    all live until the loss, which keeps each chunk for backward (``memory.stack_terms.chunked_output_logits``);
+    False: memfit's chunked loss (and torchtune's ``LinearCrossEntropyLoss``), one chunk of logits at a time."""
     lora_in_layer_units: bool | None = None
     """Whether FSDP (1) wraps the LoRA matrices inside their layer's unit (``Trainer.lora_in_fsdp_layer_units``); None:
     the trainer's own policy."""
@@ -285,7 +289,7 @@ class Stack:
                               nf4_on_build=self.traits.nf4_on_build, zero3_init=self.traits.zero3_init)
         return (self.traits != step_traits or self.keeps_4bit_input()
                 or not self.double_quant or self.fsdp == 1 or self.checkpoints_reentrant()
-                or self.loss_era() is not None)
+                or self.loss_era() is not None or self.chunked_output_loss)
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
@@ -313,6 +317,8 @@ class Stack:
             parts.append("FSDP (1)")
         if self.zero3 != Coordinator():
             parts.append(self.zero3.describe())
+        if self.chunked_output_loss:
+            parts.append("CEWithChunkedOutputLoss")
         if self.lora_in_layer_units is not None and self.lora_in_layer_units != self.traits.lora_in_fsdp_layer_units:
             parts.append("LoRA inside the layers' FSDP units" if self.lora_in_layer_units else "LoRA as FSDP units")
         if self.low_memory_loading is not None and self.low_memory_loading != self.traits.low_memory_loading:
@@ -325,19 +331,22 @@ class Stack:
         if not data:
             return cls()
         known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading", "zero3",
-                 "transformers", "reentrant_checkpointing")
+                 "transformers", "reentrant_checkpointing", "chunked_output_loss", "lora_in_layer_units")
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise UserError(f"A stack names {', '.join(known)}; not {', '.join(unknown)}.")
         version, torchao, low_memory = data.get("bitsandbytes"), data.get("torchao"), data.get("low_memory_loading")
         transformers, reentrant = data.get("transformers"), data.get("reentrant_checkpointing")
+        in_units = data.get("lora_in_layer_units")
         return cls(trainer=str(data.get("trainer", "memfit")), bitsandbytes=None if version is None else str(version),
                    torchao=None if torchao is None else str(torchao),
                    double_quant=bool(data.get("double_quant", True)), fsdp=int(data.get("fsdp", 2)),
                    low_memory_loading=None if low_memory is None else bool(low_memory),
                    zero3=Coordinator.of(data["zero3"]) if data.get("zero3") else Coordinator(),
                    transformers=None if transformers is None else str(transformers),
-                   reentrant_checkpointing=None if reentrant is None else bool(reentrant))
+                   reentrant_checkpointing=None if reentrant is None else bool(reentrant),
+                   chunked_output_loss=bool(data.get("chunked_output_loss", False)),
+                   lora_in_layer_units=None if in_units is None else bool(in_units))
 
 
 def _release(version: str) -> tuple[int, ...]:
