@@ -59,7 +59,7 @@ def _measured(score, count) -> tuple[int, int]:
 def _priced(compile_: bool):
     spec = dataclasses.replace(load_spec("tiny"), vocab_size=V)
     run = RunConfig.of(seq_len=T, micro_batch=B, dtype="bf16", mixed_precision="no", loss="chunked", compile=compile_)
-    return chunked_output_logits(spec, run, Precisions.of(run))
+    return chunked_output_logits(spec, run, Precisions.of(run), compiled=compile_)
 
 
 def test_eager_keeps_every_chunks_fp32_log_probabilities():
@@ -82,3 +82,26 @@ def test_compiled_keeps_every_bf16_chunk_instead():
     forward, backward = _measured(score, counted_compiled)
     assert (terms.forward, terms.backward) == (4_194_304, 4_718_592)
     assert 0 <= forward - terms.forward <= UNPRICED and 0 <= backward - terms.backward <= UNPRICED
+
+
+def test_a_torchtune_config_names_the_loss_and_whether_it_is_compiled(tmp_path):
+    """torchtune's 1B LoRA config (``loss: CEWithChunkedOutputLoss``, ``compile: False``) sets the stack's loss; with
+    ``compile: True`` the recipe compiles ``compute_cross_entropy`` (``training.compile_loss``). Micro-batch 4 x 256,
+    V 128,256: N = 131,334,144 logits, n = N / 8. Eager, the peak's logits are forward's at the last chunk: the bf16
+    chunks, every chunk's fp32 log-probabilities and the last one's fp32 copy, 2 N + 4 N + 4 n = 853,671,936 B;
+    compiled, backward's: the bf16 chunks and one chunk's bf16 gradient, 2 N + 2 n = 295,501,824 B."""
+    from pathlib import Path
+
+    from memfit.interop import read
+    from memfit.memory.estimate import estimate
+
+    source = Path(__file__).parent / "data" / "interop" / "torchtune_1B_lora_single_device.yaml"
+    eager = read(source)
+    compiled_file = tmp_path / "compiled.yaml"
+    compiled_file.write_text(source.read_text().replace("\ncompile: False", "\ncompile: True"))
+    compiled = read(compiled_file)
+    assert (eager.stack.chunked_output_loss, eager.stack.compiled_loss) == (True, False)
+    assert (compiled.stack.chunked_output_loss, compiled.stack.compiled_loss) == (True, True)
+    assert not compiled.run.compile  # the layers stay priced eager: only the loss's term changes
+    assert estimate(eager.model, eager.run, stack=eager.stack).logits == 853_671_936
+    assert estimate(compiled.model, compiled.run, stack=compiled.stack).logits == 295_501_824

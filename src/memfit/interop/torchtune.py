@@ -135,6 +135,8 @@ def read(path: str, data: dict) -> Reading:
     run["loss"] = _loss(keys)
     if keys.bool("compile", False):
         keys.not_mapped("compile", "memfit prices the eager model; torch.compile may save fewer activations.")
+        if keys.stack.get("chunked_output_loss"):  # training.compile_loss: its compute_cross_entropy compiled
+            keys.stack["compiled_loss"] = True
     if re.sub(r"^(q?lora)_", "", builder.rsplit(".", 1)[-1]).startswith(EAGER_ATTENTION):
         run["attn_implementation"] = "eager"
         keys.price(f"model {builder}: torchtune's own attention materializes the scores to soft-cap them "
@@ -296,7 +298,7 @@ def _loss(keys: Keys) -> str:
     if name == "CEWithChunkedOutputLoss":  # every chunk of the head's output kept to the loss (memory.stack_terms)
         keys.stack["chunked_output_loss"] = True
         keys.price(f"loss {name}: the head's output in chunks, each kept for backward (fp32 log-probabilities, or the "
-                   "chunk itself where compile is on); priced as torchtune runs it.")
+                   "chunk itself where compile is on: training.compile_loss); priced as torchtune runs it.")
         return "chunked"
     if name == "CrossEntropyLoss" or not component:
         return "standard"

@@ -204,7 +204,7 @@ def logits(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> L
     ``finetune/lora.py`` L303-308, ``utils.py`` L293-322; Lightning Fabric ``HalfPrecision.convert_output``.
     """
     if stack.chunked_output_loss and str(run.loss) == "chunked":
-        return chunked_output_logits(spec, run, prec)
+        return chunked_output_logits(spec, run, prec, compiled=run.compile or stack.compiled_loss)
     chunk = chunked_head_tokens(run, stack)
     if not chunk:
         return transformers_loss.logits_terms(spec, run, prec, stack)
@@ -217,13 +217,14 @@ def logits(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> L
 OUTPUT_CHUNKS = 8
 
 
-def chunked_output_logits(spec: ModelSpec, run: RunConfig, prec: Precisions) -> LogitsTerms:
+def chunked_output_logits(spec: ModelSpec, run: RunConfig, prec: Precisions, compiled: bool = False) -> LogitsTerms:
     """torchtune's ``CEWithChunkedOutputLoss`` (``Stack.chunked_output_loss``): the model returns its head's output as
     ``OUTPUT_CHUNKS`` chunks of the sequence, all in the compute dtype (``c`` N bytes, ``N = B * T * V``), and the loss
     scores them one after the other with ``F.cross_entropy(chunk.float(), ...)`` (torchtune 0031bfb
     ``ce_chunked_output_loss.py``); the recipe deletes its list of chunks after the loss (``del logits``,
     full_finetune_single_device.py L578). What each chunk's graph keeps for backward depends on ``compute_cross_entropy``
-    being compiled (``training.compile_loss`` with ``compile: True``), measured on CPU tensors (tests/test_stack.py):
+    being ``compiled`` (``training.compile_loss`` with ``compile: True``: ``Stack.compiled_loss``, or ``--compile``),
+    measured on CPU tensors (tests/test_chunked_output_loss.py):
 
     - eager: ``log_softmax``'s fp32 output of every chunk (4 N) is saved; forward peaks at the last chunk with the
       chunks, the saved outputs and that chunk's fp32 copy: ``c`` N + 4 N + 4 n (``n = N / OUTPUT_CHUNKS``);
@@ -234,6 +235,6 @@ def chunked_output_logits(spec: ModelSpec, run: RunConfig, prec: Precisions) -> 
     """
     n_all = run.micro_batch * run.seq_len * spec.vocab_size
     n_chunk = n_all // OUTPUT_CHUNKS
-    if run.compile:
+    if compiled:
         return LogitsTerms(forward=prec.c * n_all, backward=prec.c * (n_all + n_chunk))
     return LogitsTerms(forward=(prec.c + FP32) * n_all + FP32 * n_chunk, backward=FP32 * n_all + 2 * FP32 * n_chunk)

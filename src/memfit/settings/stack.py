@@ -187,6 +187,10 @@ class Stack:
     """Whether ``--loss chunked`` is torchtune's ``CEWithChunkedOutputLoss``: the head's output made in chunks that
     all live until the loss, which keeps each chunk for backward (``memory.stack_terms.chunked_output_logits``);
     False: memfit's chunked loss (and torchtune's ``LinearCrossEntropyLoss``), one chunk of logits at a time."""
+    compiled_loss: bool = False
+    """Whether the trainer compiles its loss apart from the model (torchtune's ``compile: True``:
+    ``training.compile_loss`` compiles ``CEWithChunkedOutputLoss.compute_cross_entropy``), which changes what the
+    chunked-output loss keeps (``memory.stack_terms.chunked_output_logits``); ``--compile`` counts too."""
     lora_in_layer_units: bool | None = None
     """Whether FSDP (1) wraps the LoRA matrices inside their layer's unit (``Trainer.lora_in_fsdp_layer_units``); None:
     the trainer's own policy."""
@@ -318,7 +322,7 @@ class Stack:
         if self.zero3 != Coordinator():
             parts.append(self.zero3.describe())
         if self.chunked_output_loss:
-            parts.append("CEWithChunkedOutputLoss")
+            parts.append("CEWithChunkedOutputLoss, compiled" if self.compiled_loss else "CEWithChunkedOutputLoss")
         if self.lora_in_layer_units is not None and self.lora_in_layer_units != self.traits.lora_in_fsdp_layer_units:
             parts.append("LoRA inside the layers' FSDP units" if self.lora_in_layer_units else "LoRA as FSDP units")
         if self.low_memory_loading is not None and self.low_memory_loading != self.traits.low_memory_loading:
@@ -331,7 +335,8 @@ class Stack:
         if not data:
             return cls()
         known = ("trainer", "bitsandbytes", "torchao", "double_quant", "fsdp", "low_memory_loading", "zero3",
-                 "transformers", "reentrant_checkpointing", "chunked_output_loss", "lora_in_layer_units")
+                 "transformers", "reentrant_checkpointing", "chunked_output_loss", "compiled_loss",
+                 "lora_in_layer_units")
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise UserError(f"A stack names {', '.join(known)}; not {', '.join(unknown)}.")
@@ -346,6 +351,7 @@ class Stack:
                    transformers=None if transformers is None else str(transformers),
                    reentrant_checkpointing=None if reentrant is None else bool(reentrant),
                    chunked_output_loss=bool(data.get("chunked_output_loss", False)),
+                   compiled_loss=bool(data.get("compiled_loss", False)),
                    lora_in_layer_units=None if in_units is None else bool(in_units))
 
 
