@@ -227,7 +227,8 @@ def chunked_output_logits(spec: ModelSpec, run: RunConfig, prec: Precisions, com
     measured on CPU tensors (tests/test_chunked_output_loss.py):
 
     - eager: ``log_softmax``'s fp32 output of every chunk (4 N) is saved; forward peaks at the last chunk with the
-      chunks, the saved outputs and that chunk's fp32 copy: ``c`` N + 4 N + 4 n (``n = N / OUTPUT_CHUNKS``);
+      chunks, the saved outputs and that chunk's fp32 copy: ``c`` N + 4 N + 4 n (``n = N / OUTPUT_CHUNKS``; no copy
+      when ``c`` is fp32);
       backward starts with the saved outputs and one chunk's two fp32 gradients: 4 N + 8 n;
     - compiled: the fused kernel saves each chunk's input, the ``c``-byte logits, and a per-row statistic (small):
       ``c`` N through forward and backward, + one chunk's ``c``-byte gradient in backward.
@@ -237,4 +238,5 @@ def chunked_output_logits(spec: ModelSpec, run: RunConfig, prec: Precisions, com
     n_chunk = n_all // OUTPUT_CHUNKS
     if compiled:
         return LogitsTerms(forward=prec.c * n_all, backward=prec.c * (n_all + n_chunk))
-    return LogitsTerms(forward=(prec.c + FP32) * n_all + FP32 * n_chunk, backward=FP32 * n_all + 2 * FP32 * n_chunk)
+    upcast = FP32 * n_chunk if prec.c != FP32 else 0  # ``.float()`` of an fp32 chunk returns the chunk itself
+    return LogitsTerms(forward=(prec.c + FP32) * n_all + upcast, backward=FP32 * n_all + 2 * FP32 * n_chunk)
