@@ -15,6 +15,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from _loss_helpers import head_and_loss_peaks
 from memfit.memory.activations import Precisions
 from memfit.memory.measure import counted, counted_compiled
 from memfit.memory.stack_terms import OUTPUT_CHUNKS, chunked_output_logits
@@ -34,12 +35,8 @@ def _measured(score, count) -> tuple[int, int]:
     """(forward's peak, backward's peak) beyond the hidden states, head and labels: the head's output in chunks
     (``TransformerDecoder``'s ``[self.output(chunk) for chunk in h.chunk(num_output_chunks, dim=1)]``), the loss's
     ``forward`` (its lines below), then the recipe's ``del logits`` and ``loss.backward()``."""
-    torch.manual_seed(0)
-    hidden = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
-    head = torch.randn(V, H, dtype=torch.bfloat16)
-    labels = torch.randint(0, V, (B, T))
-    with count((hidden, head, labels)) as live:
-        start = live.current
+
+    def run_loss(hidden, head, labels):
         logits = [F.linear(chunk, head) for chunk in hidden.chunk(OUTPUT_CHUNKS, dim=1)]
         total_elements = (labels != -100).sum()
         chunk_labels = [target_chunk.reshape(-1) for target_chunk in labels.chunk(OUTPUT_CHUNKS, dim=1)]
@@ -47,13 +44,9 @@ def _measured(score, count) -> tuple[int, int]:
         total_loss = 0.0
         for logits_chunk, labels_chunk in zip(logits, chunk_labels, strict=True):
             total_loss += score(logits_chunk, labels_chunk)
-        loss = total_loss / total_elements
-        forward = live.peak - start
-        del logits, logits_chunk
-        live.peak = live.current
-        loss.backward()
-        backward = live.peak - start
-    return forward, backward
+        return total_loss / total_elements, logits
+
+    return head_and_loss_peaks(run_loss, (B, T, H, V), count)
 
 
 def _priced(compile_: bool):

@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch.nn import CrossEntropyLoss
 
+from _loss_helpers import head_and_loss_peaks
 from memfit.memory.activations import Precisions, logits_terms
-from memfit.memory.measure import counted
 from memfit.memory.transformers_loss import logits_terms as release_logits_terms
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import LossEra, Stack
@@ -61,20 +60,7 @@ def _loss_4_46(hidden, head, labels):
 def _measured(loss_fn, keep_output: bool) -> tuple[int, int]:
     """(forward's peak, backward's peak) of the head and loss, bytes beyond the hidden states, head and labels;
     ``keep_output``: the caller holds the returned logits through backward (fsdp_qlora's ``output``)."""
-    torch.manual_seed(0)
-    hidden = torch.randn(B, T, H, dtype=torch.bfloat16, requires_grad=True)
-    head = torch.randn(V, H, dtype=torch.bfloat16)
-    labels = torch.randint(0, V, (B, T))
-    with counted((hidden, head, labels)) as live:
-        start = live.current
-        loss, logits = loss_fn(hidden, head, labels)
-        forward = live.peak - start
-        if not keep_output:
-            del logits
-        live.peak = live.current
-        loss.backward()
-        backward = live.peak - start
-    return forward, backward
+    return head_and_loss_peaks(loss_fn, (B, T, H, V), keep_output=keep_output)
 
 
 def _priced(version: str, trainer: str) -> tuple:
