@@ -123,7 +123,7 @@ def estimate(model: str | ModelSpec, run: RunConfig, *, device: str = "cuda",
         flat_params.with_reserved(out, spec, run, stack, engine)
     out.recipe = f"hand-written recipe: {family or spec.family}"
     out.notes = notes(spec, run, out) + [f"recipe: {out.recipe} (memory/activations.py)."]
-    return _described(out, resolved, stack_notes(spec, run, prec, stack, engine))
+    return _described(out, resolved, stack_notes(spec, run, prec, stack, engine, states))
 
 
 def _described(out: MemoryBreakdown, resolved, stack_notes: list[str] = ()) -> MemoryBreakdown:

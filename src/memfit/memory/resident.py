@@ -40,8 +40,9 @@ def resident_states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: s
     return dataclasses.replace(states, weights=weights), head, kernels
 
 
-def stack_notes(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack, engine: str) -> list[str]:
-    """What an analytic estimate says about its stack: which one it priced and what of it memfit does not price."""
-    accumulated = resident_states(spec, run, prec, "cuda", engine, None, stack)[0].accumulated
-    return (stacks.notes(stack) + flat_params.notes(spec, run, stack, engine, accumulated)
+def stack_notes(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack, engine: str,
+                states: ModelStates) -> list[str]:
+    """What an analytic estimate says about its stack: which one it priced and what of it memfit does not price;
+    ``states``: the estimate's (``resident_states``), whose ``accumulated`` gradients FSDP (1)'s note states."""
+    return (stacks.notes(stack) + flat_params.notes(spec, run, stack, engine, states.accumulated)
             + unsloth_layer.notes(spec, run, prec, stack))
