@@ -30,6 +30,10 @@ class _Spec:
     embedding_params: int = 0
     lm_head_params: int = 0
 
+    def lora_linears(self, targets: tuple[str, ...]) -> tuple:
+        """Every projection (the tests' LoRA runs target all of them)."""
+        return self.linears
+
 
 def _one_projection(side: int = 4096) -> _Spec:
     """A model of one decoder layer holding one 4096 x 4096 projection and nothing else."""
@@ -311,16 +315,54 @@ def test_torchtune_quantizes_with_torchao_as_it_builds_the_model():
     (n = 4C) peaks at weight 2n + scaled 2n + buffer n + one chunk's 64C + 50,176 scaled by 4 (1,024 + n/64 + n/32)
     = 88,278,016 B, where torchao 0.1 reaches 68n + ... = 285,410,304 B.
     """
+    import itertools
+
     from memfit.memory.alloc_stream import predicted_reserved
-    from memfit.memory.loading import loading_events
+    from memfit.memory.loading import loading_events, quantizer
+    from memfit.memory.torchao_nf4 import to_nf4_events
     from memfit.settings.stack import Stack
 
     run = RunConfig.of(dtype="bf16", mixed_precision="no", lora_r=8, quantize="4bit")
     old, new = Stack(trainer="torchtune", torchao="0.1"), Stack(trainer="torchtune")
-    stats = predicted_reserved(loading_events(_one_projection(1024), run, old)).stats
+    stats = predicted_reserved(to_nf4_events(1024 * 1024, itertools.count(), chunked=False)).stats
     assert stats.peak_allocated == 71_353_344
     assert stats.peak_reserved == 86 * MiB
     assert stats.allocated == 574_464
     assert predicted_reserved(loading_events(_one_projection(2048), run, new)).stats.peak_allocated == 88_278_016
-    assert predicted_reserved(loading_events(_one_projection(2048), run, old)).stats.peak_allocated == 285_410_304
+    assert predicted_reserved(to_nf4_events(2048 * 2048, itertools.count(), False)).stats.peak_allocated == 285_410_304
     assert not old.nf4_chunked() and new.nf4_chunked() and "torchao 0.1" in old.describe()
+    assert quantizer(old) == "torchao-0.1" and quantizer(new) == "torchao" and quantizer(None) == "bitsandbytes"
+
+
+def test_torchtune_v01_builds_one_layer_clones_it_and_copies_the_checkpoint_in_on_the_device():
+    """torchtune v0.1 (torchao 0.1) runs ``to_nf4`` three times per projection (memory/torchtune_build.py): building
+    one layer, cloning it (``get_original_weight`` then ``to_nf4``) and copying the checkpoint in. One layer of one
+    1024 x 1024 projection, n = 1,048,576, no adapters, default allocator settings (hand-derived):
+
+    - pass 1 is the test above: 86 MiB (a 20 MiB large segment S1, one 2 MiB small segment P1, two 32 MiB segments
+      for the difference and its abs), 574,464 B kept in P1, S1 free again;
+    - pass 2, the clone: ``get_original_weight`` widens two n/2-element halves to int64 (4 MiB each, into S1), and
+      its 1 MiB tensors (the looked-up codes, the flattened scalers, the halves' products) are small-pool requests
+      (<= 1 MiB): the first code fits P1's free 1,522,688 B, the second takes a new 2 MiB segment, and the first
+      product finds only 32 KiB holes and the tails left over: a third one; 90 MiB. The bf16 result (2 MiB) and the
+      second ``to_nf4`` reuse S1 and the 32 MiB segments. Peak tensors: the first layer's 574,464 B kept + the second
+      ``to_nf4``'s 68n + 50,176 = 71,927,808 B;
+    - pass 3, the copy: the source (2 MiB) in S1, ``to_nf4`` in the cached blocks: no new segment; the same peak
+      (the clone's kept tensors live until the copy's are made), then the clone's are freed: 574,464 B kept.
+    """
+    from memfit.memory.alloc_stream import predicted_reserved
+    from memfit.memory.loading import loading_events
+    from memfit.memory.torchtune_build import build_events
+    from memfit.settings.stack import Stack
+
+    stats = predicted_reserved(build_events((1024 * 1024,), ((0, 0),), 1, 0, 0, 0)).stats
+    assert stats.peak_reserved == stats.reserved == 90 * MiB
+    assert stats.peak_allocated == 71_927_808
+    assert stats.allocated == 574_464
+    # the stack picks it: torchao 0.1 means torchtune v0.1 (it pins torchao==0.1; v0.2.0 pins 0.3.1). With LoRA r 8
+    # each layer's A and B (8 x 1024 bf16: 16 KiB each) are small-pool blocks the cached segments hold: reserved stays
+    # 90 MiB; the peak adds the first layer's two (32,768 B: the clone's come after its to_nf4), and so does what stays.
+    run = RunConfig.of(dtype="bf16", mixed_precision="no", quantize="4bit", lora_r=8)
+    v01 = predicted_reserved(loading_events(_one_projection(1024), run, Stack(trainer="torchtune", torchao="0.1")))
+    assert v01.stats.peak_reserved == 90 * MiB
+    assert (v01.stats.peak_allocated, v01.stats.allocated) == (71_927_808 + 32_768, 574_464 + 32_768)

@@ -31,8 +31,8 @@ import published_check as pc  # noqa: E402
 REPORTED_MEDIAN = 0.033
 MARGIN = 0.02
 #: The median |error| bench/README.md reports for the 27 runs whose figure counts reserved memory, nvidia-smi or a
-#: card's memory (5.2%; 8.2% in round 16, 9.7% in round 15).
-REPORTED_RESERVED_MEDIAN = 0.052
+#: card's memory (4.9%, round 18: torchtune v0.1's build replayed; 5.2% in round 17, 8.2% in round 16, 9.7% in round 15).
+REPORTED_RESERVED_MEDIAN = 0.049
 
 
 @pytest.fixture(scope="module")

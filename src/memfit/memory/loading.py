@@ -33,8 +33,10 @@ bitsandbytes' CPU path is ``memory.host_loading``'s, checked against the tensor 
 (``bench/gpu_allocator_check.py`` measures the step).
 
 A stack whose trainer builds its 4-bit base on the device (torchtune: ``settings.stack.Trainer.nf4_on_build``) runs
-torchao's ``to_nf4`` per projection instead of steps 1-4 (``memory.torchao_nf4``, ``quantizer``); against torchtune's
-Llama-2 7B QLoRA tutorial (9.13 GB = 8.50 GiB reserved after init, torchao 0.1) the replay gives 7.35 GiB (-14%).
+torchao's ``to_nf4`` per projection instead of steps 1-4 (``memory.torchao_nf4``, ``quantizer``). With torchao 0.1
+(torchtune v0.1) the build is three passes of it, one layer, its deep copies and the checkpoint copied in on the
+device (``memory.torchtune_build``): against torchtune's Llama-2 7B QLoRA tutorial (9.13 GB = 8.50 GiB reserved after
+init) the replay gives 8.49 GiB (one pass per projection: 7.35 GiB).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from memfit.memory.alloc_stream import predicted_reserved
 from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
 from memfit.memory.quantized import NESTED_BLOCK, NF4_BLOCK
 from memfit.memory.torchao_nf4 import to_nf4_events
+from memfit.memory.torchtune_build import build_events
 from memfit.settings.config import Quantize, RunConfig
 from memfit.settings.stack import Stack
 from memfit.units import dtype_bytes
@@ -69,7 +72,7 @@ class LoadingReplay:
     """``max_memory_allocated`` while loading (set by ``moved_off_replay``, whose model leaves the device)."""
 
 
-def _layer_projections(spec) -> list[int]:
+def layer_projections(spec) -> list[int]:
     """Elements of each projection weight of one decoder layer, in ``spec.linears``' order."""
     layers = max(spec.num_layers, 1)
     return [lin.in_features * lin.out_features for lin in spec.linears for _ in range(lin.count // layers)]
@@ -110,14 +113,31 @@ def _projection_events(numel: int, keys, compute: int, who: str) -> list[tuple]:
 
 def loading_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
     """The allocation stream of loading ``spec`` for ``run`` onto one device (module docstring)."""
-    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), quantizer(stack))
+    who = quantizer(stack)
+    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), who,
+                   layer_adapters(spec, run) if who == "torchao-0.1" else ())
 
 
-def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = "bitsandbytes") -> list[tuple]:
+def layer_adapters(spec, run: RunConfig) -> tuple[tuple[int, int], ...]:
+    """For each projection of a decoder layer (``layer_projections``' order), the elements of the LoRA ``A`` and ``B``
+    it carries, (0, 0) where it carries none (the targets as ``spec.lora_linears`` matches them)."""
+    names = {lin.name for lin in spec.lora_linears(run.lora.targets)} if run.lora.r else set()
+    layers = max(spec.num_layers, 1)
+    return tuple((run.lora.r * lin.in_features, lin.out_features * run.lora.r) if lin.name in names else (0, 0)
+                 for lin in spec.linears for _ in range(lin.count // layers))
+
+
+def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = "bitsandbytes",
+            adapters: tuple[tuple[int, int], ...] = ()) -> list[tuple]:
     """``loading_events`` from what decides it: the quantization, the load dtype's bytes (the weight a 4-bit
-    projection is quantized from), the bytes per unquantized parameter and who quantizes (``quantizer``)."""
+    projection is quantized from), the bytes per unquantized parameter, who quantizes (``quantizer``) and, for
+    torchtune v0.1's build (``memory.torchtune_build``), each projection's adapters (``layer_adapters``)."""
     import itertools
 
+    if quantize is Quantize.Q4 and who == "torchao-0.1":
+        return build_events(tuple(layer_projections(spec)), adapters or ((0, 0),) * len(layer_projections(spec)),
+                            spec.num_layers, other_elements(spec) * rest_bytes, spec.embedding_params * rest_bytes,
+                            spec.lm_head_params * rest_bytes)
     keys = itertools.count()
     plain = 1 if quantize is Quantize.Q8 else rest_bytes  # bytes per projection weight as kept
 
@@ -126,7 +146,7 @@ def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = 
 
     events = [kept(spec.embedding_params * rest_bytes)]
     for _ in range(spec.num_layers):
-        for numel in _layer_projections(spec):
+        for numel in layer_projections(spec):
             events += _projection_events(numel, keys, compute, who) if quantize is Quantize.Q4 else [kept(numel * plain)]
         events.append(kept(other_elements(spec) * rest_bytes))
     if spec.lm_head_params:
@@ -145,11 +165,12 @@ def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = No
                    stack: Stack | None = None) -> LoadingReplay | None:
     """``loading_events`` through the caching allocator model (None for a backend memfit does not model).
 
-    Cached per model, load dtype, quantization, quantizer and allocator settings: the planner asks for it once per
-    candidate, and only those decide the stream."""
+    Cached per model, load dtype, quantization, quantizer and allocator settings (and the adapters, for torchtune
+    v0.1's build): the planner asks for it once per candidate, and only those decide the stream."""
     settings = settings_from_env() if settings is None else settings
-    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings,
-                   quantizer(stack))
+    who = quantizer(stack)
+    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings, who,
+                   layer_adapters(spec, run) if who == "torchao-0.1" else ())
 
 
 def moved_off_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
@@ -162,7 +183,7 @@ def moved_off_events(spec, run: RunConfig, stack: Stack | None = None) -> list[t
 
     keys = itertools.count()
     events: list[tuple] = []
-    for numel in _layer_projections(spec):
+    for numel in layer_projections(spec):
         stream = _projection_events(numel, keys, 4 if str(run.dtype) == "fp32" else 2, quantizer(stack))
         freed = {e[1] for e in stream if e[0] == "free"}
         events += stream + [("free", e[1]) for e in stream if e[0] == "alloc" and e[1] not in freed]
@@ -183,9 +204,9 @@ def moved_off_replay(spec, run: RunConfig, settings: AllocatorSettings | None = 
 
 
 @functools.lru_cache(maxsize=64)
-def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int,
-            settings: AllocatorSettings, who: str = "bitsandbytes") -> LoadingReplay | None:
-    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes, who), settings)
+def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int, settings: AllocatorSettings,
+            who: str = "bitsandbytes", adapters: tuple[tuple[int, int], ...] = ()) -> LoadingReplay | None:
+    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes, who, adapters), settings)
     if result is None:
         return None
     s = result.stats

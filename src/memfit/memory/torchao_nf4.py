@@ -3,8 +3,9 @@
 torchtune builds its 4-bit base on the device: the recipe instantiates the model under ``with
 utils.set_default_dtype(self._dtype), self._device`` (torchtune@0914d5c ``recipes/lora_finetune_single_device.py``
 L254), and each quantized ``LoRALinear`` builds a bf16 ``nn.Linear`` there and calls ``to_nf4(linear.weight)``
-(``torchtune/modules/peft/lora.py`` L93-94); the checkpoint is copied in afterwards on the host
-(``NF4Tensor.copy_`` quantizes the CPU tensor, then copies the inner tensors: torchao 0.1 ``nf4tensor.py`` L95-112).
+(``torchtune/modules/peft/lora.py`` L93-94); with torchao 0.2.0 and later the checkpoint is copied in afterwards on
+the host (``NF4Tensor.copy_`` quantizes the CPU tensor, then copies the inner tensors; torchtune v0.1 with torchao
+0.1 copies it in on the device and clones every layer through ``to_nf4``: ``memory.torchtune_build``).
 So what the device sees is ``NF4Tensor.from_tensor`` (torchao 0.1 ``dtypes/nf4tensor.py`` L220-446) of ``n`` bf16
 weights, blocks of 64, scaler blocks of 256:
 
@@ -37,17 +38,46 @@ BF16 = 2
 INT64 = 8
 
 
-def to_nf4_events(numel: int, keys, chunked: bool) -> list[tuple]:
+def to_nf4_events(numel: int, keys, chunked: bool, built: bool = True) -> list[tuple]:
     """The events of building one bf16 projection of ``numel`` weights and quantizing it (module docstring); the
-    kept tensors (packed data, scalers, quantization factor, mean) stay allocated."""
+    kept tensors (packed data, scalers, quantization factor, mean) stay allocated. ``built`` False: quantize a bf16
+    tensor the caller holds (a dequantized clone, a copied-in checkpoint tensor), neither allocated nor freed here."""
     weight, table, absmax, scalers, factor, mean, scaled = (next(keys) for _ in range(7))
-    events = [("alloc", weight, numel * BF16, 0), ("alloc", table, NF4_CODES * BF16, 0),
+    events = [("alloc", weight, numel * BF16, 0)] if built else []
+    events += [("alloc", table, NF4_CODES * BF16, 0),
               ("alloc", absmax, numel * BF16, 0), ("free", absmax), ("alloc", mean, BF16, 0),
               ("alloc", scalers, numel // 64, 0), ("alloc", factor, numel // 64 * BF16, 0)]
     absmax = next(keys)
     events += [("alloc", absmax, numel * BF16, 0), ("free", absmax), ("alloc", scaled, numel * BF16, 0)]
     events += _chunked_search(numel, keys) if chunked else _whole_search(numel, keys)
-    return events + [("free", scaled), ("free", weight)]
+    return events + [("free", scaled)] + ([("free", weight)] if built else [])
+
+
+def kept_keys(events: list[tuple]) -> list:
+    """The keys a stream allocates and does not free: what the quantized tensor holds."""
+    freed = {e[1] for e in events if e[0] == "free"}
+    return [e[1] for e in events if e[0] == "alloc" and e[1] not in freed]
+
+
+def original_weight_events(numel: int, keys) -> tuple[object, list[tuple]]:
+    """torchao 0.1's ``NF4Tensor.get_original_weight`` (``nf4tensor.py`` L409-435) of ``numel`` weights: the key of
+    the bf16 result (``2 n``, left allocated) and the events. ``quantized_data >> 4`` and ``& 0b1111`` (uint8, ``n / 2``
+    each, freed) widened to int64 (``4 n`` each), their codes looked up in bf16 (``n`` each), the scalers
+    dequantized (``n / 32`` twice, the first freed), ``repeated.flatten()`` materialising the expanded scalers (``n``,
+    freed) for each half's product (``n`` each), then ``torch.stack`` (``2 n``; ``reshape`` is a view). Everything but
+    the result is a local, freed on return."""
+    (narrow1, wide1, narrow2, wide2, codes1, codes2, scalers1, scalers2,
+     flat1, half1, flat2, half2, result) = (next(keys) for _ in range(13))
+    half = numel // 2
+    events = [("alloc", narrow1, half, 0), ("alloc", wide1, half * INT64, 0), ("free", narrow1),
+              ("alloc", narrow2, half, 0), ("alloc", wide2, half * INT64, 0), ("free", narrow2),
+              ("alloc", codes1, half * BF16, 0), ("alloc", codes2, half * BF16, 0),
+              ("alloc", scalers1, numel // 64 * BF16, 0), ("alloc", scalers2, numel // 64 * BF16, 0),
+              ("free", scalers1),
+              ("alloc", flat1, half * BF16, 0), ("alloc", half1, half * BF16, 0), ("free", flat1),
+              ("alloc", flat2, half * BF16, 0), ("alloc", half2, half * BF16, 0), ("free", flat2),
+              ("alloc", result, numel * BF16, 0)]
+    return result, events + [("free", k) for k in (wide1, wide2, codes1, codes2, scalers2, half1, half2)]
 
 
 def _whole_search(numel: int, keys) -> list[tuple]:

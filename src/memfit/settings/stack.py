@@ -89,7 +89,8 @@ class Trainer:
     nf4_on_build: bool = False
     """A 4-bit base is built on the device in bf16 and quantized there by torchao's ``to_nf4``, one projection at a
     time, the checkpoint copied in afterwards on the host (``memory.torchao_nf4``), not quantized by bitsandbytes as
-    the checkpoint is loaded (``memory.loading``)."""
+    the checkpoint is loaded (``memory.loading``); with torchao older than 0.2.0, torchtune v0.1's three passes of it
+    (``memory.torchtune_build``)."""
     shards_quant_state: bool = False
     """A sharded 4-bit base's quantization state (scalers and their factors) is sharded with its packed weights:
     torchao's ``NF4Tensor`` splits, pads and all-gathers its three inner tensors together (``nf4tensor.py``
@@ -203,7 +204,8 @@ class Stack:
     memory usage on each GPU", under DeepSpeed ZeRO-3 too (to the CPU on every rank)."""
     torchao: str | None = None
     """The torchao version that quantizes a torchtune 4-bit base (a release, as pip spells it); None: one that
-    searches in chunks (``TORCHAO_CHUNKS_NF4`` and later)."""
+    searches in chunks (``TORCHAO_CHUNKS_NF4`` and later). Older than that is torchtune v0.1's (it pins
+    ``torchao==0.1``, v0.2.0 pins 0.3.1), whose build and checkpoint copy ``memory.torchtune_build`` replays."""
     fsdp: int = 2
     """Which FSDP shards a ``--sharding fsdp`` run: 2 (torch's ``fully_shard``, memfit's own) or 1
     (``FullyShardedDataParallel``'s flat parameters: Accelerate's FSDP plugin before ``fsdp_version: 2``; priced by
