@@ -17,6 +17,7 @@ from memfit.interop import read
 from memfit.memory.estimate import estimate
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
+from memfit.spec.model import load_spec
 
 DATA = Path(__file__).parent / "data" / "interop"
 LAYERS, H, MLP, TOKENS = 8, 256, 768, 2 * 64
@@ -247,15 +248,15 @@ def test_reentrant_checkpointing_keeps_a_quantized_layers_ctx_tensors_for_one_la
         return b.activations, b.peak_bytes - b.other
 
     every = held(Stack(trainer="hf", bitsandbytes="0.42.0"))  # transformers 5 (unnamed): non-reentrant
-    one = held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.40.0"))
+    one = held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.41.0"))
     assert every[0] - one[0] == 3_145_728
     # the recomputed layer still holds them during its backward: above the bitsandbytes that keeps none
     assert held(Stack(trainer="hf"))[1] < one[1] < every[1]
     # the file's own setting wins over the version's default, and transformers 5 is non-reentrant
-    assert held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.40.0", reentrant_checkpointing=False)) == every
+    assert held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="4.41.0", reentrant_checkpointing=False)) == every
     assert held(Stack(trainer="hf", bitsandbytes="0.42.0", transformers="5.1.0")) == every
-    assert Stack(trainer="hf", transformers="4.40.0", reentrant_checkpointing=False).describe() == \
-        "hf, transformers 4.40.0, non-reentrant checkpointing"
+    assert Stack(trainer="hf", transformers="4.41.0", reentrant_checkpointing=False).describe() == \
+        "hf, transformers 4.41.0, non-reentrant checkpointing"
 
 
 def test_reentrant_checkpointing_is_read_from_the_file(tmp_path):
@@ -287,3 +288,33 @@ def test_axolotl_fsdp1_accumulation_keeps_the_adapters_whole_gradients_on_the_de
     # the file names no process count (a launch does): priced on 2
     notes = estimate(got.model, got.run.replace(num_processes=2), stack=got.stack).notes
     assert any("(no_sync): 305.0 MiB." in n for n in notes), notes
+
+
+def test_an_older_transformers_keeps_each_layers_rotary_caches():
+    """transformers 4.31-4.40 give every Llama attention layer cos and sin caches of (max_position_embeddings,
+    head_dim) (4.37.2 ``modeling_llama.py`` L134-146; gone in 4.41.0), whole on every rank. Llama-2 7B, hand-derived:
+    32 layers x 2 tables x 4,096 positions x 128 = 33,554,432 elements; fsdp_qlora builds its 4-bit model with no
+    torch_dtype (train.py L577), so fp32: 134,217,728 B; its LoRA model under bf16: 67,108,864 B. The loss is the same
+    in 4.37.2 and 4.40.0 (fp32 logits, a shifted copy), so the estimates differ by the caches alone, in the step and in
+    the wrapping phase."""
+    from memfit.memory.phases import device_phases
+
+    spec = load_spec("llama-2-7b")
+    qlora = RunConfig.of(seq_len=512, micro_batch=1, dtype="bf16", mixed_precision="no", lora_r=8, quantize="4bit",
+                         num_processes=2, sharding="fsdp", grad_checkpointing=True)
+    lora = qlora.replace(quantize="none")
+
+    def stack(release):
+        return Stack(trainer="answerai-fsdp-qlora", transformers=release, fsdp=1)
+
+    for run, caches in ((qlora, 134_217_728), (lora, 67_108_864)):
+        old, new = (estimate(spec, run, device="cuda", stack=stack(r)) for r in ("4.40.0", "4.41.0"))
+        assert old.weights - new.weights == caches
+        wrapped = [device_phases(spec, run, b, stack=stack(r)).phases[1] for b, r in ((old, "4.40.0"), (new, "4.41.0"))]
+        assert wrapped[0].name == "wrapping" and wrapped[0].tensors - wrapped[1].tensors == caches
+    assert stack("4.37.2").keeps_rope_caches() and stack("4.31.0").keeps_rope_caches()
+    assert not stack("4.30.2").keeps_rope_caches() and not stack(None).keeps_rope_caches()
+    assert not Stack(trainer="torchtune", transformers="4.37.2").keeps_rope_caches()  # torchtune's own model code
+    # a model type whose caches are not dated: not priced
+    mistral = estimate(load_spec("mistral-7b"), qlora, device="cuda", stack=stack("4.37.2")).weights
+    assert mistral == estimate(load_spec("mistral-7b"), qlora, device="cuda", stack=stack("4.41.0")).weights

@@ -46,8 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.memory import flat_params
+from memfit.memory.activations import Precisions
 from memfit.memory.device_terms import CUDA_CONTEXT_BYTES, reserved_from_tensors
 from memfit.memory.host_loading import LoadedFrom, host_loading_peak
+from memfit.memory.stack_terms import rope_caches
 from memfit.settings.config import Quantize, RunConfig, Sharding
 from memfit.settings.stack import Stack
 from memfit.units import MiB
@@ -146,7 +148,8 @@ def _loading_phases(spec, run: RunConfig, outside, cuda: bool, stack: Stack,
     from memfit.memory.outside import largest_tensor_bytes
     from memfit.memory.states import model_states
 
-    shards = model_states(spec, run, "cuda" if cuda else "cpu").weights
+    # an older transformers' rotary caches are buffers: whole on every rank from the build on (memory.stack_terms)
+    shards = model_states(spec, run, "cuda" if cuda else "cpu").weights + rope_caches(spec, run, Precisions.of(run), stack)
     sharded = run.num_processes > 1 and run.sharding is not Sharding.DDP
     if sharded and stack.loads_low_memory():
         return _low_memory_phases(spec, run, shards, cuda, stack)

@@ -3,7 +3,7 @@
 ``memory.states.model_states`` gives memfit's own layout (FSDP2, PEFT's fp32 adapters, bitsandbytes' base);
 each stack's differences are applied here, in one place, by the modules that price them: FSDP (1)'s flat
 parameters (``memory.flat_params``), FSDP2's MixedPrecisionPolicy, adapters in the compute dtype, a quantized
-head and a sharded quantization state (``memory.stack_terms``), Unsloth's rotary caches (``memory.unsloth_layer``);
+head, a sharded quantization state and an older transformers' rotary caches (``memory.stack_terms``), Unsloth's rotary caches (``memory.unsloth_layer``);
 and DPO's frozen reference copy (``memory.preference_terms``), which every stack holds.
 """
 
@@ -36,6 +36,7 @@ def resident_states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: s
     kernels = unsloth_layer.terms(spec, run, prec, stack)
     ref_copy = pref.reference_copy_bytes(spec, run)  # DPO's frozen copy of the base: weights beside the model's
     weights = states.weights + head.weights + stacks.single_quant_bytes(spec, run, stack) + ref_copy
+    weights += stacks.rope_caches(spec, run, prec, stack)
     weights += kernels.buffers if kernels else 0
     return dataclasses.replace(states, weights=weights), head, kernels
 

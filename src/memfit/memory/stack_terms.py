@@ -8,6 +8,7 @@ its source, read by ``memory.estimate`` once the stack is resolved:
 - ``adapter_states``: their weights, gradients and AdamW moments in that dtype too;
 - ``quantized_head``: litgpt's 4-bit base quantizes the head, dequantized at every call;
 - ``sharded_quant_state``: torchao's NF4 base (torchtune) shards its quantization state with its weights;
+- ``rope_caches``: an older transformers release's per-layer rotary caches, resident like the weights;
 - ``logits``: litgpt's chunked head, or an older transformers release's head and loss (``memory.transformers_loss``);
 - ``gathered_in_compute_dtype``: FSDP2's ``MixedPrecisionPolicy`` gathers half parameters (torchtitan), not fp32;
 - the outputs torchtitan's per-op checkpointing keeps are priced by ``memory.activations`` (``memory.selective_ac``);
@@ -24,7 +25,7 @@ from memfit.memory.activations import LogitsTerms, Precisions
 from memfit.memory.quantized import nf4_bytes
 from memfit.memory.states import ModelStates, model_states, quant_state_bytes
 from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
-from memfit.settings.stack import Stack
+from memfit.settings.stack import ROPE_CACHE_MODEL_TYPES, Stack
 from memfit.spec.engines import shard_group_size
 from memfit.spec.model import ModelSpec
 
@@ -176,6 +177,21 @@ def single_quant_bytes(spec: ModelSpec, run: RunConfig, stack: Stack) -> int:
         return 0
     return sum(lin.count * (nf4_bytes(lin.in_features * lin.out_features, False)
                             - nf4_bytes(lin.in_features * lin.out_features)) for lin in spec.linears)
+
+
+def rope_caches(spec: ModelSpec, run: RunConfig, prec: Precisions, stack: Stack) -> int:
+    """Bytes of the rotary caches an older transformers release keeps in every attention layer
+    (``settings.stack.TRANSFORMERS_ROPE_CACHES``, Llama only: ``ROPE_CACHE_MODEL_TYPES``): a cos and a sin table of
+    (``max_position_embeddings``, ``head_dim``) per layer, whole on every rank (buffers: FSDP and ZeRO-3 shard
+    parameters only), in the dtype the model is built under: fp32 where the trainer builds its 4-bit model with no
+    ``torch_dtype`` (``Trainer.builds_4bit_model_in_fp32``), else the model's dtype. Llama-2 7B: 32 x 2 x 4,096 x 128
+    x 4 B = 128 MiB in fp32. Known error: each layer's forward copies its table's first ``seq_len`` rows to the
+    compute dtype and indexes them by position (``seq_len x head_dim`` and ``B x seq_len x head_dim`` elements, a
+    layer at a time), left out; so is a trainer that casts its buffers after building (``model.to(dtype)``)."""
+    if not stack.keeps_rope_caches() or spec.model_type not in ROPE_CACHE_MODEL_TYPES:
+        return 0
+    built_fp32 = run.quantize is Quantize.Q4 and stack.traits.builds_4bit_model_in_fp32
+    return spec.num_layers * 2 * spec.max_position_embeddings * spec.head_dim * (FP32 if built_fp32 else prec.w)
 
 
 def chunked_head_tokens(run: RunConfig, stack: Stack) -> int:

@@ -38,6 +38,17 @@ HF_TRAINERS = ("hf", "trl", "axolotl", "llamafactory")
 #: The trainers that run transformers' causal-LM classes, head and loss included (``Stack.loss_era``).
 TRANSFORMERS_MODEL_TRAINERS = HF_TRAINERS + ("answerai-fsdp-qlora",)
 
+#: The transformers releases whose Llama gives each attention layer its own ``LlamaRotaryEmbedding`` holding cos and sin
+#: caches of (``max_position_embeddings``, ``head_dim``) in the dtype the model is built under (4.31.0
+#: ``modeling_llama.py`` L104-115 ``cos_cached``/``sin_cached``, ``.to(dtype)`` of ``torch.get_default_dtype()``; 4.37.2
+#: L134-146; 4.38-4.40 ``_cos_cached``/``_sin_cached``, 4.40.2 L112-113), from the first to the last (4.41.0 keeps
+#: ``inv_freq`` alone). Read by ``Stack.keeps_rope_caches``.
+TRANSFORMERS_ROPE_CACHES, TRANSFORMERS_DROPS_ROPE_CACHES = "4.31.0", "4.41.0"
+
+#: The model types whose rotary caches ``TRANSFORMERS_ROPE_CACHES`` dates (checked in those releases' sources; Mistral
+#: and Qwen2 kept theirs to later releases, not priced).
+ROPE_CACHE_MODEL_TYPES = ("llama",)
+
 #: The first transformers release whose ``ForCausalLMLoss`` upcasts and shifts a contiguous copy of the head's logits
 #: (4.46.0 ``loss/loss_utils.py`` L36-38; from 4.31.0, ``modeling_llama.py`` L825, Llama returned them in fp32 and
 #: shifted the copy itself), and the first that pads the labels instead, shifting nothing (4.49.0 L39).
@@ -118,6 +129,10 @@ class Trainer:
     """The loop binds the model's output (its logits) through ``loss.backward()`` and until the next forward returns
     (fsdp_qlora e877dda ``train.py`` L841 ``output = model(...)``, L863 ``loss.backward()``); transformers'
     ``Trainer.compute_loss`` returns the loss alone (``memory.transformers_loss``)."""
+    builds_4bit_model_in_fp32: bool = False
+    """A 4-bit model is built with no ``torch_dtype`` (fsdp_qlora e877dda ``train.py`` L577 ``from_config(cfg)`` under
+    ``init_empty_weights``: its buffers, rotary caches included, in torch's default fp32); False: under the run's
+    dtype (``from_pretrained(..., torch_dtype=...)``, which transformers' Trainer-based scripts pass)."""
     unsloth_kernels: bool = False
     """Unsloth's own Llama layer, LoRA autograd functions, checkpointing and loss (``memory.unsloth_layer``), where
     they run; elsewhere transformers' layer is priced and the estimate says so."""
@@ -157,7 +172,7 @@ TRAINERS: dict[str, Trainer] = {
     # rank 0, to meta elsewhere; L733-735 FSDP(sync_module_states=True, param_init_fn=to_empty on cuda))
     "answerai-fsdp-qlora": Trainer(adapters_in_compute_dtype=True, reentrant_checkpointing=True,
                                    low_memory_loading=True, keeps_output_through_backward=True,
-                                   fsdp_no_sync_accumulation=False),
+                                   fsdp_no_sync_accumulation=False, builds_4bit_model_in_fp32=True),
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
     # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op";
     # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
@@ -263,6 +278,14 @@ class Stack:
             return None
         return LossEra.SHIFTED_COPY if release >= _release(TRANSFORMERS_LOSS_FUNCTION) else LossEra.FP32_LOGITS
 
+    def keeps_rope_caches(self) -> bool:
+        """Whether the run's transformers release gives every Llama attention layer cos and sin caches
+        (``TRANSFORMERS_ROPE_CACHES``): a trainer running transformers' classes on a release named in that range."""
+        if self.trainer not in TRANSFORMERS_MODEL_TRAINERS or self.transformers is None:
+            return False
+        release = _release(self.transformers)
+        return _release(TRANSFORMERS_ROPE_CACHES) <= release < _release(TRANSFORMERS_DROPS_ROPE_CACHES)
+
     def nf4_chunked(self) -> bool:
         """Whether torchao's ``to_nf4`` searches the nearest code in chunks (torchao >= 0.2.0, or unnamed)."""
         return self.torchao is None or _release(self.torchao) >= _release(TORCHAO_CHUNKS_NF4)
@@ -295,7 +318,7 @@ class Stack:
                               nf4_on_build=self.traits.nf4_on_build, zero3_init=self.traits.zero3_init)
         return (self.traits != step_traits or self.keeps_4bit_input()
                 or not self.double_quant or self.fsdp == 1 or self.checkpoints_reentrant()
-                or self.loss_era() is not None or self.chunked_output_loss)
+                or self.loss_era() is not None or self.chunked_output_loss or self.keeps_rope_caches())
 
     def unpriced(self) -> tuple[str, ...]:
         """What this stack holds that memfit does not price, in sentences."""
