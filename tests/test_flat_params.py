@@ -159,6 +159,14 @@ def test_unshard_stream_blocks_add_to_reserved_memory(tmp_path):
     fsdp1 = estimate(spec, run, stack=Stack(fsdp=1))
     assert fsdp1.reserved == flat_params.step_reserved(spec, run, fsdp1.peak_bytes - fsdp1.other)
     assert any("memory/flat_params.py" in note for note in fsdp1.notes)
+    # CPU offload: pre_unshard copies the host shard to the device on its own stream, one block of the largest
+    # unit's shard (the root's, 262,208 x 4 = 1,048,832 B) that every unshard reuses; with a param dtype the
+    # _mp_shard is that copy (two blocks of 181,504 B), no more
+    offload = run.replace(offload="params")
+    assert flat_params.unshard_stream_bytes(spec, offload) == pool + 1_048_832
+    mixed = offload.replace(mixed_precision="bf16")
+    assert flat_params.unshard_stream_bytes(spec, mixed) == flat_params.unshard_stream_bytes(
+        spec, mixed.replace(offload="none"))
 
 
 def test_only_a_sharded_fsdp1_stack_changes_the_estimate(tmp_path):

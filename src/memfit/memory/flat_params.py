@@ -250,13 +250,17 @@ def unshard_stream_bytes(spec: ModelSpec, run: RunConfig, stack: Stack | None = 
     searched by (stream, size)), so these blocks are never reused by the compute stream's tensors, and a freed
     unsharded parameter waits for its ``record_stream`` event (``_flat_param.py`` L1818-1821, L1543-1547). They
     hold the root (unsharded through the step) and ``LAYERS_IN_UNSHARD_STREAM`` layers, and two ``_mp_shard``
-    blocks with a param dtype. Known error: when the GPU keeps up with the CPU a freed layer is reusable at once
-    (one layer fewer); 2 MiB rounding of each block ignored; with CPU offload the shard's device copy made on the
-    pre-unshard stream (``_flat_param.py`` L1337, 1/N of a layer) and the post-backward stream's reduce-scatter
-    buffers (a LoRA matrix's, or a full fine-tune's unit gradient, ``_runtime_utils.py`` L753-774) are left out.
+    blocks with a param dtype. With CPU offload and no param dtype, ``pre_unshard`` copies the host shard to the
+    device there instead (``_flat_param.py`` L1335-1337 ``flat_param_to(self.device)``: "a new tensor distinct from
+    any attributes"), freed once the all-gather has read it (``unshard``, L1381-1383, swaps ``flat_param.data`` for the
+    unsharded one): one block, of the largest unit's shard, reused by every unshard (the root's is the first, the
+    layers' split from it). Known error: when the GPU keeps up with the CPU a freed layer is reusable at once (one
+    layer fewer); 2 MiB rounding of each block ignored; the post-backward stream's reduce-scatter buffers (a LoRA
+    matrix's, or a full fine-tune's unit gradient, ``_runtime_utils.py`` L753-774) are left out.
     """
     units = flat_units(spec, run, stack)
-    return units.root + LAYERS_IN_UNSHARD_STREAM * units.layer + 2 * units.mp_shard
+    offload_copy = max(units.root_shard, units.layer_shard) if run.offload is Offload.PARAMS and not units.mp_shard else 0
+    return units.root + LAYERS_IN_UNSHARD_STREAM * units.layer + 2 * units.mp_shard + offload_copy
 
 
 def step_reserved(spec: ModelSpec, run: RunConfig, tensor_peak: int, optimizer: int = 0, logits: int = 0,
