@@ -14,6 +14,9 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
   checkpointing itself, and without them torch's reentrant default runs, with its ``use_reentrant`` warning).
 - transformers 5 shows a tqdm "Loading weights" bar inside ``from_pretrained``, in the middle of
   memfit's own output; ``no_loading_bar`` turns transformers' bars off for the load (and restores them).
+- transformers 5's heterogeneous configs (``per_layer_config``: gemma4_text's ``head_dim`` differs between its sliding
+  and full attention layers) refuse a global read of a per-layer attribute; ``config_value`` reads it as the
+  largest of its layers' values.
 - Four messages from dependencies say nothing a memfit user can act on, each for a reason memfit knows;
   each is dropped by its logger and its exact text (``dropping_log``), or its warning text, around the
   call that causes it, and every other record of the same logger still shows:
@@ -190,3 +193,21 @@ def quiet_json_parse_log() -> contextlib.AbstractContextManager:
     before raising the same error (``packaged_modules/json/json.py``): memfit turns that error into its own
     sentence naming the file (and, for .jsonl, the line), so the log line would say it twice, differently."""
     return dropping_log("datasets.packaged_modules.json.json", r"Failed to load JSON from file ")
+
+
+def config_value(config, name: str):
+    """``config.<name>``, None where the config has none. A per-layer attribute of a heterogeneous config, which
+    transformers refuses to read globally (``AmbiguousGlobalPerLayerAttributeError``, a ``RuntimeError``: "may vary
+    across layers"), reads as the largest of its layers' values (``config.per_layer_config[i].<name>``): the safe side
+    for what memfit reads one for (bytes that grow with it), and the exact value where the layers agree."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        values = [getattr(layer, name, None) for layer in getattr(config, "per_layer_config", None) or ()]
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        try:
+            return max(values)
+        except TypeError:  # values with no order (lists): the first layer's
+            return values[0]

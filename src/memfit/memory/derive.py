@@ -532,7 +532,8 @@ def derive(spec, run: RunConfig, key: str | None = None, device: str = "cpu") ->
             with one_chunk_per_micro_batch():
                 _, line = trace(config, settings.replace(seq_len=seq, micro_batch=batch), device=device,
                                 timeline=True, steps=1)
-        except (RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError, IndexError, KeyError) as err:
+            # the model's own code failing on the small copy (a module PEFT cannot wrap, a config field it lacks)
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
             raise UserError(f"Cannot derive a memory recipe for {spec.model_type}: tracing its {len(kinds)}-layer "
                             f"version failed ({first}).") from None

@@ -40,8 +40,11 @@ def model_kinds(spec) -> tuple[str, ...]:
 
 
 def _given_layer_types(config) -> list | None:
-    """The config's ``layer_types`` list when it is a value a copy can be given (not jamba's property)."""
-    if isinstance(getattr(type(config), "layer_types", None), property):
+    """The config's ``layer_types`` list when it is a value a copy can be given: not a property computed from other
+    fields (jamba's ``layer_types``; recurrent_gemma's, bamba's and falcon_h1's, whose ``attribute_map`` makes
+    ``layer_types`` an alias of a read-only ``layers_block_type``)."""
+    name = getattr(type(config), "attribute_map", {}).get("layer_types", "layer_types")
+    if isinstance(getattr(type(config), name, None), property):
         return None
     types = getattr(config, "layer_types", None)
     return list(types) if isinstance(types, list | tuple) and types else None

@@ -547,9 +547,30 @@ def _release_input_leaves(leaves: list) -> None:
     leaves.clear()
 
 
+#: What fake tensors raise where a model's code reads a tensor's values to decide a shape (``nonzero``,
+#: ``.item()``, ``.tolist()``): dbrx's and jetmoe's expert dispatch. Matched by name: the classes live in torch's
+#: private ``torch._subclasses.fake_tensor``.
+DATA_DEPENDENT = ("DynamicOutputShapeException", "DataDependentOutputException")
+
+
+@contextlib.contextmanager
+def _data_dependent_refused(model_type: str):
+    """One sentence, not a traceback, for a model whose code decides tensor shapes from tensor values."""
+    try:
+        yield
+    except RuntimeError as err:
+        if type(err).__name__ not in DATA_DEPENDENT:
+            raise
+        op = (str(err).strip().splitlines() or ["?"])[0][:80]
+        raise UserError(f"{model_type}'s code decides a tensor's shape from tensor values ({op}, as routing tokens to "
+                        "experts by index does), which a trace on fake tensors cannot run: memfit cannot estimate "
+                        "it before it runs.") from None
+
+
 @contextlib.contextmanager
 def _module_hierarchy_quiet():
-    """Silence ModTracker's "The module hierarchy tracking maybe be messed up" while tracing, and undo the
+    """Silence ModTracker's "The module hierarchy tracking maybe be messed up" (and "Module is None. Skipping ...
+    hook") while tracing, and undo the
     ``warnings.formatwarning`` it replaces process-wide before warning. It warns when a module's forward starts
     while the tracker still lists it as running (seen on Qwen2 with transformers 5.25: a module the tracker names
     ``Func``, entered from each layer's ``self_attn``, once per layer). memfit reads neither the tracker's module hierarchy nor its per-module peaks (its own
@@ -559,6 +580,8 @@ def _module_hierarchy_quiet():
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up",
                                     category=UserWarning)
+            # the same tracker's backward hooks on a module it no longer holds (hybrid mamba layers: bamba, falcon_h1)
+            warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
             yield
     finally:
         warnings.formatwarning = formatwarning
@@ -938,15 +961,17 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     four_bit = run.quantize is Quantize.Q4
     untracked_warm_up = steps > 1 and not run.optimizer_in_backward
+    refused = _data_dependent_refused(str(getattr(config, "model_type", "the model")))
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-              stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
+        with (refused, _attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted),
+              fake_mode, stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
-    with (_attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode,
-          tracker, recorder, stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
+    with (_data_dependent_refused(str(getattr(config, "model_type", "the model"))), _attention_path(run),
+          traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode, tracker, recorder, stream,
+          gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
         if steps > 1 and not untracked_warm_up:
             with _freed_grads_unseen(run):
                 _one_step(traced, micro_batches)

@@ -26,6 +26,7 @@ import psutil  # an Accelerate dependency
 
 from memfit.errors import UserError
 from memfit.files import user_path
+from memfit.integrations.hf_compat import config_value
 from memfit.settings.schema import key_of, settings
 from memfit.units import fmt_count, fmt_gib
 
@@ -178,9 +179,13 @@ def unknown_keys(keys: set[str], valid: set[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------- model config
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _get(config, *names: str):
     for name in names:
-        value = getattr(config, name, None)
+        value = config_value(config, name)
         if value is not None:
             return name, value
     return None, None
@@ -207,7 +212,11 @@ def check_model_config(config, name: str) -> None:
         field, value = _get(config, *names)
         if field is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if field == "intermediate_size" and isinstance(value, list | tuple) and value:  # one per layer (gemma3n)
+            if all(_positive_int(v) for v in value):
+                continue
+            raise UserError(f"{where} has {field} = {_shown(value)}; each layer's must be a positive whole number.")
+        if not _positive_int(value):
             raise UserError(f"{where} has {field} = {value!r}; it must be a positive whole number.")
     field, layers = _get(config, "num_hidden_layers", "n_layer", "num_layers")
     if field is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
@@ -217,10 +226,10 @@ def check_model_config(config, name: str) -> None:
                         f"(the deepest published decoders have under 200; counting a model builds every layer).")
     _, heads = _get(config, "num_attention_heads", "n_head")
     _, hidden = _get(config, "hidden_size", "n_embd", "d_model")
-    head_dim = getattr(config, "head_dim", None)
+    head_dim = config_value(config, "head_dim")
     if heads and hidden and not head_dim and hidden % heads:
         raise UserError(f"{where} has hidden_size {hidden}, which {heads} attention heads do not divide.")
-    kv = getattr(config, "num_key_value_heads", None)
+    kv = config_value(config, "num_key_value_heads")
     if heads and kv and heads % kv:
         raise UserError(f"{where} has {kv} key/value heads, which do not divide its {heads} attention heads "
                         f"(each key/value head serves a whole group of query heads).")
@@ -235,7 +244,7 @@ def _check_activation(config, where: str) -> None:
     from transformers.activations import ACT2FN
 
     for field in ("hidden_act", "hidden_activation", "activation_function"):
-        act = getattr(config, field, None)
+        act = config_value(config, field)
         if act is None or callable(act):
             continue
         if not isinstance(act, str) or act not in ACT2FN:
@@ -247,7 +256,7 @@ def _check_activation(config, where: str) -> None:
 def _check_token_ids(config, where: str) -> None:
     """``pad_token_id`` is the embedding's ``padding_idx``, which torch requires inside the vocabulary."""
     _, vocab = _get(config, "vocab_size")
-    pad = getattr(config, "pad_token_id", None)
+    pad = config_value(config, "pad_token_id")
     if pad is None or not isinstance(vocab, int):
         return
     if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab:
@@ -260,7 +269,7 @@ def _rope_dicts(config, where: str) -> list[dict]:
     type), a raw config.json's ``rope_scaling``, and the top-level ``rope_theta`` of older configs."""
     out = []
     for field in ("rope_parameters", "rope_scaling"):
-        value = getattr(config, field, None)
+        value = config_value(config, field)
         if value is None:
             continue
         if not isinstance(value, dict):
@@ -268,7 +277,7 @@ def _rope_dicts(config, where: str) -> list[dict]:
                             f"{_shown(value)}; it must be a mapping (rope_type, factor, ...) or null.")
         nested = value and all(isinstance(v, dict) or v is None for v in value.values())
         out += [v for v in value.values() if v] if nested else [value]
-    theta = getattr(config, "rope_theta", None)
+    theta = config_value(config, "rope_theta")
     if theta is not None:
         out.append({"rope_theta": theta})
     return out

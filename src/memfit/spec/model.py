@@ -26,6 +26,7 @@ import yaml
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.integrations import hub
+from memfit.integrations.hf_compat import config_value
 from memfit.settings import validate
 from memfit.spec.linears import LinearShape
 
@@ -104,7 +105,7 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
     """
 
     kind = model_kind(model, revision)  # a typo refused before transformers loads (seconds)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if kind == "preset":
@@ -115,7 +116,10 @@ def resolve_config(model: str, trust_remote_code: bool = False, revision: str | 
     else:
         path = user_path(model)
         if kind == "config.json":
-            data = _check_json(path)
+            _check_json(path)  # one sentence for a file that is no model config
+            # transformers' own reading: it decodes the floats JSON cannot hold (mamba2's time_step_limit
+            # [0.0, {"__float__": "Infinity"}], as its save_pretrained writes them)
+            data = dict(PretrainedConfig.get_config_dict(str(path))[0])
             validate.check_model_config(SimpleNamespace(**data), model)  # before transformers divides by it
             model_type = data.pop("model_type")
             if str(model_type) not in CONFIG_MAPPING:
@@ -327,8 +331,11 @@ class ModelSpec:
 
 
 def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str, int, int], ...]]:
-    """Every Linear/Conv1D but the output head (PEFT's ``all-linear``), grouped by its last name
-    component, the head, and the same projections one by one with their full names."""
+    """Every Linear/Conv1D but the output head, grouped by its last name component, the head, and the projections
+    LoRA can wrap one by one with their full names (PEFT's ``all-linear``, less a router: a ``Linear`` subclass named
+    ``...Router`` with a forward of its own, which returns the routing, not a tensor: llama4's ``Llama4Router``
+    ``(scores, logits)``, phimoe's ``PhimoeTopKRouter``; PEFT's LoRA layer, wrapping it as a Linear, fails at the first
+    forward. Other subclasses, falcon's ``FalconLinear``, return a tensor and stay)."""
     import torch
     from transformers.pytorch_utils import Conv1D
 
@@ -345,12 +352,22 @@ def _linear_shapes(model) -> tuple[tuple[LinearShape, ...], Any, tuple[tuple[str
         else:
             continue
         groups.setdefault(name.split(".")[-1], []).append(shape)
-        modules.append((name, shape[0], shape[1]))
+        if not _is_router(module):
+            modules.append((name, shape[0], shape[1]))
     out = []
     for name, shapes in groups.items():
         for shape in sorted(set(shapes)):
             out.append(LinearShape(name, shape[0], shape[1], shape[2], shapes.count(shape)))
     return tuple(out), head, tuple(modules)
+
+
+def _is_router(module) -> bool:
+    """A mixture-of-experts router built as a ``Linear`` subclass (``_linear_shapes``)."""
+    import torch
+
+    kind = type(module)
+    return (isinstance(module, torch.nn.Linear) and kind.forward is not torch.nn.Linear.forward
+            and kind.__name__.endswith("Router"))
 
 
 def expert_modules(model) -> list:
@@ -374,8 +391,12 @@ def _moe_numbers(model, config) -> dict[str, int]:
 
 
 def _config_int(config, *names: str, default: int = 0) -> int:
+    """The first of ``names`` the config has, as an int; a per-layer list (gemma3n's ``intermediate_size``) as its
+    largest entry, the widest layer's (what a peak of one layer at a time reads)."""
     for name in names:
-        value = getattr(config, name, None)
+        value = config_value(config, name)
+        if isinstance(value, list | tuple) and value:
+            return int(max(value))
         if value is not None:
             return int(value)
     return default
@@ -436,11 +457,11 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
     num_heads = _config_int(config, "num_attention_heads", "n_head")
     hidden = _config_int(config, "hidden_size", "n_embd")
     head_dim = _config_int(config, "head_dim", default=hidden // max(num_heads, 1))
-    act = str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-              or getattr(config, "activation_function", "gelu"))
+    act = str(config_value(config, "hidden_activation") or config_value(config, "hidden_act")
+              or config_value(config, "activation_function") or "gelu")
     names = {lin.name for lin in linears}
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
+    window = config_value(config, "sliding_window")
+    if config_value(config, "use_sliding_window") is False:
         window = None
     return ModelSpec(
         name=name,
@@ -463,7 +484,7 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
         gated_mlp=bool(names & {"gate_proj", "gate_up_proj", "w1"}),
         hidden_act=act,
         sliding_window=int(window) if window else None,
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        final_logit_softcapping=config_value(config, "final_logit_softcapping"),
         linear_modules=linear_modules,
         module_names=tuple(name for name, _ in model.named_modules() if name),
         default_attention=str(model.config._attn_implementation or ""),
