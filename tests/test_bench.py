@@ -337,3 +337,18 @@ def test_gpu_allocator_check_dry_run(tmp_path):
     allocator = row["predicted"]["allocator"]
     assert allocator["reserved_bytes"] >= allocator["allocated_bytes"] > 32 * 2**20  # the cuBLAS workspace and more
     assert "PYTORCH_ALLOC_CONF unset" in allocator["settings"]
+
+
+def test_architecture_sweep_builds_tiny_configs_and_tables_its_results():
+    """bench/architecture_sweep.py: the tiny config of a special-cased type, one filled from the config class's own
+    fields (MoE sizes where declared), an ``opt+key=json`` change; and the Markdown table of a result file."""
+    import architecture_sweep as sweep
+
+    gemma = sweep.build_config("gemma3_text")
+    assert (gemma.hidden_size, gemma.num_hidden_layers, gemma.sliding_window) == (64, 3, 32)
+    moe = sweep.build_config("olmoe")  # not in SPECIAL: auto_kwargs reads OlmoeConfig's fields
+    assert (moe.num_experts, moe.num_experts_per_tok) == (4, 2)
+    assert sweep.build_config("opt+dropout=0.0").dropout == 0.0
+    text = sweep.table({"a/fp32": {"outcome": "ok", "train": {"error_pct": -0.02, "recipe": "derived"}},
+                        "b/lora": {"outcome": "estimate refused; train refused", "estimate": {"refused": "No."}}})
+    assert "| a/fp32 | ok | -0.02% | derived |" in text and "| b/lora | estimate refused; train refused | - | No. |" in text
