@@ -3,8 +3,9 @@
 ``memory.states.model_states`` gives memfit's own layout (FSDP2, PEFT's fp32 adapters, bitsandbytes' base);
 each stack's differences are applied here, in one place, by the modules that price them: FSDP (1)'s flat
 parameters (``memory.flat_params``), FSDP2's MixedPrecisionPolicy, adapters in the compute dtype, a quantized
-head, a sharded quantization state and an older transformers' rotary caches (``memory.stack_terms``), Unsloth's rotary caches (``memory.unsloth_layer``);
-and DPO's frozen reference copy (``memory.preference_terms``), which every stack holds.
+head, a sharded quantization state and an older transformers' rotary caches (``memory.stack_terms``), Unsloth's
+rotary caches (``memory.unsloth_layer``); and DPO's frozen reference copy (``memory.preference_terms``), which every
+stack holds.
 """
 
 from __future__ import annotations

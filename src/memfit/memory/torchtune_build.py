@@ -7,7 +7,8 @@ projection it touches (``memory.torchao_nf4``):
 
 1. **One layer.** ``lora_llama2`` builds a single ``TransformerDecoderLayer`` (``models/llama2/_component_builders.py``
    L199-231): each projection's bf16 ``nn.Linear`` quantized by ``to_nf4`` (``modules/peft/lora.py`` L93-94), its
-   bf16 LoRA ``A`` and ``B`` beside it, then the two norms; then the bf16 embedding and head (L233-240), the final norm.
+   bf16 LoRA ``A`` and ``B`` beside it, then the two norms; then the bf16 embedding and head (L233-240) (the final
+   norm's few bytes are counted with the layers' norms).
 2. **Its clones.** ``TransformerDecoder`` deep-copies that layer once per layer (``modules/transformer.py`` L137
    ``_get_clones``, L93 ``copy.deepcopy``). A parameter's deep copy clones its tensor, and torchtune registers
    ``NF4Tensor``'s ``clone`` as ``to_nf4(get_original_weight())`` (``utils/_register_nf4_dispatch_ops.py`` L12-19,
