@@ -127,3 +127,17 @@ def test_a_data_dependent_dispatch_is_refused_in_one_sentence(tmp_path):
         with pytest.raises(UserError, match=r"decides a tensor's shape from tensor values \(aten\.nonzero"):
             attempt()
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "dbrx"
+
+
+def test_full_name_lora_targets_reach_the_derived_recipes_traced_copy():
+    """``--lora-targets attn.c_proj`` on gpt2: the leaf ``c_proj`` would select the MLP's too, so the run names the
+    targets in full (``transformer.h.2.attn.c_proj``, ...), which the derived recipe's 2-layer copy lacks past its
+    layer 1. It was refused ("matches no projection"), and a derived recipe is what every family gets on a transformers
+    release outside the verified ones; now each full name becomes the copy's projection of the same name in every
+    layer, and the derived estimate agrees with the exact trace within 1%."""
+    spec = spec_from_config(AutoConfig.for_model("gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=307,
+                                                 n_positions=256), "gpt2")
+    run = RunConfig.of(seq_len=64, micro_batch=2, lora_r=8, lora_targets="attn.c_proj", optimizer="adamw")
+    derived, exact = estimate(spec, run, device="cpu", derived=True), trace(spec.hf_config, run, device="cpu")
+    assert derived.recipe.startswith("derived")
+    assert abs(derived.peak_bytes - exact.peak_bytes) <= 0.01 * exact.peak_bytes, (derived.peak_bytes, exact.peak_bytes)

@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ from memfit.settings.config import (
     Sharding,
 )
 from memfit.spec.engines import shard_group_size
-from memfit.spec.model import layer_kinds
+from memfit.spec.model import layer_kinds, spec_from_config
 
 #: Bumped when the fit or what it measures changes: older cache files are then ignored.
 RECIPE_VERSION = 6
@@ -523,6 +524,7 @@ def derive(spec, run: RunConfig, key: str | None = None, device: str = "cpu") ->
     settings = recipe_settings(spec, run)
     lengths = _sequence_lengths(spec, run)
     config, kinds = _traced_model(spec)
+    settings = _targets_in_traced_model(settings, spec, config)
     points, lines = [], []
     for batch, mult in _POINTS:
         seq = lengths[{1: 0, 2: 1, 4: 2}[mult]]
@@ -564,6 +566,28 @@ def _only_returned(line, kinds, at: int) -> dict[str, int]:
         for category, size in before.items():
             returned[category] = returned.get(category, 0) + size
     return returned
+
+
+#: The first numeric component inside a module name: the decoder layer's index (``model.layers.10.self_attn``,
+#: ``transformer.h.3.attn``); an expert's index further down stays, and a trailing one (``altup_projections.0``)
+#: is no layer's.
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _targets_in_traced_model(settings: RunConfig, spec, traced_config) -> RunConfig:
+    """``settings`` with LoRA targets the traced copy has. Where PEFT's suffix rule with the last name components
+    would select other modules too, the run names its targets in full (``spec.resolved``: gpt2's ``attn.c_proj``
+    beside ``mlp.c_proj``; gemma3n's ``altup_projections.0``), and a full name of layer 10 is in no 2-layer copy: each
+    becomes the traced copy's projections of the same name in every layer (layers of a kind are wrapped alike, which
+    is what the derived recipe extrapolates)."""
+    targets = tuple(settings.lora.targets)
+    if not settings.lora.r or not any(_LAYER_INDEX.search(t) for t in targets):
+        return settings
+    wanted = {_LAYER_INDEX.sub(".#.", t, count=1) for t in targets}
+    traced = spec_from_config(traced_config, spec.name)
+    names = tuple(sorted(name for name, _, _ in traced.linear_modules
+                         if _LAYER_INDEX.sub(".#.", name, count=1) in wanted))
+    return settings.replace(lora_targets=names) if names else settings
 
 
 def _traced_model(spec):
