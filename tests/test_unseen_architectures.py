@@ -1,5 +1,5 @@
-"""Architectures the accuracy grid never covered (issue 35's "models you were never shown"): each either priced or
-refused in one sentence, never a traceback.
+"""Architectures the accuracy grid never covered, and a transformers release it was not verified on (issue 35's
+"models and installs you were never shown"): each either priced or refused in one sentence, never a traceback.
 
 A sweep of every decoder causal LM of transformers 5.25 on tiny configs (hidden 64, 3 layers, 3 training steps on the
 CPU, memfit's tensor counter against the prediction; round 18) found the estimate within 3% wherever it priced, and
@@ -141,3 +141,35 @@ def test_full_name_lora_targets_reach_the_derived_recipes_traced_copy():
     derived, exact = estimate(spec, run, device="cpu", derived=True), trace(spec.hf_config, run, device="cpu")
     assert derived.recipe.startswith("derived")
     assert abs(derived.peak_bytes - exact.peak_bytes) <= 0.01 * exact.peak_bytes, (derived.peak_bytes, exact.peak_bytes)
+
+
+def test_a_meta_build_that_leaves_a_tied_head_untied_is_tied_as_the_run_ties_it(monkeypatch):
+    """transformers 5.0.0's ``from_config`` under ``torch.device("meta")`` leaves a ``tie_word_embeddings`` head a
+    matrix of its own (checked with 5.0.0 in a side venv: a tied qwen2 counted 804,736 parameters where its trained
+    model holds 670,464), so the spec priced a second embedding, its gradient and optimizer state; memfit's meta builds
+    tie it (``hf_compat.tied_as_built``). Simulated here on the installed release by untying after the build; a tiny
+    qwen2 (vocab 307 x hidden 64 = 19,648 head parameters) must count them once. Also: a config the installed modeling
+    code cannot build is one sentence (5.0.0's StableLM without a ``pad_token_id`` raised AttributeError)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config("qwen2", tie_word_embeddings=True)
+    tied = spec_from_config(config, "qwen2")
+    real = AutoModelForCausalLM.from_config
+
+    def untied(*args, **kwargs):
+        model = real(*args, **kwargs)
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(torch.empty_like(head.weight))  # what 5.0.0's meta build left
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", untied)
+    again = spec_from_config(config, "qwen2")
+    assert (again.params, again.lm_head_params, again.tie_word_embeddings) == (tied.params, 0, True)
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'StableLmConfig' object has no attribute 'pad_token_id'")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", broken)
+    with pytest.raises(UserError, match=r"transformers \S+ cannot build qwen2 from its config \('StableLmConfig'"):
+        spec_from_config(config, "qwen2")

@@ -14,6 +14,8 @@ One place for them, so a user never sees a deprecation warning caused by memfit'
   checkpointing itself, and without them torch's reentrant default runs, with its ``use_reentrant`` warning).
 - transformers 5 shows a tqdm "Loading weights" bar inside ``from_pretrained``, in the middle of
   memfit's own output; ``no_loading_bar`` turns transformers' bars off for the load (and restores them).
+- transformers 5.0's ``from_config`` under ``torch.device("meta")`` leaves a tied head untied (5.25 ties it there;
+  a model built on a device ties it in both): ``tied_as_built`` ties it, so a meta build counts what a run holds.
 - transformers 5's heterogeneous configs (``per_layer_config``: gemma4_text's ``head_dim`` differs between its sliding
   and full attention layers) refuse a global read of a per-layer attribute; ``config_value`` reads it as the
   largest of its layers' values.
@@ -211,3 +213,13 @@ def config_value(config, name: str):
             return max(values)
         except TypeError:  # values with no order (lists): the first layer's
             return values[0]
+
+
+def tied_as_built(model):
+    """``model`` (built on the meta device) with its tied weights tied, as a model built on a device has them:
+    transformers 5.0.0's ``from_config`` under ``torch.device("meta")`` leaves the head of a
+    ``tie_word_embeddings`` model a separate matrix (checked: qwen2 with a tied head, 804,736 parameters counted
+    where the trained model has 670,464; 5.25 ties it on meta too), which priced a whole extra embedding matrix,
+    its gradient and its optimizer state. ``tie_weights`` is transformers' own step for it."""
+    model.tie_weights()
+    return model

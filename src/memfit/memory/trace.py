@@ -62,6 +62,7 @@ from memfit.builder import parts as build
 from memfit.builder import preference
 from memfit.errors import UserError
 from memfit.integrations import versions
+from memfit.integrations.hf_compat import tied_as_built
 from memfit.integrations.quant_support import check, logical_numel
 from memfit.memory import preference_terms as pref
 from memfit.memory.activations import MASKED_PACKING
@@ -258,8 +259,8 @@ def _build_model(config, resolved: ResolvedRun):
     run = resolved.run
     attn = "sdpa" if run.attn_implementation is Attention.FLASH else run.attn_implementation.value
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                 **build.model_kwargs(run, attn, resolved.experts))
+        model = tied_as_built(AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                               **build.model_kwargs(run, attn, resolved.experts)))
         if run.quantize is Quantize.Q4:  # as from_pretrained quantizes: before checkpointing and PEFT
             model = quantize_on_meta(model, run)
         return build.adapt(model, run, resolved.lora.peft_targets if run.is_lora() else ())

@@ -26,7 +26,7 @@ import yaml
 from memfit.errors import UserError
 from memfit.files import user_path
 from memfit.integrations import hub
-from memfit.integrations.hf_compat import config_value
+from memfit.integrations.hf_compat import config_value, tied_as_built
 from memfit.settings import validate
 from memfit.spec.linears import LinearShape
 
@@ -441,12 +441,17 @@ def spec_from_config(config, name: str, trust_remote_code: bool = False) -> Mode
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers import __version__ as transformers_version
 
-    with torch.device("meta"):
-        # A copy: from_config writes the chosen dtype and attention implementation into the config.
-        # attn_implementation=None: transformers' own choice for the model (``--attn-implementation auto``).
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code,
-                                                 attn_implementation=None)
+    try:
+        with torch.device("meta"):
+            # A copy: from_config writes the chosen dtype and attention implementation into the config.
+            # attn_implementation=None: transformers' own choice for the model (``--attn-implementation auto``).
+            model = tied_as_built(AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), trust_remote_code=trust_remote_code, attn_implementation=None))
+    except (AttributeError, KeyError, TypeError, ValueError) as err:  # the modeling code on this config
+        raise UserError(f"transformers {transformers_version} cannot build {name} from its config "
+                        f"({_one_line(err)}).") from None
     linears, head, linear_modules = _linear_shapes(model)
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
