@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from memfit.memory.alloc_stream import predicted_reserved
 from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
 from memfit.memory.quantized import NESTED_BLOCK, NF4_BLOCK
-from memfit.memory.torchao_nf4 import to_nf4_events
+from memfit.memory.torchao_nf4 import kept_keys, to_nf4_events
 from memfit.memory.torchtune_build import build_events
 from memfit.settings.config import Quantize, RunConfig
 from memfit.settings.stack import Stack
@@ -113,9 +113,21 @@ def _projection_events(numel: int, keys, compute: int, who: str) -> list[tuple]:
 
 def loading_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
     """The allocation stream of loading ``spec`` for ``run`` onto one device (module docstring)."""
+    return _events(spec, *_stream_settings(spec, run, stack))
+
+
+def _stream_settings(spec, run: RunConfig, stack: Stack | None) -> tuple:
+    """What decides the loading stream, ``_events``' arguments after the model: the quantization, the load dtype's
+    bytes (the weight a 4-bit projection is quantized from), the bytes per unquantized parameter, who quantizes
+    (``quantizer``) and, for torchtune v0.1's build (``memory.torchtune_build``), each projection's adapters."""
     who = quantizer(stack)
-    return _events(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), who,
-                   layer_adapters(spec, run) if who == "torchao-0.1" else ())
+    return (run.quantize, _load_bytes(run), _rest_bytes(run), who,
+            layer_adapters(spec, run) if who == "torchao-0.1" else ())
+
+
+def _load_bytes(run: RunConfig) -> int:
+    """Bytes per weight a projection arrives in before it is quantized: 4 for ``--dtype fp32``, else 2."""
+    return 4 if str(run.dtype) == "fp32" else 2
 
 
 def layer_adapters(spec, run: RunConfig) -> tuple[tuple[int, int], ...]:
@@ -129,14 +141,13 @@ def layer_adapters(spec, run: RunConfig) -> tuple[tuple[int, int], ...]:
 
 def _events(spec, quantize: Quantize, compute: int, rest_bytes: int, who: str = "bitsandbytes",
             adapters: tuple[tuple[int, int], ...] = ()) -> list[tuple]:
-    """``loading_events`` from what decides it: the quantization, the load dtype's bytes (the weight a 4-bit
-    projection is quantized from), the bytes per unquantized parameter, who quantizes (``quantizer``) and, for
-    torchtune v0.1's build (``memory.torchtune_build``), each projection's adapters (``layer_adapters``)."""
+    """``loading_events`` from what decides it (``_stream_settings``)."""
     import itertools
 
     if quantize is Quantize.Q4 and who == "torchao-0.1":
-        return build_events(tuple(layer_projections(spec)), adapters or ((0, 0),) * len(layer_projections(spec)),
-                            spec.num_layers, other_elements(spec) * rest_bytes, spec.embedding_params * rest_bytes,
+        projections = tuple(layer_projections(spec))
+        return build_events(projections, adapters or ((0, 0),) * len(projections), spec.num_layers,
+                            other_elements(spec) * rest_bytes, spec.embedding_params * rest_bytes,
                             spec.lm_head_params * rest_bytes)
     keys = itertools.count()
     plain = 1 if quantize is Quantize.Q8 else rest_bytes  # bytes per projection weight as kept
@@ -168,9 +179,7 @@ def loading_replay(spec, run: RunConfig, settings: AllocatorSettings | None = No
     Cached per model, load dtype, quantization, quantizer and allocator settings (and the adapters, for torchtune
     v0.1's build): the planner asks for it once per candidate, and only those decide the stream."""
     settings = settings_from_env() if settings is None else settings
-    who = quantizer(stack)
-    return _replay(spec, run.quantize, 4 if str(run.dtype) == "fp32" else 2, _rest_bytes(run), settings, who,
-                   layer_adapters(spec, run) if who == "torchao-0.1" else ())
+    return _replay(spec, _stream_settings(spec, run, stack), settings)
 
 
 def moved_off_events(spec, run: RunConfig, stack: Stack | None = None) -> list[tuple]:
@@ -184,9 +193,8 @@ def moved_off_events(spec, run: RunConfig, stack: Stack | None = None) -> list[t
     keys = itertools.count()
     events: list[tuple] = []
     for numel in layer_projections(spec):
-        stream = _projection_events(numel, keys, 4 if str(run.dtype) == "fp32" else 2, quantizer(stack))
-        freed = {e[1] for e in stream if e[0] == "free"}
-        events += stream + [("free", e[1]) for e in stream if e[0] == "alloc" and e[1] not in freed]
+        stream = _projection_events(numel, keys, _load_bytes(run), quantizer(stack))
+        events += stream + [("free", key) for key in kept_keys(stream)]
     return events
 
 
@@ -204,9 +212,8 @@ def moved_off_replay(spec, run: RunConfig, settings: AllocatorSettings | None = 
 
 
 @functools.lru_cache(maxsize=64)
-def _replay(spec, quantize: Quantize, compute: int, rest_bytes: int, settings: AllocatorSettings,
-            who: str = "bitsandbytes", adapters: tuple[tuple[int, int], ...] = ()) -> LoadingReplay | None:
-    result = predicted_reserved(_events(spec, quantize, compute, rest_bytes, who, adapters), settings)
+def _replay(spec, stream: tuple, settings: AllocatorSettings) -> LoadingReplay | None:
+    result = predicted_reserved(_events(spec, *stream), settings)
     if result is None:
         return None
     s = result.stats

@@ -962,15 +962,16 @@ def trace(model: Any, run: RunConfig, *, device: str = "cuda", timeline: bool = 
     micro_batches = min(run.grad_accum, 2)  # the second micro-batch accumulates into existing grads
     four_bit = run.quantize is Quantize.Q4
     untracked_warm_up = steps > 1 and not run.optimizer_in_backward
-    refused = _data_dependent_refused(str(getattr(config, "model_type", "the model")))
+    model_type = str(getattr(config, "model_type", "the model"))
     if untracked_warm_up:
         # The first step only creates the optimizer state the second one holds: run it without the
         # tracker and the recorder (about half a trace's time), then hand the state to the tracker.
-        with (refused, _attention_path(run), traceable_experts(), cuda_kernels(device == "cuda", substituted),
-              fake_mode, stream, gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
+        with (_data_dependent_refused(model_type), _attention_path(run), traceable_experts(),
+              cuda_kernels(device == "cuda", substituted), fake_mode, stream,
+              gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
             _one_step(traced, micro_batches)
         tracker.track_external(optimizer)
-    with (_data_dependent_refused(str(getattr(config, "model_type", "the model"))), _attention_path(run),
+    with (_data_dependent_refused(model_type), _attention_path(run),
           traceable_experts(), cuda_kernels(device == "cuda", substituted), fake_mode, tracker, recorder, stream,
           gemm_4bit_steps(four_bit, api["TorchDispatchMode"]), _module_hierarchy_quiet()):
         if steps > 1 and not untracked_warm_up:

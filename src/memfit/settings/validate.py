@@ -219,7 +219,7 @@ def check_model_config(config, name: str) -> None:
         if not _positive_int(value):
             raise UserError(f"{where} has {field} = {value!r}; it must be a positive whole number.")
     field, layers = _get(config, "num_hidden_layers", "n_layer", "num_layers")
-    if field is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+    if field is not None and not _positive_int(layers):
         raise UserError(f"{where} has {field} = {_shown(layers)}; a model needs at least one layer.")
     if field is not None and layers > MAX_LAYERS:
         raise UserError(f"{where} has {field} = {_shown(layers)}, more than the {MAX_LAYERS:,} layers memfit reads "
