@@ -258,3 +258,29 @@ def test_gemma_2_2b_preset_traces():
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["attn_implementation"] == "eager" and data["method"] == "exact"
+
+
+def test_lora_on_gpt2s_conv1d_projections_is_wrapped_without_peft_warning():
+    """gpt2's projections are transformers' ``Conv1D`` (weights stored (in, out)): memfit's ``LoraConfig`` says
+    ``fan_in_fan_out=True`` there, which PEFT otherwise sets itself with a ``UserWarning`` (shown on every gpt2 LoRA
+    ``--exact`` and training run before); a Llama's ``nn.Linear`` projections keep PEFT's default (False)."""
+    import warnings
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.spec.lora import wrap_lora
+
+    def wrapped(model_type, **fields):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+        run = RunConfig.of(lora_r=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return wrap_lora(model, run, ("c_attn", "c_proj", "c_fc") if model_type == "gpt2" else ("q_proj", "v_proj"))
+
+    gpt2 = wrapped("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=300)
+    assert gpt2.peft_config["default"].fan_in_fan_out is True
+    llama = wrapped("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300)
+    assert llama.peft_config["default"].fan_in_fan_out is False

@@ -11,14 +11,16 @@ from memfit.integrations.quant_support import upcasts_fully
 from memfit.settings.config import RunConfig
 
 
-def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str]):
+def lora_config(run: RunConfig, targets: tuple[str, ...] | list[str], fan_in_fan_out: bool = False):
     """PEFT's ``LoraConfig`` of the run over ``targets`` (``memfit.spec.resolved``'s ``peft_targets``: what
     estimate counted). PEFT's defaults apply to everything else (``autocast_adapter_dtype=True`` at the
-    wrap keeps adapters in fp32 over a bf16/fp16 base)."""
+    wrap keeps adapters in fp32 over a bf16/fp16 base); ``fan_in_fan_out`` for a model whose projections are
+    transformers' ``Conv1D`` (gpt2: weights stored (in, out)), which PEFT would otherwise set itself, with a warning
+    (peft 0.21 ``tuners/lora/layer.py``: "fan_in_fan_out is set to False but the target module is `Conv1D`")."""
     from peft import LoraConfig
 
     return LoraConfig(r=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,
-                      target_modules=list(targets), task_type="CAUSAL_LM")
+                      target_modules=list(targets), task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out)
 
 
 def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, revision: str | None = None):
@@ -29,7 +31,9 @@ def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, re
     A target PEFT cannot wrap is one sentence (``UserError``).
     """
     from peft import get_peft_model
+    from transformers.pytorch_utils import Conv1D
 
+    conv1d = any(isinstance(module, Conv1D) for module in model.modules())  # gpt2's projections, all of them
     if upcasts_fully(run):  # --qlora-upcast full: PEFT's preparation, its fp32 cast included
         model = prepare_for_kbit_training(model, run.grad_checkpointing)
     # lean (quant_support.unquantized_dtype): nothing else to do. The rest of PEFT's preparation happens anyway:
@@ -37,7 +41,7 @@ def wrap_lora(model, run: RunConfig, targets: tuple[str, ...] | list[str], *, re
     # enable_input_require_grads); the unquantized parameters stay in --dtype.
     try:
         with peft_wrap_quietly():
-            return get_peft_model(model, lora_config(run, targets), revision=revision)
+            return get_peft_model(model, lora_config(run, targets, fan_in_fan_out=conv1d), revision=revision)
     except ValueError as err:
         raise UserError(f"LoRA cannot wrap --lora-targets {','.join(run.lora.targets)}: "
                         f"{str(err).splitlines()[0]}") from None
