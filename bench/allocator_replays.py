@@ -68,7 +68,7 @@ QUICK_GRID = (("llama-mha", "amp", 256, 4), ("qwen2", "lora", 512, 2))
 
 def replay_row(model: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     """Trace one grid point on a CUDA target (the replay comes with it) and what the analytic estimate says."""
-    from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES
+    from memfit.memory.device_terms import CUBLAS_STEP_BYTES
     from memfit.memory.estimate import estimate
     from memfit.memory.trace import trace
     from memfit.settings.config import RunConfig
@@ -90,7 +90,7 @@ def replay_row(model: str, regime: str, seq_len: int, micro_batch: int) -> dict:
     seconds = time.perf_counter() - start
     analytic = estimate(spec, run, device="cuda")
     tensors = exact.peak_bytes - exact.other
-    overhead = exact.reserved - tensors - CUBLAS_WORKSPACE_BYTES
+    overhead = exact.reserved - tensors - CUBLAS_STEP_BYTES
     return {"model": model, "regime": regime, "seq_len": seq_len, "micro_batch": micro_batch,
             "tensor_peak": tensors, "reserved": exact.reserved, "allocated": exact.reserved_allocated,
             "overhead": overhead, "overhead_share": overhead / tensors,
@@ -116,9 +116,9 @@ def _overhead(r: dict, fraction: float, per_optimizer: float, per_logit: float) 
 
 
 def _predicted(r: dict, fraction: float, per_optimizer: float, per_logit: float, floor: float) -> int:
-    from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES
+    from memfit.memory.device_terms import CUBLAS_STEP_BYTES
 
-    return int(r["tensor_peak"] + CUBLAS_WORKSPACE_BYTES + _overhead(r, fraction, per_optimizer, per_logit) + floor)
+    return int(r["tensor_peak"] + CUBLAS_STEP_BYTES + _overhead(r, fraction, per_optimizer, per_logit) + floor)
 
 
 def _terms(large: list[dict]) -> tuple[float, float, float]:

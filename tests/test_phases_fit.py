@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from memfit.memory import fragmentation
-from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, reserved_from_tensors
+from memfit.memory.device_terms import CUBLAS_STEP_BYTES, CUDA_CONTEXT_BYTES, reserved_from_tensors
 from memfit.settings.config import RunConfig
 from memfit.spec.linears import LinearShape
 from memfit.units import GiB, MiB
@@ -69,7 +69,7 @@ def test_loading_an_unquantized_projection_reserves_what_it_keeps():
 
 def test_fitted_overhead_formula():
     """reserved = T + W + max(FRACTION x T, PER_OPTIMIZER x O + PER_LOGIT x L) + FLOOR (memory/fragmentation.py's
-    docstring), by hand, W = 33,554,432 B and FLOOR = 7,966,477 B:
+    docstring), by hand, W = 2 x 33,554,432 = 67,108,864 B (two cuBLAS workspaces) and FLOOR = 7,966,477 B:
 
     - T = 10 GiB, O = 2 GiB of optimizer state, L = 3 GiB of logits: 0.3134 x 2,147,483,648 = 673,021,375.28 and
       0.2671 x 3,221,225,472 = 860,389,323.57 (sum 1,533,410,698.85) beat 0.0956 x 10,737,418,240 = 1,026,497,183.74:
@@ -77,8 +77,8 @@ def test_fitted_overhead_formula():
     - the same T with no state and no logits (loading, wrapping): int(1,026,497,183.74 + 7,966,477) = 1,034,463,660 B.
     """
     t = 10 * GiB
-    assert reserved_from_tensors(t, 2 * GiB, 3 * GiB) == t + 33_554_432 + 1_541_377_175
-    assert reserved_from_tensors(t) == t + 33_554_432 + 1_034_463_660
+    assert reserved_from_tensors(t, 2 * GiB, 3 * GiB) == t + 67_108_864 + 1_541_377_175
+    assert reserved_from_tensors(t) == t + 67_108_864 + 1_034_463_660
     # the replays' fit (bench/allocator_replays.py, 23 large points): a value out of these ranges would mean a refit
     # went wrong, not a new mechanism
     assert 0.05 < fragmentation.FRACTION < 0.15
@@ -94,7 +94,7 @@ def test_the_replay_fit_recovers_the_terms_it_is_built_from():
     def row(tensors, optimizer, logits):
         overhead = int(0.3 * optimizer + 0.2 * logits)
         return {"tensor_peak": tensors, "optimizer": optimizer, "logits": logits, "overhead": overhead,
-                "overhead_share": overhead / tensors, "reserved": tensors + CUBLAS_WORKSPACE_BYTES + overhead}
+                "overhead_share": overhead / tensors, "reserved": tensors + CUBLAS_STEP_BYTES + overhead}
 
     rows = [row(8 * GiB, 2 * GiB, 1 * GiB), row(10 * GiB, GiB * 5 // 3, 2 * GiB), row(12 * GiB, GiB, 4 * GiB),
             row(GiB // 2, 0, 0)]
@@ -138,7 +138,9 @@ def test_analytic_estimate_reports_reserved_memory_with_the_settings_named():
     b = estimate("tiny", RunConfig.of(seq_len=128, micro_batch=2), device="cuda")
     tensors = b.peak_bytes - b.other
     assert b.reserved == reserved_from_tensors(tensors, b.optimizer, b.logits)
-    assert b.reserved_allocated == tensors + CUBLAS_WORKSPACE_BYTES
+    # two cuBLAS workspaces of 32 MiB (4096 KiB x 8, Hopper's default), the forward thread's and autograd's
+    # device thread's: 2 x 33,554,432 B
+    assert b.reserved_allocated == tensors + 67_108_864
     assert b.other == CUDA_CONTEXT_BYTES + b.reserved - tensors
     assert "expandable_segments" in b.allocator_settings
     assert estimate("tiny", RunConfig.of(seq_len=128, micro_batch=2), device="cpu").reserved == 0

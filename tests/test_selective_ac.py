@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memfit.memory.activations import Precisions, layer_activations
 from memfit.memory.autocast import autocast_weight_copies
 from memfit.memory.measure import counted
-from memfit.memory.stack_terms import gathered_in_compute_dtype, precisions
+from memfit.memory.stack_terms import gathered_in_compute_dtype, precisions, root_unit_kept
 from memfit.memory.states import model_states
 from memfit.settings.config import RunConfig
 from memfit.settings.stack import Stack
@@ -210,3 +210,36 @@ def test_mixed_precision_policy_gathers_half_parameters():
     assert (prec.w, prec.c, prec.amp) == (2, 2, False)
     assert autocast_weight_copies(spec, run, prec) == 0 < autocast_weight_copies(spec, run, Precisions.of(run))
     assert precisions(Precisions.of(run), run.replace(num_processes=1), TORCHTITAN) == Precisions.of(run)
+
+
+def test_torchtitans_root_unit_stays_gathered_from_forward_to_backwards_end():
+    """torchtitan wraps each block, then the model as the root unit (9dec370 ``parallelize_llama.py`` L329-339), and
+    FSDP2 of its time never resharded the root after forward (pytorch/pytorch#154655): the embedding, the final norm
+    and the head stay gathered through the step. tiny preset (V 384, H 256, untied), FSDP on 2 ranks, bf16 gathered:
+    the root is 384 x 256 + 384 x 256 + 256 = 196,864 parameters, R = 393,728 B; the embedding alone 196,608 B.
+
+    - while forward and backward compute, at backward's start: Accelerate's units hold the tail ([norm, head]),
+      torchtitan's the embedding too: + 196,608 B;
+    - while a layer computes, as the last layer enters its forward: the tail is not held there by Accelerate's units,
+      so the whole root, + 393,728 B;
+    - as the first layer enters: the root (393,728) and its all-gather output (393,728) in place of the embedding
+      unit's all-gather output (196,608): + 590,848 B;
+    - at backward's end: R + the root's bf16 gradients and fp32 reduce-scatter input, 393,728 + 196,864 x 6 =
+      1,574,912 B, below the late layer's moment already priced (4,721,856 B): unchanged."""
+    spec = load_spec("tiny")
+    run = RunConfig.of(seq_len=64, micro_batch=2, num_processes=2, sharding="fsdp", mixed_precision="bf16",
+                       optimizer="adamw", grad_checkpointing=True)
+    half = gathered_in_compute_dtype(spec, run, model_states(spec, run), TORCHTITAN, "cuda", "fsdp2", None)
+    root = root_unit_kept(spec, run, half, TORCHTITAN, "fsdp2")
+    assert root.gathered - half.gathered == 196_608 and root.gathered_start - half.gathered_start == 196_608
+    assert root.gathered_layer - half.gathered_layer == 393_728
+    assert root.gathered_entry - half.gathered_entry == 393_728
+    assert root.gathered_first_entry - half.gathered_first_entry == 590_848
+    assert root.gathered_end == half.gathered_end == 4_721_856
+    # Accelerate's units (memfit's own stack), one process, or a tied embedding (already in the kept tail): as they were
+    assert root_unit_kept(spec, run, half, Stack(), "fsdp2") == half
+    one = run.replace(num_processes=1, sharding="ddp")
+    assert root_unit_kept(spec, one, model_states(spec, one), TORCHTITAN, "fsdp2") == model_states(spec, one)
+    tied = load_spec("smollm2-135m")
+    assert tied.tie_word_embeddings
+    assert root_unit_kept(tied, run, model_states(tied, run), TORCHTITAN, "fsdp2") == model_states(tied, run)

@@ -7,7 +7,7 @@ and, through a weak reference's callback, the moment Python drops its last refer
 through ``memory/allocator.py`` under the ``PYTORCH_ALLOC_CONF`` of this process.
 
 What the stream holds, in order: the weights and buffers (each storage its own allocation, in the model's
-order: how ``from_pretrained`` leaves them, loading transients aside), cuBLAS's workspace (``WORKSPACE``,
+order: how ``from_pretrained`` leaves them, loading transients aside), cuBLAS's workspaces (``WORKSPACES``,
 allocated by torch through the caching allocator at the first matmul and kept), then the untracked first
 step (creating the optimizer state), a peak reset (``torch.cuda.reset_peak_memory_stats``: the allocated
 peak is the reported step's; reserved memory is never given back without ``empty_cache``, so its peak spans
@@ -29,10 +29,14 @@ import torch
 
 from memfit.memory.allocator import AllocatorStats, CachingAllocator
 from memfit.memory.allocator_config import AllocatorSettings, settings_from_env
-from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES
+from memfit.memory.device_terms import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES_PER_STEP
 
-#: The cuBLAS workspace event, allocated before the first step and never freed.
-WORKSPACE = ("alloc", "cublas-workspace", CUBLAS_WORKSPACE_BYTES, 0)
+#: The cuBLAS workspace events, never freed: the forward's (the Python thread's handle) and the backward's
+#: (autograd's device thread has its own handle: ``memory/device_terms.py``). The backward's is allocated at the
+#: first step's first backward matmul; placed here before the first step, as its block is held from then on either
+#: way (where it lands in the untracked first step changes only that step's splits).
+WORKSPACES = tuple(("alloc", f"cublas-workspace-{i}", CUBLAS_WORKSPACE_BYTES, 0)
+                   for i in range(CUBLAS_WORKSPACES_PER_STEP))
 
 
 def stream_recorder(mode_base, storages_of, leaves):

@@ -15,24 +15,37 @@ from memfit.units import MiB
 #: only to ``nvidia-smi``. Varies by GPU, driver and torch build: +-200 MiB.
 CUDA_CONTEXT_BYTES = 500 * MiB
 
-#: cuBLAS workspace torch allocates per stream on the first matmul (``CUBLAS_WORKSPACE_CONFIG`` default
-#: on Hopper is 32 MiB (4096 KiB x 8); 4 MiB x 2 + 16 KiB x 8 earlier). It is held by the caching
-#: allocator, so it shows in ``memory_reserved`` but not as a tensor.
+#: One cuBLAS workspace: torch allocates it through the caching allocator (so ``max_memory_allocated`` counts it,
+#: though no tensor holds it) at a handle's first matmul on a stream and keeps it
+#: (``aten/src/ATen/cuda/CublasHandlePool.cpp``: ``setWorkspaceForHandle``, the map keyed by (handle, stream);
+#: ``parseChosenWorkspaceSize``: ``CUBLAS_WORKSPACE_CONFIG``'s default, 4096 KiB x 8 = 32 MiB on Hopper and
+#: 4096 KiB x 2 + 16 KiB x 8 = 8.1 MiB on earlier GPUs). memfit does not know the GPU an estimate is for, so it
+#: prices Hopper's: over by 24 MiB a workspace elsewhere, the safe side.
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
+
+#: Workspaces a training step holds: cuBLAS handles are per thread (``getCurrentCUDABlasHandle``'s
+#: ``thread_local`` PoolWindow), and autograd runs a CUDA backward on its own device thread
+#: (``torch/csrc/autograd/engine.cpp`` ``start_device_threads``), so the forward's matmuls (the Python thread) and
+#: the backward's (the device thread) each get a workspace on the default stream. cuBLASLt's 1 MiB workspace per
+#: handle and stream (``CUBLASLT_WORKSPACE_SIZE``; used for a matmul with a bias) is left out.
+CUBLAS_WORKSPACES_PER_STEP = 2
+
+#: What the step's cuBLAS workspaces hold in all.
+CUBLAS_STEP_BYTES = CUBLAS_WORKSPACES_PER_STEP * CUBLAS_WORKSPACE_BYTES
 
 
 def cuda_other(tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
-    """CUDA context + cuBLAS workspace + the caching allocator's overhead over what tensors hold, for a step whose
+    """CUDA context + the step's cuBLAS workspaces + the caching allocator's overhead over what tensors hold, for a step whose
     tensors peak at ``tensor_peak`` with ``optimizer`` bytes of optimizer state and ``logits`` bytes of logits
     (``memory.fragmentation.overhead``, fitted to allocator replays)."""
-    return int(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
+    return int(CUDA_CONTEXT_BYTES + CUBLAS_STEP_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
 
 
 def reserved_from_tensors(tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
     """Predicted ``max_memory_reserved`` of a phase whose tensors peak at ``tensor_peak`` (no replay), ``optimizer``
-    and ``logits`` bytes of it optimizer state and logits: the tensors, cuBLAS's workspace and the allocator's
+    and ``logits`` bytes of it optimizer state and logits: the tensors, the step's cuBLAS workspaces and the allocator's
     fitted overhead (``memory.fragmentation``)."""
-    return int(tensor_peak + CUBLAS_WORKSPACE_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
+    return int(tensor_peak + CUBLAS_STEP_BYTES + fragmentation.overhead(tensor_peak, optimizer, logits))
 
 
 def with_fitted_reserved(breakdown) -> None:
@@ -43,7 +56,7 @@ def with_fitted_reserved(breakdown) -> None:
     tensors = breakdown.peak_bytes
     breakdown.other = cuda_other(tensors, breakdown.optimizer, breakdown.logits)
     breakdown.reserved = reserved_from_tensors(tensors, breakdown.optimizer, breakdown.logits)
-    breakdown.reserved_allocated = tensors + CUBLAS_WORKSPACE_BYTES
+    breakdown.reserved_allocated = tensors + CUBLAS_STEP_BYTES
     breakdown.allocator_settings = f"{settings_from_env().describe()}; fitted term under torch's defaults"
 
 

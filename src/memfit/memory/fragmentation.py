@@ -6,7 +6,7 @@ with) has no stream, so it adds a term fitted to those replays over the accuracy
 
     reserved = T + W + overhead,   overhead = max(FRACTION x T, PER_OPTIMIZER x O + PER_LOGIT x L) + FLOOR
 
-with ``T`` the step's tensor peak (``max_memory_allocated`` less cuBLAS's workspace ``W``), ``O`` the optimizer
+with ``T`` the step's tensor peak (``max_memory_allocated`` less cuBLAS's two workspaces ``W``, ``memory/device_terms.py``), ``O`` the optimizer
 state on the device and ``L`` the logits (and their gradients) held at the peak. Two descriptions of the same
 replays, the larger taken. ``FRACTION x T`` is what split and cached blocks cost a step in general (the median share
 over the grid points whose tensors reach 1 GiB). But the share is not constant (3% of the tensor peak for
@@ -61,7 +61,7 @@ SPREAD_ALL = (-0.145, 0.064)
 
 
 def overhead(tensor_peak: int, optimizer: int = 0, logits: int = 0) -> int:
-    """Bytes the caching allocator reserves beyond a step's tensor peak and cuBLAS's workspace, for a step whose
+    """Bytes the caching allocator reserves beyond a step's tensor peak and cuBLAS's workspaces, for a step whose
     tensors peak at ``tensor_peak`` holding ``optimizer`` bytes of optimizer state on the device and ``logits`` bytes
     of logits there (module docstring)."""
     return int(max(FRACTION * tensor_peak, PER_OPTIMIZER * optimizer + PER_LOGIT * logits) + FLOOR)

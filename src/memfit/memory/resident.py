@@ -2,7 +2,7 @@
 
 ``memory.states.model_states`` gives memfit's own layout (FSDP2, PEFT's fp32 adapters, bitsandbytes' base);
 each stack's differences are applied here, in one place, by the modules that price them: FSDP (1)'s flat
-parameters (``memory.flat_params``), FSDP2's MixedPrecisionPolicy, adapters in the compute dtype, a quantized
+parameters (``memory.flat_params``), FSDP2's MixedPrecisionPolicy and torchtitan's root unit, adapters in the compute dtype, a quantized
 head, a sharded quantization state and an older transformers' rotary caches (``memory.stack_terms``), Unsloth's
 rotary caches (``memory.unsloth_layer``); and DPO's frozen reference copy (``memory.preference_terms``), which every
 stack holds.
@@ -32,6 +32,7 @@ def resident_states(spec: ModelSpec, run: RunConfig, prec: Precisions, device: s
     if flat_params.applies(run, stack, engine):  # FSDP (1)'s flat parameters instead of FSDP2's shards
         states = flat_params.flat_states(spec, run, states, device, stack)
     states = stacks.gathered_in_compute_dtype(spec, run, states, stack, device, engine, rank)
+    states = stacks.root_unit_kept(spec, run, states, stack, engine)
     states = stacks.sharded_quant_state(spec, run, states, stack)
     head = stacks.quantized_head(spec, run, prec, stack)
     kernels = unsloth_layer.terms(spec, run, prec, stack)

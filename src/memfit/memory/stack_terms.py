@@ -11,6 +11,7 @@ its source, read by ``memory.estimate`` once the stack is resolved:
 - ``rope_caches``: an older transformers release's per-layer rotary caches, resident like the weights;
 - ``logits``: litgpt's chunked head, or an older transformers release's head and loss (``memory.transformers_loss``);
 - ``gathered_in_compute_dtype``: FSDP2's ``MixedPrecisionPolicy`` gathers half parameters (torchtitan), not fp32;
+- ``root_unit_kept``: torchtitan's root unit (embedding, final norm, head) gathered from forward to backward's end;
 - the outputs torchtitan's per-op checkpointing keeps are priced by ``memory.activations`` (``memory.selective_ac``);
 - the layers' kept 4-bit inputs (bitsandbytes < 0.43.2) are priced by ``memory.activations`` through
   ``memory.quantized.int8_input_groups``, the same ``ctx.tensors`` mechanism as an 8-bit base.
@@ -23,7 +24,7 @@ import dataclasses
 from memfit.memory import transformers_loss
 from memfit.memory.activations import LogitsTerms, Precisions
 from memfit.memory.quantized import nf4_bytes
-from memfit.memory.states import ModelStates, model_states, quant_state_bytes
+from memfit.memory.states import ModelStates, model_states, quant_state_bytes, unquantized_param_bytes
 from memfit.settings.config import Optimizer, Quantize, RunConfig, Sharding
 from memfit.settings.stack import ROPE_CACHE_MODEL_TYPES, Stack
 from memfit.spec.engines import shard_group_size
@@ -77,6 +78,52 @@ def gathered_in_compute_dtype(spec: ModelSpec, run: RunConfig, states: ModelStat
     fields = ("gathered", "gathered_end", "gathered_forward", "gathered_layer", "gathered_entry",
               "gathered_first_entry", "gathered_start", "released_per_layer")
     return dataclasses.replace(states, **{name: getattr(half, name) for name in fields})
+
+
+def root_unit_kept(spec: ModelSpec, run: RunConfig, states: ModelStates, stack: Stack, engine: str) -> ModelStates:
+    """``states`` with FSDP2's root unit as torchtitan wraps it (``Trainer.root_unit_holds_ends``): the embedding, the
+    final norm and the head in one unit, gathered at the model's forward start and kept until the final
+    post-backward callback (the root's forward input, token ids, needs no gradient, so no earlier hook fires:
+    torch ``_fsdp_state.py`` ``_root_post_backward_final_callback``). ``R`` = (embedding + norm + head) x the gathered
+    dtype's bytes.
+
+    Against Accelerate's units (``memory.states.fsdp2_gathered``: the [norm, head] unit kept from the head's forward,
+    the embedding resharded after its forward):
+
+    - while forward and backward compute (``gathered``, ``gathered_start``): the embedding's gathered copy beside the
+      tail, ``R`` in all (1.96 GiB on Llama 3.1 8B in bf16);
+    - while a layer computes and as a layer enters its forward (``gathered_layer``, ``gathered_entry``): ``R``, which
+      Accelerate's units do not hold there;
+    - as the first layer enters its forward: ``R`` and the root's all-gather output, still held as the previous
+      unit's (``prev_all_gather_state``), in place of the embedding unit's;
+    - at backward's end: ``R``, the root's unsharded gradients and its reduce-scatter input (fp32 under
+      ``MixedPrecisionPolicy(reduce_dtype=fp32)``; none with a frozen base).
+
+    Tied embeddings are left as they are (Accelerate's tail unit already holds the embedding from forward's start).
+    Known error: the last block, which torchtitan does not reshard after forward (L333), is priced as Accelerate's
+    two gathered layers at backward's start.
+    """
+    sharded = run.num_processes > 1 and run.sharding is Sharding.FSDP and engine == "fsdp2"
+    if not (stack.traits.root_unit_holds_ends and sharded) or spec.tie_word_embeddings:
+        return states
+    prec = Precisions.of(run)
+    half = computes_in_param_dtype(run, prec, stack)
+    u = prec.c if half else unquantized_param_bytes(run)
+    embed = spec.embedding_params or spec.vocab_size * spec.hidden_size
+    head = spec.lm_head_params or spec.vocab_size * spec.hidden_size
+    root_params = embed + head + spec.hidden_size
+    root = root_params * u
+    previous_embed = embed * u  # Accelerate's previous unit at the first layer's entry: the embedding's all-gather
+    grads = 0 if run.is_lora() else root_params * (u + (FP32 if half else u))
+    return dataclasses.replace(
+        states,
+        gathered=states.gathered + embed * u,
+        gathered_start=None if states.gathered_start is None else states.gathered_start + embed * u,
+        gathered_layer=None if states.gathered_layer is None else states.gathered_layer + root,
+        gathered_entry=states.gathered_entry + root if states.gathered_entry else 0,
+        gathered_first_entry=(states.gathered_first_entry - previous_embed + 2 * root
+                               if states.gathered_first_entry else 0),
+        gathered_end=max(states.gathered_end, root + grads))
 
 
 def adapter_states(spec: ModelSpec, run: RunConfig, prec: Precisions, states: ModelStates,

@@ -66,7 +66,7 @@ from memfit.integrations.hf_compat import tied_as_built
 from memfit.integrations.quant_support import check, logical_numel
 from memfit.memory import preference_terms as pref
 from memfit.memory.activations import MASKED_PACKING
-from memfit.memory.alloc_stream import WORKSPACE, predicted_reserved, stream_recorder
+from memfit.memory.alloc_stream import WORKSPACES, predicted_reserved, stream_recorder
 from memfit.memory.allocator_config import settings_from_env
 from memfit.memory.breakdown import CATEGORIES, MemoryBreakdown
 from memfit.memory.compiled import compiled_saved_bytes, mask_path, with_compiled_saved_set
@@ -727,7 +727,7 @@ class _NoStream(contextlib.nullcontext):
 
 def _allocation_stream(api: dict[str, Any], tracker, device: str, steps: int):
     """The recorder of the allocation stream (``memory/alloc_stream.py``) for a CUDA trace of two steps, already
-    holding the weights and buffers MemTracker tracks (in its order: the model's) and cuBLAS's workspace."""
+    holding the weights and buffers MemTracker tracks (in its order: the model's) and cuBLAS's workspaces."""
     if device != "cuda" or steps < 2:
         return _NoStream()
 
@@ -735,7 +735,7 @@ def _allocation_stream(api: dict[str, Any], tracker, device: str, steps: int):
     stream.recording = stream.recorded = True
     for storage in list(tracker._WINFO):  # what track_external registered: parameters, buffers, quant state
         stream.adopt(storage)
-    stream.events.append(WORKSPACE)
+    stream.events.extend(WORKSPACES)
     return stream
 
 
@@ -753,7 +753,7 @@ def _with_reserved(breakdown: MemoryBreakdown, events) -> None:
     breakdown.reserved, breakdown.reserved_allocated = result.stats.peak_reserved, result.stats.peak_allocated
     breakdown.notes.append(
         f"allocator: predicted max_memory_reserved {fmt_bytes(breakdown.reserved)} (max_memory_allocated "
-        f"{fmt_bytes(breakdown.reserved_allocated)}, cuBLAS workspace included; {result.fragmentation_share:.1%} "
+        f"{fmt_bytes(breakdown.reserved_allocated)}, cuBLAS workspaces included; {result.fragmentation_share:.1%} "
         f"of reserved is cached but unused at the peak; nvidia-smi adds the CUDA context), the step's allocations "
         f"replayed through the caching allocator under {settings.describe()} (memory/allocator.py).")
 

@@ -116,6 +116,15 @@ class Trainer:
     it, and computes with no autocast: activations, gathered parameters and their unsharded gradients in that dtype
     (torchtitan's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: ``memory.stack_terms.gathered_in_compute_dtype``);
     False: autocast's half copies of gathered fp32 parameters, as Accelerate runs it."""
+    root_unit_holds_ends: bool = False
+    """FSDP2's root unit is the whole model, holding the embedding, the final norm and the head, and stays unsharded
+    from the model's forward to the end of backward: torchtitan 9dec370 ``parallelize_llama.py`` L339
+    ``fully_shard(model, ...)`` over L329-337's per-block units, and FSDP2's lazy init of that time never resharded the
+    root after forward, whatever ``reshard_after_forward`` said (``_fsdp_state.py`` ``_lazy_init``: "For the root, do
+    not reshard after forward", ``post_forward_mesh_info = None``; pytorch/pytorch#154655, changed in June 2025 by
+    #154704 and #155319 to apply only where ``reshard_after_forward`` is left unset). False: Accelerate's units, an
+    embedding unit resharded after its forward and a [final norm, head] unit (``memory.states.fsdp2_gathered``);
+    ``memory.stack_terms.root_unit_kept``."""
     lora_in_fsdp_layer_units: bool = False
     """Under FSDP (1) the LoRA matrices share their layer's flat parameter with the frozen base (``use_orig_params=True``
     and a layer-only wrap policy: Lightning Fabric's ``FSDPStrategy`` default, litgpt ``finetune/lora.py``
@@ -176,7 +185,7 @@ TRAINERS: dict[str, Trainer] = {
     # torchtitan: FSDP2 over every rank with its MixedPrecisionPolicy and per-op selective checkpointing
     # (torchtitan/models/llama3/train_configs/llama3_8b.toml: mode = "selective", selective_ac_option = "op";
     # 9dec370 parallelize_llama.py L213-276 the policy, L320 MixedPrecisionPolicy(param_dtype, reduce_dtype))
-    "torchtitan": Trainer(selective_ac_op=True, gathers_compute_dtype=True, unpriced=(
+    "torchtitan": Trainer(selective_ac_op=True, gathers_compute_dtype=True, root_unit_holds_ends=True, unpriced=(
         "torchtitan's own Llama code (k and v expanded to every head, RoPE in fp32 complex numbers: model.py "
         "L85-126, L201-202) is priced as transformers' Llama layer: the same kept tensors, a recompute larger by "
         "the repeated k and v, 2 x (q width - kv width) x 2 bytes a token.",)),
