@@ -47,8 +47,8 @@ def notes(spec: ModelSpec, run: RunConfig, out: MemoryBreakdown) -> list[str]:
         lines.append(f"the logits ({spec.vocab_size:,} vocab x {run.micro_batch * run.seq_len:,} tokens, fp32 for "
                      "the loss, plus their gradient) are the largest term at the peak.")
     if out.other:
-        lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB (varies by GPU/driver) + cuBLAS "
-                     f"workspace + {fragmentation.describe()}.")
+        lines.append(f"other = CUDA context ~{CUDA_CONTEXT_BYTES // MiB} MiB (varies by GPU/driver) + 2 cuBLAS "
+                     f"workspaces (forward's and backward's threads) + {fragmentation.describe()}.")
     if run.num_processes > 1:
         on = f" on {run.nodes} nodes" if run.nodes > 1 else ""
         lines.append(f"per-rank numbers for {run.num_processes} processes{on} with {run.sharding.value}; activations "
