@@ -84,6 +84,14 @@ SHIPPED = {
     "torchtune_8B_qdora_single_device.yaml": dict(method="sft", lora_r=8, quantize="4bit"),  # quantize_base
     "torchtune_phi3_mini_lora.yaml": dict(method="sft", lora_r=8, sharding="fsdp", num_processes=2,
                                           lora_targets="qkv_proj,o_proj,gate_up_proj,down_proj"),
+    # the second sweep: FSDP's own activation checkpointing (fsdp_config) recomputes every decoder layer, as
+    # gradient_checkpointing does (FSDP (1)'s fsdp_ spelling and FSDP2's); ASFT is next-token training (its
+    # reference model is said, tests below)
+    "axolotl_magistral_fsdp_qlora_ac.yaml": dict(method="sft", lora_r=32, quantize="4bit", sharding="fsdp",
+                                                 grad_checkpointing=True),
+    "axolotl_glm47_lora_fsdp2_ac.yaml": dict(method="sft", lora_r=32, quantize="8bit", sharding="fsdp",
+                                             grad_checkpointing=True),
+    "llamafactory_llama2_full_asft.yaml": dict(method="sft", lora_r=0, sharding="ddp"),
 }
 
 #: Shipped runs memfit does not price: the sentence names the file's key and value.
@@ -110,6 +118,11 @@ REFUSED = {
     "torchtune_KD_lora_distributed.yaml": "teacher_model: the file configures knowledge distillation",
     "torchtune_evaluation.yaml": "optimizer: the file names none, so it configures no training step",
     "torchtune_scout_full_tp.yaml": "tensor_parallel_dim: 2 splits every weight over that many ranks",
+    # the second sweep: a builder memfit has no preset for (MODEL given over the file prices it: tests below); the
+    # asynchronous GRPO recipe, whose optimizer is under training: (not "no training step")
+    "torchtune_qwen3_8B_full.yaml": "model._component_: 'torchtune.models.qwen3.qwen3_8b_instruct' is a model "
+                                    "builder memfit has no architecture for",
+    "torchtune_qwen3B_async_grpo.yaml": "reward_functions: the file configures GRPO",
 }
 
 
@@ -309,3 +322,55 @@ def test_what_the_model_cannot_run_is_refused_in_the_files_keys(tmp_path, model,
     path = tmp_path / "run.yml"
     path.write_text(f"base_model: meta-llama/{model}\nmicro_batch_size: 1\n" + text)
     assert_one_sentence(_run("estimate", "--from", path, *typed), said)
+
+
+def test_a_torchtune_builder_without_a_preset_is_priced_on_the_model_given_over_the_file():
+    """qwen3/8B_full.yaml names torchtune's Qwen3 builder, which memfit has no preset for: without MODEL the sentence
+    says to give one; with it, the file's run (full_finetune_distributed on 4 processes) is priced on that model."""
+    path = DATA / "torchtune_qwen3_8B_full.yaml"
+    assert_one_sentence(_run("estimate", "--from", path), "give MODEL (a preset or Hub id of the same architecture)")
+    result = _run("estimate", "qwen2.5-7b", "--from", path, "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["model"] == "qwen2.5-7b"
+    assert {k: payload["config"][k] for k in ("sharding", "num_processes", "lora_r", "dtype")} == {
+        "sharding": "fsdp", "num_processes": 4, "lora_r": 0, "dtype": "bf16"}
+    assert payload["from"]["model"] == "torchtune.models.qwen3.qwen3_8b_instruct"
+
+
+def test_llamafactory_asft_says_its_reference_model_is_not_priced():
+    """use_asft_loss loads a frozen reference model (LLaMA-Factory's train/sft/workflow.py create_ref_model) and
+    computes its logits every step: the reading says the estimate is low by them, not "a setting memfit does not
+    know"."""
+    reading = read(DATA / "llamafactory_llama2_full_asft.yaml")
+    said = [line for line in reading.unmapped if line.startswith("use_asft_loss:")]
+    assert len(said) == 1 and "frozen reference model" in said[0] and "low by a copy of the model's weights" in said[0]
+    assert not any("asft_alpha" in line for line in reading.unmapped)
+
+
+def test_fsdp_activation_checkpointing_in_a_launch_commands_accelerate_config_is_priced(tmp_path):
+    """Accelerate's fsdp_activation_checkpointing wraps every decoder layer in torch's checkpoint wrapper: a
+    LLaMA-Factory file that turns its own checkpointing off is priced with it when the launch's config turns it on."""
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+                                        "  fsdp_activation_checkpointing: true\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("# accelerate launch --config_file fsdp.yaml src/train.py run.yaml\n"
+                    "model_name_or_path: meta-llama/Llama-3.2-1B\nstage: sft\ndo_train: true\n"
+                    "finetuning_type: full\ndisable_gradient_checkpointing: true\n")
+    reading = read(path)
+    assert (reading.run.grad_checkpointing, str(reading.run.sharding), reading.run.num_processes) == (True, "fsdp", 2)
+    assert any("fsdp_activation_checkpointing" in line for line in reading.priced)
+
+
+def test_flash_attention_priced_as_sdpa_on_a_model_without_sdpa_names_the_files_key(tmp_path):
+    """Without the flash-attn package a file's flash-attention is priced as SDPA, which Gemma 2 cannot run: the
+    sentence names the file's key and why SDPA was tried, not an "attn_implementation sdpa" the file never wrote."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed: the file's flash-attention is priced as it is")
+    path = tmp_path / "run.yml"
+    path.write_text("base_model: google/gemma-2-2b\nmicro_batch_size: 1\nsequence_len: 512\nbf16: true\n"
+                    "flash_attention: true\n")
+    assert_one_sentence(_run("estimate", "--from", path), "flash_attention asks for flash-attention, which memfit "
+                        "prices as SDPA as flash-attn is not installed here, and gemma-2-2b cannot run SDPA")

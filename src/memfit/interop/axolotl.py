@@ -294,6 +294,16 @@ def _fsdp(keys: Keys) -> dict[str, Any]:
     if offload or "offload" in words:
         out["offload"] = "params"
         keys.origin(f"fsdp_config.{offload}" if offload else "fsdp", "offload")
+    # Accelerate wraps every decoder layer in torch's checkpoint_wrapper (non-reentrant) before sharding
+    # (Axolotl's monkeypatch/accelerate/fsdp2.py L587-602; FSDP_ACTIVATION_CHECKPOINTING for FSDP (1),
+    # utils/trainer.py L597): the layer-by-layer recomputation gradient_checkpointing runs, so it is priced as that
+    checkpointing = next((k for k in ("activation_checkpointing", "fsdp_activation_checkpointing")
+                          if config.get(k) is True), None)
+    if checkpointing:
+        out["grad_checkpointing"] = True
+        keys.origin(f"fsdp_config.{checkpointing}", "grad_checkpointing")
+        keys.price(f"fsdp_config.{checkpointing}: FSDP recomputes each decoder layer in backward; priced as "
+                   "gradient checkpointing.")
     return out
 
 

@@ -5,6 +5,10 @@ checked as they are read (one sentence naming the file and the key on a bad one)
 map is recorded as a sentence saying what that means for the number. Keys never read are reported
 too: known ones that do not change memory in one summary sentence, unknown ones by name, so a reading
 never drops a setting silently.
+
+Size: over 500 lines because it is the one place every reader imports (``Reading``, ``Keys``, the model name, the
+precision switches, LoRA targets, the launch command in the comments, Trainer's optimizer names); each part is a
+few short functions, and splitting them would spread one file's reading over modules that each reader needs.
 """
 
 # Inside a function: transformers.training_args (8.5 s to import; python -X importtime, 2026-12-06, this shared
@@ -58,6 +62,10 @@ class Reading:
     stack: Stack = field(default_factory=Stack)
     """The trainer (and FSDP version) that runs the file, which ``estimate`` prices (``memfit.settings.stack``);
     versions are the installed ones, as none of these files pins them."""
+    flash_as_sdpa: str = ""
+    """The file's key asking for flash-attention where it is priced as SDPA (``flash_attention``), else ""."""
+    unknown_model: str = ""
+    """Why ``load_spec`` cannot read ``model`` (a torchtune builder with no preset), raised unless MODEL is given."""
 
     def with_flags(self, typed: dict[str, Any]) -> RunConfig:
         """The run with the memory flags typed on the command line written over it; a combination memfit
@@ -87,7 +95,14 @@ class Reading:
                 attention(spec, run.attn_implementation, run.compute_dtype())
                 check_seq_len(run.seq_len, spec.max_position_embeddings)
             except UserError as err:
-                raise UserError(f"{self.path}: {self.in_file_terms(str(err), run)}") from None
+                said = str(err)
+                if self.flash_as_sdpa and str(run.attn_implementation) == "sdpa" == str(self.run.attn_implementation) \
+                        and "attn-implementation sdpa" in said:  # the file asks for flash-attention, not SDPA
+                    raise UserError(f"{self.path}: {self.flash_as_sdpa} asks for flash-attention, which memfit prices "
+                                    "as SDPA as flash-attn is not installed here, and "
+                                    f"{said.split(' cannot run ', 1)[0]} cannot run SDPA; install flash-attn, or give "
+                                    "--attn-implementation eager.") from None
+                raise UserError(f"{self.path}: {self.in_file_terms(said, run)}") from None
         return spec
 
     def in_file_terms(self, sentence: str, run: RunConfig) -> str:
@@ -159,6 +174,7 @@ class Keys:
         self.origins: dict[str, str] = {}
         self.stack: dict[str, Any] = {"trainer": tool}
         """``Stack.of``'s mapping: the tool runs the file; a reader adds what the file says (``fsdp: 1``)."""
+        self.unknown_model = self.flash_as_sdpa = ""  # Reading's fields of the same names
         self.stated_processes = stated_processes(self.path)
         if self.stated_processes is not None:
             self.price(f"processes: {self.stated_processes}, as the launch command in the file's comments starts it "
@@ -261,7 +277,7 @@ class Keys:
             raise UserError(f"{self.path}: {said}") from None
         return Reading(self.path, self.tool, model, model_key, config, tuple(self.priced), tuple(self.unmapped),
                        self.data, self.engine, self.stated_processes is not None, dict(self.origins),
-                       Stack.of(self.stack))
+                       Stack.of(self.stack), self.flash_as_sdpa, self.unknown_model)
 
 
 #: Checkpoints published already quantized by a method memfit has no weight layout for, named so by convention
@@ -310,6 +326,8 @@ def _base_name(repo_id: str) -> str:
 def check_model(reading: Reading, trust_remote_code: bool = False):
     """The reading's ``ModelSpec``; an unknown model is one sentence naming the file and the key."""
 
+    if reading.unknown_model:
+        raise UserError(reading.unknown_model)
     if reading.model is None:
         raise UserError(f"{reading.path} names no base model ({reading.model_key}); give MODEL too.")
     try:
@@ -484,6 +502,7 @@ def flash_attention(keys: Keys, key: str) -> str:
 
     if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    keys.flash_as_sdpa = key
     keys.price(f"{key}: flash-attention is priced as SDPA (flash-attn is not installed here; SDPA's CUDA flash "
                "backend saves the same tensors).")
     return "sdpa"

@@ -150,12 +150,24 @@ def read(path: str, data: dict) -> Reading:
                 "pissa_init", "mixture_of_depths", "fp8"):
         if keys.get(key) not in (None, False):
             keys.not_mapped(key, "memfit has no term for it; the estimate is the run without it.")
+    _asft(keys)
     for key, what in OWN_OPTIMIZERS.items():
         if keys.bool(key, False):
             keys.not_mapped(key, f"{what}; priced as {run['optimizer']} (the optimizer state is over-stated).")
     model = model_name(keys, "model_name_or_path")
     keys.leftovers(NO_MEMORY)
     return keys.reading(model, "model_name_or_path", run)
+
+
+def _asft(keys: Keys) -> None:
+    """``use_asft_loss``: LLaMA-Factory loads a frozen reference model (``train/sft/workflow.py``, ``create_ref_model``)
+    and runs it every step for a KL term on its logits (``train/sft/trainer.py``, ``compute_loss``), which memfit's
+    next-token run has no term for."""
+    if keys.bool("use_asft_loss", False):
+        keys.get("asft_alpha")
+        keys.not_mapped("use_asft_loss", "ASFT loads a frozen reference model beside the trained one and computes "
+                        "its logits every step for a KL term; neither is priced (the estimate is low by a copy of the "
+                        "model's weights and a (B, T, vocabulary) logits tensor).")
 
 
 def _unsloth(keys: Keys, run: dict[str, Any]) -> None:

@@ -110,6 +110,10 @@ def accelerate_launch(keys: Keys) -> dict[str, Any]:
                            else "ddp" if "NO_SHARD" in strategy else "fsdp"}
     if fsdp_config.get("fsdp_offload_params") is True:
         out["offload"] = "params"
+    if fsdp_config.get("fsdp_activation_checkpointing") is True:  # every decoder layer recomputed in backward
+        out["grad_checkpointing"] = True
+        keys.price(f"{where}: fsdp_activation_checkpointing recomputes each decoder layer in backward; priced as "
+                   "gradient checkpointing.")
     keys.price(f"{where}: the launch command's Accelerate config runs FSDP{' (1)' if version == 1 else '2'}, "
                f"priced as memfit's {out['sharding']}{' with the parameters offloaded' if 'offload' in out else ''}.")
     return out

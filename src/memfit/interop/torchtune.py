@@ -78,7 +78,9 @@ OTHER_PARALLEL = {"tensor_parallel_dim": "splits every weight over that many ran
 OTHER_JOBS = {"policy_model": "PPO (policy, reference, reward and value models, with generation)",
               "reward_and_value_model": "PPO (policy, reference, reward and value models, with generation)",
               "teacher_model": "knowledge distillation (a frozen teacher model beside the student)",
-              "grpo_samples": "GRPO (generation in the loop, a reference model)"}
+              "grpo_samples": "GRPO (generation in the loop, a reference model)",
+              # dev/async_grpo_full_finetune_distributed: its optimizer sits under training:, not at the top
+              "reward_functions": "GRPO (generation in the loop, a reference model)"}
 
 
 def detect(data: dict) -> bool:
@@ -214,7 +216,9 @@ def _dpo(keys: Keys, run: dict[str, Any], recipe: str) -> None:
 
 
 def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
-    """The model: the checkpointer's local Hugging Face folder where it exists, else the builder's preset."""
+    """The model: the checkpointer's local Hugging Face folder where it exists, else the builder's preset; a builder
+    memfit has no preset for is kept as named, with the sentence ``check_model`` raises unless MODEL is given over the
+    file (the rest of the file is read, so MODEL prices its run on that architecture)."""
     name = builder.rsplit(".", 1)[-1]
     base = re.sub(r"^(q?lora)_", "", name)
     if name.startswith(("lora_", "qlora_")):
@@ -250,8 +254,11 @@ def _model(keys: Keys, builder: str, args: dict, run: dict[str, Any]) -> str:
     if checkpoint and (user_path(str(checkpoint)) / "config.json").is_file():
         return str(checkpoint)
     if base not in BUILDERS:
-        raise keys.error("model._component_", f"{builder!r} is a model builder memfit has no architecture for "
-                         f"({', '.join(sorted(BUILDERS))}), and checkpointer.checkpoint_dir holds no config.json.")
+        keys.unknown_model = str(keys.error(
+            "model._component_", f"{builder!r} is a model builder memfit has no architecture for "
+            f"({', '.join(sorted(BUILDERS))}), and checkpointer.checkpoint_dir holds no config.json; give MODEL (a "
+            "preset or Hub id of the same architecture) before --from."))
+        return builder
     return BUILDERS[base]
 
 
