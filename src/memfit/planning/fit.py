@@ -10,15 +10,16 @@ peak. On a CPU it is the largest phase's tensor peak.
 The margin (``SAFETY_MARGIN``, 5%) sits on top of an estimate that already carries the caching allocator's overhead
 (``memory.fragmentation``, a least-squares fit to allocator replays): it covers that term's median case, not its
 worst under-prediction of large steps (``fragmentation.SPREAD``, -13.7% with each replay left out of the fit), nor the CUDA context's variation (+-200 MiB,
-``memory.device_terms``) beyond it; ``margin_note`` states what is left of a budget and whether that covers the
-term's worst case.
+``memory.device_terms``) beyond it; ``margin_note`` states what is left of a budget, whether that covers the
+term's worst case, and how many of the published GPU runs' errors it covers (``memory.gpu_evidence``: memfit
+under-predicts most of them, so a bare 5% margin does not cover every one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.memory import fragmentation
+from memfit.memory import fragmentation, gpu_evidence
 from memfit.memory.phases import DevicePhases, device_phases
 from memfit.units import fmt_gib
 
@@ -65,4 +66,5 @@ def margin_note(phases: DevicePhases, budget_bytes: int, margin: float = SAFETY_
     low = -fragmentation.SPREAD[0]
     covered = "covers" if left >= low * needed else "does not cover"
     return (f"{head}: it {covered} the allocator term's worst under-prediction of allocator replays, {low:.1%} "
-            "(memory/fragmentation.py), before the tensor estimate's own error.")
+            f"(memory/fragmentation.py), before the tensor estimate's own error; "
+            f"{gpu_evidence.describe(left, needed)}.")
