@@ -318,10 +318,26 @@ def test_llamafactory_quantization_method_other_than_bitsandbytes_is_refused_and
 ])
 def test_what_the_model_cannot_run_is_refused_in_the_files_keys(tmp_path, model, text, typed, said):
     """A refusal the model's architecture makes (LoRA targets, length) names the file's key where the file set the
-    setting, and memfit's flag where the user typed it over the file."""
+    setting, and memfit's flag where the user typed it over the file; so it does with a MODEL given over the file's
+    (here the preset of the same model: the sweep of the shipped configs found memfit's flags named there)."""
     path = tmp_path / "run.yml"
     path.write_text(f"base_model: meta-llama/{model}\nmicro_batch_size: 1\n" + text)
     assert_one_sentence(_run("estimate", "--from", path, *typed), said)
+    preset = {"Llama-3.2-1B": "llama-3.2-1b", "Llama-2-7b-hf": "llama-2-7b"}[model]
+    assert_one_sentence(_run("estimate", preset, "--from", path, *typed), said)
+
+
+def test_a_torchtune_dev_recipe_that_runs_a_known_step_is_read_as_that_recipe(tmp_path):
+    """dev/11B_lora_multi_dataset.yaml launches ``dev/lora_finetune_distributed_multi_dataset`` on 2 processes: the
+    sweep of the shipped configs found it read as a single-device run. That recipe is lora_finetune_distributed's
+    loop over interleaved datasets, so it is sharded with FSDP2 on the launch's process count."""
+    shipped = (DATA / "torchtune_8B_lora.yaml").read_text()
+    path = tmp_path / "8B_lora_multi.yaml"
+    path.write_text(shipped.replace("lora_finetune_distributed --config llama3_1/8B_lora",
+                                    "dev/lora_finetune_distributed_multi_dataset --config dev/8B_lora_multi"))
+    assert "multi_dataset --config dev/8B_lora_multi" in path.read_text()
+    run = read(path).run
+    assert (str(run.sharding), run.num_processes) == ("fsdp", 2)
 
 
 def test_a_torchtune_builder_without_a_preset_is_priced_on_the_model_given_over_the_file():

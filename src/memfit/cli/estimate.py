@@ -67,7 +67,8 @@ def command(model, revision, compare, exact, timeline_path, plot_path, device, t
         if path:  # before the work: a figure that cannot be written is found out first
             check_writable_target(Path(path), flag_name=flag_name, is_dir=False)
     with memfit.progress_bars(not as_json):  # a Hub MODEL: its config.json, fetched once into the Hugging Face cache
-        spec = memfit.load_spec(model, trust_remote_code, revision) if model else reading.spec(trust_remote_code, run)
+        spec = (reading.spec(trust_remote_code, run, model, revision) if reading is not None
+                else memfit.load_spec(model, trust_remote_code, revision))
         note = None
         if reading is None and "seq_len" not in typed:  # the length train would run (memfit.settings.defaults.SHAPE)
             run, note = memfit.seq_len_as_train(model, kwargs.get("data"), run, context=spec.max_position_embeddings,

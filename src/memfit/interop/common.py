@@ -83,12 +83,14 @@ class Reading:
         """The file's key that set ``setting`` (memfit's flag where the file set none)."""
         return self.origins.get(setting) or "--" + setting.replace("_", "-")
 
-    def spec(self, trust_remote_code: bool = False, run: RunConfig | None = None):
-        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key. With ``run`` (the
-        run priced: the file's, flags typed over it), what the model cannot run of it (LoRA targets that match no
+    def spec(self, trust_remote_code: bool = False, run: RunConfig | None = None, model: str | None = None,
+             revision: str | None = None):
+        """The model's ``ModelSpec``; an unknown model is one sentence naming the file and the key. ``model``: the
+        MODEL given over the file (``memfit estimate MODEL --from FILE``), loaded instead of the file's. With ``run``
+        (the run priced: the file's, flags typed over it), what the model cannot run of it (LoRA targets that match no
         projection, an attention it does not support, a length beyond its positions) is refused here, naming the
-        file's keys for the settings the file set (``in_file_terms``)."""
-        spec = check_model(self, trust_remote_code)
+        file's keys for the settings the file set (``in_file_terms``), MODEL or not."""
+        spec = load_spec(model, trust_remote_code, revision) if model else check_model(self, trust_remote_code)
         if run is not None:
             try:
                 spec.check_lora_targets(run)

@@ -53,6 +53,10 @@ FUSED = {"phi3_": {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_pr
 #: comments (``tune run --nproc_per_node 4 full_finetune_distributed --config ...``).
 RECIPES = frozenset({f"{kind}_{job}_{where}" for kind in ("full", "lora") for job in ("finetune", "dpo")
                      for where in ("single_device", "distributed")})
+#: Recipes under ``recipes/dev`` that run one of ``RECIPES``' steps: ``lora_finetune_distributed_multi_dataset``
+#: mixes several datasets (TorchData, weighted) into lora_finetune_distributed's loop (torchtune bd2a0fc
+#: ``recipes/dev/lora_finetune_distributed_multi_dataset.py``), one batch a step as before.
+RECIPE_ALIASES = {"lora_finetune_distributed_multi_dataset": "lora_finetune_distributed"}
 REFUSED_RECIPES = ("ppo_full_finetune_single_device", "knowledge_distillation_single_device",
                    "knowledge_distillation_distributed", "qat_distributed", "qat_lora_finetune_distributed",
                    "qat_single_device")
@@ -183,14 +187,15 @@ def _recipe(keys: Keys, builder: str) -> str:
 def _launched_recipes(path: str) -> list[str]:
     """The recipes the launch commands in the file's comments run: those whose ``--config`` is this file where any
     is (a comment may first run another recipe to prepare a checkpoint), else every recipe named."""
-    known = [w for w in comment_words(path) if w in RECIPES or w in REFUSED_RECIPES]
+    words = [RECIPE_ALIASES.get(w, w) for w in comment_words(path)]
+    known = [w for w in words if w in RECIPES or w in REFUSED_RECIPES]
     try:
         text = user_path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return known
     stem = re.escape(Path(path).stem)
     launch = rf"^\s*#.*\btune run\b.*?\b(?:dev/)?([a-z0-9_]+)\s+--config\s+(?:\S*/)?{stem}(?:\.yaml)?(?:\s|$)"
-    this = re.findall(launch, text, flags=re.MULTILINE)
+    this = [RECIPE_ALIASES.get(r, r) for r in re.findall(launch, text, flags=re.MULTILINE)]
     return [r for r in this if r in RECIPES or r in REFUSED_RECIPES] or known
 
 
