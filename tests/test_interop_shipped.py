@@ -390,3 +390,14 @@ def test_flash_attention_priced_as_sdpa_on_a_model_without_sdpa_names_the_files_
                     "flash_attention: true\n")
     assert_one_sentence(_run("estimate", "--from", path), "flash_attention asks for flash-attention, which memfit "
                         "prices as SDPA as flash-attn is not installed here, and gemma-2-2b cannot run SDPA")
+
+
+def test_axolotl_memory_savers_say_priced_or_not_once(tmp_path):
+    """Axolotl keys that save memory memfit does not price are said; one that says what it is priced as
+    (``unfrozen_parameters``: a full fine-tune) is not also called "not priced" (the sweep found both at once)."""
+    path = tmp_path / "run.yml"
+    path.write_text("base_model: meta-llama/Llama-3.2-1B\nmicro_batch_size: 1\nlora_mlp_kernel: true\n"
+                    "unfrozen_parameters:\n  - model.layers.0.*\n")
+    said = {line.split(":", 1)[0]: line for line in read(path).unmapped}
+    assert "not priced" in said["lora_mlp_kernel"]
+    assert "priced as a full fine-tune" in said["unfrozen_parameters"] and "not priced" not in said["unfrozen_parameters"]

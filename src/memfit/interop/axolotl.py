@@ -126,7 +126,10 @@ def _refuse_unpriced(keys: Keys) -> None:
 def _saves_memory(keys: Keys) -> None:
     for key, what in SAVES_MEMORY.items():
         if keys.get(key) not in (None, False):
-            keys.not_mapped(key, f"{what}; not priced (the estimate is an upper bound by what it saves).")
+            # an entry that says what it is priced as already has its "not priced" said
+            priced = "; priced " in what
+            keys.not_mapped(key, f"{what}{'' if priced else '; not priced'} (the estimate is an upper bound by what "
+                            "it saves).")
 
 
 def read(path: str, data: dict) -> Reading:
