@@ -9,7 +9,8 @@
 #   (a CUDA build, say) is kept. When `$PYTHON -c "import torch"` works, the venv sees the interpreter's
 #   site-packages and pip installs nothing over that torch; otherwise the venv is isolated (nothing the
 #   machine happens to have leaks in) and gets $TORCH_SPEC: torch==2.13.0, on this project's machines the
-#   CPU wheel lying on disk (elsewhere set TORCH_SPEC, e.g. with a CPU index in PIP_INDEX_URL).
+#   CPU wheel lying on disk (elsewhere set TORCH_SPEC, e.g. with a CPU index in PIP_INDEX_URL). A torch found
+#   older than pyproject.toml's floor (2.6) stops set-up with one sentence instead of being replaced.
 # - bitsandbytes (the `quant` extra: QLoRA and 8-bit AdamW, which run on the CPU too) requires
 #   torch>=2.4,<3, so it never replaces the torch found or installed above.
 # - MEMFIT_EXTRAS: the extras to install (default dev,tensorboard,quant,trl; CI adds the trackers).
@@ -32,6 +33,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# A torch found but older than pyproject.toml's floor (2.6: FSDP2's public torch.distributed.fsdp) is not replaced
+# behind the user's back (pip would pull another, a multi-GB CUDA build on most machines): say so and stop.
+if "$VENV/bin/python" -c "import torch" >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import sys, torch
+sys.exit(tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) < (2, 6))" >/dev/null 2>&1; then
+  echo "memfit setup: the torch found ($("$VENV/bin/python" -c "import torch; print(torch.__version__)")) is older than" \
+       "the 2.6 memfit needs; upgrade it with your CUDA build's index, or run with PYTHON set to an interpreter" \
+       "without torch." >&2
+  exit 1
+fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "memfit setup: installing $TORCH_SPEC" >&2
   "${PIP[@]}" "$TORCH_SPEC" 2> >(grep -v "is ignored: it is neither" >&2)
