@@ -92,6 +92,8 @@ SHIPPED = {
     "axolotl_glm47_lora_fsdp2_ac.yaml": dict(method="sft", lora_r=32, quantize="8bit", sharding="fsdp",
                                              grad_checkpointing=True),
     "llamafactory_llama2_full_asft.yaml": dict(method="sft", lora_r=0, sharding="ddp"),
+    # the sweep of plan --emit (tests/test_interop_emit_sweep.py): freeze tuning is priced as a full fine-tune
+    "llamafactory_llama_pro_freeze_sft.yaml": dict(method="sft", lora_r=0, dtype="fp32", sharding="ddp"),
 }
 
 #: Shipped runs memfit does not price: the sentence names the file's key and value.

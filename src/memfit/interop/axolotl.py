@@ -369,9 +369,67 @@ GROUPS = (
 def emit(model: str, run, source: Reading | None = None) -> dict[str, Any]:
     """``run`` as an Axolotl YAML: a source Axolotl file with only what the plan changed (``emitting``)."""
 
+    same = source is not None and source.tool == NAME
     kept = [p for p in (source.data.get("plugins") or []) if isinstance(p, str) and "cut_cross_entropy" not in p
-            and "liger" not in p] if source is not None and source.tool == NAME else []
-    return merged(source, NAME, "base_model", model, run, lambda r: _settings(r, kept), GROUPS)
+            and "liger" not in p] if same else []
+    out = merged(source, NAME, "base_model", model, run, lambda r: _settings(r, kept), GROUPS)
+    if same:
+        _fsdp_as_written(out, source, run)
+        _checkpointing_and_offload_as_planned(out, run)
+    return out
+
+
+def _fsdp_as_written(out: dict[str, Any], source: Reading, run) -> None:
+    """A plan that keeps FSDP keeps the source's FSDP settings (its version, wrap policy, state dict, FSDP's own
+    activation checkpointing), with only the resharding and parameter offload the plan chose, in the source's
+    spelling: the writer's two-key ``fsdp_config`` dropped them, and the FSDP version the plan was priced on."""
+    config, words = source.data.get("fsdp_config"), source.data.get("fsdp")
+    if str(run.sharding) not in ("fsdp", "zero2") or str(source.run.sharding) not in ("fsdp", "zero2"):
+        return
+    if not isinstance(config, dict) and not words:
+        return
+    config = dict(config) if isinstance(config, dict) else {}
+    full, offload = str(run.sharding) == "fsdp", str(run.offload) == "params"
+    for key in ("fsdp", "fsdp_version"):
+        if key in source.data:
+            out[key] = source.data[key]
+        else:
+            out.pop(key, None)
+    if words:  # FSDP (1)'s option words: the strategy and "offload" among them
+        listed = words if isinstance(words, list) else str(words).split()
+        listed = [w for w in listed if str(w).lower() not in ("full_shard", "shard_grad_op", "offload")]
+        listed = ["full_shard" if full else "shard_grad_op", *listed, *(["offload"] if offload else [])]
+        out["fsdp"] = listed if isinstance(words, list) else " ".join(listed)
+    version2 = str(source.data.get("fsdp_version") or config.get("fsdp_version")) == "2"
+    prefix = "" if version2 else "fsdp_"
+    for key in ("sharding_strategy", "fsdp_sharding_strategy"):
+        if key in config:
+            config[key] = "FULL_SHARD" if full else "SHARD_GRAD_OP"
+    reshard = next((k for k in ("reshard_after_forward", "fsdp_reshard_after_forward") if k in config), None)
+    if reshard or not full:
+        config[reshard or f"{prefix}reshard_after_forward"] = full
+    spelled = next((k for k in ("offload_params", "fsdp_offload_params") if k in config), None)
+    if spelled or offload:
+        config[spelled or f"{prefix}offload_params"] = offload
+    out["fsdp_config"] = config
+
+
+def _checkpointing_and_offload_as_planned(out: dict[str, Any], run) -> None:
+    """Checkpointing and activation offload as the plan chose them, where the source said them with keys the plan's
+    keys leave standing or take away: FSDP's own ``activation_checkpointing`` (kept with FSDP, gone without it),
+    ``activation_offloading`` beside a parameter offload (read as one only while no states are offloaded), and
+    ``gradient_checkpointing: offload``."""
+    config = out.get("fsdp_config") if isinstance(out.get("fsdp_config"), dict) else {}
+    fsdp_recomputes = [k for k in ("activation_checkpointing", "fsdp_activation_checkpointing") if config.get(k) is True]
+    if not run.grad_checkpointing and fsdp_recomputes:
+        out["fsdp_config"] = {**config, **dict.fromkeys(fsdp_recomputes, False)}
+    elif run.grad_checkpointing and not fsdp_recomputes and out.get("gradient_checkpointing") in (None, False):
+        out["gradient_checkpointing"] = True
+    activations = str(run.offload) == "activations"
+    if not activations and out.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        out["gradient_checkpointing"] = run.grad_checkpointing
+    if str(run.offload) == "none" and out.get("activation_offloading") not in (None, False):
+        out["activation_offloading"] = False
 
 
 def _settings(run, plugins: list[str]) -> dict[str, Any]:

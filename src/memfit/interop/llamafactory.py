@@ -272,8 +272,11 @@ def _attention(keys: Keys) -> dict[str, Any]:
 
 #: LLaMA-Factory keys written together, and the source's keys they replace (``emitting.changed_only``).
 GROUPS = (
-    (("finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "quantization_bit", "pure_bf16"),
+    # pure_bf16 is not among them: a plan that changes the precision of a freeze (or full) run keeps its method
+    (("finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "quantization_bit"),
      ("freeze_trainable_layers", "freeze_trainable_modules", "additional_target")),
+    # Trainer's fsdp option and its settings go with the sharding the plan chose
+    (("fsdp", "deepspeed"), ("fsdp_config", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params")),
     (("packing", "neat_packing"), ()),
     (("stage", "pref_loss"), ()),
 )
@@ -303,6 +306,9 @@ def _settings(run) -> dict[str, Any]:
         "enable_liger_kernel": str(run.loss) == "liger",
         "deepspeed": f"examples/deepspeed/ds_z{str(run.sharding)[-1]}_config.json"
         if str(run.sharding) in ("zero2", "zero3") else None,
+        # Trainer's own FSDP option (read by ``sharding.fsdp``), so that a file sharded with it and planned without
+        # FSDP loses it
+        "fsdp": "full_shard auto_wrap" if str(run.sharding) == "fsdp" else None,
     }
     if run.is_lora():
         out.update(lora_rank=run.lora.r, lora_alpha=run.lora.alpha, lora_dropout=run.lora.dropout,

@@ -383,8 +383,10 @@ def launch(run) -> str:
 
 def _builder(model: str, source: Reading | None) -> tuple[str, str]:
     """(module, builder without lora_/qlora_) of ``model``: the source file's own where it names the same model
-    (a checkpoint folder), else the builder of its preset."""
-    if source is not None and source.tool == NAME and source.model == model:
+    (a checkpoint folder) or a builder memfit has no preset for (``model`` is then the MODEL given over the file
+    as one of the same architecture: it prices the file's builder, which stays), else the builder of its preset."""
+    own = source is not None and source.tool == NAME
+    if own and (source.model == model or source.unknown_model):
         module, name = source.data["model"]["_component_"].rsplit(".", 1)
         return module, re.sub(r"^(q?lora)_", "", name)
     preset = {v: k for k, v in BUILDERS.items()}.get(model)
@@ -423,4 +425,7 @@ def realize(run):
     if str(run.offload) == "params" and str(run.sharding) != "fsdp":  # fsdp_cpu_offload: distributed recipes only
         return None
     half = {"bf16": "bf16", "fp16": "fp16"}.get(str(run.mixed_precision))
-    return run.replace(mixed_precision="no", dtype=half or str(run.dtype), attn_implementation="sdpa")
+    # the builder's attention: SDPA, except where it materializes the scores (Gemma 2's soft-capping, read as
+    # eager and pinned from the file), which forcing SDPA made a refusal of every candidate
+    attention = "eager" if str(run.attn_implementation) == "eager" else "sdpa"
+    return run.replace(mixed_precision="no", dtype=half or str(run.dtype), attn_implementation=attention)
