@@ -125,3 +125,19 @@ def test_torchtune_builder_without_a_preset_stays_the_files_when_model_is_given_
     assert data["model"] == source.data["model"]
     back = json.loads(_run("estimate", "qwen2.5-7b", "--from", out, "--json").output)
     assert back["config"] == best["config"] and back["phases"]["needed_bytes"] == best["needed_bytes"]
+
+
+def test_the_plans_need_is_what_estimate_prices_on_the_emitted_file(tmp_path):
+    """torchtune's distributed QLoRA (llama2/70B_qlora): torchtune builds its NF4 base with torchao, one layer at a
+    time, which decides its loading and wrapping phases. The planner priced those phases on memfit's own stack
+    (the whole base loaded: its worst phase), so at 40 GiB it chose a plan of 39.4 GB that the emitted file read
+    back at 20.9 GB; now both price them on the file's stack, to the byte."""
+    out = tmp_path / "planned.yaml"
+    planned = _run("plan", "--from", DATA / "torchtune_llama2_70B_qlora.yaml", "--budget", "40GiB", "--json",
+                   "--emit", "torchtune", out)
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.output[planned.output.index("{"):])
+    estimated = _run("estimate", "--from", out, "--json")
+    assert estimated.exit_code == 0, estimated.output
+    needed = json.loads(estimated.output[estimated.output.index("{"):])["phases"]["needed_bytes"]
+    assert plan["plans"][plan["chosen"]]["needed_bytes"] == needed

@@ -53,6 +53,7 @@ SHIPPED = {
     "torchtune_8B_lora_dpo_single_device.yaml": dict(method="dpo", lora_r=8, sharding="ddp", num_processes=1),
     "torchtune_1B_lora_single_device.yaml": dict(method="sft", lora_r=64, sharding="ddp", num_processes=1),
     "torchtune_1B_qlora_single_device.yaml": dict(method="sft", quantize="4bit", sharding="ddp"),
+    "torchtune_llama2_70B_qlora.yaml": dict(method="sft", lora_r=16, quantize="4bit", sharding="fsdp", num_processes=8),
     "torchtune_1B_full_single_device.yaml": dict(method="sft", lora_r=0, sharding="ddp", optimizer_in_backward=True),
     # TRL / alignment-handbook: torch_dtype read; DPO recipes by their DPOConfig keys, ORPO by its recipe folder
     "handbook_zephyr_dpo_full.yaml": dict(method="dpo", lora_r=0, loss="standard", seq_len=1024),
@@ -403,3 +404,19 @@ def test_axolotl_memory_savers_say_priced_or_not_once(tmp_path):
     said = {line.split(":", 1)[0]: line for line in read(path).unmapped}
     assert "not priced" in said["lora_mlp_kernel"]
     assert "priced as a full fine-tune" in said["unfrozen_parameters"] and "not priced" not in said["unfrozen_parameters"]
+
+
+def test_plan_from_a_preference_file_plans_its_method_unless_one_is_typed(tmp_path):
+    """``plan --from`` an Axolotl ``rl: dpo`` file plans DPO (the sweep of the shipped configs found --method's
+    default, sft, written over the file's method, and the emitted file without ``rl: dpo``); a typed --method wins."""
+    path = DATA / "axolotl_dpo_lora_1b.yml"
+    out = tmp_path / "planned.yml"
+    result = _run("plan", "--from", path, "--budget", "40GiB", "--json", "--emit", "axolotl", out)
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.output[result.output.index("{"):])
+    assert planned["plans"][planned["chosen"]]["config"]["method"] == "dpo"
+    assert yaml.safe_load(out.read_text())["rl"] == "dpo"
+    typed = _run("plan", "--from", path, "--budget", "40GiB", "--json", "--method", "sft")
+    assert typed.exit_code == 0, typed.output
+    planned = json.loads(typed.output[typed.output.index("{"):])
+    assert planned["plans"][planned["chosen"]]["config"]["method"] == "sft"

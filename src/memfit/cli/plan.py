@@ -230,7 +230,9 @@ def _shape_from(reading, seq_len, batch, num_processes, pins: dict):
     seq_len = typed.get("seq_len", reading.run.seq_len)
     num_processes = typed.get("num_processes", reading.run.num_processes)
     batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
-    pins = {**reading.plan_pins(), **{k: v for k, v in pins.items() if v is not None}}
+    # only what was typed goes over the file's: a default (--method's sft) would plan a preference file as SFT
+    typed_pins = explicit(click.get_current_context(), {k: v for k, v in pins.items() if v is not None})
+    pins = {**{k: v for k, v in pins.items() if v is not None}, **reading.plan_pins(), **typed_pins}
     return seq_len, batch, num_processes, pins
 
 

@@ -43,10 +43,11 @@ class FitDecision:
 
 
 def decide(spec, run, breakdown, budget_bytes: int, margin: float = SAFETY_MARGIN, *, cpu: bool = False,
-           extra_step: int = 0) -> FitDecision:
+           extra_step: int = 0, stack=None) -> FitDecision:
     """Every phase of ``run`` (``memory.phases``) and whether their worst fits ``budget_bytes`` with ``margin``;
-    ``extra_step``: tensor bytes the step may add beyond ``breakdown`` (a mixture-of-experts' worst routing)."""
-    phases = device_phases(spec, run, breakdown, "cpu" if cpu else "cuda", extra_step)
+    ``extra_step``: tensor bytes the step may add beyond ``breakdown`` (a mixture-of-experts' worst routing);
+    ``stack``: the trainer that runs it, which decides how its base is loaded and wrapped (as ``estimate`` prices it)."""
+    phases = device_phases(spec, run, breakdown, "cpu" if cpu else "cuda", extra_step, stack=stack)
     return FitDecision(phases, fits(phases.needed(), budget_bytes, margin))
 
 

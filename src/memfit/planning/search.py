@@ -151,7 +151,7 @@ def evaluate(spec, run: RunConfig, gpu: GPU, budget_bytes: int, margin: float = 
     # Loading, evaluation and the full-state save must fit too (the step fitting is not enough); a mixture-of-experts
     # step with the routing that costs most (the estimate assumes the balanced one).
     routing = routing_margin(spec, run)
-    decision = decide(spec, run, breakdown, budget_bytes, margin, cpu=cpu, extra_step=routing)  # the one rule
+    decision = decide(spec, run, breakdown, budget_bytes, margin, cpu=cpu, extra_step=routing, stack=stack)  # the one rule
     return Plan(run, breakdown.peak_bytes, t.tokens_per_s, decision.fits, breakdown, t,
                 decision.phases.outside_step(), routing, phases=decision.phases, proxy=derived is False)
 
