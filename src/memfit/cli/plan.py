@@ -231,8 +231,8 @@ def _shape_from(reading, seq_len, batch, num_processes, pins: dict):
     num_processes = typed.get("num_processes", reading.run.num_processes)
     batch = typed.get("batch", reading.run.micro_batch * reading.run.grad_accum * num_processes)
     # only what was typed goes over the file's: a default (--method's sft) would plan a preference file as SFT
-    typed_pins = explicit(click.get_current_context(), {k: v for k, v in pins.items() if v is not None})
-    pins = {**{k: v for k, v in pins.items() if v is not None}, **reading.plan_pins(), **typed_pins}
+    given = {k: v for k, v in pins.items() if v is not None}
+    pins = {**given, **reading.plan_pins(), **explicit(click.get_current_context(), given)}
     return seq_len, batch, num_processes, pins
 
 
